@@ -1,0 +1,35 @@
+# Two commands set up a fresh machine: `make demo` and `make test`.
+# TORCH_SPEC pins the CPU build by default; override it to keep your own torch
+# (e.g. `make test TORCH_SPEC='torch>=2.3'`).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py --out benchmarks/results.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check tracedump tests benchmarks examples
+	$(BIN)/ruff format --check tracedump tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,7 @@
+"""``python -m tracedump`` is the ``tracedump`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,126 @@
+"""The ``tracedump`` command: ``ls``, ``show``, ``diff``, ``run``.
+
+Each subcommand imports what it needs when it runs, so ``import tracedump`` stays light.
+Exit codes: 0 ok, 1 a divergence (``diff``), 2 a usage error or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits with 2 on usage errors, which is the exit code we document for them too."""
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _console():  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    return Console()
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Runs, passes, tensors and bytes of a dump."""
+    from rich.table import Table
+
+    from .loader import open_dump
+
+    dump = open_dump(args.dir)
+    table = Table(title=f"tracedump {dump.path}")
+    for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete"):
+        table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
+    for run in dump.runs:
+        passes = run.passes
+        tensors = sum(len(p) for p in passes.values())
+        size = sum(p.nbytes for p in passes.values())
+        stats = run.stats() if (run.path / "stats.jsonl").exists() else []
+        tensors += len(stats)
+        table.add_row(
+            run.name,
+            str(run.rank),
+            str(run.pid),
+            str(len(passes) or len({s["pass"] for s in stats})),
+            str(tensors),
+            _human_bytes(size),
+            "yes" if run.complete else "no",
+        )
+    _console().print(table)
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Name, shape, dtype and simple statistics of each tensor of a pass, in capture order."""
+    import torch
+    from rich.table import Table
+
+    from .loader import open_pass
+
+    pattern = re.compile(args.filter) if args.filter else None
+    pass_file = open_pass(args.passfile)
+    table = Table(title=str(args.passfile))
+    for column in ("name", "shape", "dtype", "min", "max", "mean", "abs_mean"):
+        table.add_column(column, justify="left" if column in ("name", "dtype") else "right")
+    for name in pass_file.names:
+        if pattern and not pattern.search(name):
+            continue
+        tensor = pass_file[name]
+        values = tensor.double() if tensor.numel() else torch.zeros(1, dtype=torch.float64)
+        table.add_row(
+            name,
+            str(list(tensor.shape)),
+            str(tensor.dtype).removeprefix("torch."),
+            f"{values.min().item():.4g}",
+            f"{values.max().item():.4g}",
+            f"{values.mean().item():.4g}",
+            f"{values.abs().mean().item():.4g}",
+        )
+    _console().print(table)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tracedump", description="Find the first layer where two runs of a model diverge.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list the runs and passes of a dump")
+    ls.add_argument("dir", type=Path)
+    ls.set_defaults(func=cmd_ls)
+    show = sub.add_parser("show", help="show the tensors of one pass file")
+    show.add_argument("passfile", type=Path)
+    show.add_argument("--filter", help="regex on tensor names (re.search)")
+    show.set_defaults(func=cmd_show)
+    from .compare.command import add_diff_parser
+    from .launch.command import add_run_parser
+
+    add_diff_parser(sub)
+    add_run_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .loader import DumpReadError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (DumpReadError, FileNotFoundError, NotADirectoryError, re.error) as e:
+        print(f"tracedump {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The comparator: load two dumps, align, unshard, measure, name the first divergence."""

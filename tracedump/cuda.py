@@ -1,0 +1,127 @@
+"""CUDA guards: graph capture, sync debug mode, device-to-host copies.
+
+Everything here runs on a CPU-only host without touching CUDA: ``torch.cuda`` functions are looked
+up at call time (so tests can fake them) and every probe tolerates a build without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+SyncEscape = Callable[[], AbstractContextManager[Any]]
+
+
+class TracedumpWarning(UserWarning):
+    """Category of every warning tracedump emits, so a host can filter or escalate them at once."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn loudly, once per process and key: a warning repeated per hook would drown the host's logs."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, TracedumpWarning, stacklevel=3)
+
+
+def stream_is_capturing() -> bool:
+    """True while the current CUDA stream records a graph: a copy now would break the capture.
+
+    ``torch.cuda.is_current_stream_capturing`` never creates a CUDA context; on a CPU-only build it
+    raises, which means "no".
+    """
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError, AttributeError):
+        return False
+
+
+def _sync_debug_mode() -> int:
+    try:
+        return int(torch.cuda.get_sync_debug_mode())
+    except (RuntimeError, AssertionError, AttributeError):  # no CUDA in this build or on this host
+        return 0
+
+
+@contextlib.contextmanager
+def allow_sync() -> Iterator[None]:
+    """Lift ``torch.cuda`` sync debug mode for the block and restore it, even if the block raises.
+
+    Engines run with ``set_sync_debug_mode("error")`` to catch accidental syncs; tracedump's own
+    copies are deliberate, so they are let through here and nowhere else.
+    """
+    previous = _sync_debug_mode()
+    if previous:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if previous:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def resolve_cuda_graph(requested: bool, dumper: Any) -> bool:
+    """Whether the engine may use CUDA graphs: never while dumping, since replay fires no hooks."""
+    if requested and dumper is not None:
+        warn_once(
+            "cuda_graph",
+            "tracedump: CUDA graphs disabled because dumping is on (forward hooks "
+            "never fire during graph replay). Unset the dump dir to get them back.",
+        )
+        return False
+    return requested
+
+
+def resolve_compile(requested: bool, dumper: Any) -> bool:
+    """Whether the engine may ``torch.compile``: never while dumping, since Dynamo drops the hooks."""
+    if requested and dumper is not None:
+        warn_once(
+            "compile",
+            "tracedump: torch.compile disabled because dumping is on (hooks added to a "
+            "compiled module are ignored, and a copy inside a hook breaks the graph).",
+        )
+        return False
+    return requested
+
+
+def copy_to_host(tensor: torch.Tensor, sync_escape: SyncEscape | None) -> tuple[torch.Tensor, Any]:
+    """A contiguous host copy of ``tensor`` and, for device tensors, the event that marks it done.
+
+    CPU tensors get a plain synchronous copy. Device tensors are copied with ``non_blocking=True``
+    into pinned memory on the *current* stream: later kernels on that stream, which may overwrite the
+    buffer in place, are ordered after the copy. The writer thread waits on the event, the forward
+    does not.
+    """
+    source = tensor.detach()
+    if source.device.type == "cpu":
+        return source.clone(memory_format=torch.contiguous_format), None
+    escape = sync_escape() if sync_escape is not None else contextlib.nullcontext()
+    with allow_sync(), escape:
+        host = torch.empty(
+            source.shape, dtype=source.dtype, device="cpu", pin_memory=source.device.type == "cuda"
+        )
+        host.copy_(source, non_blocking=True)
+        event = _record_event(source.device)
+    return host, event
+
+
+def _record_event(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def wait_for(event: Any) -> None:
+    """Block the calling (writer) thread until a device copy has landed."""
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,523 @@
+"""``attach()`` and the :class:`Dumper`: hooks on the selected modules, one pass file per engine step.
+
+Off (no dump dir): ``attach()`` returns ``None`` after one env lookup; nothing is registered, no
+thread starts, no file or directory is created. On: forward hooks copy each selected module's
+output, a background thread writes ``<dir>/rank<R>_pid<P>/pass<NNNNN>.safetensors``.
+
+Example::
+
+    dumper = tracedump.attach(model)            # TRACEDUMP_DUMP_DIR=/tmp/dump turns it on
+    for batch in batches:
+        with dumper.step() if dumper else contextlib.nullcontext():
+            model(batch)
+
+A failure at run time is reported once and never raised into the model's forward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import datetime as dt
+import os
+import platform
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import gates
+from ._version import __version__
+from .cuda import SyncEscape, copy_to_host, stream_is_capturing, warn_once
+from .hooks import InputHook, OutputHook, RootPassHooks, flatten_inputs, flatten_tensors
+from .reduce import compute_stats, last_row
+from .selection import select_modules
+from .settings import (
+    DEFAULT_ENV_PREFIX,
+    ConfigError,
+    DumpConfig,
+    DumpSettings,
+    describe_source,
+    dump_dir_requested,
+    load_callable,
+    load_settings,
+)
+from .writer import MANIFEST, RECORDS_FILE, PassJob, StatsJob, Writer
+
+_active: list[Dumper] = []
+# Skips the settings asked for: reported in the summary, not warned about.
+_INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
+
+
+def active_dumper() -> Dumper | None:
+    """The most recently attached open dumper (the target of module-level ``record()``)."""
+    return _active[-1] if _active else None
+
+
+def attach(
+    model: nn.Module,
+    config: DumpConfig | dict[str, Any] | None = None,
+    *,
+    env_prefix: str = DEFAULT_ENV_PREFIX,
+    sync_escape: SyncEscape | None = None,
+) -> Dumper | None:
+    """Attach a dumper to ``model`` if dumping is on, else return ``None`` having done nothing.
+
+    Settings are read once: env (``<env_prefix>DUMP_*``) > ``config`` > defaults. A bad value raises
+    :class:`~tracedump.ConfigError` here, naming the env var and the value, rather than after an
+    hour-long run.
+    """
+    if not dump_dir_requested(config, env_prefix):
+        return None
+    settings = load_settings(config, env_prefix)
+    if not settings.enabled:
+        return None
+    return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
+
+
+def _unwrap_compiled(model: nn.Module) -> nn.Module:
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(original, nn.Module) and type(model).__name__ == "OptimizedModule":
+        warn_once(
+            f"compiled_{id(model)}",
+            "tracedump: attach() got a torch.compile'd module; hooks go on the original module, "
+            "which the compiled graph does not run. Call the original module (or use "
+            "tracedump.resolve_compile() to skip compiling while dumping) to get captures.",
+        )
+        return original
+    return model
+
+
+def _rank_and_world() -> tuple[int, int]:
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = str(dist.get_rank()) if initialised else "0"
+    if world is None:
+        world = str(dist.get_world_size()) if initialised else "1"
+    return int(rank), int(world)
+
+
+class _Pass:
+    """What one open pass has gathered so far."""
+
+    __slots__ = ("calls", "entries", "gated", "index", "kept", "nbytes", "parts", "selected", "stats")
+
+    def __init__(self, index: int, selected: bool) -> None:
+        self.index = index
+        self.selected = selected
+        self.entries: list[tuple[str, torch.Tensor, Any]] = []
+        self.stats: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]] = []
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.nbytes = 0
+        self.parts = 0
+        self.gated = 0
+        self.kept = 0
+
+    def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
+        self.entries.append((key, tensor, event))
+        self.nbytes += tensor.numel() * tensor.element_size()
+        self.kept += 1
+
+    def next_call(self, key: str) -> int:
+        call = self.calls[key]
+        self.calls[key] = call + 1
+        return call
+
+    @property
+    def is_warmup(self) -> bool:
+        """Every capture was refused by a gate: a warm-up step, which takes no pass index."""
+        return self.gated > 0 and self.kept == 0
+
+
+class Dumper:
+    """An attached dumper. Create it with :func:`attach`; end it with :meth:`close` (also at exit)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: DumpSettings,
+        *,
+        env_prefix: str = DEFAULT_ENV_PREFIX,
+        sync_escape: SyncEscape | None = None,
+        root_label: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.env_prefix = env_prefix
+        self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"
+        # Which root this dumper follows; `tracedump run` pairs runs of several roots by it.
+        self.root_label = root_label or type(model).__name__
+        if sync_escape is None and settings.sync_escape:
+            sync_escape = load_callable(settings.sync_escape)
+        self._sync_escape = sync_escape
+        self._steps = settings.step_selection
+        self._full = settings.mode != "stats"
+        self._lock = threading.RLock()
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self._pass: _Pass | None = None
+        self._next_index = 0
+        self._suspend_depth = 0
+        self._rows: int | None = None
+        self._once_tags: set[str] = set()
+        self._step_counts: collections.Counter[str] = collections.Counter()
+        self._loose: list[tuple[str, torch.Tensor, Any]] = []
+        self._failure: str | None = None
+        self._closed = False
+        self.rank, self.world_size = _rank_and_world()
+        self._pid = os.getpid()
+        self.run_dir = self._make_run_dir()
+        self.modules = select_modules(model, settings)
+        self._handles = self._register(model)
+        self._writer = self._start_writer()
+        atexit.register(self.close)
+        _active.append(self)
+
+    # ---------------------------------------------------------------- set-up
+
+    def _make_run_dir(self) -> Path:
+        base = Path(self.settings.dir).expanduser()  # type: ignore[arg-type]
+        try:
+            if not base.exists():
+                base.mkdir(parents=True, mode=0o700)
+                os.chmod(base, 0o700)
+            run_dir = base / f"rank{self.rank}_pid{self._pid}"
+            serial = 1
+            while run_dir.exists():  # a second dumper in this process gets its own dir
+                serial += 1
+                run_dir = base / f"rank{self.rank}_pid{self._pid}-{serial}"
+            run_dir.mkdir(mode=0o700)
+            os.chmod(run_dir, 0o700)
+            with tempfile.TemporaryFile(dir=run_dir):
+                pass
+        except OSError as e:
+            where = describe_source("dir", str(self.settings.dir), self.env_prefix)
+            raise ConfigError(
+                f"tracedump: bad setting\n  {where}: cannot create or write the dump "
+                f"directory: {type(e).__name__}: {e}"
+            ) from e
+        return run_dir
+
+    def _register(self, model: nn.Module) -> list[Any]:
+        handles = []
+        for name, module in self.modules:
+            if self.settings.inputs:
+                handles.append(module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True))
+            handles.append(module.register_forward_hook(OutputHook(self, name)))
+        root = RootPassHooks(self)
+        handles.append(model.register_forward_pre_hook(root.before))
+        handles.append(model.register_forward_hook(root.after, always_call=True))
+        return handles
+
+    def _start_writer(self) -> Writer:
+        manifest = {
+            "format": 1,
+            "tracedump_version": __version__,
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "settings": self.settings.summary(),
+            "env_prefix": self.env_prefix,
+            "model_class": self.model_class,
+            "root": self.root_label,
+            "modules": [name for name, _ in self.modules],
+            "pid": self._pid,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "hostname": socket.gethostname(),
+            "argv": list(sys.argv),
+            "start_time": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "complete": False,
+            "incomplete_reason": None,
+            "skipped": {},
+        }
+        writer = Writer(self.run_dir, self.settings.max_pending_bytes, manifest, self._on_write_error)
+        writer.write_manifest()
+        return writer
+
+    def _on_write_error(self, failure: str) -> None:
+        self._failure = failure
+        warn_once(
+            f"write_error_{id(self)}",
+            f"tracedump: {failure}. Dumping stopped; the model "
+            f"continues. {self.run_dir / MANIFEST} is marked incomplete.",
+        )
+        self._writer.write_manifest(complete=False, incomplete_reason=failure)
+
+    def _rebind_after_fork(self) -> None:
+        """A forked child inherits the hooks but not the writer thread: give it its own run dir."""
+        self._pid = os.getpid()
+        self._lock = threading.RLock()
+        self._pass = None
+        self._next_index = 0
+        self._loose = []
+        self.run_dir = self._make_run_dir()
+        self._writer = self._start_writer()
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def pass_index(self) -> int:
+        """Index of the open pass, or of the next one to open."""
+        return self._pass.index if self._pass is not None else self._next_index
+
+    @property
+    def failure(self) -> str | None:
+        """Why dumping stopped (a write error), or None."""
+        return self._failure
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Dumper]:
+        """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
+        opened = self._open_pass() if self._pass is None and not self._suspended() else False
+        try:
+            yield self
+        finally:
+            if opened:
+                self._close_pass()
+
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[None]:
+        """Suspend this dumper: no capture, and no pass index is used (the engine's profile run)."""
+        self._suspend_depth += 1
+        try:
+            yield
+        finally:
+            self._suspend_depth -= 1
+
+    def set_rows(self, rows: int | None) -> None:
+        """Report the batch rows of the coming work (for ``MAX_ROWS``); None lifts the row gate."""
+        self._rows = rows
+
+    def record(self, tag: str, tensor: torch.Tensor, once: bool = False) -> None:
+        """Store a tensor that is not a module output under ``tag``, whole and in its own dtype.
+
+        ``once=True`` keeps only the first write (e.g. the prefill logits). Inside a pass it goes to
+        that pass's file; outside every pass, to ``records.safetensors`` at close.
+        """
+        try:
+            self._record(tag, tensor, once)
+        except Exception as e:
+            self._report_run_error(f"record({tag!r})", e)
+
+    def record_step(self, tag: str, tensor: torch.Tensor) -> None:
+        """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
+        if self._closed or self._suspended():
+            return
+        count = self._step_counts[tag]
+        self._step_counts[tag] = count + 1
+        self.record(f"{tag}_{count}", tensor)
+
+    def close(self) -> None:
+        """Flush everything captured, remove every hook this dumper added; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self in _active:
+            _active.remove(self)
+        atexit.unregister(self.close)
+        for handle in self._handles:
+            handle.remove()
+        if os.getpid() != self._pid:  # a forked child that never dumped owns nothing here
+            return
+        if self._pass is not None:
+            self._close_pass()
+        if self._loose:
+            self._writer.submit(PassJob(-1, None, "records", self._loose, 0, file_name=RECORDS_FILE))
+        self._writer.close()
+        self._finish_manifest()
+
+    def __enter__(self) -> Dumper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("failed" if self._failure else "open")
+        return (
+            f"Dumper({self.run_dir}, modules={len(self.modules)}, mode={self.settings.mode}, "
+            f"next_pass={self._next_index}, {state})"
+        )
+
+    # ---------------------------------------------------------------- passes
+
+    def _suspended(self) -> bool:
+        return self._suspend_depth > 0 or gates.globally_suspended()
+
+    def _open_pass(self) -> bool:
+        if self._closed:
+            return False
+        if os.getpid() != self._pid:
+            self._rebind_after_fork()
+        index = self._next_index
+        self._pass = _Pass(index, selected=index in self._steps and self._failure is None)
+        return True
+
+    def _open_auto_pass(self) -> bool:
+        """Called by the root pre-hook: a pass per root forward when the engine opened none."""
+        if self._pass is not None or self._suspended():
+            return False
+        return self._open_pass()
+
+    def _close_pass(self) -> None:
+        current, self._pass = self._pass, None
+        if current is None or current.is_warmup:
+            return
+        self._next_index = current.index + 1
+        try:
+            if current.entries or current.parts:
+                part = current.parts + 1 if current.parts else None
+                self._writer.submit(
+                    PassJob(current.index, part, self.settings.mode, current.entries, current.nbytes)
+                )
+            if current.stats:
+                self._writer.submit(StatsJob(current.index, current.stats))
+        except Exception as e:
+            self._report_run_error(f"pass {current.index}", e)
+
+    # ---------------------------------------------------------------- hot path
+
+    def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
+        current = self._pass
+        if current is None or not current.selected or self._suspended():
+            if current is None and not self._suspended():
+                self.skipped["outside_pass"] += 1
+            return
+        try:
+            self._capture_module(current, name, value, is_input)
+        except Exception as e:
+            self._report_run_error(name, e)
+
+    def _capture_module(self, current: _Pass, name: str, value: Any, is_input: bool) -> None:
+        settings = self.settings
+        if self._failure is not None:
+            self.skipped["after_failure"] += 1
+            return
+        if not gates.row_gate_allows(self._rows, settings.max_rows):
+            current.gated += 1
+            self.skipped["row_gate"] += 1
+            return
+        leaves = flatten_inputs(*value) if is_input else list(flatten_tensors(value))
+        if not leaves:
+            return
+        if not gates.token_gate_allows(leaves[0][1], settings.tokens, settings.token_dim):
+            current.gated += 1
+            self.skipped["token_gate"] += 1
+            return
+        if stream_is_capturing():
+            self.skipped["graph_capture"] += 1
+            warn_once(
+                "graph_capture",
+                "tracedump: a hook fired during CUDA graph capture; its copy was "
+                "skipped (replays fire no hooks). Disable CUDA graphs while dumping: "
+                "tracedump.resolve_cuda_graph().",
+            )
+            return
+        call = current.next_call(name + "@in" if is_input else name)
+        call_suffix = f"::call{call}" if call else ""
+        for suffix, tensor in leaves:
+            if not _storable(tensor):
+                self.skipped["unsupported_tensor"] += 1
+                continue
+            if self._full:
+                kept = last_row(tensor, settings.token_dim) if settings.mode == "last_row" else tensor
+                host, event = copy_to_host(kept, self._sync_escape)
+                current.add(f"{name}{suffix}{call_suffix}", host, event)
+                self._apply_back_pressure(current)
+            else:
+                self._keep_stats(current, name, suffix, call, tensor, is_input)
+
+    def _keep_stats(
+        self, current: _Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
+    ) -> None:
+        numeric, values, extras = compute_stats(tensor, self.settings.stats)
+        host, event = copy_to_host(values, self._sync_escape)
+        label = "in" + suffix.removeprefix("@in") if is_input else "out" + suffix
+        base = {"module": name, "tensor": label, "pass": current.index, "call": call, **extras}
+        current.stats.append((base, numeric, host, event))
+        current.kept += 1
+
+    def _apply_back_pressure(self, current: _Pass) -> None:
+        """Hold host memory under the cap: wait for the writer; spill a pass too big for the cap."""
+        cap = self.settings.max_pending_bytes
+        if current.nbytes + self._writer.pending_bytes <= cap:
+            return
+        self._writer.wait_below(cap - current.nbytes)
+        if current.nbytes > cap or current.nbytes + self._writer.pending_bytes > cap:
+            current.parts += 1
+            self._writer.submit(
+                PassJob(current.index, current.parts, self.settings.mode, current.entries, current.nbytes)
+            )
+            current.entries, current.nbytes = [], 0
+
+    def _record(self, tag: str, tensor: torch.Tensor, once: bool) -> None:
+        if self._closed or self._suspended() or (once and tag in self._once_tags):
+            return
+        if not isinstance(tensor, torch.Tensor):
+            tensor = torch.as_tensor(tensor)
+        if not gates.row_gate_allows(self._rows, self.settings.max_rows):
+            self.skipped["row_gate"] += 1
+            return
+        current = self._pass
+        if current is not None and not current.selected:
+            return
+        if self._failure is not None:
+            self.skipped["after_failure"] += 1
+            return
+        host, event = copy_to_host(tensor, self._sync_escape)
+        if current is None:
+            self._loose.append((tag, host, event))
+        else:
+            call = current.next_call(tag)
+            current.add(f"{tag}::call{call}" if call else tag, host, event)
+            self._apply_back_pressure(current)
+        if once:
+            self._once_tags.add(tag)
+
+    # ---------------------------------------------------------------- reporting
+
+    def _report_run_error(self, where: str, error: Exception) -> None:
+        self.skipped["errors"] += 1
+        warn_once(
+            f"run_error_{id(self)}",
+            f"tracedump: capture failed at {where}: "
+            f"{type(error).__name__}: {error}. The model continues; further failures are only "
+            f"counted (manifest 'skipped.errors').",
+        )
+
+    def _finish_manifest(self) -> None:
+        totals = self._writer.totals
+        skipped = dict(self.skipped)
+        if totals.dropped_jobs:
+            skipped["dropped_files"] = totals.dropped_jobs
+            skipped["dropped_bytes"] = totals.dropped_bytes
+        self._writer.write_manifest(
+            complete=self._failure is None,
+            incomplete_reason=self._failure,
+            skipped=skipped,
+            end_time=dt.datetime.now(dt.timezone.utc).isoformat(),
+            records_file=RECORDS_FILE if self._loose else None,
+        )
+        print(
+            f"tracedump: {self.run_dir}: {len(totals.passes)} passes, {totals.bytes / 1e6:.1f} MB"
+            + (f"; skipped {skipped}" if skipped else ""),
+            file=sys.stderr,
+        )
+        losses = {k: v for k, v in skipped.items() if k not in _INTENDED_SKIPS}
+        if losses and self._failure is None:
+            warn_once(
+                f"skipped_{id(self)}",
+                f"tracedump: {self.run_dir}: captures lost: {losses} (see manifest.json 'skipped')",
+            )
+
+
+def _storable(tensor: torch.Tensor) -> bool:
+    return tensor.layout == torch.strided and not tensor.is_quantized and tensor.device.type != "meta"

@@ -1,0 +1,104 @@
+"""Capture hooks and the key naming scheme.
+
+Keys: ``<module>`` for a tensor output, ``<module>[i]`` / ``<module>[key]`` inside tuples, lists,
+dicts, dataclasses and HF ``ModelOutput``; ``<module>@in[i]`` / ``<module>@in[kw]`` for inputs; and
+``::callN`` last for the N-th repeat call of a module in one pass (``name[0]::call2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .dumper import Dumper
+
+_MAX_DEPTH = 8
+
+
+def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(suffix, tensor)`` for every tensor leaf of a nested output; other leaves are skipped."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+        return
+    if depth >= _MAX_DEPTH:
+        return
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, (tuple, list)):
+        items = enumerate(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    else:
+        return
+    for key, item in items:
+        yield from flatten_tensors(item, f"{prefix}[{key}]", depth + 1)
+
+
+def flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Inputs as ``@in[i]`` for positional and ``@in[kw]`` for keyword arguments."""
+    leaves = list(flatten_tensors(tuple(args), "@in"))
+    for key, value in kwargs.items():
+        leaves.extend(flatten_tensors(value, f"@in[{key}]"))
+    return leaves
+
+
+class OutputHook:
+    """Forward hook handing a module's output to its dumper; returns None, so outputs are untouched."""
+
+    __slots__ = ("dumper", "name")
+
+    def __init__(self, dumper: Dumper, name: str) -> None:
+        self.dumper = dumper
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.dumper._on_module_tensors(self.name, output, is_input=False)
+
+    def __repr__(self) -> str:
+        return f"OutputHook({self.name!r})"
+
+
+class InputHook:
+    """Forward pre-hook (with kwargs) capturing a module's inputs; returns None."""
+
+    __slots__ = ("dumper", "name")
+
+    def __init__(self, dumper: Dumper, name: str) -> None:
+        self.dumper = dumper
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.dumper._on_module_tensors(self.name, (args, kwargs), is_input=True)
+
+    def __repr__(self) -> str:
+        return f"InputHook({self.name!r})"
+
+
+class RootPassHooks:
+    """Pre/post hooks on the root model: each outermost root forward is one pass, unless the engine
+    opened one with ``dumper.step()``. The post hook is registered with ``always_call=True`` so a
+    forward that raises still closes its pass."""
+
+    __slots__ = ("depth", "dumper", "opened")
+
+    def __init__(self, dumper: Dumper) -> None:
+        self.dumper = dumper
+        self.depth = 0
+        self.opened: list[bool] = []
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        self.opened.append(self.dumper._open_auto_pass())
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.opened and self.opened.pop():
+            self.dumper._close_pass()
+
+    def __repr__(self) -> str:
+        return f"RootPassHooks(depth={self.depth})"

@@ -1,0 +1,1 @@
+"""``tracedump run``: dump any Python process and its children without a code change."""

@@ -1,0 +1,70 @@
+"""What is kept of each tensor: the whole, the last row, or statistics.
+
+Reductions run on the tensor's own device, so ``last_row`` and ``stats`` move almost nothing across
+the bus: ``stats`` sends one small float64 vector per tensor to the host, never the tensor itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_F64 = torch.float64
+
+
+def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
+    """The last index along the token dim of a tensor with >= 2 dims (kept as a size-1 dim)."""
+    if tensor.dim() < 2:
+        return tensor
+    dim = token_dim if tensor.dim() > token_dim else 0
+    return tensor.narrow(dim, tensor.shape[dim] - 1, 1) if tensor.shape[dim] > 0 else tensor
+
+
+def _as_float(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point():
+        return tensor if tensor.dtype in (torch.float32, _F64) else tensor.float()
+    if tensor.is_complex():
+        return tensor.abs().double()
+    return tensor.double()
+
+
+def _min(x: torch.Tensor) -> torch.Tensor:
+    return x.min().to(_F64) if x.numel() else torch.tensor(float("nan"), device=x.device, dtype=_F64)
+
+
+def _max(x: torch.Tensor) -> torch.Tensor:
+    return x.max().to(_F64) if x.numel() else torch.tensor(float("nan"), device=x.device, dtype=_F64)
+
+
+NUMERIC_STATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "abs_mean": lambda x: x.abs().mean(dtype=_F64),
+    "sum": lambda x: x.sum(dtype=_F64),
+    "min": _min,
+    "max": _max,
+    "mean": lambda x: x.mean(dtype=_F64),
+    "std": lambda x: x.to(_F64).std(correction=0),  # population std, like numpy's default
+    "l2": lambda x: torch.linalg.vector_norm(x, dtype=_F64),
+    "nan_count": lambda x: torch.isnan(x).sum().to(_F64),
+    "inf_count": lambda x: torch.isinf(x).sum().to(_F64),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_stats(
+    tensor: torch.Tensor, names: list[str]
+) -> tuple[list[str], torch.Tensor, dict[str, object]]:
+    """The numeric stats stacked in one device tensor, plus ``shape``/``dtype`` known on the host."""
+    source = tensor.detach()
+    numeric = [n for n in names if n in NUMERIC_STATS]
+    extras: dict[str, object] = {}
+    if "shape" in names:
+        extras["shape"] = list(source.shape)
+    if "dtype" in names:
+        extras["dtype"] = dtype_name(source.dtype)
+    x = _as_float(source)
+    values = torch.stack([NUMERIC_STATS[n](x) for n in numeric]) if numeric else torch.empty(0, dtype=_F64)
+    return numeric, values, extras

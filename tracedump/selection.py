@@ -1,0 +1,56 @@
+"""Which modules get hooks: leaves or all, narrowed by a regex list or a predicate."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from torch import nn
+
+from .cuda import warn_once
+from .settings import DumpSettings, load_callable
+
+ROOT_NAME = "root"
+Predicate = Callable[[str, nn.Module], bool]
+
+
+def display_name(name: str) -> str:
+    """The key prefix of a module: its dotted name, and ``root`` for the model itself."""
+    return name or ROOT_NAME
+
+
+def candidate_modules(model: nn.Module, modules: str) -> list[tuple[str, nn.Module]]:
+    """Leaves (modules without children) or every submodule. The root counts only as a leaf."""
+    named = list(model.named_modules())
+    if modules == "all":
+        chosen = [(n, m) for n, m in named if n] or named[:1]
+    else:
+        chosen = [(n, m) for n, m in named if next(iter(m.children()), None) is None]
+    return [(display_name(n), m) for n, m in chosen]
+
+
+def build_predicate(settings: DumpSettings) -> Predicate | None:
+    """One predicate from FILTER (any regex matches, ``re.search``) or FILTER_FN."""
+    if settings.filter is not None:
+        patterns = [re.compile(p) for p in settings.filter]
+        return lambda name, _module: any(p.search(name) for p in patterns)
+    if settings.filter_fn is not None:
+        return load_callable(settings.filter_fn)
+    return None
+
+
+def select_modules(model: nn.Module, settings: DumpSettings) -> list[tuple[str, nn.Module]]:
+    """The (name, module) pairs to hook, in registration order; warns when a filter matches none."""
+    candidates = candidate_modules(model, settings.modules)
+    predicate = build_predicate(settings)
+    if predicate is None:
+        return candidates
+    selected = [(n, m) for n, m in candidates if predicate(n, m)]
+    if not selected:
+        sample = ", ".join(n for n, _ in candidates[:12])
+        warn_once(
+            f"empty_selection_{id(model)}",
+            f"tracedump: the filter selects no module of {type(model).__name__} "
+            f"(modules={settings.modules}); some names: {sample}",
+        )
+    return selected

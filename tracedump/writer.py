@@ -1,0 +1,280 @@
+"""Files on disk: atomic writes, the background writer thread, the manifest.
+
+The forward hands finished passes to a bounded queue; one thread serialises them, so disk time
+overlaps the next step. Host memory held by captures not yet on disk is capped
+(``MAX_PENDING_BYTES``): a step that would exceed the cap waits, and nothing is dropped. The first
+write error (disk full, permissions) stops dumping, is reported once, and the manifest records it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .cuda import wait_for
+
+FORMAT_VERSION = "1"
+ORDER_KEY = "tracedump.order"
+STATS_FILE = "stats.jsonl"
+STATS_PARTIAL = "stats.jsonl.partial"
+MANIFEST = "manifest.json"
+RECORDS_FILE = "records.safetensors"
+_MANIFEST_INTERVAL_S = 1.0
+
+
+def pass_file_name(index: int, part: int | None = None) -> str:
+    """``pass00003.safetensors``, or ``pass00003.part1.safetensors`` for a pass split into parts."""
+    return f"pass{index:05d}.safetensors" if part is None else f"pass{index:05d}.part{part}.safetensors"
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """A temp path beside ``final``, renamed onto it only when the block succeeds.
+
+    A crash mid-write leaves a dot-file, never a truncated file under the final name. Files are
+    0600: activations derived from user prompts are user data.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Save as safetensors (no pickle) with the capture order in the metadata; returns bytes written."""
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={**metadata, ORDER_KEY: json.dumps(list(tensors))})
+        size = tmp.stat().st_size
+    return size
+
+
+def json_number(value: float) -> float | str:
+    """NaN and infinities become the strings ``"nan"``, ``"inf"``, ``"-inf"``: strict JSON stays valid."""
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+@dataclass
+class PassJob:
+    """One pass file (or one part of a pass too large for the memory cap)."""
+
+    index: int
+    part: int | None
+    mode: str
+    entries: list[tuple[str, torch.Tensor, Any]]
+    nbytes: int
+    file_name: str | None = None
+
+    def run(self, writer: Writer) -> None:
+        for _, _, event in self.entries:
+            wait_for(event)
+        name = self.file_name or pass_file_name(self.index, self.part)
+        metadata = {
+            "tracedump.format": FORMAT_VERSION,
+            "tracedump.pass": str(self.index),
+            "tracedump.mode": self.mode,
+        }
+        if self.part is not None:
+            metadata["tracedump.part"] = str(self.part)
+        size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
+        writer.note_file(self.index, size, is_pass=self.file_name is None)
+
+
+@dataclass
+class StatsJob:
+    """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor."""
+
+    index: int
+    records: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]]
+    nbytes: int = 0
+
+    def run(self, writer: Writer) -> None:
+        lines = []
+        for base, names, values, event in self.records:
+            wait_for(event)
+            record = dict(base)
+            record.update({n: json_number(v) for n, v in zip(names, values.tolist(), strict=True)})
+            lines.append(json.dumps(record, allow_nan=False))
+        writer.append_stats(lines)
+        writer.note_file(self.index, 0, is_pass=True)
+
+
+Job = PassJob | StatsJob
+
+
+@dataclass
+class WriterTotals:
+    passes: set[int] = field(default_factory=set)
+    bytes: int = 0
+    files: int = 0
+    dropped_jobs: int = 0
+    dropped_bytes: int = 0
+
+
+class Writer:
+    """Background writer with a byte-bounded queue. Start it only when dumping is on."""
+
+    def __init__(
+        self, run_dir: Path, max_pending_bytes: int, manifest: dict[str, Any], on_error: Callable[[str], None]
+    ) -> None:
+        self.run_dir = run_dir
+        self.max_pending_bytes = max_pending_bytes
+        self.manifest = manifest
+        self.totals = WriterTotals()
+        self.failure: str | None = None
+        self._on_error = on_error
+        self._queue: collections.deque[Job] = collections.deque()
+        self._pending = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self._closing = False
+        self._last_manifest = 0.0
+        self._stats_handle: Any = None
+        self._thread = threading.Thread(target=self._loop, name="tracedump-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; waits while the cap would be exceeded (a lone oversized job still goes)."""
+        with self._cond:
+            while (
+                self.failure is None
+                and self._pending > 0
+                and self._pending + job.nbytes > self.max_pending_bytes
+            ):
+                self._cond.wait()
+            if self.failure is not None:
+                self._drop(job)
+                return
+            self._queue.append(job)
+            self._pending += job.nbytes
+            self._cond.notify_all()
+
+    def wait_below(self, limit: int) -> None:
+        """Back-pressure inside a pass: wait until queued bytes are at most ``limit`` (or none)."""
+        with self._cond:
+            while self.failure is None and self._pending > 0 and self._pending > limit:
+                self._cond.wait()
+
+    def flush(self) -> None:
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Write everything queued, stop the thread, seal ``stats.jsonl``, write the manifest."""
+        self.flush()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._seal_stats()
+
+    def note_file(self, index: int, size: int, *, is_pass: bool) -> None:
+        if is_pass:
+            self.totals.passes.add(index)
+        self.totals.bytes += size
+        self.totals.files += 1
+        if time.monotonic() - self._last_manifest > _MANIFEST_INTERVAL_S:
+            self.write_manifest()
+
+    def append_stats(self, lines: list[str]) -> None:
+        """Stats grow all run long, so they go to ``stats.jsonl.partial``, renamed at close."""
+        if self._stats_handle is None:
+            path = self.run_dir / STATS_PARTIAL
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._stats_handle = os.fdopen(fd, "a")  # held open all run: one append per pass
+        self._stats_handle.write("".join(line + "\n" for line in lines))
+        self._stats_handle.flush()
+        self.totals.bytes += sum(len(line) + 1 for line in lines)
+
+    def write_manifest(self, **updates: Any) -> None:
+        self.manifest.update(updates)
+        self.manifest["passes"] = {
+            "count": len(self.totals.passes),
+            "bytes": self.totals.bytes,
+            "files": self.totals.files,
+            "indices": sorted(self.totals.passes),
+        }
+        self._last_manifest = time.monotonic()
+        try:
+            write_json_atomic(self.run_dir / MANIFEST, self.manifest)
+        except OSError as e:  # the disk may be full: the failure itself is already being reported
+            self.manifest.setdefault("manifest_error", str(e))
+
+    def _seal_stats(self) -> None:
+        if self._stats_handle is None:
+            return
+        self._stats_handle.close()
+        self._stats_handle = None
+        os.replace(self.run_dir / STATS_PARTIAL, self.run_dir / STATS_FILE)
+
+    def _drop(self, job: Job) -> None:
+        self.totals.dropped_jobs += 1
+        self.totals.dropped_bytes += job.nbytes
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                if self.failure is None:
+                    job.run(self)
+                else:
+                    self._drop(job)
+            except Exception as e:  # never let the writer die silently: report, stop, keep the host alive
+                self._fail(job, e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._pending -= job.nbytes
+                    self._cond.notify_all()
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        target = self.run_dir / (
+            pass_file_name(job.index, getattr(job, "part", None))
+            if isinstance(job, PassJob)
+            else STATS_PARTIAL
+        )
+        self.failure = f"writing {target} failed: {type(error).__name__}: {error}"
+        self._drop(job)
+        with self._cond:
+            while self._queue:
+                dropped = self._queue.popleft()
+                self._pending -= dropped.nbytes
+                self._drop(dropped)
+            self._cond.notify_all()
+        self._on_error(self.failure)
