@@ -1,0 +1,436 @@
+"""In-memory capture of module inputs and outputs for scripts and notebooks.
+
+The env-gated dumper writes activations to disk from inside an engine; parity tests and distillation
+scripts instead want the activations of a few named modules as Python objects, right now, without
+paying for the rest of the model.  :func:`capture` covers that case::
+
+    with tracedump.capture(model, outputs=["model.layers.0"], inputs=["model.layers.0"],
+                           early_exit=True, device="cpu") as cap:
+        for batch in loader:
+            cap.run(**batch)              # model output, or None when cut short
+    cap["model.layers.0"].outputs         # one entry per forward
+    cap["model.layers.0"].inputs          # [{"args": (...), "kwargs": {...}}, ...]
+
+Design constraints, each for a reason:
+
+* Hooks are registered only on the requested modules and only while the ``with`` block is active, so
+  the rest of the model runs at full speed and nothing is left behind, even after an exception.
+* Hooks never return a value, so the model computes exactly the numbers it computes without them.
+* Captured tensors are detached copies (optionally moved to ``device``): later in-place updates,
+  buffer reuse or autograd can not change what was recorded, and inference-mode forwards still
+  yield ordinary tensors that can serve as training targets.
+* Early exit raises a private exception from the last hook that still had to fire and catches it in
+  :meth:`Capture.run`; that is the only way to stop an arbitrary ``forward`` without touching its code.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import copy
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["Capture", "CaptureSpec", "ModuleCapture", "capture", "parse_spec"]
+
+Kind = Literal["inputs", "outputs"]
+Device = str | torch.device | None
+
+_SECTIONS: tuple[Kind, ...] = ("inputs", "outputs")
+_SECTION_RE = re.compile(r"\s*([A-Za-z_]\w*)\s*\[([^\[\]]*)\]")
+_CLOSE_MATCHES = 5
+
+
+class _EarlyExit(BaseException):
+    """Raised from a hook to abandon the rest of a forward once every requested capture has fired.
+
+    It derives from ``BaseException`` so that model code with a broad ``except Exception`` fallback
+    (common around optional fast kernels) can not swallow it and keep running the model.
+    """
+
+
+@dataclasses.dataclass
+class ModuleCapture:
+    """Everything recorded for one requested module.
+
+    ``outputs`` holds one entry per forward of the module; ``inputs`` one ``{"args": tuple, "kwargs":
+    dict}`` per forward.  A list stays empty when that side was not requested.
+    """
+
+    name: str
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    inputs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def clear(self) -> None:
+        """Forget what was recorded so far, e.g. between epochs of a long loop."""
+        self.outputs.clear()
+        self.inputs.clear()
+
+
+class CaptureSpec(NamedTuple):
+    """The module names a spec string selects, in order of first mention, without duplicates."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------- spec
+
+
+def _split_items(text: str) -> list[str]:
+    """Split a ``|``-separated item list, dropping whitespace and empty items."""
+    return [item.strip() for item in text.split("|") if item.strip()]
+
+
+def parse_spec(spec: str) -> CaptureSpec:
+    """Parse a capture spec string such as ``"inputs[a.b]|outputs[a.b|c.d]"``.
+
+    Grammar: a ``|``-separated sequence of parts; a part is either ``inputs[NAMES]``,
+    ``outputs[NAMES]`` or a bare module name (which means its output).  ``NAMES`` is itself
+    ``|``-separated.  Sections are optional and may repeat; whitespace and empty items are dropped.
+    Malformed text (unknown section, stray bracket) and a spec that selects nothing raise
+    ``ValueError``.  Names are not checked against a model here; :func:`capture` does that.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str, got {type(spec).__name__}")
+    selected: dict[Kind, dict[str, None]] = {"inputs": {}, "outputs": {}}
+    pos = 0
+    while pos < len(spec):
+        if spec[pos].isspace() or spec[pos] == "|":
+            pos += 1
+            continue
+        section = _SECTION_RE.match(spec, pos)
+        if section is not None:
+            kind = section.group(1)
+            if kind not in _SECTIONS:
+                raise ValueError(f"unknown section {kind!r} in spec {spec!r}; expected one of {_SECTIONS}")
+            selected[kind].update(dict.fromkeys(_split_items(section.group(2))))
+            pos = section.end()
+            rest = spec[pos:].lstrip()
+            if rest and not rest.startswith("|"):
+                raise ValueError(f"expected '|' after {section.group(0).strip()!r} in spec {spec!r}")
+            continue
+        end = spec.find("|", pos)
+        end = len(spec) if end < 0 else end
+        item = spec[pos:end].strip()
+        if "[" in item or "]" in item:
+            raise ValueError(
+                f"malformed part {item!r} in spec {spec!r}; expected inputs[...] or outputs[...]"
+            )
+        selected["outputs"][item] = None
+        pos = end
+    result = CaptureSpec(inputs=tuple(selected["inputs"]), outputs=tuple(selected["outputs"]))
+    if not result.inputs and not result.outputs:
+        raise ValueError(f"spec {spec!r} selects nothing")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ copying
+
+
+def _copy_tensor(tensor: torch.Tensor, device: Device) -> torch.Tensor:
+    """Detached copy of ``tensor``, on ``device`` when given (``.to(copy=True)`` avoids a double copy)."""
+    tensor = tensor.detach()
+    if device is None:
+        return tensor.clone()
+    return tensor.to(device, copy=True)
+
+
+def _rebuild_mapping(obj: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """Same mapping type with copied values; a plain ``dict`` (same keys) when the type can't be rebuilt."""
+    if type(obj) is dict:
+        return items
+    if dataclasses.is_dataclass(obj):
+        # HF ModelOutput: an OrderedDict *and* a dataclass whose items() are its non-None fields.
+        try:
+            return type(obj)(**items)
+        except Exception:
+            return dict(items)
+    if isinstance(obj, collections.abc.MutableMapping):
+        try:
+            new = copy.copy(obj)  # keeps e.g. a defaultdict's factory
+            new.clear()
+            new.update(items)
+            return new
+        except Exception:
+            return dict(items)
+    return dict(items)
+
+
+def _rebuild_dataclass(obj: Any, device: Device) -> Any:
+    """Shallow copy of a dataclass instance whose fields are replaced by copies."""
+    new = copy.copy(obj)
+    for field in dataclasses.fields(obj):
+        object.__setattr__(new, field.name, _copy_tree(getattr(obj, field.name), device))
+    return new
+
+
+def _copy_tree(obj: Any, device: Device) -> Any:
+    """Copy every tensor in a nested structure, keeping containers' shape and (where possible) type.
+
+    Tuples, lists, dicts, namedtuples, dataclasses and HF ``ModelOutput`` are rebuilt; any other
+    leaf (ints, strings, ``None``, cache objects, ...) is kept as the same object.
+    """
+    if isinstance(obj, torch.Tensor):
+        return _copy_tensor(obj, device)
+    if isinstance(obj, tuple):
+        items = [_copy_tree(item, device) for item in obj]
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else _rebuild_sequence(obj, items, tuple)
+    if isinstance(obj, list):
+        items = [_copy_tree(item, device) for item in obj]
+        return items if type(obj) is list else _rebuild_sequence(obj, items, list)
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {key: _copy_tree(value, device) for key, value in obj.items()})
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _rebuild_dataclass(obj, device)
+    return obj
+
+
+def _rebuild_sequence(obj: Any, items: list[Any], fallback: type) -> Any:
+    """Same sequence subclass when its constructor takes an iterable, else the plain base type."""
+    try:
+        return type(obj)(items)
+    except Exception:
+        return fallback(items)
+
+
+def _copy_captured(obj: Any, device: Device) -> Any:
+    """Copy outside inference mode, so captures taken under ``torch.inference_mode()`` are normal tensors.
+
+    Inference tensors can not be saved for backward, which would break their use as distillation targets.
+    """
+    with torch.inference_mode(False):
+        return _copy_tree(obj, device)
+
+
+# ------------------------------------------------------------------------------------------ capture
+
+
+class Capture:
+    """Context manager that records inputs/outputs of named modules; create it with :func:`capture`.
+
+    Inside the ``with`` block every forward of a requested module is recorded, whether it is run via
+    :meth:`run` or by calling the model directly.  Early exit applies only within :meth:`run`.
+
+    Early-exit rule: at the start of each :meth:`run` every requested capture (module name and side)
+    is armed; when a capture fires for the first time it is disarmed, and when the last armed one
+    fires the forward is abandoned right there and ``run`` returns ``None``.  Input captures fire
+    before the module's forward, output captures after it, so a block's output fires after all its
+    children.  If some requested capture never fires, the forward completes and ``run`` returns the
+    model output.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        outputs: Iterable[str] = (),
+        inputs: Iterable[str] = (),
+        *,
+        early_exit: bool = False,
+        device: Device = None,
+    ) -> None:
+        """Validate the names against ``model`` and prepare empty records (no hooks yet)."""
+        self.model = model
+        self.early_exit = early_exit
+        self.device = torch.device(device) if device is not None else None
+        self._modules = dict(model.named_modules(remove_duplicate=False))
+        self._requests: dict[tuple[str, Kind], None] = {}
+        for kind, names in (("inputs", inputs), ("outputs", outputs)):
+            for name in names:
+                self._check_name(name)
+                self._requests[(name, kind)] = None
+        if not self._requests:
+            raise ValueError("nothing to capture: pass outputs, inputs, spec or filter")
+        self._records = {name: ModuleCapture(name) for name, _ in self._requests}
+        self._handles: list[RemovableHandle] = []
+        self._pending: set[tuple[str, Kind]] | None = None
+
+    # ------------------------------------------------------------------ names and records
+
+    def _check_name(self, name: str) -> None:
+        if name not in self._modules:
+            raise self._unknown_name(name)
+
+    def _unknown_name(self, name: str) -> KeyError:
+        """``KeyError`` naming the closest real module names, so typos are fixed in one go."""
+        real = [n for n in self._modules if n]
+        close = difflib.get_close_matches(name, real, n=_CLOSE_MATCHES, cutoff=0.5)
+        hint = f"; closest: {', '.join(close)}" if close else ""
+        return KeyError(f"no module named {name!r} in {type(self.model).__name__}{hint}")
+
+    @property
+    def names(self) -> list[str]:
+        """Requested module names, in request order (inputs first)."""
+        return list(self._records)
+
+    def __getitem__(self, name: str) -> ModuleCapture:
+        """Record of a requested module; ``KeyError`` explains unrequested and unknown names."""
+        if name in self._records:
+            return self._records[name]
+        if name in self._modules:
+            raise KeyError(f"module {name!r} was not requested; requested: {', '.join(self._records)}")
+        raise self._unknown_name(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._records
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def clear(self) -> None:
+        """Forget every recorded entry, keeping the requests (and hooks, inside the block)."""
+        for record in self._records.values():
+            record.clear()
+
+    # ------------------------------------------------------------------ hooks
+
+    def __enter__(self) -> Capture:
+        """Register the hooks; only requested modules get one."""
+        if self._handles:
+            raise RuntimeError("this Capture is already active; a with-block can not be nested in itself")
+        try:
+            for name, kind in self._requests:
+                self._handles.append(self._register(name, kind))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Remove every hook, also when an exception propagates (it is not suppressed)."""
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending = None
+
+    def _register(self, name: str, kind: Kind) -> RemovableHandle:
+        module = self._modules[name]
+        record = self._records[name]
+        key = (name, kind)
+        if kind == "inputs":
+
+            def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                record.inputs.append(_copy_captured({"args": args, "kwargs": kwargs}, self.device))
+                self._fired(key)
+
+            return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+        def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+            record.outputs.append(_copy_captured(output, self.device))
+            self._fired(key)
+
+        return module.register_forward_hook(hook)
+
+    def _fired(self, key: tuple[str, Kind]) -> None:
+        """Disarm ``key``; cut the forward once nothing armed is left (only inside an early-exit run)."""
+        if self._pending is None:
+            return
+        self._pending.discard(key)
+        if not self._pending:
+            self._pending = None
+            raise _EarlyExit
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Call ``model(*args, **kwargs)``; return its output, or ``None`` when early exit cut it short.
+
+        Must be called inside the ``with`` block, where the hooks live.
+        """
+        if not self._handles:
+            raise RuntimeError("Capture.run() must be called inside the `with capture(...)` block")
+        if self.early_exit:
+            self._pending = set(self._requests)
+        try:
+            return self.model(*args, **kwargs)
+        except _EarlyExit:
+            return None
+        finally:
+            self._pending = None
+
+    def __repr__(self) -> str:
+        state = "active" if self._handles else "inactive"
+        return f"Capture({', '.join(f'{k}[{n}]' for n, k in self._requests)}, {state})"
+
+
+def _as_list(value: str | Iterable[str] | None) -> list[str]:
+    """Accept one string or an iterable of strings (a bare string is one name, not its characters)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def _filter_matches(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Names of all (non-root) modules where any pattern ``re.search``-es the full dotted name."""
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            raise ValueError(f"invalid filter pattern {pattern!r}: {err}") from err
+    names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
+    matches = [name for name in names if any(regex.search(name) for regex in compiled)]
+    if not matches:
+        raise ValueError(f"filter {patterns!r} matches no module of {type(model).__name__}")
+    return matches
+
+
+def capture(
+    model: nn.Module,
+    outputs: str | Iterable[str] | None = None,
+    inputs: str | Iterable[str] | None = None,
+    *,
+    spec: str | None = None,
+    filter: str | Iterable[str] | None = None,
+    early_exit: bool = False,
+    device: Device = None,
+) -> Capture:
+    """Capture inputs and/or outputs of named modules of ``model`` in memory.
+
+    Args:
+        model: any ``nn.Module``; names are those of ``model.named_modules()``.
+        outputs: module names whose outputs to record.
+        inputs: module names whose inputs to record as ``{"args": tuple, "kwargs": dict}``.
+        spec: spec string such as ``"inputs[model.layers.0]|outputs[model.layers.0|model.layers.5]"``
+            (see :func:`parse_spec`).
+        filter: regexes; outputs of every module whose full dotted name ``re.search``-matches any of
+            them are recorded.  The root module (empty name) is never matched.
+        early_exit: in :meth:`Capture.run`, stop the forward as soon as every requested capture has
+            fired once (see :class:`Capture` for the exact rule).
+        device: where copies go; ``None`` leaves them on the device they were produced on.
+
+    All sources are combined (union).  Unknown names raise ``KeyError`` listing the closest real
+    names; an empty selection, a spec selecting nothing and invalid regexes raise ``ValueError``.
+    Use the result as a context manager: hooks exist only inside its ``with`` block.
+    """
+    output_names = _as_list(outputs)
+    input_names = _as_list(inputs)
+    if spec is not None:
+        parsed = parse_spec(spec)
+        output_names += parsed.outputs
+        input_names += parsed.inputs
+    if filter is not None:
+        output_names += _filter_matches(model, _as_list(filter))
+    return Capture(
+        model,
+        outputs=dict.fromkeys(output_names),
+        inputs=dict.fromkeys(input_names),
+        early_exit=early_exit,
+        device=device,
+    )
