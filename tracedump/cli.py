@@ -27,10 +27,11 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def _console():  # type: ignore[no-untyped-def]
+def console():  # type: ignore[no-untyped-def]
+    """A rich console; when piped, wide enough that long module names stay on one greppable line."""
     from rich.console import Console
 
-    return Console()
+    return Console(width=None if sys.stdout.isatty() else 250)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -58,7 +59,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _human_bytes(size),
             "yes" if run.complete else "no",
         )
-    _console().print(table)
+    console().print(table)
     return EXIT_OK
 
 
@@ -88,7 +89,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             f"{values.mean().item():.4g}",
             f"{values.abs().mean().item():.4g}",
         )
-    _console().print(table)
+    console().print(table)
     return EXIT_OK
 
 
