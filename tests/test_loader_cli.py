@@ -42,7 +42,7 @@ def test_load_pass_reads_pt_files_with_weights_only(tmp_path):
 
 def test_load_pass_refuses_pickled_objects_in_pt_files(tmp_path):
     torch.save({"a": torch.ones(1), "obj": Path("/x")}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="(?i)weights_only|unsupported|dict of tensors"):
+    with pytest.raises(Exception, match=r"(?i)weights_only|unsupported|dict of tensors"):
         tracedump.load_pass(tmp_path / "evil.pt")
 
 

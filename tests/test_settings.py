@@ -156,7 +156,7 @@ def test_filter_and_filter_fn_together_are_refused(monkeypatch, tmp_path, tiny_l
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("TRACEDUMP_DUMP_FILTER", "lm_head")
     monkeypatch.setenv("TRACEDUMP_DUMP_FILTER_FN", "os.path:isabs")
-    with pytest.raises(tracedump.ConfigError, match="TRACEDUMP_DUMP_FILTER.*TRACEDUMP_DUMP_FILTER_FN"):
+    with pytest.raises(tracedump.ConfigError, match=r"TRACEDUMP_DUMP_FILTER.*TRACEDUMP_DUMP_FILTER_FN"):
         tracedump.attach(tiny_llama)
 
 

@@ -310,6 +310,9 @@ class Dumper:
         """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
         if self._closed or self._suspended():
             return
+        if not gates.row_gate_allows(self._rows, self.settings.max_rows):
+            self.skipped["row_gate"] += 1  # a warm-up call uses no number, as a warm-up uses no pass
+            return
         count = self._step_counts[tag]
         self._step_counts[tag] = count + 1
         self.record(f"{tag}_{count}", tensor)
@@ -387,14 +390,30 @@ class Dumper:
 
     def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
         current = self._pass
-        if current is None or not current.selected or self._suspended():
+        if current is None or self._suspended():
             if current is None and not self._suspended():
                 self.skipped["outside_pass"] += 1
             return
         try:
-            self._capture_module(current, name, value, is_input)
+            if current.selected:
+                self._capture_module(current, name, value, is_input)
+            else:
+                self._judge_unselected(current, value, is_input)
         except Exception as e:
             self._report_run_error(name, e)
+
+    def _judge_unselected(self, current: _Pass, value: Any, is_input: bool) -> None:
+        """A pass that STEPS does not keep still runs the gates, copying nothing: a warm-up step must
+        take no pass index even when that index is unselected, or every later pass number shifts."""
+        settings = self.settings
+        if not gates.row_gate_allows(self._rows, settings.max_rows):
+            current.gated += 1
+            return
+        leaves = flatten_inputs(*value) if is_input else list(flatten_tensors(value))
+        if leaves and not gates.token_gate_allows(leaves[0][1], settings.tokens, settings.token_dim):
+            current.gated += 1
+        elif leaves:
+            current.kept += 1  # would have been kept: a real step, which takes its index
 
     def _capture_module(self, current: _Pass, name: str, value: Any, is_input: bool) -> None:
         settings = self.settings
@@ -468,6 +487,9 @@ class Dumper:
             return
         current = self._pass
         if current is not None and not current.selected:
+            current.kept += 1  # a real step's record: the pass keeps its index (see _judge_unselected)
+            if once:  # the first real write happened, STEPS just did not keep it
+                self._once_tags.add(tag)
             return
         if self._failure is not None:
             self.skipped["after_failure"] += 1

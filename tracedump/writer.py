@@ -233,9 +233,16 @@ class Writer:
     def _seal_stats(self) -> None:
         if self._stats_handle is None:
             return
-        self._stats_handle.close()
-        self._stats_handle = None
-        os.replace(self.run_dir / STATS_PARTIAL, self.run_dir / STATS_FILE)
+        handle, self._stats_handle = self._stats_handle, None
+        try:
+            # After a failed append the lines are still buffered: closing retries them and, on a
+            # full disk, fails again. close() must not raise into the host, so report it instead.
+            handle.close()
+            os.replace(self.run_dir / STATS_PARTIAL, self.run_dir / STATS_FILE)
+        except OSError as e:
+            if self.failure is None:
+                self.failure = f"writing {self.run_dir / STATS_PARTIAL} failed: {type(e).__name__}: {e}"
+                self._on_error(self.failure)
 
     def _drop(self, job: Job) -> None:
         self.totals.dropped_jobs += 1

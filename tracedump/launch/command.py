@@ -1,16 +1,241 @@
-"""``tracedump run`` (placeholder until the launcher lands)."""
+"""``tracedump run [options] -- COMMAND [ARGS...]``: dump a program that never heard of tracedump.
+
+The settings become ``TRACEDUMP_DUMP_*`` env vars, validated here first (a bad value exits 2 before
+COMMAND starts), and the bootstrap folder goes first on ``PYTHONPATH``; every Python process under
+COMMAND, spawned or forked, inherits both. The exit status of COMMAND is passed through (128+N when
+a signal N ended it) and a summary of the run dirs written is printed to stderr at the end.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import Any
+
+DEFAULT_DIR = "tracedump_out"
+BOOTSTRAP_DIR = Path(__file__).resolve().parent
+EXIT_USAGE = 2
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+_FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+# (flag, settings field, help). Only flags given on the command line are exported; an env var set by
+# the caller for any other field is inherited unchanged.
+_VALUE_FLAGS = (
+    ("--filter-fn", "filter_fn", "'pkg.mod:func' or '/path/file.py:func': a (name, module) -> bool predicate"),
+    ("--modules", "modules", "leaves (default) or all"),
+    ("--mode", "mode", "full (default), last_row or stats"),
+    ("--steps", "steps", "pass indices to keep, e.g. '0,3,10-20' (default: all)"),
+    ("--tokens", "tokens", "capture only outputs whose token dimension has this size"),
+    ("--token-dim", "token_dim", "0 for [tokens, hidden] (default), 1 for [batch, seq, hidden]"),
+    ("--max-rows", "max_rows", "skip steps whose reported rows exceed this"),
+    ("--stats", "stats", "stats mode: comma list of statistics"),
+    ("--max-pending-bytes", "max_pending_bytes", "host memory cap for captures not yet on disk"),
+)
 
 
 def add_run_parser(sub: Any) -> None:
-    parser = sub.add_parser("run", help="run a command with dumping on in every Python process")
-    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    """The ``run`` subcommand of the ``tracedump`` CLI."""
+    parser = sub.add_parser(
+        "run",
+        help="run a command with dumping on in every Python process it starts",
+        description="Run COMMAND with dumping on in every Python process it starts (and their "
+        "children), without any change to their code. Each root module (one called while no other "
+        "module runs) is attached at its first call; each root forward is one pass.",
+        epilog="Example: tracedump run --dir /tmp/dump --filter 'layers\\.0\\.' -- python serve.py",
+    )
+    parser.add_argument(
+        "--dir",
+        help=f"dump directory (default: $TRACEDUMP_DUMP_DIR if set, else ./{DEFAULT_DIR})",
+    )
+    parser.add_argument(
+        "--filter",
+        action="append",
+        metavar="REGEX",
+        help="dump only modules whose dotted name matches (re.search); repeat for several",
+    )
+    for flag, field, text in _VALUE_FLAGS:
+        parser.add_argument(flag, dest=field, help=text)
+    parser.add_argument(
+        "--inputs", action="store_true", default=None, help="also capture each selected module's inputs"
+    )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="set TORCHDYNAMO_DISABLE=1 so torch.compile runs eagerly and every hook fires",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no summary at the end")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
     parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    """Validate, launch, wait, summarise; the return value is COMMAND's exit status."""
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("tracedump run: no COMMAND given (usage: tracedump run [options] -- COMMAND ...)", file=sys.stderr)
+        return EXIT_USAGE
+    env = child_env(os.environ, args)
+    error = validate_settings(env)
+    if error:
+        print(f"{error}\ntracedump run: COMMAND not started.", file=sys.stderr)
+        return EXIT_USAGE
+    dump_dir = Path(env["TRACEDUMP_DUMP_DIR"])
+    before = _run_dir_names(dump_dir)
+    if not args.quiet:
+        print(f"tracedump run: dumping to {dump_dir}", file=sys.stderr)
+    status = launch(command, env)
+    if not args.quiet:
+        _print_summary(dump_dir, before, status)
+    return status
+
+
+def child_env(environ: Mapping[str, str], args: argparse.Namespace) -> dict[str, str]:
+    """The environment of COMMAND: the caller's, the flags as ``TRACEDUMP_DUMP_*``, the bootstrap."""
+    from ..settings import env_name
+
+    env = dict(environ)
+    directory = args.dir or env.get(env_name("dir")) or DEFAULT_DIR
+    env[env_name("dir")] = str(Path(directory).expanduser().resolve())
+    if args.filter or args.filter_fn:  # a filter flag replaces an inherited filter of either kind
+        env.pop(env_name("filter"), None)
+        env.pop(env_name("filter_fn"), None)
+    if args.filter:
+        env[env_name("filter")] = json.dumps(args.filter)
+    for _flag, field, _text in _VALUE_FLAGS:
+        value = getattr(args, field)
+        if value is not None:
+            env[env_name(field)] = str(value)
+    if args.inputs:
+        env[env_name("inputs")] = "1"
+    if args.no_compile:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    env["PYTHONPATH"] = _with_bootstrap_first(env.get("PYTHONPATH", ""))
+    return env
+
+
+def _with_bootstrap_first(pythonpath: str) -> str:
+    entries = [p for p in pythonpath.split(os.pathsep) if p and Path(p).resolve() != BOOTSTRAP_DIR]
+    return os.pathsep.join([str(BOOTSTRAP_DIR), *entries])
+
+
+def validate_settings(env: Mapping[str, str]) -> str | None:
+    """The error message for a bad setting (as the children would meet it), or None."""
+    from ..settings import ConfigError, load_settings
+
+    with _environ(env):
+        try:
+            load_settings(None)
+        except ConfigError as error:
+            return str(error)
+    return None
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """Make ``env`` the process environment for the block (pydantic-settings reads os.environ)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def launch(command: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run COMMAND to its end and return its status: its exit code, or 128+N if signal N ended it.
+
+    Ctrl-C reaches COMMAND from the terminal (same process group), so the launcher itself ignores
+    SIGINT and stays to write the summary; SIGTERM, SIGHUP and friends sent to the launcher alone are
+    forwarded to COMMAND.
+    """
+    executable = shutil.which(command[0], path=env.get("PATH"))
+    try:
+        child = subprocess.Popen([executable or command[0], *command[1:]], env=dict(env))
+    except FileNotFoundError:
+        print(f"tracedump run: command not found: {command[0]}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except PermissionError as error:
+        print(f"tracedump run: cannot execute {command[0]}: {error}", file=sys.stderr)
+        return EXIT_NOT_EXECUTABLE
+    with _signals_forwarded_to(child):
+        returncode = child.wait()
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@contextlib.contextmanager
+def _signals_forwarded_to(child: subprocess.Popen[bytes]) -> Iterator[None]:
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for name in _FORWARDED_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is not None:
+                previous[signum] = signal.signal(signum, forward)
+    except ValueError:  # not the main thread (the CLI called from a thread): leave signals alone
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_dir_names(dump_dir: Path) -> set[str]:
+    return {p.name for p in dump_dir.iterdir()} if dump_dir.is_dir() else set()
+
+
+def _print_summary(dump_dir: Path, before: set[str], status: int) -> None:
+    """What COMMAND's processes wrote under ``dump_dir`` (run dirs new since the launch), to stderr."""
+    lines = [f"tracedump run: COMMAND exited with status {status}"]
+    try:
+        lines += summary_lines(dump_dir, before)
+    except Exception as error:  # the summary must never hide COMMAND's status
+        lines.append(f"tracedump run: cannot read {dump_dir}: {type(error).__name__}: {error}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
+    """One line per run dir written since ``before``: root, rank, pid, passes, bytes, completeness."""
+    from ..cli import _human_bytes
+    from ..loader import open_dump
+
+    new = _run_dir_names(dump_dir) - before
+    if not new:
+        return [
+            f"tracedump run: nothing written to {dump_dir}: no Python process under COMMAND ran a "
+            "torch module forward (or Python started with -S/-I/-E, which skip the bootstrap)."
+        ]
+    runs = [run for run in open_dump(dump_dir).runs if run.path.name in new]
+    total = sum(_passes(run.manifest).get("bytes", 0) for run in runs)
+    lines = [f"tracedump run: {len(runs)} run dir(s) in {dump_dir}, {_human_bytes(total)}"]
+    for run in runs:
+        passes = _passes(run.manifest)
+        state = "complete" if run.complete else f"INCOMPLETE ({run.manifest.get('incomplete_reason')})"
+        lines.append(
+            f"  {run.name}: root {run.manifest.get('root')}, rank {run.rank}/"
+            f"{run.manifest.get('world_size')}, {passes.get('count', 0)} passes, "
+            f"{_human_bytes(passes.get('bytes', 0))}, {state}"
+        )
+    return lines
+
+
+def _passes(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    passes = manifest.get("passes")
+    return passes if isinstance(passes, dict) else {}
