@@ -177,7 +177,7 @@ class Dumper:
         self.modules = select_modules(model, settings)
         self._handles = self._register(model)
         self._writer = self._start_writer()
-        atexit.register(self.close)
+        self._flush_at_exit()
         _active.append(self)
 
     # ---------------------------------------------------------------- set-up
@@ -250,6 +250,14 @@ class Dumper:
         )
         self._writer.write_manifest(complete=False, incomplete_reason=failure)
 
+    def _flush_at_exit(self) -> None:
+        """Close at interpreter exit. Forked multiprocessing workers leave through ``os._exit``,
+        which skips atexit but runs multiprocessing's finalizers, so register there too."""
+        atexit.register(self.close)
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util.Finalize(self, self.close, exitpriority=10)
+
     def _rebind_after_fork(self) -> None:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir."""
         self._pid = os.getpid()
@@ -259,6 +267,7 @@ class Dumper:
         self._loose = []
         self.run_dir = self._make_run_dir()
         self._writer = self._start_writer()
+        self._flush_at_exit()
 
     # ---------------------------------------------------------------- public API
 
@@ -376,7 +385,7 @@ class Dumper:
             return
         self._next_index = current.index + 1
         try:
-            if current.entries or current.parts:
+            if current.entries:  # a pass whose last capture was spilled has no tail: no empty part file
                 part = current.parts + 1 if current.parts else None
                 self._writer.submit(
                     PassJob(current.index, part, self.settings.mode, current.entries, current.nbytes)
