@@ -20,6 +20,7 @@ import atexit
 import collections
 import contextlib
 import datetime as dt
+import itertools
 import os
 import platform
 import socket
@@ -52,6 +53,7 @@ from .settings import (
 from .writer import MANIFEST, RECORDS_FILE, PassJob, StatsJob, Writer
 
 _active: list[Dumper] = []
+_serials = itertools.count()
 # Skips the settings asked for: reported in the summary, not warned about.
 _INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
 
@@ -170,6 +172,7 @@ class Dumper:
         self._step_counts: collections.Counter[str] = collections.Counter()
         self._loose: list[tuple[str, torch.Tensor, Any]] = []
         self._failure: str | None = None
+        self._serial = next(_serials)  # keys this dumper's one-time warnings (ids get reused)
         self._closed = False
         self.rank, self.world_size = _rank_and_world()
         self._pid = os.getpid()
@@ -244,7 +247,7 @@ class Dumper:
     def _on_write_error(self, failure: str) -> None:
         self._failure = failure
         warn_once(
-            f"write_error_{id(self)}",
+            f"write_error_{self._serial}",
             f"tracedump: {failure}. Dumping stopped; the model "
             f"continues. {self.run_dir / MANIFEST} is marked incomplete.",
         )
@@ -402,6 +405,8 @@ class Dumper:
         if current is None or self._suspended():
             if current is None and not self._suspended():
                 self.skipped["outside_pass"] += 1
+            elif current is not None:
+                current.gated += 1  # profiling inside an open step: that step, too, takes no index
             return
         try:
             if current.selected:
@@ -518,7 +523,7 @@ class Dumper:
     def _report_run_error(self, where: str, error: Exception) -> None:
         self.skipped["errors"] += 1
         warn_once(
-            f"run_error_{id(self)}",
+            f"run_error_{self._serial}",
             f"tracedump: capture failed at {where}: "
             f"{type(error).__name__}: {error}. The model continues; further failures are only "
             f"counted (manifest 'skipped.errors').",
@@ -545,7 +550,7 @@ class Dumper:
         losses = {k: v for k, v in skipped.items() if k not in _INTENDED_SKIPS}
         if losses and self._failure is None:
             warn_once(
-                f"skipped_{id(self)}",
+                f"skipped_{self._serial}",
                 f"tracedump: {self.run_dir}: captures lost: {losses} (see manifest.json 'skipped')",
             )
 

@@ -72,8 +72,14 @@ def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     return size
 
 
-def json_number(value: float) -> float | str:
-    """NaN and infinities become the strings ``"nan"``, ``"inf"``, ``"-inf"``: strict JSON stays valid."""
+_COUNT_STATS = frozenset({"nan_count", "inf_count"})
+
+
+def json_number(value: float, name: str = "") -> float | int | str:
+    """NaN and infinities become the strings ``"nan"``, ``"inf"``, ``"-inf"``: strict JSON stays valid.
+    Counts are written as integers."""
+    if name in _COUNT_STATS:
+        return int(value)
     if math.isfinite(value):
         return value
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
@@ -118,7 +124,7 @@ class StatsJob:
         for base, names, values, event in self.records:
             wait_for(event)
             record = dict(base)
-            record.update({n: json_number(v) for n, v in zip(names, values.tolist(), strict=True)})
+            record.update({n: json_number(v, n) for n, v in zip(names, values.tolist(), strict=True)})
             lines.append(json.dumps(record, allow_nan=False))
         writer.append_stats(lines)
         writer.note_file(self.index, 0, is_pass=True)
