@@ -8,6 +8,13 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread() -> None:
+    """Tiny forwards on 2 cores: OpenMP workers spin-waiting beside tracedump's writer thread make them
+    ~20x slower. One intra-op thread keeps the suite fast; numbers do not depend on it."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _no_tracedump_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts with no TRACEDUMP_* variable, whatever the developer's shell exports."""

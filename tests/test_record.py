@@ -1,0 +1,247 @@
+"""Manual records: ``dumper.record``/``record_step`` and the module-level ``tracedump.record*``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tracedump
+import tracedump.dumper
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread() -> Iterator[None]:
+    """Tiny forwards on a 2-core host: OpenMP spin-waits next to the writer thread cost ~20x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _attach(model: nn.Module, tmp_path: Path, **fields: object) -> tracedump.Dumper:
+    fields.setdefault("filter", ["lm_head"])
+    dumper = tracedump.attach(model, tracedump.DumpConfig(dir=tmp_path, **fields))
+    assert dumper is not None
+    return dumper
+
+
+def _passes(dumper: tracedump.Dumper) -> dict[int, dict[str, torch.Tensor]]:
+    run = tracedump.open_dump(dumper.run_dir).run()
+    return {index: pass_file.load() for index, pass_file in run.passes.items()}
+
+
+def _records(dumper: tracedump.Dumper) -> dict[str, torch.Tensor]:
+    records = tracedump.open_dump(dumper.run_dir).run().records
+    return records.load() if records is not None else {}
+
+
+def _ids(seq: int) -> torch.Tensor:
+    return torch.arange(seq)[None, :] % 64
+
+
+# --------------------------------------------------------------------------- record_step
+
+
+def test_record_step_numbers_each_tag_per_call_from_zero(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path) as dumper, torch.inference_mode():
+        for step in range(3):
+            with dumper.step():
+                llama(_ids(2))
+                dumper.record_step("margin", torch.tensor([float(step)]))
+                dumper.record_step("entropy", torch.tensor([10.0 + step]))
+    passes = _passes(dumper)
+    for step in range(3):
+        assert passes[step]["margin_" + str(step)].item() == float(step)
+        assert passes[step]["entropy_" + str(step)].item() == 10.0 + step
+        assert sorted(k for k in passes[step] if k != "lm_head") == [f"entropy_{step}", f"margin_{step}"]
+
+
+def test_record_step_outside_every_pass_goes_to_the_records_file(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path) as dumper:
+        for value in (0.5, 0.25):
+            dumper.record_step("margin", torch.tensor(value))
+    assert _passes(dumper) == {}
+    records = _records(dumper)
+    assert list(records) == ["margin_0", "margin_1"]
+    assert records["margin_0"].item() == 0.5 and records["margin_1"].item() == 0.25
+    assert tracedump.open_dump(dumper.run_dir).run().manifest["records_file"] == "records.safetensors"
+
+
+def test_row_gated_record_step_uses_no_number(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path, max_rows=1) as dumper, torch.inference_mode():
+        dumper.set_rows(4)
+        with dumper.step():  # a warm-up: no pass index, no margin number
+            llama(_ids(2).expand(4, 2))
+            dumper.record_step("margin", torch.ones(4))
+        dumper.set_rows(1)
+        with dumper.step():
+            llama(_ids(2))
+            dumper.record_step("margin", torch.full((1,), 7.0))
+    passes = _passes(dumper)
+    assert list(passes) == [0]
+    assert passes[0]["margin_0"].tolist() == [7.0]
+
+
+# --------------------------------------------------------------------------- once
+
+
+def test_record_once_keeps_the_first_write(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path) as dumper, torch.inference_mode():
+        for step in range(3):
+            with dumper.step():
+                logits = llama(_ids(3 + step)).logits[:, -1, :]
+                dumper.record("prefill_logits", logits, once=True)
+                if step == 0:
+                    first = logits.clone()
+    passes = _passes(dumper)
+    assert torch.equal(passes[0]["prefill_logits"], first)
+    assert "prefill_logits" not in passes[1] and "prefill_logits" not in passes[2]
+
+
+def test_record_once_outside_a_pass_keeps_the_first_value(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path) as dumper:
+        dumper.record("config_ids", torch.tensor([1, 2]), once=True)
+        dumper.record("config_ids", torch.tensor([9, 9]), once=True)
+    assert _records(dumper)["config_ids"].tolist() == [1, 2]
+
+
+def test_a_row_gated_or_profiled_once_record_does_not_use_up_the_once(
+    llama: nn.Module, tmp_path: Path
+) -> None:
+    with _attach(llama, tmp_path, max_rows=1) as dumper:
+        dumper.set_rows(8)
+        dumper.record("logits", torch.zeros(2), once=True)  # warm-up batch: refused
+        dumper.set_rows(1)
+        with tracedump.profiling():
+            dumper.record("logits", torch.ones(2), once=True)  # profile run: suspended
+        dumper.record("logits", torch.full((2,), 3.0), once=True)
+        dumper.record("logits", torch.full((2,), 4.0), once=True)
+    assert _records(dumper)["logits"].tolist() == [3.0, 3.0]
+
+
+def test_repeated_record_without_once_gets_call_suffixes(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path) as dumper, torch.inference_mode(), dumper.step():
+        llama(_ids(2))
+        for value in range(3):
+            dumper.record("router_probs", torch.tensor([value]))
+    tensors = _passes(dumper)[0]
+    assert [tensors[k].item() for k in ("router_probs", "router_probs::call1", "router_probs::call2")] == [
+        0,
+        1,
+        2,
+    ]
+
+
+# --------------------------------------------------------------------------- what is stored
+
+
+@pytest.mark.parametrize("mode", ["full", "last_row", "stats"])
+def test_integer_records_are_stored_whole_and_as_is_in_every_mode(
+    llama: nn.Module, tmp_path: Path, mode: str
+) -> None:
+    expert_ids = torch.tensor([[3, 7], [0, 5], [2, 2]], dtype=torch.int64)
+    router_weights = torch.rand(3, 2, dtype=torch.float64)
+    with _attach(llama, tmp_path, mode=mode) as dumper, torch.inference_mode(), dumper.step():
+        llama(_ids(3))
+        dumper.record("expert_ids", expert_ids)
+        dumper.record("router_weights", router_weights)
+    tensors = _passes(dumper)[0]
+    assert tensors["expert_ids"].dtype == torch.int64
+    assert torch.equal(tensors["expert_ids"], expert_ids)
+    assert tensors["router_weights"].dtype == torch.float64
+    assert torch.equal(tensors["router_weights"], router_weights)
+
+
+def test_record_copies_the_value_at_call_time(llama: nn.Module, tmp_path: Path) -> None:
+    buffer = torch.zeros(4)
+    with _attach(llama, tmp_path) as dumper, dumper.step():
+        dumper.record("buffer", buffer)
+        buffer.fill_(5.0)  # an engine reusing its buffer must not change what was recorded
+    assert _passes(dumper)[0]["buffer"].tolist() == [0.0] * 4
+
+
+def test_record_accepts_numbers_and_lists_as_tensors(llama: nn.Module, tmp_path: Path) -> None:
+    with _attach(llama, tmp_path) as dumper:
+        dumper.record("seq_len", 7)
+        dumper.record("token_ids", [4, 5, 6])
+    records = _records(dumper)
+    assert records["seq_len"].item() == 7 and records["token_ids"].tolist() == [4, 5, 6]
+
+
+def test_record_in_a_steps_unselected_pass_writes_nothing_but_keeps_numbering(
+    llama: nn.Module, tmp_path: Path
+) -> None:
+    with _attach(llama, tmp_path, steps="1") as dumper, torch.inference_mode():
+        for step in range(2):
+            with dumper.step():
+                llama(_ids(2))
+                dumper.record("logits", torch.full((1,), float(step)), once=True)
+                dumper.record_step("margin", torch.full((1,), float(step)))
+    passes = _passes(dumper)
+    assert list(passes) == [1]
+    assert set(passes[1]) == {"lm_head", "margin_1"}  # the once-only write happened in pass 0
+
+
+# --------------------------------------------------------------------------- module-level API
+
+
+def test_module_level_record_without_a_dumper_is_a_no_op(tmp_path: Path) -> None:
+    assert tracedump.dumper.active_dumper() is None
+    assert tracedump.record("logits", torch.ones(3)) is None
+    assert tracedump.record("logits", torch.ones(3), once=True) is None
+    assert tracedump.record_step("margin", torch.ones(1)) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_module_level_record_goes_to_the_active_dumper_until_it_closes(
+    llama: nn.Module, tmp_path: Path
+) -> None:
+    with _attach(llama, tmp_path) as dumper, torch.inference_mode():
+        assert tracedump.dumper.active_dumper() is dumper
+        with dumper.step():
+            llama(_ids(2))
+            tracedump.record("token_ids", torch.tensor([11]))
+            tracedump.record("logits", torch.ones(2), once=True)
+            tracedump.record_step("margin", torch.tensor([0.5]))
+        with dumper.step():
+            llama(_ids(1))
+            tracedump.record("logits", torch.zeros(2), once=True)
+            tracedump.record_step("margin", torch.tensor([0.25]))
+    tracedump.record("after_close", torch.ones(1))  # no dumper is active any more: a no-op
+    passes = _passes(dumper)
+    assert set(passes[0]) == {"lm_head", "token_ids", "logits", "margin_0"}
+    assert set(passes[1]) == {"lm_head", "margin_1"}
+    assert passes[0]["token_ids"].tolist() == [11] and passes[1]["margin_1"].tolist() == [0.25]
+    assert _records(dumper) == {}
+
+
+def test_module_level_record_reaches_the_most_recently_attached_dumper(
+    llama: nn.Module, tmp_path: Path
+) -> None:
+    with _attach(llama, tmp_path / "first") as first:
+        with _attach(nn.Sequential(nn.Linear(2, 2)), tmp_path / "second", filter=None) as second:
+            tracedump.record("where", torch.tensor([2]))
+        tracedump.record("where", torch.tensor([1]))
+    assert _records(first)["where"].tolist() == [1]
+    assert _records(second)["where"].tolist() == [2]
