@@ -401,49 +401,51 @@ class Dumper:
     # ---------------------------------------------------------------- hot path
 
     def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
-        current = self._pass
-        if current is None or self._suspended():
-            if current is None and not self._suspended():
+        current, suspended = self._pass, self._suspended()
+        if current is None:
+            if not suspended:
                 self.skipped["outside_pass"] += 1
-            elif current is not None:
-                current.gated += 1  # profiling inside an open step: that step, too, takes no index
+            return
+        if suspended:
+            current.gated += 1  # profiling inside an open step: that step, too, takes no index
             return
         try:
+            leaves = self._gated_leaves(current, value, is_input)
+            if not leaves:
+                return
             if current.selected:
-                self._capture_module(current, name, value, is_input)
+                self._capture_module(current, name, leaves, is_input)
             else:
-                self._judge_unselected(current, value, is_input)
+                current.kept += 1  # would have been kept: a real step, which takes its pass index
         except Exception as e:
             self._report_run_error(name, e)
 
-    def _judge_unselected(self, current: _Pass, value: Any, is_input: bool) -> None:
-        """A pass that STEPS does not keep still runs the gates, copying nothing: a warm-up step must
-        take no pass index even when that index is unselected, or every later pass number shifts."""
+    def _gated_leaves(self, current: _Pass, value: Any, is_input: bool) -> list[tuple[str, torch.Tensor]]:
+        """The tensor leaves of a capture that the warm-up gates let through; none if refused.
+
+        The gates also run in passes that STEPS does not keep, copying nothing: a warm-up step must
+        take no pass index even when that index is unselected, or every later pass number shifts.
+        """
         settings = self.settings
         if not gates.row_gate_allows(self._rows, settings.max_rows):
-            current.gated += 1
-            return
+            return self._refuse(current, "row_gate")
         leaves = flatten_inputs(*value) if is_input else list(flatten_tensors(value))
         if leaves and not gates.token_gate_allows(leaves[0][1], settings.tokens, settings.token_dim):
-            current.gated += 1
-        elif leaves:
-            current.kept += 1  # would have been kept: a real step, which takes its index
+            return self._refuse(current, "token_gate")
+        return leaves
 
-    def _capture_module(self, current: _Pass, name: str, value: Any, is_input: bool) -> None:
+    def _refuse(self, current: _Pass, gate: str) -> list[tuple[str, torch.Tensor]]:
+        current.gated += 1
+        if current.selected:
+            self.skipped[gate] += 1
+        return []
+
+    def _capture_module(
+        self, current: _Pass, name: str, leaves: list[tuple[str, torch.Tensor]], is_input: bool
+    ) -> None:
         settings = self.settings
         if self._failure is not None:
             self.skipped["after_failure"] += 1
-            return
-        if not gates.row_gate_allows(self._rows, settings.max_rows):
-            current.gated += 1
-            self.skipped["row_gate"] += 1
-            return
-        leaves = flatten_inputs(*value) if is_input else list(flatten_tensors(value))
-        if not leaves:
-            return
-        if not gates.token_gate_allows(leaves[0][1], settings.tokens, settings.token_dim):
-            current.gated += 1
-            self.skipped["token_gate"] += 1
             return
         if stream_is_capturing():
             self.skipped["graph_capture"] += 1
