@@ -84,17 +84,24 @@ def attach(
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
+def original_module(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs; any other module itself."""
+    original = getattr(module, "_orig_mod", None)
+    if isinstance(original, nn.Module) and type(module).__name__ == "OptimizedModule":
+        return original
+    return module
+
+
 def _unwrap_compiled(model: nn.Module) -> nn.Module:
-    original = getattr(model, "_orig_mod", None)
-    if isinstance(original, nn.Module) and type(model).__name__ == "OptimizedModule":
+    original = original_module(model)
+    if original is not model:
         warn_once(
             f"compiled_{id(model)}",
             "tracedump: attach() got a torch.compile'd module; hooks go on the original module, "
             "which the compiled graph does not run. Call the original module (or use "
             "tracedump.resolve_compile() to skip compiling while dumping) to get captures.",
         )
-        return original
-    return model
+    return original
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -57,6 +57,8 @@ class OutputHook:
         self.name = name
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():  # Dynamo traces hooks: a host copy here would break the graph
+            return
         self.dumper._on_module_tensors(self.name, output, is_input=False)
 
     def __repr__(self) -> str:
@@ -73,6 +75,8 @@ class InputHook:
         self.name = name
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.dumper._on_module_tensors(self.name, (args, kwargs), is_input=True)
 
     def __repr__(self) -> str:
@@ -84,21 +88,22 @@ class RootPassHooks:
     opened one with ``dumper.step()``. The post hook is registered with ``always_call=True`` so a
     forward that raises still closes its pass."""
 
-    __slots__ = ("depth", "dumper", "opened")
+    __slots__ = ("dumper", "opened")
 
     def __init__(self, dumper: Dumper) -> None:
         self.dumper = dumper
-        self.depth = 0
-        self.opened: list[bool] = []
+        self.opened: list[bool] = []  # one entry per nested root call: did that call open the pass?
 
     def before(self, module: nn.Module, args: Any) -> None:
-        self.depth += 1
+        if torch.compiler.is_compiling():
+            return
         self.opened.append(self.dumper._open_auto_pass())
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.depth -= 1
+        if torch.compiler.is_compiling():
+            return
         if self.opened and self.opened.pop():
             self.dumper._close_pass()
 
     def __repr__(self) -> str:
-        return f"RootPassHooks(depth={self.depth})"
+        return f"RootPassHooks(depth={len(self.opened)})"

@@ -30,7 +30,7 @@ _FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 # (flag, settings field, help). Only flags given on the command line are exported; an env var set by
 # the caller for any other field is inherited unchanged.
 _VALUE_FLAGS = (
-    ("--filter-fn", "filter_fn", "'pkg.mod:func' or '/path/file.py:func': a (name, module) -> bool predicate"),
+    ("--filter-fn", "filter_fn", "'pkg.mod:func' or '/path/file.py:func': a (name, module) -> bool"),
     ("--modules", "modules", "leaves (default) or all"),
     ("--mode", "mode", "full (default), last_row or stats"),
     ("--steps", "steps", "pass indices to keep, e.g. '0,3,10-20' (default: all)"),
@@ -83,7 +83,7 @@ def run_command(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("tracedump run: no COMMAND given (usage: tracedump run [options] -- COMMAND ...)", file=sys.stderr)
+        print("tracedump run: no COMMAND given (tracedump run [options] -- COMMAND ...)", file=sys.stderr)
         return EXIT_USAGE
     env = child_env(os.environ, args)
     error = validate_settings(env)

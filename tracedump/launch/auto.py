@@ -1,0 +1,239 @@
+"""Auto-attach: dump every *root* module of a process whose code never mentions tracedump.
+
+The bootstrap (``sitecustomize``) calls :func:`install` once ``torch`` is imported. ``install`` reads
+the settings from the env (a bad value is reported once and leaves the process undisturbed) and
+registers one global forward pre-hook and one global forward hook, which keep a per-thread count of
+module forwards in progress. A module whose forward starts while that count is 0 is a **root**. At a
+root's first call a :class:`~tracedump.Dumper` is attached to it, exactly as ``attach(root)`` would
+(same selection, same keys, one pass per root forward), so dumps from an integrated engine and from
+``tracedump run`` compare directly.
+
+Root labels: the class name of the root (``LlamaForCausalLM``); a second distinct instance of the
+same class called as a root gets ``LlamaForCausalLM#2``, then ``#3``, in order of first call. The
+label is the manifest's ``"root"``; the first dumper of a process writes ``rank<R>_pid<P>/``, later
+ones ``rank<R>_pid<P>-2/``, ``-3/`` in order of first call too.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from ..cuda import warn_once
+from ..dumper import Dumper, original_module
+from ..hooks import RootPassHooks
+from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
+
+# multiprocessing runs its finalizers before a forked worker's os._exit(), when atexit does not run.
+
+_installed: AutoAttach | None = None
+
+
+@dataclass
+class _Root:
+    """A module seen as a root: its label and its dumper (None when it is dumped some other way)."""
+
+    module: weakref.ref[nn.Module]
+    label: str
+    dumper: Dumper | None
+
+
+def install(env_prefix: str = DEFAULT_ENV_PREFIX) -> AutoAttach | None:
+    """Register the global hooks, once per process, if ``<prefix>DUMP_DIR`` is set and the settings
+    are valid. Returns the :class:`AutoAttach`, or None when dumping is off or misconfigured."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    if not dump_dir_requested(None, env_prefix):
+        return None
+    try:
+        settings = load_settings(None, env_prefix)
+    except ConfigError as error:
+        print(f"{error}\ntracedump: nothing is dumped in pid {os.getpid()}.", file=sys.stderr)
+        return None
+    if not settings.enabled:
+        return None
+    _installed = AutoAttach(settings, env_prefix)
+    _installed.register()
+    return _installed
+
+
+def installed() -> AutoAttach | None:
+    """The process's :class:`AutoAttach`, if :func:`install` registered one."""
+    return _installed
+
+
+class AutoAttach:
+    """Global module hooks that find roots and give each one a dumper at its first call."""
+
+    def __init__(self, settings: DumpSettings, env_prefix: str = DEFAULT_ENV_PREFIX) -> None:
+        self.settings = settings
+        self.env_prefix = env_prefix
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._roots: dict[int, _Root] = {}
+        self._label_counts: collections.Counter[str] = collections.Counter()
+        self._handles: list[Any] = []
+        # Whether torch runs a pre-hook that a global pre-hook registered on the same call: it does
+        # not today (it snapshots the hooks first), so the first call's pre-hooks are replayed.
+        self._late_hooks_fire = _late_pre_hooks_fire()
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    # ------------------------------------------------------------------ public
+
+    def register(self) -> None:
+        self._handles = [
+            torch_module.register_module_forward_pre_hook(self._before),
+            torch_module.register_module_forward_hook(self._after, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        """Remove the global hooks and close every dumper made here (tests, or a host that is done)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.close_dumpers()
+
+    @property
+    def roots(self) -> dict[str, Dumper | None]:
+        """Label -> dumper of every root seen so far, in order of first call."""
+        return {root.label: root.dumper for root in self._roots.values()}
+
+    def close_dumpers(self) -> None:
+        """Flush and close every dumper made here (safe twice; a dumper inherited over fork and
+        never used in this process writes nothing)."""
+        for root in list(self._roots.values()):
+            if root.dumper is not None:
+                root.dumper.close()
+
+    # ------------------------------------------------------------------ global hooks
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # a traced forward: stay out of Dynamo's graph
+            return
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0:
+            try:
+                self._on_root_call(module, args)
+            except Exception as error:  # never break the host's forward
+                warn_once(
+                    "auto_attach_error",
+                    f"tracedump: auto-attach failed at {type(module).__name__}: "
+                    f"{type(error).__name__}: {error}. The program continues.",
+                )
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
+
+    # ------------------------------------------------------------------ roots
+
+    def _on_root_call(self, module: nn.Module, args: Any) -> None:
+        target = original_module(module)
+        if self._known(target):
+            return
+        with self._lock:
+            if self._known(target):  # another thread got here first
+                return
+            root = self._new_root(module, target)
+        if root.dumper is not None and target is module and not self._late_hooks_fire:
+            _replay_pre_hooks(root.dumper, module, args)
+
+    def _known(self, target: nn.Module) -> bool:
+        root = self._roots.get(id(target))
+        return root is not None and root.module() is target
+
+    def _new_root(self, module: nn.Module, target: nn.Module) -> _Root:
+        label = self._next_label(target)
+        dumper = None if _attached_explicitly(target) else self._attach(module, label)
+        key = id(target)
+        root = _Root(weakref.ref(target, lambda _ref: self._roots.pop(key, None)), label, dumper)
+        self._roots[key] = root
+        return root
+
+    def _next_label(self, target: nn.Module) -> str:
+        name = type(target).__name__
+        self._label_counts[name] += 1
+        count = self._label_counts[name]
+        return name if count == 1 else f"{name}#{count}"
+
+    def _attach(self, module: nn.Module, label: str) -> Dumper | None:
+        if original_module(module) is not module:
+            warn_once(
+                "auto_compiled_root",
+                f"tracedump run: the root {label} is torch.compile'd, and a compiled graph does not "
+                "run forward hooks: expect missing captures. Re-run with `tracedump run --no-compile` "
+                "(TORCHDYNAMO_DISABLE=1) or the engine's eager flag.",
+            )
+        try:
+            return Dumper(
+                original_module(module), self.settings, env_prefix=self.env_prefix, root_label=label
+            )
+        except Exception as error:
+            warn_once(
+                f"auto_attach_{label}",
+                f"tracedump: cannot dump root {label}: {type(error).__name__}: {error}",
+            )
+            return None
+
+    # ------------------------------------------------------------------ processes
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the parent may have held it while forking
+
+
+def _attached_explicitly(module: nn.Module) -> bool:
+    """An integrated engine already called ``attach()`` on this module: leave it to that dumper."""
+    return any(isinstance(getattr(hook, "__self__", None), RootPassHooks) for hook in _pre_hooks(module))
+
+
+def _pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    return list(getattr(module, "_forward_pre_hooks", {}).values())
+
+
+def _replay_pre_hooks(dumper: Dumper, module: nn.Module, args: Any) -> None:
+    """Run, for this one call, the pre-hooks the new dumper put on ``module`` (the pass opener, and
+    the input capture when ``INPUTS=1``): torch chose the call's pre-hooks before ours ran.
+
+    A global pre-hook sees no keyword arguments, so an input capture replayed here records the
+    positional inputs only.
+    """
+    hooks = module._forward_pre_hooks
+    with_kwargs = module._forward_pre_hooks_with_kwargs
+    for handle in dumper._handles:
+        if handle.hooks_dict_ref() is not hooks or handle.id not in hooks:
+            continue
+        hook = hooks[handle.id]
+        if handle.id in with_kwargs:
+            hook(module, args, {})
+        else:
+            hook(module, args)
+
+
+def _late_pre_hooks_fire() -> bool:
+    """Probe this torch: does a pre-hook registered by a global pre-hook run on that same call?"""
+    probe = nn.Identity()
+    fired: list[bool] = []
+
+    def register_late(module: nn.Module, args: Any) -> None:
+        if module is probe and not probe._forward_pre_hooks:
+            probe.register_forward_pre_hook(lambda *_: fired.append(True))
+
+    handle = torch_module.register_module_forward_pre_hook(register_late)
+    try:
+        probe(torch.zeros(()))
+    finally:
+        handle.remove()
+    return bool(fired)
