@@ -156,3 +156,49 @@ def test_the_loader_ls_and_the_run_summary_show_every_rank(
     assert all(name in listing for name in expected)
     assert "4 run dir(s)" in launcher_stderr
     assert all(f"{name}: root LlamaForCausalLM" in launcher_stderr for name in expected)
+
+
+EARLY_ATTACH_PROGRAM = """
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+import tracedump
+
+OUT, PORT = sys.argv[1], sys.argv[2]
+
+
+def worker(rank):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    dumper = tracedump.attach(model)  # before the group exists, and no RANK env var
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=rank, world_size=2)
+    model(torch.full((1, 4), float(rank)))
+    dumper.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch_mp.start_processes(worker, nprocs=2, start_method="fork")
+"""
+
+
+def test_attach_before_init_process_group_still_writes_one_dir_per_rank(tmp_path):
+    import subprocess
+
+    program = tmp_path / "early.py"
+    program.write_text(EARLY_ATTACH_PROGRAM)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["TRACEDUMP_DUMP_DIR"] = str(tmp_path / "dump")
+    subprocess.run(
+        [sys.executable, str(program), str(tmp_path), str(free_port())], env=env, check=True, timeout=120
+    )
+
+    runs = tracedump.open_dump(tmp_path / "dump").runs
+    assert sorted(r.rank for r in runs) == [0, 1]
+    for run in runs:
+        assert run.path.name.startswith(f"rank{run.rank}_pid")
+        assert run.manifest["rank"] == run.rank and run.manifest["world_size"] == 2
+        assert run.complete
+        assert run.passes[0].names == ["0"] and run.passes[0].info("0").shape == (1, 4)

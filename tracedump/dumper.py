@@ -104,15 +104,21 @@ def _unwrap_compiled(model: nn.Module) -> nn.Module:
     return original
 
 
-def _rank_and_world() -> tuple[int, int]:
+def _rank_and_world() -> tuple[int, int, bool]:
+    """Rank and world size from RANK/WORLD_SIZE, else torch.distributed, else (0, 1).
+
+    The third value says the rank is only a guess (no env var, no process group yet): an engine may
+    attach before ``init_process_group``, so the dumper settles it at its first pass.
+    """
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     dist = torch.distributed
     initialised = dist.is_available() and dist.is_initialized()
+    provisional = rank is None and not initialised
     if rank is None:
         rank = str(dist.get_rank()) if initialised else "0"
     if world is None:
         world = str(dist.get_world_size()) if initialised else "1"
-    return int(rank), int(world)
+    return int(rank), int(world), provisional
 
 
 class _Pass:
@@ -181,7 +187,7 @@ class Dumper:
         self._failure: str | None = None
         self._serial = next(_serials)  # keys this dumper's one-time warnings (ids get reused)
         self._closed = False
-        self.rank, self.world_size = _rank_and_world()
+        self.rank, self.world_size, self._rank_provisional = _rank_and_world()
         self._pid = os.getpid()
         self.run_dir = self._make_run_dir()
         self.modules = select_modules(model, settings)
@@ -192,17 +198,21 @@ class Dumper:
 
     # ---------------------------------------------------------------- set-up
 
+    def _free_run_dir_name(self, base: Path) -> Path:
+        run_dir = base / f"rank{self.rank}_pid{self._pid}"
+        serial = 1
+        while run_dir.exists():  # a second dumper in this process gets its own dir
+            serial += 1
+            run_dir = base / f"rank{self.rank}_pid{self._pid}-{serial}"
+        return run_dir
+
     def _make_run_dir(self) -> Path:
         base = Path(self.settings.dir).expanduser()  # type: ignore[arg-type]
         try:
             if not base.exists():
                 base.mkdir(parents=True, mode=0o700)
                 os.chmod(base, 0o700)
-            run_dir = base / f"rank{self.rank}_pid{self._pid}"
-            serial = 1
-            while run_dir.exists():  # a second dumper in this process gets its own dir
-                serial += 1
-                run_dir = base / f"rank{self.rank}_pid{self._pid}-{serial}"
+            run_dir = self._free_run_dir_name(base)
             run_dir.mkdir(mode=0o700)
             os.chmod(run_dir, 0o700)
             with tempfile.TemporaryFile(dir=run_dir):
@@ -259,6 +269,26 @@ class Dumper:
             f"continues. {self.run_dir / MANIFEST} is marked incomplete.",
         )
         self._writer.write_manifest(complete=False, incomplete_reason=failure)
+
+    def _settle_rank(self) -> None:
+        """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
+        before the first pass, so that every rank does not write a ``rank0`` dir."""
+        self._rank_provisional = False
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank, world) == (self.rank, self.world_size):
+            return
+        self.rank, self.world_size = rank, world
+        moved = self._free_run_dir_name(self.run_dir.parent)
+        try:
+            os.rename(self.run_dir, moved)
+        except OSError as e:
+            self._report_run_error("moving the run dir to its rank", e)
+            return
+        self.run_dir = self._writer.run_dir = moved
+        self._writer.write_manifest(rank=rank, world_size=world)
 
     def _flush_at_exit(self) -> None:
         """Close at interpreter exit. Forked multiprocessing workers leave through ``os._exit``,
@@ -379,6 +409,8 @@ class Dumper:
             return False
         if os.getpid() != self._pid:
             self._rebind_after_fork()
+        if self._rank_provisional:
+            self._settle_rank()
         index = self._next_index
         self._pass = _Pass(index, selected=index in self._steps and self._failure is None)
         return True
