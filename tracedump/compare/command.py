@@ -1,17 +1,110 @@
-"""``tracedump diff`` (placeholder until the comparator lands)."""
+"""``tracedump diff A B``: the argparse front of the comparator (see docs/comparator.md)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
+
+EXIT_USAGE = 2
+
+_DESCRIPTION = """\
+Compare dump A (the run under test) with dump B (the reference) and name the first tensor, in
+execution order, whose difference exceeds tolerance. A and B are each a dump dir, a run dir
+(rank<R>_pid<P>) or a pass file. Default tolerances depend on the dtypes (docs/comparator.md).
+"""
+_EPILOG = """\
+exit codes: 0 no divergence, 1 divergence found, 2 usage error or unreadable input.
+examples:
+  tracedump diff /tmp/dump_engine /tmp/dump_hf
+  tracedump diff A B --pass 0 --filter 'layers\\.(0|1)\\.'
+  tracedump diff A B --map '^model\\.layers\\.(\\d+)\\.self_attn=transformer.h.\\1.attn'
+  tracedump diff TP2 TP1 --unshard 'q_proj|k_proj|v_proj|gate_proj|up_proj=cat:-1' \\
+                         --unshard 'o_proj|down_proj=sum'
+"""
 
 
 def add_diff_parser(sub: Any) -> None:
-    parser = sub.add_parser("diff", help="compare two dumps and name the first divergent module")
-    parser.add_argument("a")
-    parser.add_argument("b")
+    parser = sub.add_parser(
+        "diff",
+        help="compare two dumps and name the first divergent module",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("a", type=Path, help="the run under test")
+    parser.add_argument("b", type=Path, help="the reference")
+    parser.add_argument(
+        "--pass",
+        dest="passes",
+        metavar="N",
+        help="compare pass N only (also 0,3,5-7); default: every pass in both",
+    )
+    parser.add_argument(
+        "--rank", type=int, metavar="R", help="the rank to compare (default: rank 0 / the only run)"
+    )
+    parser.add_argument(
+        "--filter", metavar="REGEX", help="compare only names where REGEX is found (re.search)"
+    )
+    parser.add_argument(
+        "--map",
+        dest="maps",
+        action="append",
+        default=[],
+        metavar="PATTERN=REPL",
+        help="rename A's names before matching (re.sub; repeatable, applied in order; split at the last '=')",
+    )
+    parser.add_argument(
+        "--unshard",
+        action="append",
+        default=[],
+        metavar="REGEX=cat:DIM|sum",
+        help="join a multi-rank side's tensors: cat along DIM, or sum partial results (repeatable)",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=("rel_diff", "max_abs", "cosine"),
+        default="rel_diff",
+        help="what must stay under tolerance",
+    )
+    parser.add_argument("--rtol", type=float, help="relative threshold (overrides the dtype default)")
+    parser.add_argument("--atol", type=float, help="absolute threshold (overrides the dtype default)")
+    parser.add_argument(
+        "--json", dest="json_path", metavar="PATH", help="write the full per-tensor report ('-': stdout)"
+    )
+    parser.add_argument(
+        "--plot", dest="plot_path", type=Path, metavar="PATH.png", help="plot the error along execution order"
+    )
+    parser.add_argument(
+        "--max-rows", type=int, default=500, metavar="N", help="table rows before ok rows are hidden (0: all)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     parser.set_defaults(func=run_diff)
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from .diff import run
+    from .options import DiffOptions, NameMap, UnshardRule, UsageError, compile_regex, parse_passes
+
+    try:
+        options = DiffOptions(
+            a=args.a,
+            b=args.b,
+            passes=parse_passes(args.passes),
+            rank=args.rank,
+            filter=compile_regex(args.filter, "--filter") if args.filter else None,
+            maps=tuple(NameMap.parse(text) for text in args.maps),
+            unshard=tuple(UnshardRule.parse(text) for text in args.unshard),
+            metric=args.metric,
+            rtol=args.rtol,
+            atol=args.atol,
+            json_path=args.json_path,
+            plot_path=args.plot_path,
+            max_rows=args.max_rows,
+            progress=False if args.no_progress else None,
+        )
+        return run(options)
+    except UsageError as e:
+        print(f"tracedump diff: {e}", file=sys.stderr)
+        return EXIT_USAGE

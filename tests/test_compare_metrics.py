@@ -1,0 +1,262 @@
+"""The comparator's arithmetic, checked against plain float64 torch formulas, and its rules.
+
+Metrics: rel_diff, cosine, max_abs and its location, NaN/Inf handling, exact bf16 widening, chunk
+boundaries; tolerances by dtype; option parsing; the "largest growth" finding; stats dtype guesses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tracedump.compare.metrics import CHUNK, compare_arrays
+from tracedump.compare.options import NameMap, UnshardRule, UsageError, parse_passes
+from tracedump.compare.reader import stored_from_torch
+from tracedump.compare.results import GROWTH_FLOOR, TensorResult, largest_growth
+from tracedump.compare.stats import compare_stats, infer_dtype
+from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
+
+
+def reference(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """The textbook formulas in float64 (on finite tensors)."""
+    x, y = a.double().flatten(), b.double().flatten()
+    d = x - y
+    return {
+        "rel_diff": float(1 - 2 * (x * y).sum() / (x * x + y * y).sum()),
+        "rel_diff_direct": float((d * d).sum() / (x * x + y * y).sum()),
+        "cosine": float((x * y).sum() / (x.norm() * y.norm())),
+        "max_abs": float(d.abs().max()),
+        "mean_abs": float(d.abs().mean()),
+        "argmax": int(d.abs().argmax()),
+        "sqnr_db": float(10 * torch.log10((y * y).sum() / (d * d).sum())),
+    }
+
+
+def metrics_of(a: torch.Tensor, b: torch.Tensor):  # type: ignore[no-untyped-def]
+    return compare_arrays(stored_from_torch(a), stored_from_torch(b), want_max_b=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_metrics_match_float64_formulas(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 1000, generator=generator)
+    b = (a + 1e-2 * torch.randn(3, 1000, generator=generator)).to(dtype)
+    a = a.to(dtype)
+    m, ref = metrics_of(a, b), reference(a, b)
+    assert m.rel_diff == pytest.approx(ref["rel_diff"], rel=1e-4)
+    assert m.cosine == pytest.approx(ref["cosine"], rel=1e-9)
+    assert m.max_abs == ref["max_abs"] and m.argmax == ref["argmax"]
+    assert m.mean_abs == pytest.approx(ref["mean_abs"], rel=1e-5)
+    assert m.sqnr_db == pytest.approx(ref["sqnr_db"], rel=1e-4)
+    assert m.a_at_argmax == float(a.flatten()[ref["argmax"]]) and m.b_at_argmax == float(
+        b.flatten()[ref["argmax"]]
+    )
+    assert m.max_abs_b == float(b.double().abs().max())
+
+
+def test_tiny_errors_keep_their_digits() -> None:
+    """1e-12-level differences are exactly where 1 - 2Σxy/Σ(x²+y²) would cancel to noise."""
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(100_000, generator=generator, dtype=torch.float64)
+    b = a * (1 + 1e-7 * torch.randn(100_000, generator=generator, dtype=torch.float64))
+    m, ref = metrics_of(a, b), reference(a, b)
+    assert m.rel_diff == pytest.approx(ref["rel_diff_direct"], rel=1e-6)
+    assert 4e-15 < m.rel_diff < 6e-15
+    assert m.one_minus_cosine == pytest.approx(m.rel_diff, rel=0.05)  # unbiased noise: 1-cos ≈ rel_diff
+
+
+def test_identical_and_zero_tensors() -> None:
+    a = torch.randn(50)
+    same = metrics_of(a, a.clone())
+    assert (same.rel_diff, same.max_abs, same.cosine, same.sqnr_db) == (0.0, 0.0, 1.0, math.inf)
+    zeros = metrics_of(torch.zeros(10), torch.zeros(10))
+    assert (zeros.rel_diff, zeros.cosine) == (0.0, 1.0)
+    one_sided = metrics_of(torch.zeros(10), torch.ones(10))
+    assert one_sided.rel_diff == 1.0 and one_sided.cosine == 0.0 and one_sided.sqnr_db == 0.0
+
+
+def test_a_scale_error_moves_rel_diff_but_not_cosine() -> None:
+    a = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    m = metrics_of(a * 1.01, a)
+    assert m.rel_diff == pytest.approx(0.01**2 / (1 + 1.01**2), rel=1e-3)
+    assert m.one_minus_cosine < 1e-6 * m.rel_diff  # zero, up to fp32 rounding of the error terms
+
+
+def test_chunks_do_not_change_the_answer() -> None:
+    """A tensor over several chunks, with its largest error in the last chunk."""
+    generator = torch.Generator().manual_seed(3)
+    n = 2 * CHUNK + 123
+    a = torch.randn(n, generator=generator)
+    b = a + 1e-4 * torch.randn(n, generator=generator)
+    b[-5] += 1.0
+    m, ref = metrics_of(a, b), reference(a, b)
+    assert m.argmax == n - 5 == ref["argmax"]
+    assert m.rel_diff == pytest.approx(ref["rel_diff_direct"], rel=1e-5)
+    assert m.numel == n
+
+
+def test_nan_and_inf_are_counted_and_only_mismatches_diverge() -> None:
+    a = torch.randn(100)
+    b = a.clone()
+    a[3] = b[3] = float("nan")  # NaN on both sides: agreed
+    a[5] = b[5] = float("inf")  # same Inf on both sides: agreed
+    b[7] = float("nan")  # NaN on one side only: a mismatch
+    a[9] = float("-inf")  # -Inf against a number: a mismatch
+    m = metrics_of(a, b)
+    assert (m.nan_a, m.nan_b, m.inf_a, m.inf_b) == (1, 2, 2, 1)
+    assert m.nonfinite_mismatch == 2
+    assert m.max_abs == 0.0 and m.rel_diff == 0.0  # finite positions agree exactly
+
+
+def test_values_too_small_for_fp32_squares_are_redone_in_float64() -> None:
+    a = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 1e-22
+    m = metrics_of(a * (1 + 1e-3), a)
+    assert m.rel_diff == pytest.approx(1e-6 / (1 + 1.001**2), rel=1e-3)
+
+
+def test_huge_values_do_not_overflow() -> None:
+    a = torch.full((10,), 3e30)
+    m = metrics_of(a * (1 + 1e-6), a)
+    assert math.isfinite(m.rel_diff) and m.rel_diff == pytest.approx(1e-12 / 2, rel=1e-2)
+    assert m.nonfinite_mismatch == 0
+
+
+def test_integers_compare_exactly() -> None:
+    a = torch.arange(20)
+    b = a.clone()
+    b[11] = 99
+    m = metrics_of(a, b)
+    assert m.max_abs == 88 and m.argmax == 11
+    tolerance = resolve("rel_diff", "int64", "int64", rtol=0.5, atol=100)
+    assert tolerance.metric == "exact" and tolerance.rtol == 0 and tolerance.atol == 0
+
+
+def test_bf16_widening_is_exact() -> None:
+    a = torch.randn(1000).bfloat16()
+    same = compare_arrays(stored_from_torch(a), stored_from_torch(a.float()))
+    assert same.max_abs == 0 and same.rel_diff == 0
+
+
+def test_fp8_tensors_compare_after_widening() -> None:
+    a = torch.randn(256, generator=torch.Generator().manual_seed(5))
+    m = compare_arrays(stored_from_torch(a.to(torch.float8_e4m3fn)), stored_from_torch(a))
+    assert 1e-4 < m.rel_diff < 1e-3  # one e4m3 rounding: ~3.5e-4
+
+
+# ------------------------------------------------------------------------------------------ tolerances
+
+
+def test_the_less_precise_dtype_sets_the_default() -> None:
+    assert less_precise("bfloat16", "float32") == "bfloat16"
+    assert less_precise("float64", "float16") == "float16"
+    assert less_precise("int64", "float32") == "float32"
+    assert less_precise(None, "float32") == "float32"  # a stats record without dtype trusts the other side
+    assert resolve("rel_diff", "bfloat16", "float32", None, None) == Tolerance(
+        "rel_diff", 1e-2, 0.0, "bfloat16 default"
+    )
+    assert resolve("rel_diff", "float32", "float32", None, None).rtol == REL_DIFF_DEFAULTS["float32"] == 1e-8
+
+
+def test_user_tolerances_override_each_default_separately() -> None:
+    assert resolve("rel_diff", "bfloat16", "float32", 1e-6, None).rtol == 1e-6
+    only_atol = resolve("max_abs", "float32", "float32", None, 0.5)
+    assert (only_atol.rtol, only_atol.atol) == (1.3e-6, 0.5)
+    assert only_atol.source == "--atol float32 default"
+
+
+def test_defaults_are_ordered_by_precision() -> None:
+    order = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+    values = [REL_DIFF_DEFAULTS[d] for d in order]
+    assert values == sorted(values)
+
+
+# ------------------------------------------------------------------------------------------ options
+
+
+def test_map_rules_split_at_the_last_equals_sign() -> None:
+    rule = NameMap.parse(r"^model\.layers\.(\d+)\.self_attn=transformer.h.\1.attn")
+    assert rule.apply("model.layers.12.self_attn.q_proj") == "transformer.h.12.attn.q_proj"
+    lookahead = NameMap.parse(r"layers(?=\.\d)=h")
+    assert lookahead.apply("model.layers.3.mlp") == "model.h.3.mlp"
+    with pytest.raises(UsageError, match="expected 'PATTERN=VALUE'"):
+        NameMap.parse("no_equals_sign")
+
+
+def test_unshard_rules_parse_cat_and_sum() -> None:
+    cat = UnshardRule.parse(r"q_proj|k_proj=cat:-1")
+    assert (cat.op, cat.dim, cat.matches("model.layers.0.self_attn.k_proj")) == ("cat", -1, True)
+    assert UnshardRule.parse("down_proj=SUM").op == "sum"
+    with pytest.raises(UsageError):
+        UnshardRule.parse("x=cat")
+    with pytest.raises(UsageError, match="invalid regex"):
+        UnshardRule.parse("(x=sum")
+
+
+def test_pass_selection_accepts_lists_and_ranges() -> None:
+    assert parse_passes("3") == (3,)
+    assert parse_passes("0,2,5-7") == (0, 2, 5, 6, 7)
+    assert parse_passes(None) is None
+    with pytest.raises(UsageError):
+        parse_passes("x")
+
+
+# ------------------------------------------------------------------------------------------ findings
+
+
+def _result(index: int, error: float | None, pass_index: int = 0) -> TensorResult:
+    tolerance = Tolerance("rel_diff", 1e-2, 0.0, "bfloat16 default")
+    return TensorResult(
+        index, pass_index, None, f"t{index}", f"t{index}", "tensor", (4,), (4,), "bfloat16", "float32",
+        "ok", tolerance, "rel_diff", error, 1e-2,
+    )  # fmt: skip
+
+
+def test_growth_is_the_first_tenfold_jump_over_the_running_max() -> None:
+    errors = [1e-6, 3e-6, 2e-6, 2.5e-5, 4e-5, 9e-4]
+    growth = largest_growth([_result(i, e) for i, e in enumerate(errors)])
+    assert growth is not None and growth.result.index == 5  # 2.5e-5 is 8.3x of 3e-6: not a jump
+    assert growth.previous_max == 4e-5 and growth.ratio == pytest.approx(22.5)
+
+
+def test_growth_ignores_rounding_dust_and_restarts_each_pass() -> None:
+    dust = [_result(0, 0.0), _result(1, 1e-14), _result(2, 5e-6)]
+    assert largest_growth(dust) is None  # below the floor nothing sets the running max
+    assert GROWTH_FLOOR == 1e-12
+    passes = [_result(0, 1e-3, 0), _result(1, 1e-6, 1), _result(2, 2e-6, 1)]
+    assert largest_growth(passes) is None  # pass 1 starts over; 1e-6 -> 2e-6 is no jump
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def test_stats_dtype_is_guessed_from_element_values() -> None:
+    values = torch.randn(100, generator=torch.Generator().manual_seed(6))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tensor = values.to(dtype)
+        record = {"max": float(tensor.max()), "min": float(tensor.min())}
+        assert infer_dtype(record) == str(dtype).removeprefix("torch.")
+    assert infer_dtype({"abs_mean": 0.3}) is None
+    assert infer_dtype({"dtype": "float16", "max": 0.1}) == "float16"
+
+
+def test_stats_of_centred_tensors_are_judged_against_their_magnitude() -> None:
+    """A sum of ±values is near zero; its error is measured against abs_mean * numel, not the sum."""
+    error, deltas = compare_stats(
+        {"sum": 1e-3, "abs_mean": 0.8}, {"sum": -2e-3, "abs_mean": 0.8}, numel=1000, atol=0.0
+    )
+    assert deltas["sum"].rel_err == pytest.approx(3e-3 / 800)
+    assert error == deltas["sum"].rel_err
+    _, counts = compare_stats({"nan_count": 1.0}, {"nan_count": 0.0}, None, 0.0)
+    assert counts["nan_count"].rel_err == math.inf
+
+
+def test_numpy_storage_of_bf16_keeps_the_bits() -> None:
+    tensor = torch.tensor([1.5, -2.0, 3.140625], dtype=torch.bfloat16)
+    stored = stored_from_torch(tensor)
+    assert stored.dtype == "bfloat16" and stored.array.dtype == np.uint16
+    assert torch.equal(stored.to_torch(), tensor)
+    assert re.fullmatch(r"bfloat16", stored.dtype)

@@ -1,0 +1,262 @@
+"""Format stage: the ``rich`` table, the summary lines, the progress bar. Nothing here decides."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .execute import Progress, pair_bytes
+from .plan import Plan, Unmatched
+from .results import DiffReport, Growth, TensorResult
+
+_SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_STATUS_TEXT = {
+    "ok": "ok",
+    "diverged": "DIVERGED",
+    "shape_mismatch": "shape mismatch",
+    "rank_mismatch": "rank mismatch",
+    "error": "error",
+}
+_STATUS_STYLE = {
+    "ok": "green",
+    "diverged": "red",
+    "shape_mismatch": "yellow",
+    "rank_mismatch": "magenta",
+    "error": "yellow",
+}
+_WIDE = 240  # columns when stdout is not a terminal: names are never cut in logs and pipes
+_LISTED = 10  # names shown per "only in" line
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else _WIDE, highlight=False)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _cosine(result: TensorResult) -> str:
+    m = result.metrics
+    if m is None:
+        return "-"
+    if m.one_minus_cosine == 0:
+        return "1"
+    if m.one_minus_cosine < 1e-4:
+        return f"1-{m.one_minus_cosine:.1e}"
+    return f"{m.cosine:.5f}"
+
+
+def _shape(result: TensorResult) -> str:
+    a = list(result.shape_a) if result.shape_a is not None else "?"
+    if result.status == "shape_mismatch":
+        b = list(result.shape_b) if result.shape_b is not None else "?"
+        return f"{a} vs {b}"
+    return str(a)
+
+
+def _dtype(result: TensorResult) -> str:
+    a = _SHORT_DTYPES.get(result.dtype_a or "?", result.dtype_a or "?")
+    b = _SHORT_DTYPES.get(result.dtype_b or "?", result.dtype_b or "?")
+    return a if a == b else f"{a} vs {b}"
+
+
+def _status(result: TensorResult, first: TensorResult | None, growth: Growth | None) -> str:
+    text = _STATUS_TEXT.get(result.status, result.status)
+    if result.kind == "stats" and result.error is not None:
+        text += f" (stats {_num(result.error)})"
+    if first is not None and result.index == first.index:
+        text += " <- first divergence"
+    if growth is not None and result.index == growth.result.index:
+        text += f" <- error x{growth.ratio:.3g}"
+    return text
+
+
+def _rows_to_show(report: DiffReport, max_rows: int) -> list[int]:
+    """Every row when they fit. Else, in this order until ``max_rows``: the first divergence and its
+    neighbours, the growth row, the other rows that are not ok, then the largest errors."""
+    results = report.results
+    if max_rows <= 0 or len(results) <= max_rows:
+        return list(range(len(results)))
+    wanted: list[int] = []
+    first, growth = report.first_divergence, report.largest_growth
+    if first is not None:
+        wanted.extend(range(max(first.index - 2, 0), min(first.index + 2, len(results))))
+    if growth is not None:
+        wanted.append(growth.result.index)
+    wanted.extend(r.index for r in results if r.status != "ok")
+    by_error = sorted((r for r in results if r.error is not None), key=lambda r: -(r.error or 0.0))
+    wanted.extend(r.index for r in by_error)
+    chosen: list[int] = []
+    for index in wanted:
+        if index not in chosen:
+            chosen.append(index)
+        if len(chosen) == max_rows:
+            break
+    return sorted(chosen)
+
+
+def table(report: DiffReport, max_rows: int) -> Any:
+    from rich.table import Table
+
+    show_pass = len(report.plan.units) > 1
+    grid = Table(title=f"tracedump diff  A={report.a['path']}  B={report.b['path']}", title_justify="left")
+    if show_pass:
+        grid.add_column("pass", justify="right", no_wrap=True)
+    # In a narrow terminal the name and the verdict fold; the numbers stay whole.
+    longest = max((len(r.label) for r in report.results), default=4)
+    grid.add_column("name", overflow="fold", min_width=min(longest, 28))
+    for column in ("shape", "dtype", "max_abs", "rel_diff", "cosine", "status"):
+        numeric = column in ("max_abs", "rel_diff", "cosine")
+        grid.add_column(column, justify="right" if numeric else "left", no_wrap=column != "status")
+    first, growth = report.first_divergence, report.largest_growth
+    previous = -1
+    for index in _rows_to_show(report, max_rows):
+        if index != previous + 1:
+            grid.add_row(*([""] if show_pass else []), f"... {index - previous - 1} hidden", style="dim")
+        previous = index
+        result = report.results[index]
+        is_first = first is not None and result.index == first.index
+        m = result.metrics
+        cells = [
+            result.label,
+            _shape(result),
+            _dtype(result),
+            _num(m.max_abs) if m else "-",
+            _num(m.rel_diff) if m else "-",
+            _cosine(result),
+            _status(result, first, growth),
+        ]
+        style = (
+            "bold red reverse"
+            if is_first
+            else _STATUS_STYLE.get(result.status)
+            if result.status != "ok"
+            else None
+        )
+        grid.add_row(*([str(result.pass_index)] if show_pass else []), *cells, style=style)
+    hidden = len(report.results) - 1 - previous
+    if hidden > 0:
+        grid.add_row(*([""] if show_pass else []), f"... {hidden} hidden", style="dim")
+    if len(report.results) > max_rows > 0:
+        grid.caption = f"{max_rows} of {len(report.results)} rows shown (--max-rows 0 shows all)"
+    return grid
+
+
+def _names(items: tuple[Unmatched, ...]) -> str:
+    shown = [
+        f"{u.name}" + (f" (as {u.mapped})" if u.mapped and u.mapped != u.name else "")
+        for u in items[:_LISTED]
+    ]
+    more = f", ... {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return ", ".join(shown) + more
+
+
+def _where(result: TensorResult) -> str:
+    return f"pass {result.pass_index} {result.label}" + (
+        f" (B: {result.name_b})" if result.name_b != result.name else ""
+    )
+
+
+def summary_lines(report: DiffReport) -> list[str]:
+    """The verdict in a few plain lines (the last thing printed, also what logs keep)."""
+    s = report.summary()
+    passes = len(s["passes"])
+    lines = [
+        f"compared {s['compared']} tensors in {passes} pass{'es' if passes != 1 else ''}: "
+        f"{s['diverged']} diverged, {s['shape_mismatch']} shape mismatches, "
+        f"{s['rank_mismatch']} rank mismatches, "
+        f"{s['errors']} errors; {s['only_in_a']} only in A, {s['only_in_b']} only in B"
+    ]
+    first = report.first_divergence
+    if first is not None:
+        lines.append(
+            f"first divergence: {_where(first)}: {_describe_error(first)}"
+            + (f"; {first.message}" if first.message else "")
+        )
+    elif report.exit_code == 0:
+        lines.append(
+            f"no divergence: every compared tensor is within tolerance ({report.settings['tolerance']})"
+        )
+    growth = report.largest_growth
+    if growth is not None:
+        lines.append(
+            f"largest growth: {_where(growth.result)}: {growth.result.metric} {_num(growth.result.error)}, "
+            f"{growth.ratio:.3g}x the largest error before it ({_num(growth.previous_max)})"
+        )
+    for result in report.results:
+        if result.status in ("shape_mismatch", "error") and result.message:
+            lines.append(f"{_STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
+            break
+    plan: Plan = report.plan
+    if plan.only_in_a:
+        lines.append(f"only in A ({len(plan.only_in_a)}): {_names(plan.only_in_a)}")
+    if plan.only_in_b:
+        lines.append(f"only in B ({len(plan.only_in_b)}): {_names(plan.only_in_b)}")
+    for which, passes_only in (("A", plan.passes_only_in_a), ("B", plan.passes_only_in_b)):
+        if passes_only:
+            lines.append(f"passes only in {which}: {', '.join(map(str, passes_only))}")
+    for which, roots in (("A", plan.roots_only_in_a), ("B", plan.roots_only_in_b)):
+        if roots:
+            lines.append(f"roots only in {which}: {', '.join(roots)}")
+    if report.settings.get("unshard_applied") is False:
+        lines.append("note: --unshard had no effect: neither side has several ranks")
+    if s["dtype_mismatch"]:
+        lines.append(
+            f"dtypes differ on {s['dtype_mismatch']} tensors: compared in float64 after upcasting, "
+            "judged by the less precise dtype's tolerance"
+        )
+    return lines
+
+
+def _describe_error(result: TensorResult) -> str:
+    metric = "1-cosine" if result.metric == "cosine" else result.metric
+    if result.error is None or result.status != "diverged":
+        return _STATUS_TEXT.get(result.status, result.status)
+    text = f"{metric} {_num(result.error)} > {_num(result.threshold)} ({result.tolerance.source})"
+    if result.metrics is not None and result.metrics.argmax is not None:
+        m = result.metrics
+        text += f", max_abs {_num(m.max_abs)} (A {_num(m.a_at_argmax)} vs B {_num(m.b_at_argmax)})"
+    return text
+
+
+def print_report(report: DiffReport, max_rows: int, *, table_too: bool = True, stderr: bool = False) -> None:
+    out = console(stderr)
+    if table_too and report.results:
+        out.print(table(report, max_rows))
+    for line in summary_lines(report):
+        out.print(line, soft_wrap=True, markup=False)
+
+
+@contextmanager
+def progress_bar(plan: Plan, enabled: bool | None) -> Iterator[Progress | None]:
+    """A transient progress bar on stderr for long diffs in a terminal; never on stdout."""
+    total = sum(pair_bytes(p) for p in plan.pairs)
+    if enabled is None:
+        enabled = sys.stderr.isatty() and (len(plan.pairs) > 200 or total > 256 << 20)
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"diff {len(plan.pairs)} tensors", total=max(total, 1))
+        yield lambda nbytes: bar.advance(task, nbytes)

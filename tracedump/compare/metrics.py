@@ -1,0 +1,323 @@
+"""Compare one pair of arrays, in chunks, without ever holding a float64 copy of either.
+
+Why chunks of fp32 rather than one float64 pass: a float64 copy of a 4 GB bf16 tensor is 16 GB, and
+on CPUs numpy on cache-sized chunks is 5-10x faster than torch on whole tensors (no thread start-up
+per op, no temporaries). Precision stays where it matters:
+
+- ``a - b`` of two fp32 numbers is exact or nearly so (Sterbenz), so the error terms are accurate
+  even when the error is 1e-12 of the values;
+- each chunk's sums come from BLAS dots (fp32, relative error ~1e-7..1e-6 on a 128K chunk) and are
+  added up in Python floats (float64): a 1e-6 relative error *on a metric* never moves a verdict;
+- ``1 - cosine`` is computed as ``(Σd² - (|a|-|b|)²) / (2|a||b|)`` with
+  ``|a|-|b| = (Σa² - Σb²) / (|a|+|b|)``, so near cosine = 1 it is as accurate as Σd² itself rather
+  than lost in ``1 - Σab/(|a||b|)`` (its floor is ~1e-13, from the fp32 sums of squares);
+- a chunk whose fp32 sums are not finite (NaN/Inf, or squares that overflow) or underflow (values
+  below ~1e-15) is redone in float64 with explicit masks.
+
+Definitions (a = run under test, b = reference, d = a - b, over positions finite on both sides):
+``rel_diff = Σd² / Σ(a² + b²)`` (= ``1 - 2Σab / Σ(a² + b²)``, robust for near-zero tensors),
+``cosine = Σab / (|a||b|)``, ``sqnr_db = 10 log10(Σb² / Σd²)``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .reader import Stored
+
+CHUNK = 1 << 17  # elements: 512 KiB of fp32, so a chunk's temporaries stay in cache
+_PARALLEL_CHUNKS = 8  # tensors of at least this many chunks are split across worker threads
+_MAX_WORKERS = 4  # the arithmetic is memory-bound: more threads than this buy nothing
+_UNDERFLOW = 1e-30  # fp32 squares below this lose digits: redo the chunk in float64
+_WIDE_DTYPES = frozenset({"float64", "int64", "uint64", "int32", "uint32"})
+_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class TensorMetrics:
+    """Everything measured on one pair. ``argmax`` is the flat index of the largest |a - b|."""
+
+    numel: int
+    max_abs: float
+    mean_abs: float
+    rel_diff: float
+    cosine: float
+    one_minus_cosine: float
+    sqnr_db: float
+    max_abs_b: float
+    argmax: int | None
+    a_at_argmax: float | None
+    b_at_argmax: float | None
+    nan_a: int
+    nan_b: int
+    inf_a: int
+    inf_b: int
+    nonfinite_mismatch: int  # positions where the NaN/Inf pattern of a and b differs
+
+
+class _Sums:
+    """Running sums over chunks, in Python floats (float64)."""
+
+    def __init__(self) -> None:
+        self.dd = self.aa = self.bb = self.abs_d = 0.0
+        self.count = 0
+        self.max_abs = -1.0
+        self.max_abs_b = 0.0
+        self.best_start = -1
+        self.nan_a = self.nan_b = self.inf_a = self.inf_b = self.mismatch = 0
+
+
+def _work_dtype(dtype_a: str, dtype_b: str) -> type:
+    return np.float64 if dtype_a in _WIDE_DTYPES or dtype_b in _WIDE_DTYPES else np.float32
+
+
+def _widen(raw: np.ndarray, dtype: str, work: type, buffer: np.ndarray) -> np.ndarray:
+    """A chunk of stored values as ``work`` floats (bf16 bits shifted into fp32, exactly)."""
+    out = buffer[: raw.shape[0]]
+    if dtype == "bfloat16":
+        bits = out.view(np.uint32) if work is np.float32 else np.empty(raw.shape[0], np.uint32)
+        np.left_shift(raw, 16, out=bits, dtype=np.uint32)
+        if work is np.float32:
+            return out
+        np.copyto(out, bits.view(np.float32))
+        return out
+    if dtype in _FP8:
+        widened = torch.from_numpy(raw.copy()).view(_FP8[dtype]).float().numpy()
+        np.copyto(out, widened)
+        return out
+    if raw.dtype == work:
+        return raw
+    np.copyto(out, raw, casting="unsafe")
+    return out
+
+
+class _Buffers:
+    """One thread's scratch space, one chunk long: widened inputs, |a - b|, and ones (Σ|d| as a dot)."""
+
+    def __init__(self, work: type) -> None:
+        self.a = np.empty(CHUNK, work)
+        self.b = np.empty(CHUNK, work)
+        self.d = np.empty(CHUNK, work)
+        self.ones = np.ones(CHUNK, work)
+
+
+@functools.cache
+def _thread_state() -> threading.local:
+    return threading.local()
+
+
+def _buffers(work: type) -> _Buffers:
+    """This thread's buffers for ``work``, allocated once: fresh pages cost page faults per tensor."""
+    state = _thread_state()
+    key = f"buffers_{np.dtype(work).name}"
+    buffers = getattr(state, key, None)
+    if buffers is None or buffers.d.shape[0] != CHUNK:
+        buffers = _Buffers(work)
+        setattr(state, key, buffers)
+    return buffers
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor | None:
+    """Worker threads for large tensors (numpy and BLAS release the GIL); made on first use."""
+    workers = min(_MAX_WORKERS, _cores())
+    if workers < 2:
+        return None
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tracedump-diff")
+
+
+def _idle_workers() -> int:
+    """How many threads to use now: the idle cores (this process counts as one), at most 4.
+
+    The arithmetic is memory-bound and light: on a busy machine extra threads only contend, on an
+    idle one each core adds its share of bandwidth.
+    """
+    idle = _cores() - os.getloadavg()[0] + 1 if hasattr(os, "getloadavg") else _cores()
+    return max(1, min(_MAX_WORKERS, _cores(), int(idle)))
+
+
+def compare_arrays(a: Stored, b: Stored, *, want_max_b: bool = False) -> TensorMetrics:
+    """Metrics of ``a`` against ``b`` (same number of elements; shapes were checked by the plan)."""
+    flat_a = np.ascontiguousarray(a.array).reshape(-1)
+    flat_b = np.ascontiguousarray(b.array).reshape(-1)
+    if flat_a.shape != flat_b.shape:
+        raise ValueError(f"element counts differ: {flat_a.size} vs {flat_b.size}")
+    work = _work_dtype(a.dtype, b.dtype)
+    total = flat_a.shape[0]
+    starts = list(range(0, total, CHUNK))
+    workers = _idle_workers() if len(starts) >= _PARALLEL_CHUNKS else 1
+    pool = _pool() if workers > 1 else None
+
+    def run(block: list[int]) -> _Sums:
+        return _sum_chunks(flat_a, flat_b, a.dtype, b.dtype, work, block, want_max_b)
+
+    if pool is None:
+        sums = run(starts)
+    else:
+        step = -(-len(starts) // workers)
+        sums = _merge(list(pool.map(run, [starts[i : i + step] for i in range(0, len(starts), step)])))
+    argmax, at_a, at_b = _locate_max(flat_a, flat_b, a.dtype, b.dtype, work, sums)
+    return _finish(sums, total, argmax, at_a, at_b)
+
+
+def _sum_chunks(
+    flat_a: np.ndarray,
+    flat_b: np.ndarray,
+    dtype_a: str,
+    dtype_b: str,
+    work: type,
+    starts: list[int],
+    want_max_b: bool,
+) -> _Sums:
+    buffers = _buffers(work)
+    sums = _Sums()
+    with np.errstate(all="ignore"):  # overflow and NaN are detected and handled, not warned about
+        for start in starts:
+            x = _widen(flat_a[start : start + CHUNK], dtype_a, work, buffers.a)
+            y = _widen(flat_b[start : start + CHUNK], dtype_b, work, buffers.b)
+            if not _fast_chunk(x, y, start, sums, buffers, want_max_b):
+                _careful_chunk(x, y, start, sums, want_max_b)
+    return sums
+
+
+_ADDITIVE = ("dd", "aa", "bb", "abs_d", "count", "nan_a", "nan_b", "inf_a", "inf_b", "mismatch")
+
+
+def _merge(parts: list[_Sums]) -> _Sums:
+    total = _Sums()
+    for part in parts:
+        for name in _ADDITIVE:
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.max_abs_b = max(total.max_abs_b, part.max_abs_b)
+        if part.max_abs > total.max_abs:
+            total.max_abs, total.best_start = part.max_abs, part.best_start
+    return total
+
+
+def _fast_chunk(
+    x: np.ndarray, y: np.ndarray, start: int, sums: _Sums, buffers: _Buffers, want_max_b: bool
+) -> bool:
+    """fp32 (or float64) sums of one chunk; False when the chunk needs the careful path.
+
+    Seven passes over cache-resident data: |d| = |x - y| (two), three BLAS dots (d·d, x·x, y·y),
+    Σ|d| as a dot with ones (BLAS beats numpy's pairwise sum 2x), max |d|.
+    """
+    size = x.shape[0]
+    d = np.subtract(x, y, out=buffers.d[:size])
+    np.abs(d, out=d)
+    dd, aa, bb = float(np.dot(d, d)), float(np.dot(x, x)), float(np.dot(y, y))
+    if not (math.isfinite(dd) and math.isfinite(aa) and math.isfinite(bb)):
+        return False
+    abs_sum = float(np.dot(d, buffers.ones[:size]))
+    if x.dtype == np.float32 and abs_sum > 0 and (aa + bb) < _UNDERFLOW:
+        return False
+    chunk_max = float(d.max())
+    sums.dd += dd
+    sums.aa += aa
+    sums.bb += bb
+    sums.abs_d += abs_sum
+    sums.count += size
+    if chunk_max > sums.max_abs:
+        sums.max_abs, sums.best_start = chunk_max, start
+    if want_max_b:
+        sums.max_abs_b = max(sums.max_abs_b, abs(float(y.max())), abs(float(y.min())))
+    return True
+
+
+def _careful_chunk(x: np.ndarray, y: np.ndarray, start: int, sums: _Sums, want_max_b: bool) -> None:
+    """float64 with explicit NaN/Inf masks: metrics over positions finite on both sides."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    finite_a, finite_b = np.isfinite(x64), np.isfinite(y64)
+    sums.nan_a += int(np.isnan(x64).sum())
+    sums.nan_b += int(np.isnan(y64).sum())
+    sums.inf_a += int(np.isinf(x64).sum())
+    sums.inf_b += int(np.isinf(y64).sum())
+    both = finite_a & finite_b
+    not_both = ~both
+    if not_both.any():
+        same = (x64[not_both] == y64[not_both]) | (np.isnan(x64[not_both]) & np.isnan(y64[not_both]))
+        sums.mismatch += int((~same).sum())
+    xf, yf = x64[both], y64[both]
+    d = xf - yf
+    sums.dd += float(np.dot(d, d))
+    sums.aa += float(np.dot(xf, xf))
+    sums.bb += float(np.dot(yf, yf))
+    abs_d = np.abs(d)
+    sums.abs_d += float(abs_d.sum())
+    sums.count += int(xf.shape[0])
+    if abs_d.size and float(abs_d.max()) > sums.max_abs:
+        sums.max_abs, sums.best_start = float(abs_d.max()), start
+    if want_max_b and yf.size:
+        sums.max_abs_b = max(sums.max_abs_b, float(np.abs(yf).max()))
+
+
+def _locate_max(
+    flat_a: np.ndarray, flat_b: np.ndarray, dtype_a: str, dtype_b: str, work: type, sums: _Sums
+) -> tuple[int | None, float | None, float | None]:
+    """Find the element of the largest |a - b| inside the one chunk that holds it (one extra chunk)."""
+    if sums.best_start < 0:
+        return None, None, None
+    start = sums.best_start
+    buffers = _buffers(work)
+    x = _widen(flat_a[start : start + CHUNK], dtype_a, work, buffers.a)
+    y = _widen(flat_b[start : start + CHUNK], dtype_b, work, buffers.b)
+    with np.errstate(all="ignore"):
+        d = np.subtract(x, y, out=buffers.d[: x.shape[0]])
+        np.abs(d, out=d)
+        if not math.isfinite(float(d.max())):  # NaN/Inf inputs in this chunk: not a location
+            d[~(np.isfinite(x) & np.isfinite(y))] = -1.0
+    offset = int(np.argmax(d))
+    return start + offset, float(x[offset]), float(y[offset])
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    """Signal (the reference) to error power, in dB: +inf for identical tensors."""
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def _finish(
+    sums: _Sums, total: int, argmax: int | None, at_a: float | None, at_b: float | None
+) -> TensorMetrics:
+    denominator = sums.aa + sums.bb
+    rel_diff = sums.dd / denominator if denominator > 0 else (0.0 if sums.dd == 0 else 1.0)
+    norm_a, norm_b = math.sqrt(sums.aa), math.sqrt(sums.bb)
+    if norm_a == 0 or norm_b == 0:
+        cosine = 1.0 if norm_a == norm_b else 0.0
+        one_minus = 1.0 - cosine
+    else:
+        norm_gap = (sums.aa - sums.bb) / (norm_a + norm_b)  # |a| - |b|, without cancellation
+        one_minus = min(max((sums.dd - norm_gap * norm_gap) / (2 * norm_a * norm_b), 0.0), 2.0)
+        cosine = 1.0 - one_minus
+    sqnr = _sqnr_db(sums.bb, sums.dd)
+    return TensorMetrics(
+        numel=total,
+        max_abs=max(sums.max_abs, 0.0),
+        mean_abs=sums.abs_d / sums.count if sums.count else 0.0,
+        rel_diff=rel_diff,
+        cosine=cosine,
+        one_minus_cosine=one_minus,
+        sqnr_db=sqnr,
+        max_abs_b=sums.max_abs_b,
+        argmax=argmax,
+        a_at_argmax=at_a,
+        b_at_argmax=at_b,
+        nan_a=sums.nan_a,
+        nan_b=sums.nan_b,
+        inf_a=sums.inf_a,
+        inf_b=sums.inf_b,
+        nonfinite_mismatch=sums.mismatch,
+    )

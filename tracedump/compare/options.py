@@ -1,0 +1,152 @@
+"""What the user asked ``tracedump diff`` for, parsed and validated once, before any file is read.
+
+Bad input (a regex that does not compile, ``--unshard`` with an unknown op) raises :class:`UsageError`,
+which the command turns into exit code 2 with the message: a typo should not cost a 10 GB read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Metric = Literal["rel_diff", "max_abs", "cosine"]
+METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
+
+
+class UsageError(ValueError):
+    """The command line cannot be honoured (bad option, nothing to compare): exit code 2."""
+
+
+def split_rule(text: str, option: str) -> tuple[str, str]:
+    """Split ``PATTERN=VALUE`` on the **last** ``=``.
+
+    The pattern may hold ``=`` (lookarounds such as ``(?=...)``, ``(?<=...)``); the value may not,
+    which costs nothing because module names never contain ``=``.
+    """
+    pattern, sep, value = text.rpartition("=")
+    if not sep or not pattern:
+        raise UsageError(f"{option} {text!r}: expected 'PATTERN=VALUE'")
+    return pattern, value
+
+
+def compile_regex(pattern: str, option: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise UsageError(f"{option} {pattern!r}: invalid regex: {e}") from e
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """One ``--map PATTERN=REPL`` rule: ``re.sub`` on the names of A (the run under test)."""
+
+    pattern: re.Pattern[str]
+    replacement: str
+
+    @classmethod
+    def parse(cls, text: str) -> NameMap:
+        pattern, replacement = split_rule(text, "--map")
+        rule = cls(compile_regex(pattern, "--map"), replacement)
+        rule._check_replacement()
+        return rule
+
+    def _check_replacement(self) -> None:
+        """Catch a bad group reference (``\\3`` with two groups) now: ``re`` checks the template even
+        when nothing matches."""
+        try:
+            self.pattern.sub(self.replacement, "")
+        except (re.error, IndexError) as e:
+            raise UsageError(f"--map {self}: bad replacement: {e}") from e
+
+    def apply(self, name: str) -> str:
+        return self.pattern.sub(self.replacement, name)
+
+    def __str__(self) -> str:
+        return f"{self.pattern.pattern}={self.replacement}"
+
+
+@dataclass(frozen=True)
+class UnshardRule:
+    """One ``--unshard REGEX=cat:DIM`` or ``REGEX=sum`` rule for tensor-parallel ranks."""
+
+    pattern: re.Pattern[str]
+    op: Literal["cat", "sum"]
+    dim: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> UnshardRule:
+        pattern, spec = split_rule(text, "--unshard")
+        regex = compile_regex(pattern, "--unshard")
+        spec = spec.strip().lower()
+        if spec == "sum":
+            return cls(regex, "sum")
+        match = re.fullmatch(r"cat:(-?\d+)", spec)
+        if not match:
+            raise UsageError(f"--unshard {text!r}: expected 'REGEX=cat:DIM' or 'REGEX=sum', got {spec!r}")
+        return cls(regex, "cat", int(match.group(1)))
+
+    def matches(self, name: str) -> bool:
+        return self.pattern.search(name) is not None
+
+    def __str__(self) -> str:
+        return f"{self.pattern.pattern}={self.op}" + (f":{self.dim}" if self.op == "cat" else "")
+
+
+def parse_passes(text: str | None) -> tuple[int, ...] | None:
+    """``--pass 3`` or ``--pass 0,2,5-7``; None means every pass present in both dumps."""
+    if text is None:
+        return None
+    from ..settings import StepSelection
+
+    try:
+        ranges = StepSelection.parse(text).ranges
+    except ValueError as e:
+        raise UsageError(f"--pass {text!r}: {e}") from e
+    if not ranges:
+        raise UsageError(f"--pass {text!r}: expected a pass index such as 3, or a list such as 0,2,5-7")
+    return tuple(sorted({i for lo, hi in ranges for i in range(lo, hi + 1)}))
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """Everything that decides what is compared and how; frozen so no stage can change it."""
+
+    a: Path
+    b: Path
+    passes: tuple[int, ...] | None = None
+    rank: int | None = None
+    filter: re.Pattern[str] | None = None
+    maps: tuple[NameMap, ...] = ()
+    unshard: tuple[UnshardRule, ...] = ()
+    metric: Metric = "rel_diff"
+    rtol: float | None = None
+    atol: float | None = None
+    json_path: str | None = None
+    plot_path: Path | None = None
+    max_rows: int = 500
+    progress: bool | None = None  # None: decide from the terminal and the size of the diff
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise UsageError(f"--metric {self.metric!r}: choose from {', '.join(METRICS)}")
+        for flag, value in (("--rtol", self.rtol), ("--atol", self.atol)):
+            if value is not None and not value >= 0:
+                raise UsageError(f"{flag} {value}: expected a non-negative number")
+        if self.rank is not None and self.rank < 0:
+            raise UsageError(f"--rank {self.rank}: expected a non-negative rank")
+
+    def map_name(self, name: str) -> str:
+        """A's name as the reference would spell it (every ``--map`` rule, in order)."""
+        for rule in self.maps:
+            name = rule.apply(name)
+        return name
+
+    def unshard_rule(self, name: str) -> UnshardRule | None:
+        """The first ``--unshard`` rule whose regex is found in ``name``."""
+        return next((rule for rule in self.unshard if rule.matches(name)), None)
+
+    def selected(self, *names: str) -> bool:
+        """``--filter`` keeps a tensor when its regex is found in any of its names (A's or B's)."""
+        return self.filter is None or any(self.filter.search(n) for n in names if n is not None)

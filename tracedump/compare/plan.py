@@ -1,0 +1,260 @@
+"""Plan stage: decide every comparison from metadata alone, before any tensor byte is read.
+
+Alignment is by (pass, name including ``::callN``) in A's capture order; A's names go through
+``--map`` first. Roots pair by their manifest "root" label (a side with a single root pairs with the
+other side's single root whatever the labels). Shapes are compared after squeezing size-1 dims, so a
+``[7, 32]`` engine tensor lines up with HF's ``[1, 7, 32]``.
+
+The result is a frozen :class:`Plan`; the open :class:`PassView`\\ s it refers to live beside it in
+:class:`Workspace`, which the executor reads and then closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .options import DiffOptions, UsageError
+from .sources import PassView, RootGroup, Side
+from .tolerance import Tolerance, resolve, resolve_stats
+from .unshard import SideEntry, plan_entry
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One pass of one root pair: the comparisons inside it share their open files."""
+
+    root: str | None
+    pass_a: int
+    pass_b: int
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """One comparison to make. ``kind`` says how: values, statistics, or not at all (and why)."""
+
+    unit: int
+    a: SideEntry
+    b: SideEntry
+    kind: str  # tensor | stats | shape_mismatch | rank_mismatch | error
+    tolerance: Tolerance
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class Unmatched:
+    """A name present on one side only (for A, with the name ``--map`` made of it, when it differs)."""
+
+    pass_index: int
+    root: str | None
+    name: str
+    mapped: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        data: dict[str, object] = {"pass": self.pass_index, "name": self.name}
+        if self.root is not None:
+            data["root"] = self.root
+        if self.mapped is not None and self.mapped != self.name:
+            data["mapped"] = self.mapped
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    units: tuple[Unit, ...]
+    pairs: tuple[PairPlan, ...]
+    only_in_a: tuple[Unmatched, ...]
+    only_in_b: tuple[Unmatched, ...]
+    passes_only_in_a: tuple[int, ...]
+    passes_only_in_b: tuple[int, ...]
+    roots_only_in_a: tuple[str, ...] = ()
+    roots_only_in_b: tuple[str, ...] = ()
+
+
+@dataclass
+class Workspace:
+    """The open pass views of every unit, per side (a list: one view per rank)."""
+
+    views: list[tuple[list[PassView], list[PassView]]] = field(default_factory=list)
+
+    def close_unit(self, unit: int) -> None:
+        for view in (*self.views[unit][0], *self.views[unit][1]):
+            view.close()
+
+    def close(self) -> None:
+        for unit in range(len(self.views)):
+            self.close_unit(unit)
+
+
+def squeeze(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    return None if shape is None else tuple(s for s in shape if s != 1)
+
+
+def pair_roots(a: Side, b: Side) -> tuple[list[tuple[RootGroup, RootGroup]], list[str], list[str]]:
+    """Root groups of A and B that belong together, and the labels found on one side only."""
+    if len(a.groups) == 1 and len(b.groups) == 1:
+        return [(a.groups[0], b.groups[0])], [], []
+    b_by_label = {g.label: g for g in b.groups}
+    pairs = [(g, b_by_label[g.label]) for g in a.groups if g.label in b_by_label]
+    a_labels = {g.label for g in a.groups}
+    only_a = [g.label for g in a.groups if g.label not in b_by_label]
+    only_b = [g.label for g in b.groups if g.label not in a_labels]
+    if not pairs:
+        raise UsageError(
+            f"no root in common: A has {sorted(a_labels)}, B has {sorted(b_by_label)} "
+            "(pass one run dir per side to compare runs of different roots)"
+        )
+    return pairs, only_a, only_b
+
+
+def pair_passes(
+    a: RootGroup, b: RootGroup, options: DiffOptions
+) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """(pass of A, pass of B) to compare, and the passes present on one side only.
+
+    A pass file given on the command line is one pass: against another pass file it pairs whatever
+    the indices; against a dump it pairs with that dump's pass of the same index (or ``--pass N``).
+    """
+    passes_a, passes_b = a.pass_indices(), b.pass_indices()
+    if a.is_pass_file and b.is_pass_file:
+        return [(passes_a[0], passes_b[0])], [], []
+    if a.is_pass_file or b.is_pass_file:
+        fixed, other, fixed_is_a = (
+            (passes_a[0], passes_b, True) if a.is_pass_file else (passes_b[0], passes_a, False)
+        )
+        wanted = (
+            options.passes[0] if options.passes else (fixed if fixed >= 0 or len(other) != 1 else other[0])
+        )
+        if wanted not in other:
+            side = "B" if fixed_is_a else "A"
+            raise UsageError(
+                f"pass {wanted} is not in {side} (passes: {_short(other)}); choose one with --pass"
+            )
+        return ([(fixed, wanted)] if fixed_is_a else [(wanted, fixed)]), [], []
+    common = sorted(set(passes_a) & set(passes_b))
+    only_a = sorted(set(passes_a) - set(passes_b))
+    only_b = sorted(set(passes_b) - set(passes_a))
+    if options.passes is not None:
+        absent = [p for p in options.passes if p not in common]
+        if absent:
+            raise UsageError(
+                f"--pass {','.join(map(str, absent))}: not in both dumps "
+                f"(A: {_short(passes_a)}; B: {_short(passes_b)})"
+            )
+        return [(p, p) for p in options.passes], [], []
+    return [(p, p) for p in common], only_a, only_b
+
+
+def _short(indices: list[int]) -> str:
+    if not indices:
+        return "none"
+    if indices == list(range(indices[0], indices[-1] + 1)) and len(indices) > 2:
+        return f"{indices[0]}-{indices[-1]}"
+    return ",".join(map(str, indices[:20])) + (" ..." if len(indices) > 20 else "")
+
+
+def _last_row_dims(a: RootGroup, b: RootGroup) -> tuple[int | None, int | None]:
+    """When one side is ``last_row`` and the other full, cut the full side's tensors the same way."""
+    if a.mode == "last_row" and b.mode == "full":
+        return None, a.token_dim
+    if b.mode == "last_row" and a.mode == "full":
+        return b.token_dim, None
+    return None, None
+
+
+def side_entries(views: list[PassView], options: DiffOptions) -> dict[str, SideEntry]:
+    """Entries of one side for one pass, in rank 0's capture order, unsharded when several ranks."""
+    order = list(views[0].entries)
+    seen = set(order)
+    for view in views[1:]:
+        order.extend(n for n in view.entries if n not in seen and not seen.add(n))  # type: ignore[func-returns-value]
+    rules = options.unshard if len(views) > 1 else ()
+    return {
+        name: plan_entry(name, views, next((r for r in rules if r.matches(name)), None)) for name in order
+    }
+
+
+def _pair(unit: int, a: SideEntry, b: SideEntry, options: DiffOptions) -> PairPlan:
+    if a.meta.kind == "stats" or b.meta.kind == "stats":
+        tolerance = resolve_stats(a.meta.dtype, b.meta.dtype, options.rtol, options.atol)
+    else:
+        tolerance = resolve(options.metric, a.meta.dtype, b.meta.dtype, options.rtol, options.atol)
+    for side, entry in (("A", a), ("B", b)):
+        if entry.problem is not None:
+            return PairPlan(
+                unit, a, b, entry.problem_status or "error", tolerance, f"{side}: {entry.problem}"
+            )
+    shape_a, shape_b = squeeze(a.meta.shape), squeeze(b.meta.shape)
+    if shape_a is not None and shape_b is not None and shape_a != shape_b:
+        message = f"shapes {list(a.meta.shape or ())} vs {list(b.meta.shape or ())}"
+        return PairPlan(unit, a, b, "shape_mismatch", tolerance, message)
+    kind = "stats" if tolerance.metric == "stats" else "tensor"
+    return PairPlan(unit, a, b, kind, tolerance)
+
+
+def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]:
+    """Everything to compare, in execution order: pass by pass, roots in A's order inside a pass."""
+    root_pairs, roots_only_a, roots_only_b = pair_roots(a, b)
+    labelled = len(root_pairs) > 1
+    schedule: list[tuple[int, int, int, RootGroup, RootGroup]] = []
+    passes_only_a: set[int] = set()
+    passes_only_b: set[int] = set()
+    for order, (group_a, group_b) in enumerate(root_pairs):
+        passes, only_a, only_b = pair_passes(group_a, group_b, options)
+        passes_only_a.update(only_a)
+        passes_only_b.update(only_b)
+        schedule.extend((pa, order, pb, group_a, group_b) for pa, pb in passes)
+    schedule.sort(key=lambda item: (item[0], item[1]))
+    units: list[Unit] = []
+    pairs: list[PairPlan] = []
+    only_in_a: list[Unmatched] = []
+    only_in_b: list[Unmatched] = []
+    workspace = Workspace()
+    for pass_a, _, pass_b, group_a, group_b in schedule:
+        root = group_a.label if labelled else None
+        cut_a, cut_b = _last_row_dims(group_a, group_b)
+        views_a = [run.open_pass(pass_a, cut_a) for run in group_a.runs]
+        views_b = [run.open_pass(pass_b, cut_b) for run in group_b.runs]
+        unit = len(units)
+        units.append(Unit(root, pass_a, pass_b))
+        workspace.views.append((views_a, views_b))
+        _match_unit(unit, pass_a, root, views_a, views_b, options, pairs, only_in_a, only_in_b)
+    plan = Plan(
+        tuple(units),
+        tuple(pairs),
+        tuple(only_in_a),
+        tuple(only_in_b),
+        tuple(sorted(passes_only_a)),
+        tuple(sorted(passes_only_b)),
+        tuple(roots_only_a),
+        tuple(roots_only_b),
+    )
+    return plan, workspace
+
+
+def _match_unit(
+    unit: int,
+    pass_index: int,
+    root: str | None,
+    views_a: list[PassView],
+    views_b: list[PassView],
+    options: DiffOptions,
+    pairs: list[PairPlan],
+    only_in_a: list[Unmatched],
+    only_in_b: list[Unmatched],
+) -> None:
+    entries_a = side_entries(views_a, options)
+    entries_b = side_entries(views_b, options)
+    matched: set[str] = set()
+    for name, entry_a in entries_a.items():
+        mapped = options.map_name(name)
+        if not options.selected(name, mapped):
+            continue
+        entry_b = entries_b.get(mapped)
+        if entry_b is None:
+            only_in_a.append(Unmatched(pass_index, root, name, mapped))
+            continue
+        matched.add(mapped)
+        pairs.append(_pair(unit, entry_a, entry_b, options))
+    for name in entries_b:
+        if name not in matched and options.selected(name):
+            only_in_b.append(Unmatched(pass_index, root, name))

@@ -1,0 +1,97 @@
+"""``--plot PATH.png``: the error of every tensor along execution order, on a log scale.
+
+matplotlib is an optional extra (``pip install 'tracedump[plot]'``). It is driven through its
+object API with the Agg canvas, never ``pyplot``, so plotting changes no global backend state of
+the caller's process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from .options import UsageError
+from .results import DiffReport
+
+MISSING_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install 'tracedump[plot]'"
+_COLOURS = {"ok": "tab:blue", "diverged": "tab:red", "rank_mismatch": "tab:purple"}
+
+
+def check_available() -> None:
+    """Fail before the diff runs (exit 2), rather than after an hour of reading."""
+    try:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ImportError("matplotlib")
+        import matplotlib  # noqa: F401  (a broken install fails here, not after the diff)
+    except ImportError as e:
+        raise UsageError(MISSING_MATPLOTLIB) from e
+
+
+def write_plot(report: DiffReport, path: Path) -> Path:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:  # pragma: no cover - check_available() ran first
+        raise UsageError(MISSING_MATPLOTLIB) from e
+    points = [r for r in report.results if r.error is not None and math.isfinite(r.error)]
+    # Exact zeros are drawn a decade below every error *and tolerance* shown: below the smallest
+    # error alone they could sit above the tolerance line, and read as failures.
+    positive = [v for r in points for v in (r.error, r.threshold) if v and v > 0]
+    floor = min(positive) / 10 if positive else 1e-16
+    figure = Figure(figsize=(12, 5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    axes.set_yscale("log")
+    xs = [r.index for r in points]
+    ys = [max(r.error or 0.0, floor) for r in points]
+    axes.plot(xs, ys, color="0.6", linewidth=0.8, zorder=1)
+    for status, colour in _COLOURS.items():
+        chosen = [(x, y) for x, y, r in zip(xs, ys, points, strict=True) if r.status == status]
+        if chosen:
+            axes.scatter(*zip(*chosen, strict=True), s=12, color=colour, label=status, zorder=2)
+    thresholds = [(r.index, r.threshold) for r in points if r.threshold]
+    if thresholds:
+        axes.step(
+            *zip(*thresholds, strict=True),
+            where="mid",
+            color="tab:green",
+            linestyle="--",
+            linewidth=0.8,
+            label="tolerance",
+        )
+    _mark_passes(axes, report)
+    _mark_findings(axes, report)
+    metric = report.settings.get("metric", "rel_diff")
+    axes.set_xlabel("tensor, in execution order")
+    axes.set_ylabel("1 - cosine" if metric == "cosine" else metric)
+    axes.set_title(f"tracedump diff: {report.a['path']} vs {report.b['path']}", fontsize=9)
+    axes.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    return path
+
+
+def _mark_passes(axes: object, report: DiffReport) -> None:
+    previous = None
+    for result in report.results:
+        if previous is not None and result.pass_index != previous:
+            axes.axvline(result.index - 0.5, color="0.85", linewidth=0.8, zorder=0)  # type: ignore[attr-defined]
+        previous = result.pass_index
+
+
+def _mark_findings(axes: object, report: DiffReport) -> None:
+    first = report.first_divergence
+    if first is not None:
+        axes.axvline(first.index, color="tab:red", linewidth=1.2, label=f"first divergence: {first.label}")  # type: ignore[attr-defined]
+    growth = report.largest_growth
+    if growth is not None and (first is None or growth.result.index != first.index):
+        axes.axvline(
+            growth.result.index,
+            color="tab:orange",
+            linewidth=1.0,
+            linestyle=":",  # type: ignore[attr-defined]
+            label=f"largest growth: {growth.result.label}",
+        )

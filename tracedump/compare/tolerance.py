@@ -1,0 +1,151 @@
+"""Default tolerances by dtype, and the verdict on one tensor pair.
+
+The default depends on the **less precise** dtype of the pair: a bf16 run compared with an fp32
+reference carries bf16 rounding noise, so it is judged by the bf16 row. The thresholds come from
+measurements (``docs/comparator.md``, kept true by ``tests/test_compare_calibration.py``), set about
+100x above the noise measured for each dtype, yet far enough below what a real bug produces:
+
+- fp32 eager vs sdpa attention differs by rel_diff <= 1e-12 (3e-13 measured on an 8-layer Llama),
+  a planted fp32 bug with 1e-3 RMS relative error gives rel_diff ~5e-7; 1e-8 sits between.
+- bf16 vs fp32 of the same model reaches ~1e-4 in the middle layers; 1e-2 leaves room for deeper
+  models and outliers. SGLang's 1e-3 for every dtype misses the fp32 bug above.
+
+How ``--rtol``/``--atol`` apply to each metric:
+
+- ``rel_diff``: diverged when ``rel_diff > rtol`` and ``max_abs > atol`` (``atol`` lets tensors that
+  are absolutely negligible pass; default 0).
+- ``cosine``: the same rule on ``1 - cosine``.
+- ``max_abs``: normwise allclose, diverged when ``max|a-b| > atol + rtol * max|b|`` (defaults:
+  ``torch.testing.assert_close``'s per-dtype pair).
+- integer and bool tensors: exact, whatever the flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# rel_diff (and 1 - cosine) thresholds, by the less precise dtype of the pair.
+REL_DIFF_DEFAULTS: dict[str, float] = {
+    "float64": 1e-10,
+    "float32": 1e-8,
+    "float16": 2e-4,
+    "bfloat16": 1e-2,
+    "float8_e4m3fn": 5e-2,
+    "float8_e4m3fnuz": 5e-2,
+    "float8_e5m2": 2e-1,
+    "float8_e5m2fnuz": 2e-1,
+}
+# (rtol, atol) for the max_abs metric: torch.testing.assert_close's defaults, fp8 from its epsilon.
+MAX_ABS_DEFAULTS: dict[str, tuple[float, float]] = {
+    "float64": (1e-7, 1e-7),
+    "float32": (1.3e-6, 1e-5),
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float8_e4m3fn": (1.25e-1, 1e-3),
+    "float8_e4m3fnuz": (1.25e-1, 1e-3),
+    "float8_e5m2": (2.5e-1, 1e-3),
+    "float8_e5m2fnuz": (2.5e-1, 1e-3),
+}
+# Relative tolerance on each statistic of a stats-mode dump (abs_mean, sum, max, ...).
+STATS_DEFAULTS: dict[str, float] = {
+    "float64": 1e-6,
+    "float32": 1e-5,
+    "float16": 2e-2,
+    "bfloat16": 1e-1,
+    "float8_e4m3fn": 3e-1,
+    "float8_e4m3fnuz": 3e-1,
+    "float8_e5m2": 5e-1,
+    "float8_e5m2fnuz": 5e-1,
+}
+# Most precise first; anything not listed that is not an integer is treated as float32.
+PRECISION_ORDER = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+)
+INTEGER_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64"})
+# A stats record without a `dtype` stat has its dtype guessed from its max/min (stats.infer_dtype);
+# with neither, assume the common engine dtype, so two bf16 runs are not flagged for bf16 noise.
+UNKNOWN_DTYPE = "bfloat16"
+
+
+def is_integer(dtype: str | None) -> bool:
+    return dtype in INTEGER_DTYPES
+
+
+def less_precise(dtype_a: str | None, dtype_b: str | None) -> str:
+    """The dtype whose rounding dominates the pair (integers defer to the float side)."""
+    if dtype_a is None or dtype_b is None:  # a stats record without a dtype: trust the other side
+        known = dtype_a if dtype_b is None else dtype_b
+        return UNKNOWN_DTYPE if known is None else less_precise(known, known)
+    floats = [d for d in (dtype_a, dtype_b) if not is_integer(d)]
+    if not floats:
+        return "int64"
+    return max(floats, key=lambda d: PRECISION_ORDER.index(d) if d in PRECISION_ORDER else 1)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How one pair is judged: which number (``metric``) must stay under which threshold."""
+
+    metric: str  # rel_diff | cosine | max_abs | exact | stats
+    rtol: float
+    atol: float
+    source: str  # e.g. "bfloat16 default", "--rtol"
+
+    def to_json(self) -> dict[str, object]:
+        return {"metric": self.metric, "rtol": self.rtol, "atol": self.atol, "source": self.source}
+
+
+def resolve(
+    metric: str, dtype_a: str | None, dtype_b: str | None, rtol: float | None, atol: float | None
+) -> Tolerance:
+    """The tolerance for a tensor pair: the user's ``--rtol``/``--atol`` each override their default."""
+    if is_integer(dtype_a) and is_integer(dtype_b):
+        return Tolerance("exact", 0.0, 0.0, "integers compare exactly")
+    dtype = less_precise(dtype_a, dtype_b)
+    if metric == "max_abs":
+        default_rtol, default_atol = MAX_ABS_DEFAULTS.get(dtype, MAX_ABS_DEFAULTS["float32"])
+    else:
+        default_rtol, default_atol = REL_DIFF_DEFAULTS.get(dtype, REL_DIFF_DEFAULTS["float32"]), 0.0
+    return Tolerance(
+        metric,
+        default_rtol if rtol is None else rtol,
+        default_atol if atol is None else atol,
+        _source(dtype, rtol, atol),
+    )
+
+
+def resolve_stats(
+    dtype_a: str | None, dtype_b: str | None, rtol: float | None, atol: float | None
+) -> Tolerance:
+    """The tolerance for comparing the statistics of a tensor (stats-mode dumps)."""
+    dtype = less_precise(dtype_a, dtype_b)
+    default = STATS_DEFAULTS.get(dtype, STATS_DEFAULTS["float32"]) if dtype != "int64" else 0.0
+    return Tolerance(
+        "stats", default if rtol is None else rtol, 0.0 if atol is None else atol, _source(dtype, rtol, atol)
+    )
+
+
+def _source(dtype: str, rtol: float | None, atol: float | None) -> str:
+    given = [flag for flag, value in (("--rtol", rtol), ("--atol", atol)) if value is not None]
+    return " ".join(given) if len(given) == 2 else " ".join([*given, f"{dtype} default"])
+
+
+def table_rows() -> list[dict[str, object]]:
+    """The default table, for ``--json`` settings and the docs."""
+    return [
+        {
+            "dtype": dtype,
+            "rel_diff": REL_DIFF_DEFAULTS[dtype],
+            "max_abs_rtol": MAX_ABS_DEFAULTS[dtype][0],
+            "max_abs_atol": MAX_ABS_DEFAULTS[dtype][1],
+            "stats_rtol": STATS_DEFAULTS[dtype],
+        }
+        for dtype in PRECISION_ORDER
+    ]

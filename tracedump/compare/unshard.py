@@ -1,0 +1,103 @@
+"""Tensor-parallel shards: put a TP=N run's tensors back together so they compare with TP=1.
+
+``--unshard 'REGEX=cat:DIM'`` concatenates the ranks' tensors along DIM (column-parallel outputs),
+``--unshard 'REGEX=sum'`` adds them (row-parallel partial results before the all-reduce). A name that
+matches no rule is taken as *replicated*: rank 0's tensor is compared, and every other rank is
+checked to agree with it within the pair's tolerance; a rank that does not is reported as
+``rank_mismatch``, never ignored.
+
+Two halves, like the rest of the comparator: :func:`plan_entry` works on metadata (shapes) only,
+:func:`assemble` touches the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .options import UnshardRule
+from .reader import Stored
+from .sources import EntryMeta, PassView
+
+
+@dataclass(frozen=True)
+class SideEntry:
+    """One side's entry for one name, as the comparison sees it (after unsharding)."""
+
+    name: str
+    meta: EntryMeta
+    how: str | None = None  # "cat:1", "sum", "replicated" (several ranks) or None (one rank)
+    problem: str | None = None  # why this entry cannot be compared, if it cannot
+    problem_status: str | None = None  # "rank_mismatch" or "error"
+
+
+def _cat_shape(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...] | str:
+    ndim = len(shapes[0])
+    if any(len(s) != ndim for s in shapes):
+        return f"ranks disagree on the number of dims: {shapes}"
+    if not -ndim <= dim < ndim:
+        return f"cat:{dim} is out of range for {ndim}-dim tensors"
+    axis = dim % ndim
+    rest = {s[:axis] + s[axis + 1 :] for s in shapes}
+    if len(rest) > 1:
+        return f"cannot concatenate shapes {shapes} along dim {dim}"
+    return (*shapes[0][:axis], sum(s[axis] for s in shapes), *shapes[0][axis + 1 :])
+
+
+def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> SideEntry:
+    """The entry ``name`` across the ranks in ``views``, with the shape it will have once unsharded."""
+    metas = [view.entries.get(name) for view in views]
+    present = [m for m in metas if m is not None]
+    first = present[0]
+    if len(views) == 1:
+        return SideEntry(name, first)
+    missing = [view.rank for view, meta in zip(views, metas, strict=True) if meta is None]
+    if missing:
+        return SideEntry(name, first, None, f"missing on rank(s) {missing}", "rank_mismatch")
+    if any(m.kind == "stats" for m in present):
+        if rule is not None:
+            return SideEntry(name, first, str(rule), "--unshard needs whole tensors, not statistics", "error")
+        return SideEntry(name, first, "replicated")
+    shapes = [m.shape or () for m in present]
+    if rule is None:
+        if len(set(shapes)) > 1:
+            return SideEntry(
+                name,
+                first,
+                "replicated",
+                f"no --unshard rule and shapes differ across ranks: {shapes}",
+                "rank_mismatch",
+            )
+        return SideEntry(name, first, "replicated")
+    how = "sum" if rule.op == "sum" else f"cat:{rule.dim}"
+    if rule.op == "sum":
+        if len(set(shapes)) > 1:
+            return SideEntry(name, first, how, f"sum needs equal shapes, got {shapes}", "error")
+        return SideEntry(name, EntryMeta("tensor", shapes[0], first.dtype), how)
+    shape = _cat_shape(shapes, rule.dim or 0)
+    if isinstance(shape, str):
+        return SideEntry(name, first, how, shape, "error")
+    return SideEntry(name, EntryMeta("tensor", shape, first.dtype), how)
+
+
+def assemble(entry: SideEntry, views: list[PassView]) -> Stored:
+    """The entry's values: one rank's tensor, or the ranks' tensors joined as the rule says."""
+    if entry.how is None or entry.how == "replicated":
+        return views[0].array(entry.name)
+    parts = [view.array(entry.name) for view in views]
+    if entry.how == "sum":
+        total = np.zeros(parts[0].shape, np.float64)
+        for part in parts:
+            total += _as_float64(part)
+        return Stored(total, "float64")
+    dim = int(entry.how.split(":", 1)[1])
+    return Stored(np.concatenate([p.array for p in parts], axis=dim), parts[0].dtype)
+
+
+def _as_float64(stored: Stored) -> np.ndarray:
+    if stored.dtype == "bfloat16":
+        return (stored.array.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if stored.dtype.startswith("float8"):
+        return stored.to_torch().double().numpy()
+    return stored.array.astype(np.float64)
