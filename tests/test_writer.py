@@ -476,3 +476,28 @@ def test_a_real_file_size_limit_stops_the_dump_and_the_host_finishes_cleanly_in_
         assert str(run_dir / failing_file) in written["incomplete_reason"]
         assert all(path.stat().st_size <= limit for path in run_dir.iterdir())
     assert not list((Path(reports["full"]["run_dir"])).glob("pass*"))
+
+
+def test_a_fork_waits_for_the_writer_to_go_idle_so_the_child_inherits_no_half_done_write(
+    tmp_path, monkeypatch
+):
+    from tracedump import writer as writer_module
+
+    original_run = writer_module.PassJob.run
+
+    def slow_run(self, writer):
+        time.sleep(0.3)  # a write (or a lazy import inside it) still under way when the host forks
+        original_run(self, writer)
+
+    monkeypatch.setattr(writer_module.PassJob, "run", slow_run)
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dumper = tracedump.attach(model)
+    model(torch.ones(1, 2))
+    pid = os.fork()
+    if pid == 0:  # the child leaves at once, without running any of the parent's exit handlers
+        os._exit(0)
+    os.waitpid(pid, 0)
+    written_before_close = (dumper.run_dir / "pass00000.safetensors").exists()
+    dumper.close()
+    assert written_before_close

@@ -54,6 +54,24 @@ from .writer import MANIFEST, RECORDS_FILE, PassJob, StatsJob, Writer
 
 _active: list[Dumper] = []
 _serials = itertools.count()
+_fork_guard_installed = False
+
+
+def _quiesce_writers_before_fork() -> None:
+    """A fork copies only the forking thread: a writer thread caught mid-import or mid-write would
+    leave the child a half-imported module or a held lock. Let every writer go idle first."""
+    for dumper in list(_active):
+        with contextlib.suppress(Exception):
+            dumper._writer.flush()
+
+
+def _install_fork_guard() -> None:
+    global _fork_guard_installed
+    if not _fork_guard_installed and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_quiesce_writers_before_fork)
+        _fork_guard_installed = True
+
+
 # Skips the settings asked for: reported in the summary, not warned about.
 _INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
 
@@ -194,6 +212,7 @@ class Dumper:
         self._handles = self._register(model)
         self._writer = self._start_writer()
         self._flush_at_exit()
+        _install_fork_guard()
         _active.append(self)
 
     # ---------------------------------------------------------------- set-up
