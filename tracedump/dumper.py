@@ -385,6 +385,10 @@ class Dumper:
         self._step_counts[tag] = count + 1
         self.record(f"{tag}_{count}", tensor)
 
+    def flush(self) -> None:
+        """Wait until every pass closed so far is on disk (the open pass is not cut short)."""
+        self._writer.flush()
+
     def close(self) -> None:
         """Flush everything captured, remove every hook this dumper added; safe to call twice."""
         with self._lock:

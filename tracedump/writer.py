@@ -271,9 +271,11 @@ class Writer:
             except Exception as e:  # never let the writer die silently: report, stop, keep the host alive
                 self._fail(job, e)
             finally:
+                nbytes = job.nbytes
+                del job  # free the pass's host buffers before a step waiting on the cap is let in
                 with self._cond:
                     self._busy = False
-                    self._pending -= job.nbytes
+                    self._pending -= nbytes
                     self._cond.notify_all()
 
     def _fail(self, job: Job, error: Exception) -> None:
