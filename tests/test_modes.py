@@ -335,7 +335,7 @@ def _assert_stat(actual: Any, expected: Any, where: str) -> None:
         assert actual == ("inf" if expected > 0 else "-inf"), where
     else:
         # float32 tensors are reduced in float32 (only the scalar is widened), hence rel 1e-6
-        assert isinstance(actual, int | float) and actual == pytest.approx(expected, rel=1e-6, abs=1e-9), (
+        assert isinstance(actual, int | float) and actual == pytest.approx(expected, rel=1e-6, abs=1e-6), (
             where
         )
 
