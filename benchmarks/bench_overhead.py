@@ -1,0 +1,372 @@
+"""What dumping costs the host, as ratios against the untouched model measured in the same process.
+
+Two phases, each interleaved round by round (medians of per-round paired ratios):
+
+* **off**: the engine-integrated step with ``attach()`` having returned ``None`` vs the bare model;
+  plus the cost of ``attach()`` itself when off and of a no-op ``tracedump.record()``. Asserts that
+  no hook of any kind was registered and no thread started.
+* **on**: full / last_row / stats dumps and a naive synchronous baseline, each on its own deep copy
+  of the model (identical weights), against the untouched model. A dumped step reports ``step`` (the
+  forward as the host sees it: hooks + copies; disk writes happen on the writer thread) and ``e2e``
+  (the same step plus waiting for the writer to put it on disk, so background work is not hidden).
+  A **burst** of back-to-back steps ending with a flush gives the steady-state cost, where the
+  writer's work overlaps (and competes with) the next forwards.
+
+Run alone: ``python benchmarks/bench_overhead.py [--quick]`` prints the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import tracedump
+import tracedump.dumper as tracedump_dumper
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common
+
+Step = Callable[[], dict[str, float]]
+
+
+def settings_for(quick: bool) -> dict[str, int]:
+    """Rounds per phase. Full mode keeps the whole `make bench` well under five minutes."""
+    if quick:
+        return {"off_rounds": 4, "on_rounds": 3, "burst_rounds": 1, "burst_steps": 3, "warmup": 1}
+    return {"off_rounds": 20, "on_rounds": 12, "burst_rounds": 5, "burst_steps": 6, "warmup": 2}
+
+
+# ---------------------------------------------------------------------------------------------- off
+
+
+def run_off(
+    model: nn.Module, ids: torch.Tensor, rounds: int, warmup: int, micro_calls: int = 200_000
+) -> dict[str, Any]:
+    """The off path: attach() returns None, the step adds a context manager and a record() call.
+
+    ``micro_calls`` back-to-back calls time one no-op ``record()`` (and ``attach()``, a hundredth
+    as many: it reads the environment).
+    """
+    before = common.hook_census(model)
+    if before.total:
+        raise AssertionError(f"the benchmark model already has hooks: {before.as_dict()}")
+    if tracedump_dumper._active:
+        raise AssertionError("a dumper is still active: record() would not be the no-op path")
+    with common.clean_env():
+        dumper = tracedump.attach(model)
+        if dumper is not None:
+            raise AssertionError("attach() returned a dumper with no dump dir set")
+        attach_s = common.per_call_seconds(lambda: tracedump.attach(model), calls=micro_calls // 100)
+        after = common.assert_untouched(model, before)
+
+    probe = torch.zeros(4)
+    record_s = common.per_call_seconds(lambda: tracedump.record("logits", probe), calls=micro_calls)
+    empty_call_s = common.per_call_seconds(lambda: _nothing("logits", probe), calls=micro_calls)
+
+    def integration(out: Any) -> None:  # what the engine's step adds around its forward
+        with dumper.step() if dumper is not None else contextlib.nullcontext():
+            pass
+        tracedump.record("logits", out if isinstance(out, torch.Tensor) else out.logits)
+
+    def untouched() -> dict[str, float]:
+        return {"step": common.timed(lambda: common.forward(model, ids))}
+
+    def untouched_again() -> dict[str, float]:  # A/A: shows the noise floor of the comparison
+        return untouched()
+
+    def off() -> dict[str, float]:
+        start = time.perf_counter()
+        with dumper.step() if dumper is not None else contextlib.nullcontext():
+            out = common.forward(model, ids)
+        tracedump.record("logits", out if isinstance(out, torch.Tensor) else out.logits)
+        return {"step": time.perf_counter() - start}
+
+    variants = {"untouched": untouched, "off": off, "untouched_again": untouched_again}
+    block = 3  # best of 3 per variant per round: interference only ever adds time
+    samples = common.best_per_block(common.interleave(variants, rounds * block, warmup), block)
+    outputs = common.forward(model, ids)
+    integration_s = common.per_call_seconds(lambda: integration(outputs), calls=micro_calls // 10)
+    final = common.assert_untouched(model, before)
+    base = samples["untouched"]["step"]
+    return {
+        # Ratio of medians of the per-round bests: for a difference of ~1e-5 the per-round ratios
+        # only carry the noise of two single runs; pooling first is the steadier estimator.
+        "forward_ratio": common.ratio(common.median(samples["off"]["step"]), common.median(base)),
+        "aa_ratio": common.ratio(common.median(samples["untouched_again"]["step"]), common.median(base)),
+        "forward_ratio_paired": common.paired_ratio(samples["off"]["step"], base),
+        "forward_ms": _ms(base),
+        "off_forward_ms": _ms(samples["off"]["step"]),
+        "attach_off_us": attach_s * 1e6,
+        "record_noop_ns": record_s * 1e9,
+        "empty_python_call_ns": empty_call_s * 1e9,
+        "step_integration_ns": integration_s * 1e9,
+        "step_integration_fraction": integration_s / common.median(base),
+        "hooks_registered": after.total + final.total,
+        "threads_started": len(set(final.threads) - set(before.threads)),
+        "rounds": rounds,
+        "best_of": block,
+    }
+
+
+def _nothing(tag: str, tensor: Any) -> None:
+    """An empty function of record()'s signature: the floor a no-op call can reach."""
+
+
+# ---------------------------------------------------------------------------------------------- on
+
+
+class DumpedModel:
+    """A deep copy of the model with its own dumper, and the steps the benchmark times on it."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, config: dict[str, Any]) -> None:
+        self.model = copy.deepcopy(model)
+        self.ids = ids
+        self.dir = Path(config["dir"])
+        dumper = tracedump.attach(self.model, config)
+        if dumper is None:
+            raise AssertionError(f"attach() returned None for {config}")
+        self.dumper = dumper
+
+    def flush(self) -> None:
+        """Wait until every submitted pass is on disk (the writer's own flush; no public one yet)."""
+        flush = getattr(self.dumper, "flush", None)
+        (flush or self.dumper._writer.flush)()
+
+    def step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        common.forward(self.model, self.ids)
+        returned = time.perf_counter()
+        self.flush()
+        done = time.perf_counter()
+        common.remove_files(self.dir)  # outside the timed region
+        return {"step": returned - start, "e2e": done - start}
+
+    def burst(self, steps: int) -> float:
+        """Back-to-back steps, then wait for the disk: seconds per step in steady state."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            common.forward(self.model, self.ids)
+        self.flush()
+        seconds = (time.perf_counter() - start) / steps
+        common.remove_files(self.dir)
+        return seconds
+
+    def sample_pass(self) -> dict[str, torch.Tensor]:
+        """One dumped pass read back from disk (for the sizes of what a pass captures)."""
+        common.forward(self.model, self.ids)
+        self.flush()
+        newest = max(self.dir.rglob("pass*.safetensors"), key=lambda p: p.stat().st_mtime)
+        tensors = load_file(str(newest))
+        common.remove_files(self.dir)
+        return tensors
+
+    def close(self) -> None:
+        with contextlib.redirect_stderr(io.StringIO()):  # the one-line summary per dumper is not a result
+            self.dumper.close()
+
+
+class NaiveModel:
+    """A deep copy of the model with the naive synchronous dumper of :mod:`common`."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, directory: Path) -> None:
+        self.model = copy.deepcopy(model)
+        self.ids = ids
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.naive = common.NaiveDumper(self.model, directory)
+
+    def step(self) -> dict[str, float]:
+        seconds = common.timed(lambda: common.forward(self.model, self.ids))
+        common.remove_files(self.dir, "*.pt")
+        return {"step": seconds, "e2e": seconds}
+
+    def burst(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            common.forward(self.model, self.ids)
+        seconds = (time.perf_counter() - start) / steps
+        common.remove_files(self.dir, "*.pt")
+        return seconds
+
+    def close(self) -> None:
+        self.naive.close()
+
+
+def run_on(
+    model: nn.Module, ids: torch.Tensor, workdir: Path, rounds: dict[str, int], quick: bool
+) -> dict[str, Any]:
+    """Full, last_row, stats and naive against the untouched model, and memcpy, interleaved."""
+    token_dim = 1  # both benchmark models produce [batch, seq, hidden]
+    with common.clean_env():
+        full = DumpedModel(model, ids, {"dir": str(workdir / "full")})
+        last_row = DumpedModel(model, ids, {"dir": str(workdir / "last_row"), "mode": "last_row",
+                                            "token_dim": token_dim})  # fmt: skip
+        stats = DumpedModel(model, ids, {"dir": str(workdir / "stats"), "mode": "stats"})
+    naive = NaiveModel(model, ids, workdir / "naive")
+    try:
+        copies = PassCopies(list(full.sample_pass().values()))
+        variants: dict[str, Step] = {
+            "untouched": lambda: {"step": common.timed(lambda: common.forward(model, ids))},
+            "full": full.step,
+            "naive": naive.step,
+            "last_row": last_row.step,
+            "stats": stats.step,
+            "copies": copies.step,
+        }
+        samples = common.interleave(variants, rounds["on_rounds"], rounds["warmup"])
+        burst = _bursts(model, ids, full, naive, rounds["burst_rounds"], rounds["burst_steps"])
+    finally:
+        for closable in (full, last_row, stats, naive):
+            closable.close()
+    return _summarise_on(samples, burst, copies.nbytes, full)
+
+
+class PassCopies:
+    """Plain copies of one pass's bytes, timed in the same rounds as the dumps.
+
+    ``memcpy``: one ``copy_`` of all the bytes into a reused buffer: the machine's copy bandwidth.
+    ``clone``: ``clone()`` of the pass's tensors one by one (fresh memory each time, like a
+    capture): the least any dumper that keeps a private copy must spend in the forward.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.source = torch.ones(max(1, self.nbytes // 4), dtype=torch.float32)
+        self.target = torch.zeros_like(self.source)
+
+    def step(self) -> dict[str, float]:
+        return {
+            "memcpy": common.timed(lambda: self.target.copy_(self.source)),
+            "clone": common.timed(
+                lambda: [t.clone(memory_format=torch.contiguous_format) for t in self.tensors]
+            ),
+        }
+
+
+def _bursts(
+    model: nn.Module, ids: torch.Tensor, full: DumpedModel, naive: NaiveModel, rounds: int, steps: int
+) -> dict[str, list[float]]:
+    def untouched() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            common.forward(model, ids)
+        return (time.perf_counter() - start) / steps
+
+    runs: dict[str, Callable[[], float]] = {
+        "untouched": untouched,
+        "full": lambda: full.burst(steps),
+        "naive": lambda: naive.burst(steps),
+    }
+    samples = common.interleave({k: (lambda f=f: {"step": f()}) for k, f in runs.items()}, rounds, 0)
+    return {k: v["step"] for k, v in samples.items()}
+
+
+def _summarise_on(
+    samples: dict[str, dict[str, list[float]]],
+    burst: dict[str, list[float]],
+    pass_bytes: int,
+    full: DumpedModel,
+) -> dict[str, Any]:
+    base = samples["untouched"]["step"]
+    full_step, naive_step = samples["full"]["step"], samples["naive"]["step"]
+    memcpy, clone = samples["copies"]["memcpy"], samples["copies"]["clone"]
+    added = [f - u for f, u in zip(full_step, base, strict=True)]
+    added_s = common.median(added)
+    ideal = [u + c for u, c in zip(base, clone, strict=True)]  # a dumper whose only cost is the copy
+
+    def steady(name: str) -> float:  # few long samples: pool them, a paired ratio of 3-5 is fragile
+        return common.ratio(common.median(burst[name]), common.median(burst["untouched"]))
+
+    result: dict[str, Any] = {
+        "forward_ms": _ms(base),
+        "full": {
+            "ratio_vs_untouched": common.paired_ratio(full_step, base),
+            "ratio_e2e_vs_untouched": common.paired_ratio(samples["full"]["e2e"], base),
+            "ratio_steady_vs_untouched": steady("full"),
+            "speedup_vs_naive": common.paired_ratio(naive_step, full_step),
+            "speedup_vs_naive_e2e": common.paired_ratio(naive_step, samples["full"]["e2e"]),
+            "speedup_vs_naive_steady": common.ratio(
+                common.median(burst["naive"]), common.median(burst["full"])
+            ),
+            # The ceiling for speedup_vs_naive on this machine, model and disk: naive vs a dumper whose
+            # only host cost is cloning the pass (its disk writes free and invisible).
+            "speedup_vs_naive_ideal": common.paired_ratio(naive_step, ideal),
+            "naive_ratio_vs_untouched": common.paired_ratio(naive_step, base),
+            "naive_steady_ratio_vs_untouched": steady("naive"),
+            "step_ms": _ms(full_step),
+            "e2e_ms": _ms(samples["full"]["e2e"]),
+            "naive_step_ms": _ms(naive_step),
+            "steady_samples_ms": {k: [round(v * 1e3, 1) for v in vs] for k, vs in burst.items()},
+            "pass_MB": pass_bytes / 1e6,
+            "added_ms": added_s * 1e3,
+            "capture_GBps": pass_bytes / added_s / 1e9 if added_s > 0 else float("inf"),
+            "memcpy_GBps": pass_bytes / common.median(memcpy) / 1e9,
+            "clone_GBps": pass_bytes / common.median(clone) / 1e9,
+            "throughput_vs_memcpy": common.paired_ratio(memcpy, added),
+            "throughput_vs_clone": common.paired_ratio(clone, added),
+            "leaves_hooked": len(full.dumper.modules),
+        },
+    }
+    for mode in ("last_row", "stats"):
+        result[mode] = {
+            "ratio": common.paired_ratio(samples[mode]["step"], base),
+            "ratio_e2e": common.paired_ratio(samples[mode]["e2e"], base),
+            "step_ms": _ms(samples[mode]["step"]),
+        }
+    return result
+
+
+def _ms(values: list[float]) -> float:
+    return common.median(values) * 1e3
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+
+def run(
+    quick: bool = False, spec: common.ModelSpec | None = None, workdir: Path | None = None
+) -> dict[str, Any]:
+    """Both phases on one model; returns the ``model``/``off``/``full``/``last_row``/``stats`` sections."""
+    spec = spec or (common.QUICK_SPEC if quick else common.FULL_SPEC)
+    rounds = settings_for(quick)
+    model = common.build_model(spec)
+    ids = common.make_inputs(spec)
+    with torch.inference_mode():
+        off = run_off(model, ids, rounds["off_rounds"], rounds["warmup"], 20_000 if quick else 200_000)
+        with common.scratch_dir() if workdir is None else contextlib.nullcontext(workdir) as scratch:
+            on = run_on(model, ids, Path(scratch), rounds, quick)
+    model_info = {
+        **{k: v for k, v in vars(spec).items() if k != "seed"},
+        "params": common.param_count(model),
+        "model_MB": common.model_bytes(model) / 1e6,
+        "leaves": common.leaf_count(model),
+        "forward_ms": on.pop("forward_ms"),
+        "dtype": "float32",
+    }
+    return {"model": model_info, "off": off, **on}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few rounds: a smoke run")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(quick=args.quick), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""``make bench``: every CPU benchmark, a table on the terminal, ``benchmarks/results.json`` on disk.
+
+    python benchmarks/run_all.py --out benchmarks/results.json     # ~3 min on 2 cores
+    python benchmarks/run_all.py --quick                            # tiny model, < 30 s: a smoke run
+
+Targets are judged on the full run only; ``--quick`` uses a model too small for its ratios to mean
+anything (the fixed per-hook cost dominates a 5 ms forward) and says so in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench_memory, bench_overhead, common
+
+# name -> (section, key, comparison, target, what it measures)
+TARGETS: dict[str, tuple[str, str, str, float | bool, str]] = {
+    "off": ("off", "forward_ratio", "<=", 1.01, "step with attach() off / untouched"),
+    "off_no_hooks": ("off", "hooks_registered", "==", 0, "hooks registered when off"),
+    "full_vs_naive": ("full", "speedup_vs_naive", ">=", 1.5, "naive step / full step (host-visible)"),
+    "stats": ("stats", "ratio", "<=", 1.15, "stats step / untouched"),
+    "last_row": ("last_row", "ratio", "<=", 1.10, "last_row step / untouched"),
+    "memory": ("memory", "within_cap", "==", True, "peak RSS <= untouched peak + cap + margin"),
+}
+
+
+def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Run the benchmarks and assemble ``results.json``'s content."""
+    started = time.perf_counter()
+    results: dict[str, Any] = {"machine": common.machine_info(), "quick": quick}
+    overhead = bench_overhead.run(quick=quick)
+    results.update(overhead)
+    if "memory" not in skip:
+        results["memory"] = bench_memory.run(quick=quick)
+    if "diff" not in skip:
+        results["diff"] = _run_diff(quick)
+    results["targets"] = judge(results)
+    results["seconds"] = time.perf_counter() - started
+    return results
+
+
+def _run_diff(quick: bool) -> dict[str, Any]:
+    """``benchmarks/bench_diff.py`` (written separately) when present; its failure is reported, not fatal."""
+    if not (Path(__file__).resolve().parent / "bench_diff.py").exists():
+        return {"skipped": "benchmarks/bench_diff.py not present"}
+    try:
+        module = importlib.import_module("benchmarks.bench_diff")
+        return dict(module.run(quick=quick))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
+
+
+def judge(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each target with what was measured and whether it is met (None when not measured)."""
+    verdicts: dict[str, dict[str, Any]] = {}
+    for name, (section, key, comparison, target, what) in TARGETS.items():
+        measured = results.get(section, {}).get(key)
+        verdicts[name] = {
+            "target": f"{comparison} {target}",
+            "measured": measured,
+            "met": _met(measured, comparison, target),
+            "what": what,
+        }
+    diff = results.get("diff", {})
+    for name, verdict in diff.get("targets", {}).items():
+        verdicts[f"diff_{name}"] = verdict
+    if "meets_target" in diff and "targets" not in diff:
+        verdicts["diff"] = {
+            "target": f">= {diff.get('target_ratio')}",
+            "measured": diff.get("ratio"),
+            "met": diff["meets_target"],
+            "what": "diff throughput / raw read bandwidth of the same files",
+        }
+    return verdicts
+
+
+def _met(measured: Any, comparison: str, target: float | bool) -> bool | None:
+    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+        return None
+    if comparison == "<=":
+        return measured <= target
+    if comparison == ">=":
+        return measured >= target
+    return measured == target
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def print_table(results: dict[str, Any]) -> None:
+    """The figures that matter, as a rich table (plain text when rich is missing)."""
+    rows = _rows(results)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for row in rows:
+            print(" | ".join(row))
+        return
+    model = results["model"]
+    caption = (
+        f"{model['kind']} {model['params'] / 1e6:.1f}M params, {model['tokens']} tokens, "
+        f"forward {model['forward_ms']:.0f} ms; {results['machine']['cpu_count']} CPUs, "
+        f"{results['machine']['torch_threads']} torch threads"
+        + ("\nQUICK run: tiny model, the targets are not meaningful" if results.get("quick") else "")
+    )
+    table = Table(title="tracedump benchmarks (ratios: interleaved, medians)", caption=caption)
+    for column in ("figure", "measured", "target", "met"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    targets = {(v[0], v[1]): k for k, v in TARGETS.items()}
+    verdicts = results.get("targets", {})
+    shown = [
+        ("off", "forward_ratio", "x"),
+        ("off", "attach_off_us", "us"),
+        ("off", "record_noop_ns", "ns"),
+        ("off", "hooks_registered", ""),
+        ("full", "ratio_vs_untouched", "x"),
+        ("full", "ratio_e2e_vs_untouched", "x"),
+        ("full", "ratio_steady_vs_untouched", "x"),
+        ("full", "speedup_vs_naive", "x"),
+        ("full", "speedup_vs_naive_e2e", "x"),
+        ("full", "speedup_vs_naive_steady", "x"),
+        ("full", "speedup_vs_naive_ideal", "x"),
+        ("full", "capture_GBps", "GB/s"),
+        ("full", "memcpy_GBps", "GB/s"),
+        ("full", "clone_GBps", "GB/s"),
+        ("full", "throughput_vs_memcpy", "x"),
+        ("full", "throughput_vs_clone", "x"),
+        ("last_row", "ratio", "x"),
+        ("stats", "ratio", "x"),
+        ("stats", "ratio_e2e", "x"),
+        ("memory", "peak_rss_MB", "MB"),
+        ("memory", "untouched_peak_rss_MB", "MB"),
+        ("memory", "allowed_MB", "MB"),
+        ("memory", "within_cap", ""),
+    ]
+    rows = []
+    for section, key, unit in shown:
+        if key not in results.get(section, {}):
+            continue
+        name = targets.get((section, key))
+        verdict = verdicts.get(name, {}) if name else {}
+        met = verdict.get("met")
+        rows.append(
+            (
+                f"{section}.{key}",
+                _fmt(results[section][key], unit),
+                verdict.get("target", ""),
+                "" if not name else ("yes" if met else "n/a" if met is None else "NO"),
+            )
+        )
+    for name, verdict in verdicts.items():
+        if name.startswith("diff"):
+            met = verdict.get("met")
+            rows.append((name, _fmt(verdict.get("measured"), ""), str(verdict.get("target", "")),
+                         "yes" if met else "n/a" if met is None else "NO"))  # fmt: skip
+    return rows
+
+
+def _fmt(value: Any, unit: str) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        if unit == "x":
+            return f"{value:.3f}x"
+        return f"{value:.1f} {unit}" if unit else f"{value:.3g}"
+    return f"{value} {unit}" if unit else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    parser.add_argument("--quick", action="store_true", help="tiny model, few rounds: a smoke run (< 30 s)")
+    parser.add_argument("--skip", action="append", default=[], choices=["memory", "diff"])
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, reported)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    results = run(quick=args.quick, skip=frozenset(args.skip))
+    print_table(results)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
