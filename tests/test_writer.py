@@ -501,3 +501,31 @@ def test_a_fork_waits_for_the_writer_to_go_idle_so_the_child_inherits_no_half_do
     written_before_close = (dumper.run_dir / "pass00000.safetensors").exists()
     dumper.close()
     assert written_before_close
+
+
+def test_later_passes_copy_into_recycled_buffers_and_still_store_their_own_values(tmp_path, monkeypatch):
+    from tracedump.buffers import HostBufferPool
+
+    reused: list[bool] = []
+    original_take = HostBufferPool._take
+
+    def spying_take(self, nbytes, pinned):
+        storage = original_take(self, nbytes, pinned)
+        reused.append(storage is not None)
+        return storage
+
+    monkeypatch.setattr(HostBufferPool, "_take", spying_take)
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    dumper = tracedump.attach(model)
+    inputs = [torch.full((4, 8), float(i)) for i in range(4)]
+    for x in inputs:
+        model(x)
+        dumper.flush()  # the pass is on disk: its buffers are back in the pool for the next one
+    dumper.close()
+
+    assert reused[:2] == [False, False] and all(reused[2:])
+    for index, x in enumerate(inputs):
+        stored = tracedump.load_pass(dumper.run_dir / f"pass{index:05d}.safetensors")
+        assert torch.equal(stored["0"], model[0](x).detach())
+        assert torch.equal(stored["1"], model(x).detach())

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .buffers import HostBufferPool
+
 SyncEscape = Callable[[], AbstractContextManager[Any]]
 
 
@@ -92,25 +94,31 @@ def resolve_compile(requested: bool, dumper: Any) -> bool:
     return requested
 
 
-def copy_to_host(tensor: torch.Tensor, sync_escape: SyncEscape | None) -> tuple[torch.Tensor, Any]:
+def copy_to_host(
+    tensor: torch.Tensor, sync_escape: SyncEscape | None, pool: HostBufferPool | None = None
+) -> tuple[torch.Tensor, Any]:
     """A contiguous host copy of ``tensor`` and, for device tensors, the event that marks it done.
 
     CPU tensors get a plain synchronous copy. Device tensors are copied with ``non_blocking=True``
     into pinned memory on the *current* stream: later kernels on that stream, which may overwrite the
     buffer in place, are ordered after the copy. The writer thread waits on the event, the forward
-    does not.
+    does not. ``pool`` supplies recycled buffers (see :mod:`tracedump.buffers`).
     """
     source = tensor.detach()
     if source.device.type == "cpu":
-        return source.clone(memory_format=torch.contiguous_format), None
+        return _host_buffer(source, False, pool).copy_(source), None
     escape = sync_escape() if sync_escape is not None else contextlib.nullcontext()
     with allow_sync(), escape:
-        host = torch.empty(
-            source.shape, dtype=source.dtype, device="cpu", pin_memory=source.device.type == "cuda"
-        )
+        host = _host_buffer(source, source.device.type == "cuda", pool)
         host.copy_(source, non_blocking=True)
         event = _record_event(source.device)
     return host, event
+
+
+def _host_buffer(source: torch.Tensor, pinned: bool, pool: HostBufferPool | None) -> torch.Tensor:
+    if pool is not None:
+        return pool.empty_like(source, pinned)
+    return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
 
 
 def _record_event(device: torch.device) -> Any:

@@ -526,7 +526,7 @@ class Dumper:
                 continue
             if self._full:
                 kept = last_row(tensor, settings.token_dim) if settings.mode == "last_row" else tensor
-                host, event = copy_to_host(kept, self._sync_escape)
+                host, event = copy_to_host(kept, self._sync_escape, self._writer.buffers)
                 current.add(f"{name}{suffix}{call_suffix}", host, event)
                 self._apply_back_pressure(current)
             else:
@@ -543,10 +543,15 @@ class Dumper:
         current.kept += 1
 
     def _apply_back_pressure(self, current: _Pass) -> None:
-        """Hold host memory under the cap: wait for the writer; spill a pass too big for the cap."""
+        """Hold host memory under the cap: wait for the writer; spill a pass too big for the cap.
+
+        Free pooled buffers count too; over the cap they are released first, since waiting for the
+        writer cannot shrink them."""
         cap = self.settings.max_pending_bytes
-        if current.nbytes + self._writer.pending_bytes <= cap:
+        writer = self._writer
+        if current.nbytes + writer.pending_bytes + writer.buffers.free_bytes <= cap:
             return
+        writer.buffers.clear()
         self._writer.wait_below(cap - current.nbytes)
         if current.nbytes > cap or current.nbytes + self._writer.pending_bytes > cap:
             current.parts += 1
@@ -572,7 +577,7 @@ class Dumper:
         if self._failure is not None:
             self.skipped["after_failure"] += 1
             return
-        host, event = copy_to_host(tensor, self._sync_escape)
+        host, event = copy_to_host(tensor, self._sync_escape, self._writer.buffers)
         if current is None:
             self._loose.append((tag, host, event))
         else:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .buffers import HostBufferPool
 from .cuda import wait_for
 
 FORMAT_VERSION = "1"
@@ -109,6 +110,7 @@ class PassJob:
             metadata["tracedump.part"] = str(self.part)
         size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
+        writer.recycle([t for _, t, _ in self.entries], self.nbytes)
 
 
 @dataclass
@@ -161,6 +163,7 @@ class Writer:
         self._closing = False
         self._last_manifest = 0.0
         self._stats_handle: Any = None
+        self.buffers = HostBufferPool()
         self._thread = threading.Thread(target=self._loop, name="tracedump-writer", daemon=True)
         self._thread.start()
 
@@ -203,6 +206,10 @@ class Writer:
             self._cond.notify_all()
         self._thread.join()
         self._seal_stats()
+
+    def recycle(self, tensors: list[torch.Tensor], nbytes: int) -> None:
+        """Hand a written pass's buffers to the pool, keeping free + queued bytes within the cap."""
+        self.buffers.give_back(tensors, room=self.max_pending_bytes - (self._pending - nbytes))
 
     def note_file(self, index: int, size: int, *, is_pass: bool) -> None:
         if is_pass:

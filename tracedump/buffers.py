@@ -1,0 +1,60 @@
+"""Recycled host buffers for captures.
+
+A fresh host buffer per capture costs a page fault per 4 KiB page on first touch: measured here, a
+clone into new memory ran at 2.6 GB/s against 15 GB/s for a copy into memory already mapped. Passes
+of one engine repeat the same tensor sizes, so the writer hands each buffer back once its pass is on
+disk and the next pass copies into it. Free buffers count against the pending-bytes cap together
+with the passes not yet written, so pooling never raises the memory bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+
+class HostBufferPool:
+    """Free host storages keyed by (bytes, pinned), bounded by a byte budget shared with the writer."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+    def empty_like(self, source: torch.Tensor, pinned: bool) -> torch.Tensor:
+        """An uninitialised contiguous host tensor with ``source``'s shape and dtype."""
+        nbytes = source.numel() * source.element_size()
+        storage = self._take(nbytes, pinned)
+        if storage is None:
+            return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
+        return torch.empty(0, dtype=source.dtype).set_(storage, 0, source.shape)
+
+    def give_back(self, tensors: Iterable[torch.Tensor], room: int) -> None:
+        """Keep the storages of written tensors while the free bytes stay within ``room``."""
+        with self._lock:
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                nbytes = storage.nbytes()
+                if nbytes == 0 or self._free_bytes + nbytes > room:
+                    continue
+                self._free.setdefault((nbytes, storage.is_pinned()), []).append(storage)
+                self._free_bytes += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0
+
+    def _take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage | None:
+        with self._lock:
+            stack = self._free.get((nbytes, pinned))
+            if not stack:
+                return None
+            self._free_bytes -= nbytes
+            return stack.pop()
