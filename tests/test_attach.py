@@ -335,3 +335,32 @@ def test_a_hook_failure_is_reported_once_and_never_raised_into_forward(
     assert len([w for w in caught if "boom" in str(w.message)]) == 1
     assert dumper.skipped["errors"] > 1
     assert json.loads((dumper.run_dir / "manifest.json").read_text())["skipped"]["errors"] > 1
+
+
+def test_a_forward_cut_by_a_base_exception_still_ends_its_pass(tmp_path, monkeypatch):
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    dumper = tracedump.attach(model)
+    with tracedump.capture(model, outputs=["0"], early_exit=True) as cap:
+        assert cap.run(torch.ones(1, 2)) is None  # cut by capture's early exit (a BaseException)
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))
+    dumper.close()
+    passes = tracedump.open_dump(tmp_path).runs[0].passes
+    assert [p.names for p in passes.values()] == [["0"], ["0", "1", "2"], ["0", "1", "2"]]
+
+
+def test_a_failure_report_never_raises_even_when_warnings_are_errors(tmp_path, monkeypatch, capfd):
+    import warnings
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setattr(tracedump.cuda, "_warned", set())
+    dumper = tracedump.attach(model)
+    monkeypatch.setattr("tracedump.dumper.copy_to_host", lambda *a, **k: 1 / 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(torch.ones(1, 2))
+        dumper.close()
+    assert out.shape == (1, 2)
+    assert "capture failed at 0: ZeroDivisionError" in capfd.readouterr().err

@@ -408,3 +408,30 @@ def test_a_root_that_the_program_attached_itself_is_not_dumped_twice(
     assert auto.roots == {"Sequential": None}
     (run,) = tracedump.open_dump(tmp_path / "auto").runs
     assert sorted(run.passes) == [0]
+
+
+class _Interrupting(nn.Module):
+    """A root whose forward is cut by a BaseException, which skips torch's always_call post-hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        if float(x.sum()) < 0:
+            raise KeyboardInterrupt
+        return y
+
+
+def test_a_root_forward_cut_by_ctrl_c_does_not_hide_later_roots(tmp_path: Path, auto: AutoAttach) -> None:
+    interrupted, later = _Interrupting(), nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted(-torch.ones(1, 2))
+    later(torch.ones(1, 2))
+    interrupted(torch.ones(1, 2))
+    auto.close_dumpers()
+    assert list(auto.roots) == ["_Interrupting", "Sequential"]
+    runs = {run.manifest["root"]: run for run in tracedump.open_dump(tmp_path / "auto").runs}
+    assert [p.names for p in runs["_Interrupting"].passes.values()] == [["inner"], ["inner"]]
+    assert [p.names for p in runs["Sequential"].passes.values()] == [["0"]]

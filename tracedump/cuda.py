@@ -7,6 +7,7 @@ up at call time (so tests can fake them) and every probe tolerates a build witho
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -31,7 +32,10 @@ def warn_once(key: str, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(message, TracedumpWarning, stacklevel=3)
+    try:
+        warnings.warn(message, TracedumpWarning, stacklevel=3)
+    except Exception:  # the host runs with warnings as errors: report anyway, never raise into it
+        print(f"{TracedumpWarning.__name__}: {message}", file=sys.stderr)
 
 
 def stream_is_capturing() -> bool:
@@ -72,24 +76,29 @@ def allow_sync() -> Iterator[None]:
 
 def resolve_cuda_graph(requested: bool, dumper: Any) -> bool:
     """Whether the engine may use CUDA graphs: never while dumping, since replay fires no hooks."""
-    if requested and dumper is not None:
-        warn_once(
-            "cuda_graph",
-            "tracedump: CUDA graphs disabled because dumping is on (forward hooks "
-            "never fire during graph replay). Unset the dump dir to get them back.",
-        )
-        return False
-    return requested
+    return _refused_while_dumping(
+        requested,
+        dumper,
+        "cuda_graph",
+        "tracedump: CUDA graphs disabled because dumping is on (forward hooks never fire during graph "
+        "replay). Unset the dump dir to get them back.",
+    )
 
 
 def resolve_compile(requested: bool, dumper: Any) -> bool:
     """Whether the engine may ``torch.compile``: never while dumping, since Dynamo drops the hooks."""
+    return _refused_while_dumping(
+        requested,
+        dumper,
+        "compile",
+        "tracedump: torch.compile disabled because dumping is on (hooks added to a compiled module are "
+        "ignored, and a copy inside a hook breaks the graph).",
+    )
+
+
+def _refused_while_dumping(requested: bool, dumper: Any, key: str, message: str) -> bool:
     if requested and dumper is not None:
-        warn_once(
-            "compile",
-            "tracedump: torch.compile disabled because dumping is on (hooks added to a "
-            "compiled module are ignored, and a copy inside a hook breaks the graph).",
-        )
+        warn_once(key, message)
         return False
     return requested
 
@@ -107,11 +116,14 @@ def copy_to_host(
     source = tensor.detach()
     if source.device.type == "cpu":
         return _host_buffer(source, False, pool).copy_(source), None
+    # Only CUDA copies are made asynchronous (pinned buffer + an event the writer waits on); other
+    # accelerators get a synchronous copy, since no event here would tell the writer it landed.
+    is_cuda = source.device.type == "cuda"
     escape = sync_escape() if sync_escape is not None else contextlib.nullcontext()
     with allow_sync(), escape:
-        host = _host_buffer(source, source.device.type == "cuda", pool)
-        host.copy_(source, non_blocking=True)
-        event = _record_event(source.device)
+        host = _host_buffer(source, is_cuda, pool)
+        host.copy_(source, non_blocking=is_cuda)
+        event = _record_event(source.device) if is_cuda else None
     return host, event
 
 
@@ -122,10 +134,10 @@ def _host_buffer(source: torch.Tensor, pinned: bool, pool: HostBufferPool | None
 
 
 def _record_event(device: torch.device) -> Any:
-    if device.type != "cuda":
-        return None
+    """An event on the stream the copy was queued on: the source device's current stream, which
+    need not be the current device's (layers spread over GPUs)."""
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 

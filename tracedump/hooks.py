@@ -8,6 +8,7 @@ dicts, dataclasses and HF ``ModelOutput``; ``<module>@in[i]`` / ``<module>@in[kw
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,23 @@ if TYPE_CHECKING:
     from .dumper import Dumper
 
 _MAX_DEPTH = 8
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def forward_calls_on_stack(module: nn.Module) -> int:
+    """How many calls of ``module`` are running on this thread (its ``Module._call_impl`` frames).
+
+    Torch runs ``always_call`` forward hooks only for an ``Exception``; a ``BaseException``
+    (Ctrl-C, ``capture()``'s early exit) unwinds a forward without its post-hooks. Looking at the
+    stack tells a real nested call from state such an unwind left behind. Walked only when the
+    counters say "nested", which for a root module is rare.
+    """
+    count, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            count += 1
+        frame = frame.f_back
+    return count
 
 
 def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -97,6 +115,10 @@ class RootPassHooks:
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
+        if self.opened and forward_calls_on_stack(module) <= 1:  # an earlier call was unwound
+            if any(self.opened):
+                self.dumper._close_pass()
+            self.opened.clear()
         self.opened.append(self.dumper._open_auto_pass())
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -31,7 +31,7 @@ from torch.nn.modules import module as torch_module
 
 from ..cuda import warn_once
 from ..dumper import Dumper, original_module
-from ..hooks import RootPassHooks
+from ..hooks import RootPassHooks, forward_calls_on_stack
 from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
 
 # multiprocessing runs its finalizers before a forked worker's os._exit(), when atexit does not run.
@@ -82,6 +82,7 @@ class AutoAttach:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._roots: dict[int, _Root] = {}
+        self._member_ids: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
         self._label_counts: collections.Counter[str] = collections.Counter()
         self._handles: list[Any] = []
         # Whether torch runs a pre-hook that a global pre-hook registered on the same call: it does
@@ -122,8 +123,11 @@ class AutoAttach:
         if torch.compiler.is_compiling():  # a traced forward: stay out of Dynamo's graph
             return
         depth = getattr(self._local, "depth", 0)
+        if depth and self._left_behind(module):
+            depth = 0  # a BaseException unwound the last root forward without its post-hooks
         self._local.depth = depth + 1
         if depth == 0:
+            self._local.root = module
             try:
                 self._on_root_call(module, args)
             except Exception as error:  # never break the host's forward
@@ -137,6 +141,22 @@ class AutoAttach:
         if torch.compiler.is_compiling():
             return
         self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
+
+    def _left_behind(self, module: nn.Module) -> bool:
+        """Whether the depth count is stale. A module inside the running root's tree is a nested call
+        (a set lookup); anything else is checked against the stack."""
+        root = getattr(self._local, "root", None)
+        if root is None:
+            return False
+        if module is not root and id(module) in self._members(root):
+            return False
+        return forward_calls_on_stack(root) <= (1 if module is root else 0)
+
+    def _members(self, root: nn.Module) -> set[int]:
+        members = self._member_ids.get(root)
+        if members is None:
+            members = self._member_ids[root] = {id(m) for m in root.modules()}
+        return members
 
     # ------------------------------------------------------------------ roots
 
