@@ -364,3 +364,17 @@ def test_a_failure_report_never_raises_even_when_warnings_are_errors(tmp_path, m
         dumper.close()
     assert out.shape == (1, 2)
     assert "capture failed at 0: ZeroDivisionError" in capfd.readouterr().err
+
+
+def test_a_root_that_is_itself_a_leaf_has_its_inputs_and_output_in_the_pass(tmp_path, monkeypatch):
+    model = nn.Linear(3, 2)
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_INPUTS", "1")
+    dumper = tracedump.attach(model)
+    x = torch.ones(1, 3)
+    model(x)
+    dumper.close()
+    stored = tracedump.load_pass(dumper.run_dir / "pass00000.safetensors")
+    assert list(stored) == ["root@in[0]", "root"]
+    assert torch.equal(stored["root@in[0]"], x)
+    assert dumper.skipped["outside_pass"] == 0

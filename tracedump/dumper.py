@@ -245,13 +245,14 @@ class Dumper:
         return run_dir
 
     def _register(self, model: nn.Module) -> list[Any]:
-        handles = []
+        # The pass opens before any capture hook of this call runs (a root that is itself a selected
+        # leaf has its input hook on the same module) and closes after the last one.
+        root = RootPassHooks(self)
+        handles = [model.register_forward_pre_hook(root.before, prepend=True)]
         for name, module in self.modules:
             if self.settings.inputs:
                 handles.append(module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True))
             handles.append(module.register_forward_hook(OutputHook(self, name)))
-        root = RootPassHooks(self)
-        handles.append(model.register_forward_pre_hook(root.before))
         handles.append(model.register_forward_hook(root.after, always_call=True))
         return handles
 
