@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,3 +246,32 @@ def test_module_level_record_reaches_the_most_recently_attached_dumper(
         tracedump.record("where", torch.tensor([1]))
     assert _records(first)["where"].tolist() == [1]
     assert _records(second)["where"].tolist() == [2]
+
+
+def test_a_forked_child_numbers_its_records_afresh_in_its_own_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dumper = tracedump.attach(model)
+    for _ in range(2):
+        with dumper.step():
+            model(torch.ones(1, 2))
+            dumper.record_step("margin", torch.ones(1))
+            dumper.record("logits", torch.ones(2), once=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with dumper.step():
+                model(torch.ones(1, 2))
+                dumper.record_step("margin", torch.zeros(1))
+                dumper.record("logits", torch.zeros(2), once=True)
+            dumper.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    dumper.close()
+
+    runs = {run.pid: run for run in tracedump.open_dump(tmp_path).runs}
+    child = runs[pid]
+    assert child.passes[0].names == ["0", "margin_0", "logits"]
+    assert child.manifest["complete"] and child.manifest["skipped"] == {}
+    assert runs[os.getpid()].passes[1].names == ["0", "margin_1"]

@@ -61,8 +61,9 @@ def _quiesce_writers_before_fork() -> None:
     """A fork copies only the forking thread: a writer thread caught mid-import or mid-write would
     leave the child a half-imported module or a held lock. Let every writer go idle first."""
     for dumper in list(_active):
-        with contextlib.suppress(Exception):
-            dumper._writer.flush()
+        if dumper._pid == os.getpid():  # a writer inherited over an earlier fork has no thread here
+            with contextlib.suppress(Exception):
+                dumper._writer.flush()
 
 
 def _install_fork_guard() -> None:
@@ -193,16 +194,9 @@ class Dumper:
         self._sync_escape = sync_escape
         self._steps = settings.step_selection
         self._full = settings.mode != "stats"
-        self._lock = threading.RLock()
-        self.skipped: collections.Counter[str] = collections.Counter()
-        self._pass: _Pass | None = None
-        self._next_index = 0
         self._suspend_depth = 0
         self._rows: int | None = None
-        self._once_tags: set[str] = set()
-        self._step_counts: collections.Counter[str] = collections.Counter()
-        self._loose: list[tuple[str, torch.Tensor, Any]] = []
-        self._failure: str | None = None
+        self._reset_run_state()
         self._serial = next(_serials)  # keys this dumper's one-time warnings (ids get reused)
         self._closed = False
         self.rank, self.world_size, self._rank_provisional = _rank_and_world()
@@ -318,16 +312,33 @@ class Dumper:
         if mp_util is not None:
             mp_util.Finalize(self, self.close, exitpriority=10)
 
-    def _rebind_after_fork(self) -> None:
-        """A forked child inherits the hooks but not the writer thread: give it its own run dir."""
-        self._pid = os.getpid()
+    def _reset_run_state(self) -> None:
+        """What belongs to one run dir: a forked child starts these afresh in its own dir."""
         self._lock = threading.RLock()
-        self._pass = None
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self._pass: _Pass | None = None
         self._next_index = 0
-        self._loose = []
-        self.run_dir = self._make_run_dir()
+        self._once_tags: set[str] = set()
+        self._step_counts: collections.Counter[str] = collections.Counter()
+        self._loose: list[tuple[str, torch.Tensor, Any]] = []
+        self._failure: str | None = None
+
+    def _rebind_after_fork(self) -> bool:
+        """A forked child inherits the hooks but not the writer thread: give it its own run dir.
+
+        Runs inside a forward hook, so a failure (the dump dir gone, say) is reported, and the child
+        stops dumping, rather than raised."""
+        self._pid = os.getpid()
+        self._reset_run_state()
+        try:
+            self.run_dir = self._make_run_dir()
+        except ConfigError as e:
+            self._closed = True
+            self._report_run_error("a forked child's run dir", e)
+            return False
         self._writer = self._start_writer()
         self._flush_at_exit()
+        return True
 
     # ---------------------------------------------------------------- public API
 
@@ -431,8 +442,8 @@ class Dumper:
     def _open_pass(self) -> bool:
         if self._closed:
             return False
-        if os.getpid() != self._pid:
-            self._rebind_after_fork()
+        if os.getpid() != self._pid and not self._rebind_after_fork():
+            return False
         if self._rank_provisional:
             self._settle_rank()
         index = self._next_index
