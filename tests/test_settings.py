@@ -214,3 +214,22 @@ def test_settings_are_read_once_at_attach(monkeypatch, tmp_path, tiny_llama, pro
         tiny_llama(prompt_ids)
     dumper.close()
     assert list(tracedump.load_pass(dumper.run_dir / "pass00000.safetensors")) == ["lm_head"]
+
+
+def test_a_misspelt_env_var_is_refused_rather_than_ignored(monkeypatch, tmp_path, tiny_llama):
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_FILTERS", "lm_head")
+    with pytest.raises(tracedump.ConfigError, match=r"unknown setting\(s\): TRACEDUMP_DUMP_FILTERS;.*FILTER"):
+        tracedump.attach(tiny_llama)
+
+
+def test_a_misspelt_config_key_is_refused_rather_than_ignored(tmp_path, tiny_llama):
+    with pytest.raises(tracedump.ConfigError, match=r"DumpConfig\.mdoe"):
+        tracedump.attach(tiny_llama, {"dir": str(tmp_path), "mdoe": "stats"})
+
+
+def test_an_empty_env_var_means_unset_and_keeps_the_config_value(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRACEDUMP_DUMP_FILTER", "")
+    monkeypatch.setenv("TRACEDUMP_DUMP_MAX_ROWS", "")
+    settings = load_settings(tracedump.DumpConfig(dir=tmp_path, filter=["lm_head"], max_rows=1))
+    assert settings.filter == ["lm_head"] and settings.max_rows == 1

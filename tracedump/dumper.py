@@ -292,17 +292,18 @@ class Dumper:
         if not (dist.is_available() and dist.is_initialized()):
             return
         rank, world = dist.get_rank(), dist.get_world_size()
-        if (rank, world) == (self.rank, self.world_size):
-            return
-        self.rank, self.world_size = rank, world
-        moved = self._free_run_dir_name(self.run_dir.parent)
-        try:
-            os.rename(self.run_dir, moved)
-        except OSError as e:
-            self._report_run_error("moving the run dir to its rank", e)
-            return
-        self.run_dir = self._writer.run_dir = moved
-        self._writer.write_manifest(rank=rank, world_size=world)
+        if rank != self.rank:
+            previous, self.rank = self.rank, rank
+            moved = self._free_run_dir_name(self.run_dir.parent)
+            try:
+                os.rename(self.run_dir, moved)
+            except OSError as e:
+                self.rank = previous
+                self._report_run_error("moving the run dir to its rank", e)
+                return
+            self.run_dir = self._writer.run_dir = moved
+        self.world_size = world
+        self._writer.write_manifest(rank=self.rank, world_size=world)
 
     def _flush_at_exit(self) -> None:
         """Close at interpreter exit. Forked multiprocessing workers leave through ``os._exit``,

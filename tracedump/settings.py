@@ -384,8 +384,9 @@ class DumpSettings(BaseSettings, _DumpFields):
     turns validation errors into a :class:`ConfigError` that names the env var.
     """
 
+    # An empty env var means "unset": it neither clears a config value nor lifts a gate.
     model_config = SettingsConfigDict(
-        env_prefix=DEFAULT_ENV_PREFIX + "DUMP_", extra="ignore", case_sensitive=False
+        env_prefix=DEFAULT_ENV_PREFIX + "DUMP_", extra="ignore", case_sensitive=False, env_ignore_empty=True
     )
 
     @classmethod
@@ -406,8 +407,9 @@ def env_name(field: str, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
 
 
 def _env_value(field: str, env_prefix: str) -> str | None:
+    """The env var's value as pydantic-settings reads it: any case, and empty meaning unset."""
     wanted = env_name(field, env_prefix).lower()
-    return next((v for k, v in os.environ.items() if k.lower() == wanted), None)
+    return next((v for k, v in os.environ.items() if k.lower() == wanted and v), None)
 
 
 def describe_source(field: str, value: Any, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
@@ -421,9 +423,9 @@ def describe_source(field: str, value: Any, env_prefix: str = DEFAULT_ENV_PREFIX
 
 def dump_dir_requested(config: Any, env_prefix: str = DEFAULT_ENV_PREFIX) -> bool:
     """The off-path check: one env lookup and one attribute read, no validation, no import."""
-    env_value = os.environ.get(env_name("dir", env_prefix))
-    if env_value is not None:
-        return bool(env_value.strip())
+    env_value = os.environ.get(env_name("dir", env_prefix), "")
+    if env_value.strip():
+        return True
     value = config.get("dir") if isinstance(config, dict) else getattr(config, "dir", None)
     return value is not None and bool(str(value).strip())
 
@@ -433,6 +435,7 @@ def load_settings(
 ) -> DumpSettings:
     """Read the settings once: env > ``config`` > defaults. Raises :class:`ConfigError`."""
     explicit = _explicit_values(config)
+    _reject_unknown_names(explicit, env_prefix)
     # An env var for either filter kind replaces the config's filter of either kind: the operator
     # overlays a choice, rather than colliding with the engine's default.
     if _env_value("filter", env_prefix) or _env_value("filter_fn", env_prefix):
@@ -442,6 +445,22 @@ def load_settings(
         return DumpSettings(**explicit, _env_prefix=env_prefix + "DUMP_")
     except ValidationError as e:
         raise ConfigError(_describe(e, env_prefix, explicit)) from e
+
+
+def _reject_unknown_names(explicit: dict[str, Any], env_prefix: str) -> None:
+    """A misspelt setting (``TRACEDUMP_DUMP_FILTERS``, ``{"mdoe": ...}``) would otherwise be ignored
+    and the run would dump something else than asked, silently."""
+    known = set(_DumpFields.model_fields)
+    prefix = env_prefix + "DUMP_"
+    unknown = [f"DumpConfig.{key}" for key in explicit if key not in known]
+    unknown += [
+        key for key in os.environ if key.startswith(prefix) and key[len(prefix) :].lower() not in known
+    ]
+    if unknown:
+        names = ", ".join(env_name(field, env_prefix) for field in _DumpFields.model_fields)
+        raise ConfigError(
+            f"tracedump: bad setting\n  unknown setting(s): {', '.join(sorted(unknown))}; known: {names}"
+        )
 
 
 def _explicit_values(config: DumpConfig | _DumpFields | dict[str, Any] | None) -> dict[str, Any]:
