@@ -382,21 +382,11 @@ class Dumper:
         ``once=True`` keeps only the first write (e.g. the prefill logits). Inside a pass it goes to
         that pass's file; outside every pass, to ``records.safetensors`` at close.
         """
-        try:
-            self._record(tag, tensor, once)
-        except Exception as e:
-            self._report_run_error(f"record({tag!r})", e)
+        self._record_safely(tag, tensor, once=once)
 
     def record_step(self, tag: str, tensor: torch.Tensor) -> None:
         """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
-        if self._closed or self._suspended():
-            return
-        if not gates.row_gate_allows(self._rows, self.settings.max_rows):
-            self.skipped["row_gate"] += 1  # a warm-up call uses no number, as a warm-up uses no pass
-            return
-        count = self._step_counts[tag]
-        self._step_counts[tag] = count + 1
-        self.record(f"{tag}_{count}", tensor)
+        self._record_safely(tag, tensor, numbered=True)
 
     def flush(self) -> None:
         """Wait until every pass closed so far is on disk (the open pass is not cut short)."""
@@ -573,17 +563,29 @@ class Dumper:
             )
             current.entries, current.nbytes = [], 0
 
-    def _record(self, tag: str, tensor: torch.Tensor, once: bool) -> None:
+    def _record_safely(
+        self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False
+    ) -> None:
+        try:
+            self._record(tag, tensor, once=once, numbered=numbered)
+        except Exception as e:
+            self._report_run_error(f"record({tag!r})", e)
+
+    def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self._closed or self._suspended() or (once and tag in self._once_tags):
             return
+        if not gates.row_gate_allows(self._rows, self.settings.max_rows):
+            self.skipped["row_gate"] += 1  # a warm-up call uses no record_step number either
+            return
+        if numbered:
+            count = self._step_counts[tag]
+            self._step_counts[tag] = count + 1
+            tag = f"{tag}_{count}"
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
-        if not gates.row_gate_allows(self._rows, self.settings.max_rows):
-            self.skipped["row_gate"] += 1
-            return
         current = self._pass
         if current is not None and not current.selected:
-            current.kept += 1  # a real step's record: the pass keeps its index (see _judge_unselected)
+            current.kept += 1  # a real step's record: the pass keeps its index (see _gated_leaves)
             if once:  # the first real write happened, STEPS just did not keep it
                 self._once_tags.add(tag)
             return

@@ -156,11 +156,6 @@ class StepSelection:
             ranges.append((lo, hi))
         return cls(tuple(ranges))
 
-    @property
-    def last(self) -> int | None:
-        """The highest selected index, after which no pass needs capturing (None: unbounded)."""
-        return max(hi for _, hi in self.ranges) if self.ranges else None
-
 
 def load_callable(spec: str) -> Callable[..., Any]:
     """Import ``"pkg.module:func"`` or ``"/path/file.py:func"`` and return the callable."""
@@ -268,11 +263,6 @@ class _DumpFields(BaseModel):
         "(bytes, or `512MiB`, `4G`); when reached the step waits for the writer (nothing is dropped).",
     )
 
-    @field_validator("dir", mode="before")
-    @classmethod
-    def _empty_dir_is_off(cls, value: Any) -> Any:
-        return None if value is None or (isinstance(value, str) and not value.strip()) else value
-
     @field_validator("filter", mode="before")
     @classmethod
     def _parse_filter(cls, value: Any) -> list[str] | None:
@@ -281,7 +271,7 @@ class _DumpFields(BaseModel):
     @field_validator("filter_fn", "sync_escape", mode="before")
     @classmethod
     def _check_callable(cls, value: Any) -> str | None:
-        if value is None or (isinstance(value, str) and not value.strip()):
+        if value is None:
             return None
         load_callable(str(value).strip())
         return str(value).strip()
@@ -289,7 +279,7 @@ class _DumpFields(BaseModel):
     @field_validator("tokens", "max_rows", mode="before")
     @classmethod
     def _positive_int(cls, value: Any) -> int | None:
-        if value is None or (isinstance(value, str) and not value.strip()):
+        if value is None:
             return None
         try:
             number = int(str(value).strip())
@@ -347,6 +337,13 @@ class _DumpFields(BaseModel):
     @classmethod
     def _parse_pending(cls, value: Any) -> int:
         return parse_byte_size(value)
+
+    # Defined last, so pydantic runs it before the field's own parser ("before" validators run in
+    # reverse order): a blank string in a config means unset, as an empty env var does.
+    @field_validator("dir", "filter_fn", "sync_escape", "tokens", "max_rows", "steps", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _filter_xor_filter_fn(self) -> _DumpFields:

@@ -34,8 +34,6 @@ from ..dumper import Dumper, original_module
 from ..hooks import RootPassHooks, forward_calls_on_stack
 from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
 
-# multiprocessing runs its finalizers before a forked worker's os._exit(), when atexit does not run.
-
 _installed: AutoAttach | None = None
 
 
