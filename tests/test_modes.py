@@ -26,7 +26,7 @@ from tracedump import ConfigError, TracedumpWarning, load_pass, open_dump
 
 ALL_STATS = ("abs_mean", "sum", "min", "max", "mean", "std", "l2", "nan_count", "inf_count", "shape", "dtype")
 NUMERIC_STATS = ALL_STATS[:9]
-RECORD_KEYS = {"module", "tensor", "pass", "call"}
+RECORD_KEYS = {"module", "tensor", "pass", "call", "seq"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,3 +611,25 @@ def test_a_healthy_stats_run_with_nan_and_inf_emits_no_tracedump_warning(
     assert [str(w.message) for w in caught if issubclass(w.category, TracedumpWarning)] == []
     assert dumper.failure is None
     assert open_dump(dump_dir).runs[0].complete
+
+
+def test_stats_lines_and_whole_records_share_one_capture_order(dump_dir, monkeypatch):
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "stats")
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    dumper = tracedump.attach(model)
+    with dumper.step():
+        model(torch.ones(1, 2))
+        dumper.record("between", torch.ones(3))
+        model(torch.ones(1, 2))
+    dumper.close()
+
+    lines = [json.loads(line) for line in (dumper.run_dir / "stats.jsonl").read_text().splitlines()]
+    assert [(r["module"], r["call"], r["seq"]) for r in lines] == [
+        ("0", 0, 0),
+        ("1", 0, 1),
+        ("0", 1, 3),
+        ("1", 1, 4),
+    ]
+    pass_file = tracedump.open_dump(dumper.run_dir).runs[0].passes[0]
+    assert pass_file.names == ["between"]
+    assert json.loads(pass_file.metadata["tracedump.seq"]) == [2]

@@ -143,12 +143,26 @@ def _rank_and_world() -> tuple[int, int, bool]:
 class _Pass:
     """What one open pass has gathered so far."""
 
-    __slots__ = ("calls", "entries", "gated", "index", "kept", "nbytes", "parts", "selected", "stats")
+    __slots__ = (
+        "calls",
+        "entries",
+        "gated",
+        "index",
+        "kept",
+        "nbytes",
+        "order",
+        "parts",
+        "selected",
+        "seqs",
+        "stats",
+    )
 
     def __init__(self, index: int, selected: bool) -> None:
         self.index = index
         self.selected = selected
         self.entries: list[tuple[str, torch.Tensor, Any]] = []
+        self.seqs: list[int] = []  # each entry's place in the pass's capture order
+        self.order = 0
         self.stats: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]] = []
         self.calls: collections.Counter[str] = collections.Counter()
         self.nbytes = 0
@@ -158,8 +172,23 @@ class _Pass:
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
+        self.seqs.append(self.next_seq())
         self.nbytes += tensor.numel() * tensor.element_size()
         self.kept += 1
+
+    def next_seq(self) -> int:
+        """Captures of every kind (whole tensors, stats, records) share one order, so a stats-mode
+        pass, which stores records whole and the rest in stats.jsonl, can be merged back in order."""
+        self.order += 1
+        return self.order - 1
+
+    def take_job(self, part: int | None, mode: str) -> PassJob:
+        """The entries gathered so far as one file's job; the pass starts gathering afresh."""
+        job = PassJob(
+            self.index, part, mode, self.entries, self.nbytes, seqs=self.seqs if mode == "stats" else None
+        )
+        self.entries, self.seqs, self.nbytes = [], [], 0
+        return job
 
     def next_call(self, key: str) -> int:
         call = self.calls[key]
@@ -455,9 +484,7 @@ class Dumper:
         try:
             if current.entries:  # a pass whose last capture was spilled has no tail: no empty part file
                 part = current.parts + 1 if current.parts else None
-                self._writer.submit(
-                    PassJob(current.index, part, self.settings.mode, current.entries, current.nbytes)
-                )
+                self._writer.submit(current.take_job(part, self.settings.mode))
             if current.stats:
                 self._writer.submit(StatsJob(current.index, current.stats))
         except Exception as e:
@@ -541,7 +568,14 @@ class Dumper:
         numeric, values, extras = compute_stats(tensor, self.settings.stats)
         host, event = copy_to_host(values, self._sync_escape)
         label = "in" + suffix.removeprefix("@in") if is_input else "out" + suffix
-        base = {"module": name, "tensor": label, "pass": current.index, "call": call, **extras}
+        base = {
+            "module": name,
+            "tensor": label,
+            "pass": current.index,
+            "call": call,
+            "seq": current.next_seq(),
+            **extras,
+        }
         current.stats.append((base, numeric, host, event))
         current.kept += 1
 
@@ -558,10 +592,7 @@ class Dumper:
         self._writer.wait_below(cap - current.nbytes)
         if current.nbytes > cap or current.nbytes + self._writer.pending_bytes > cap:
             current.parts += 1
-            self._writer.submit(
-                PassJob(current.index, current.parts, self.settings.mode, current.entries, current.nbytes)
-            )
-            current.entries, current.nbytes = [], 0
+            self._writer.submit(current.take_job(current.parts, self.settings.mode))
 
     def _record_safely(
         self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False

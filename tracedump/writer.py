@@ -29,6 +29,7 @@ from .cuda import wait_for
 
 FORMAT_VERSION = "1"
 ORDER_KEY = "tracedump.order"
+SEQ_KEY = "tracedump.seq"
 STATS_FILE = "stats.jsonl"
 STATS_PARTIAL = "stats.jsonl.partial"
 MANIFEST = "manifest.json"
@@ -96,6 +97,7 @@ class PassJob:
     entries: list[tuple[str, torch.Tensor, Any]]
     nbytes: int
     file_name: str | None = None
+    seqs: list[int] | None = None  # stats mode: where each entry stands in the pass's capture order
 
     def run(self, writer: Writer) -> None:
         for _, _, event in self.entries:
@@ -108,6 +110,8 @@ class PassJob:
         }
         if self.part is not None:
             metadata["tracedump.part"] = str(self.part)
+        if self.seqs is not None:
+            metadata[SEQ_KEY] = json.dumps(self.seqs)
         size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)
