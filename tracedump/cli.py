@@ -48,13 +48,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         passes = run.passes
         tensors = sum(len(p) for p in passes.values())
         size = sum(p.nbytes for p in passes.values())
-        stats = run.stats() if (run.path / "stats.jsonl").exists() else []
+        stats = run.stats()  # stats mode: one record per tensor, beside any whole-stored records
         tensors += len(stats)
         table.add_row(
             run.name,
             str(run.rank),
             str(run.pid),
-            str(len(passes) or len({s["pass"] for s in stats})),
+            str(len(set(passes) | {s.get("pass") for s in stats})),
             str(tensors),
             _human_bytes(size),
             "yes" if run.complete else "no",
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (DumpReadError, FileNotFoundError, NotADirectoryError, re.error) as e:
+    except (DumpReadError, OSError, re.error) as e:  # unreadable input is a usage error, never a trace
         print(f"tracedump {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
 
