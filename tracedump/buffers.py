@@ -4,7 +4,8 @@ A fresh host buffer per capture costs a page fault per 4 KiB page on first touch
 clone into new memory ran at 2.6 GB/s against 15 GB/s for a copy into memory already mapped. Passes
 of one engine repeat the same tensor sizes, so the writer hands each buffer back once its pass is on
 disk and the next pass copies into it. Free buffers count against the pending-bytes cap together
-with the passes not yet written, so pooling never raises the memory bound.
+with the passes not yet written and the open pass: when a capture would exceed the cap the pool is
+emptied first (``Dumper._apply_back_pressure``), so pooling keeps the bound of cap + one tensor.
 """
 
 from __future__ import annotations
