@@ -17,6 +17,7 @@ import torch
 from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare.options import UsageError
+from tracedump.loader import DumpReadError
 from tracedump.writer import pass_file_name, save_tensors_atomic
 
 WORLD = 2
@@ -193,7 +194,7 @@ def test_two_runs_of_one_rank_and_root_ask_for_a_run_dir(tmp_path: Path) -> None
     write_run(tmp_path / "a", 0, {0: {"x": tensor}}, pid=1)
     write_run(tmp_path / "a", 0, {0: {"x": tensor}}, pid=2)
     write_run(tmp_path / "b", 0, {0: {"x": tensor}}, pid=3)
-    with pytest.raises(UsageError, match="several runs of rank 0"):
+    with pytest.raises(DumpReadError, match="several runs of rank 0 for root 'Toy': rank0_pid1, rank0_pid2"):
         compare(tmp_path / "a", tmp_path / "b")
     assert compare(tmp_path / "a" / "rank0_pid2", tmp_path / "b").exit_code == 0
 

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 import tracedump
 from tracedump.cli import main
+from tracedump.loader import open_pass
 
 
 @pytest.fixture
@@ -122,3 +123,66 @@ def test_cli_exits_2_on_unreadable_input(tmp_path):
     )
     assert result.returncode == 2
     assert "not a directory" in result.stderr
+
+
+def _maps_of(directory: Path) -> int:
+    """Memory maps this process holds of files under ``directory``."""
+    return sum(str(directory) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_listing_a_dump_opens_no_pass_file_and_reading_headers_maps_none(tmp_path):
+    """3000 passes used to mean 3000+ maps up front (vm.max_map_count is 65530 by default)."""
+    for index in range(40):
+        save_file({"x": torch.full((4,), float(index))}, str(tmp_path / f"pass{index:05d}.safetensors"))
+    (tmp_path / "pass00040.safetensors").write_bytes(b"garbage, found only when pass 40 is used")
+    run = tracedump.open_dump(tmp_path).runs[0]
+    assert sorted(run.passes) == list(range(41))  # listing reads no file: the garbage goes unnoticed
+    assert [run.passes[i].info("x").shape for i in range(40)] == [(4,)] * 40
+    assert _maps_of(tmp_path) == 0
+    assert float(run.passes[7]["x"][0]) == 7.0  # reading a tensor maps its file, and only that one
+    assert _maps_of(tmp_path) == 1
+    with pytest.raises(tracedump.DumpReadError, match=r"pass00040\.safetensors: not a readable safetensors"):
+        len(run.passes[40])
+
+
+def test_truncated_pass_files_exit_2_in_ls_and_show(dumped, capsys):
+    victim = dumped / "pass00001.safetensors"
+    whole = victim.read_bytes()
+    for cut in (6, 100, len(whole) - 8):  # no header length; inside the header; inside the data
+        victim.write_bytes(whole[:cut])
+        for command in (["ls", str(dumped)], ["show", str(victim)]):
+            assert main(command) == 2, (command, cut)
+            assert f"{victim}: not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_bad_order_metadata_falls_back_to_sorted_names(tmp_path):
+    save_file(
+        {"b": torch.ones(1), "a": torch.ones(1)}, str(tmp_path / "x.safetensors"), {"tracedump.order": "[no"}
+    )
+    assert open_pass(tmp_path / "x.safetensors").names == ["a", "b"]
+
+
+def _run_dir(base: Path, name: str, root: str) -> None:
+    (base / name).mkdir(parents=True)
+    save_file({"x": torch.ones(1)}, str(base / name / "pass00000.safetensors"))
+    (base / name / "manifest.json").write_text(f'{{"rank": 0, "pid": 1, "root": "{root}"}}')
+
+
+def test_dump_run_refuses_to_guess_between_runs_of_one_rank_and_root(tmp_path):
+    _run_dir(tmp_path, "rank0_pid1", "Llama")
+    _run_dir(tmp_path, "rank0_pid2", "Llama")
+    with pytest.raises(
+        tracedump.DumpReadError, match="several runs of rank 0 for root 'Llama': rank0_pid1, rank0_pid2"
+    ):
+        tracedump.open_dump(tmp_path).run()
+
+
+def test_dump_run_tells_roots_apart_by_label(tmp_path):
+    for serial, root in ((1, "Vae"), (2, "Unet"), (10, "TextEncoder")):
+        _run_dir(tmp_path, "rank0_pid1" + (f"-{serial}" if serial > 1 else ""), root)
+    dump = tracedump.open_dump(tmp_path)
+    assert [r.name for r in dump.runs] == ["rank0_pid1", "rank0_pid1-2", "rank0_pid1-10"]
+    assert dump.run().name == "rank0_pid1"  # the process's first root
+    assert dump.run(root="TextEncoder").name == "rank0_pid1-10"
+    with pytest.raises(tracedump.DumpReadError, match="no run of root 'Clip'"):
+        dump.run(root="Clip")

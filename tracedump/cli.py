@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .compare.display import console
+
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
 
 
@@ -25,13 +27,6 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TB"
-
-
-def console():  # type: ignore[no-untyped-def]
-    """A rich console; when piped, wide enough that long module names stay on one greppable line."""
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 250)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -69,6 +64,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .loader import open_pass
+    from .reduce import dtype_name
 
     pattern = re.compile(args.filter) if args.filter else None
     pass_file = open_pass(args.passfile)
@@ -83,7 +79,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         table.add_row(
             name,
             str(list(tensor.shape)),
-            str(tensor.dtype).removeprefix("torch."),
+            dtype_name(tensor.dtype),
             f"{values.min().item():.4g}",
             f"{values.max().item():.4g}",
             f"{values.mean().item():.4g}",

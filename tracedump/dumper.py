@@ -252,8 +252,9 @@ class Dumper:
         base = Path(self.settings.dir).expanduser()  # type: ignore[arg-type]
         try:
             if not base.exists():
-                base.mkdir(parents=True, mode=0o700)
-                os.chmod(base, 0o700)
+                with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
+                    base.mkdir(parents=True, mode=0o700)
+                    os.chmod(base, 0o700)
             run_dir = self._free_run_dir_name(base)
             run_dir.mkdir(mode=0o700)
             os.chmod(run_dir, 0o700)

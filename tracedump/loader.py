@@ -1,16 +1,22 @@
 """Reading dumps back: ``load_pass`` for one file, ``open_dump`` for lazy access to a whole dump.
 
-Pass files are memory-mapped (safetensors ``safe_open``): reading one tensor of a multi-GB pass
-touches only that tensor's bytes. Capture order comes from the file's metadata; part files of a
-pass too large for the memory cap are reassembled transparently.
+Nothing is opened before it is needed: listing a dump of 3000 passes stats file names only, a
+pass's safetensors header (names, shapes, dtypes, capture order) is read on first use, and a file
+is memory-mapped (safetensors ``safe_open``) only when a tensor is read, so reading one tensor of a
+multi-GB pass touches only that tensor's bytes and a long dump never holds thousands of maps.
+:func:`read_header` is the one parser of the header; the comparator maps files from it too. Part
+files of a pass too large for the memory cap are reassembled transparently.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -19,28 +25,34 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .writer import MANIFEST, ORDER_KEY, RECORDS_FILE, STATS_FILE, STATS_PARTIAL
+from .reduce import NUMERIC_STATS
+from .writer import MANIFEST, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
 
-_PASS_RE = re.compile(r"^pass(\d+)(?:\.part(\d+))?\.safetensors$")
+# Capture sequence numbers of a stats-mode pass file's tensors (JSON list aligned with ORDER_KEY): they
+# place records among the stats.jsonl lines of the same pass, whose "seq" counts in the same sequence.
+PASS_RE = re.compile(r"^pass(\d+)(?:\.part(\d+))?\.safetensors$")
 _RUN_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:-(\d+))?$")
-_SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "C64": "complex64",
+# safetensors dtype code -> (torch dtype name, bytes per element)
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "C64": ("complex64", 8),
 }
+_MAX_HEADER = 1 << 28  # bytes; a real header is names and offsets, far below this
+_TEXT_NUMBERS = frozenset({"nan", "inf", "-inf"})  # how stats.jsonl spells non-finite values
 
 
 class DumpReadError(ValueError):
@@ -56,78 +68,223 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
 
-def _order_from_metadata(metadata: dict[str, str] | None, keys: list[str]) -> list[str]:
-    order = json.loads(metadata[ORDER_KEY]) if metadata and ORDER_KEY in metadata else None
-    if order is None or set(order) != set(keys):
-        return list(keys)
-    return order
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in its file (absolute offsets), and what they hold."""
+
+    info: TensorInfo
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """One safetensors file's header: tensors in capture order, metadata, capture sequence numbers."""
+
+    path: Path
+    tensors: dict[str, StoredTensor]
+    metadata: dict[str, str]
+    seq: dict[str, int] | None  # from SEQ_KEY; None when the file does not carry them
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+
+def _unreadable(path: Path, reason: str) -> DumpReadError:
+    return DumpReadError(f"{path}: not a readable safetensors file ({reason})")
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """Parse a safetensors header: an 8-byte little-endian length, then JSON ``{name: {dtype, shape,
+    data_offsets}}``. Every tensor is checked to lie inside the file, so a truncated file fails here,
+    with its name, rather than later inside a reader."""
+    try:
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+            text = handle.read(length) if 0 <= length <= min(size - 8, _MAX_HEADER) else None
+    except OSError as e:
+        raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
+    if length < 0:
+        raise _unreadable(path, f"{size} bytes, shorter than a header")
+    if text is None:
+        raise _unreadable(path, f"header length {length} does not fit the file's {size} bytes")
+    try:
+        header = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise _unreadable(path, f"header is not JSON: {e}") from e
+    return _parse_header(path, header, 8 + length, size)
+
+
+def _parse_header(path: Path, header: Any, data_start: int, size: int) -> SafetensorsHeader:
+    if not isinstance(header, dict):
+        raise _unreadable(path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, StoredTensor] = {}
+    for name, spec in header.items():
+        try:
+            tensors[name] = _stored_tensor(spec, data_start)
+        except (KeyError, TypeError, ValueError) as e:
+            raise _unreadable(path, f"bad header entry for {name!r}: {e!r}") from e
+        if tensors[name].end > size:
+            raise _unreadable(path, f"truncated: {name!r} ends at byte {tensors[name].end}, file has {size}")
+    order = _capture_order(metadata, tensors)
+    return SafetensorsHeader(path, {n: tensors[n] for n in order}, metadata, _seq(metadata, order))
+
+
+def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
+    raw = str(spec["dtype"])
+    name, width = SAFETENSORS_DTYPES.get(raw, (raw.lower(), 0))
+    shape = tuple(int(s) for s in spec["shape"])
+    begin, end = (int(offset) for offset in spec["data_offsets"])
+    if not 0 <= begin <= end or (width and end - begin != math.prod(shape) * width):
+        raise ValueError(f"data_offsets {[begin, end]} do not hold a {raw} tensor of shape {list(shape)}")
+    return StoredTensor(TensorInfo(shape, name), data_start + begin, data_start + end)
+
+
+def _json_list(metadata: dict[str, str], key: str) -> list[Any] | None:
+    try:
+        value = json.loads(metadata[key]) if key in metadata else None
+    except (TypeError, ValueError):
+        return None
+    return value if isinstance(value, list) else None
+
+
+def _capture_order(metadata: dict[str, str], tensors: dict[str, StoredTensor]) -> list[str]:
+    """The metadata's capture order; sorted names for a file without a valid one (not ours)."""
+    order = _json_list(metadata, ORDER_KEY)
+    return order if order is not None and sorted(map(str, order)) == sorted(tensors) else sorted(tensors)
+
+
+def _seq(metadata: dict[str, str], order: list[str]) -> dict[str, int] | None:
+    seq = _json_list(metadata, SEQ_KEY)
+    if seq is None or len(seq) != len(order) or not all(_is_int(s) for s in seq):
+        return None
+    return dict(zip(order, seq, strict=True))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class PassFile:
-    """One pass: its files (one, or several parts), names in capture order, lazy tensor access."""
+    """One pass: its files (one, or several parts), names in capture order, lazy tensor access.
+
+    Creating one touches no file: headers are read on first use (names, info, ...), and a file is
+    memory-mapped only when one of its tensors is read.
+    """
 
     def __init__(self, index: int, files: list[Path]) -> None:
         self.index = index
         self.files = files
-        self._handles: list[Any] = []
-        self._where: dict[str, int] = {}
-        self._names: list[str] = []
-        for position, path in enumerate(files):
-            handle = safe_open(str(path), framework="pt")
-            names = _order_from_metadata(handle.metadata(), list(handle.keys()))
-            self._handles.append(handle)
-            for name in names:
-                self._where[name] = position
-            self._names.extend(names)
+        self._handles: dict[int, Any] = {}
+
+    @cached_property
+    def headers(self) -> list[SafetensorsHeader]:
+        """The header of each file, in part order (raises DumpReadError for an unreadable file)."""
+        return [read_header(path) for path in self.files]
+
+    @cached_property
+    def _where(self) -> dict[str, int]:
+        return {name: position for position, header in enumerate(self.headers) for name in header.tensors}
 
     @property
     def names(self) -> list[str]:
         """Tensor names in capture order."""
-        return list(self._names)
+        return [name for header in self.headers for name in header.tensors]
 
     @property
     def metadata(self) -> dict[str, str]:
-        return dict(self._handles[0].metadata() or {}) if self._handles else {}
+        return dict(self.headers[0].metadata) if self.files else {}
+
+    @property
+    def seq(self) -> dict[str, int] | None:
+        """Each tensor's capture sequence number (stats-mode pass files), None when not recorded."""
+        parts = [header.seq for header in self.headers]
+        if not parts or any(part is None for part in parts):
+            return None
+        return {name: number for part in parts if part is not None for name, number in part.items()}
+
+    def header_of(self, name: str) -> SafetensorsHeader:
+        """The header of the file that holds ``name``."""
+        return self.headers[self._where[name]]
 
     def __contains__(self, name: object) -> bool:
         return name in self._where
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._where)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self.names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """Read one tensor (memory-mapped: only its bytes are touched)."""
-        return self._handles[self._where[name]].get_tensor(name)
+        position = self._where[name]
+        try:
+            return self._handle(position).get_tensor(name)
+        except Exception as e:  # safetensors' own error type, for a file changed since its header was read
+            raise _unreadable(self.files[position], f"{type(e).__name__}: {e}") from e
+
+    def _handle(self, position: int) -> Any:
+        if position not in self._handles:
+            path = self.files[position]
+            try:
+                self._handles[position] = safe_open(str(path), framework="pt")
+            except OSError as e:
+                raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
+            except Exception as e:  # SafetensorError: not a safetensors file after all
+                raise _unreadable(path, f"{type(e).__name__}: {e}") from e
+        return self._handles[position]
 
     def info(self, name: str) -> TensorInfo:
-        sliced = self._handles[self._where[name]].get_slice(name)
-        raw = sliced.get_dtype()
-        return TensorInfo(tuple(sliced.get_shape()), _SAFETENSORS_DTYPES.get(raw, raw.lower()))
+        return self.header_of(name).tensors[name].info
 
     def load(self) -> dict[str, torch.Tensor]:
-        return {name: self[name] for name in self._names}
+        return {name: self[name] for name in self.names}
+
+    def close(self) -> None:
+        """Drop the memory maps (tensors already read keep their own memory)."""
+        self._handles.clear()
 
     @property
     def nbytes(self) -> int:
         return sum(path.stat().st_size for path in self.files)
 
     def __repr__(self) -> str:
-        return f"PassFile({self.index}, tensors={len(self)}, files={[p.name for p in self.files]})"
+        return f"PassFile({self.index}, files={[p.name for p in self.files]})"
+
+
+def pass_index(path: Path) -> int | None:
+    """``pass00003.safetensors`` (or a part of it) is pass 3; None for any other file name."""
+    match = PASS_RE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _listing(path: Path) -> list[Path]:
+    try:
+        return sorted(path.iterdir())
+    except OSError as e:
+        raise DumpReadError(f"{path}: cannot list ({e.strerror or e})") from e
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else str(e)
+        raise DumpReadError(f"{path}: cannot read ({reason or e})") from e
 
 
 def _group_pass_files(run_dir: Path) -> dict[int, list[Path]]:
     groups: dict[int, list[tuple[int, Path]]] = {}
-    for path in run_dir.iterdir():
-        match = _PASS_RE.match(path.name)
+    for path in _listing(run_dir):
+        match = PASS_RE.match(path.name)
         if match:
             part = int(match.group(2)) if match.group(2) is not None else 0
             groups.setdefault(int(match.group(1)), []).append((part, path))
@@ -142,27 +299,75 @@ def load_pass(path: str | Path) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     if path.suffix == ".pt":
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-            raise DumpReadError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
-        return dict(data)
+        return _load_pt(path)
     return open_pass(path).load()
 
 
-def open_pass(path: str | Path) -> PassFile:
-    """A lazy :class:`PassFile` for a pass path (parts reassembled)."""
-    path = Path(path)
-    match = _PASS_RE.match(path.name)
-    if match and path.parent.is_dir():
-        files = _group_pass_files(path.parent).get(int(match.group(1)))
-        if files:
-            return PassFile(int(match.group(1)), files)
-    if not path.is_file():
-        raise DumpReadError(f"{path}: no such pass file")
+def _load_pt(path: Path) -> dict[str, torch.Tensor]:
     try:
-        return PassFile(-1, [path])
-    except Exception as e:
-        raise DumpReadError(f"{path}: not a readable safetensors file ({e})") from e
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling refused (weights_only), truncated zip, not a .pt at all
+        raise DumpReadError(f"{path}: not a loadable dict of tensors ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise DumpReadError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
+    return dict(data)
+
+
+def open_pass(path: str | Path) -> PassFile:
+    """A :class:`PassFile` for a pass path (parts reassembled). Its headers are read now, so an
+    unreadable file fails here, with its name."""
+    path = Path(path)
+    index = pass_index(path)
+    files = _group_pass_files(path.parent).get(index) if index is not None and path.parent.is_dir() else None
+    if not files:
+        if not path.is_file():
+            raise DumpReadError(f"{path}: no such pass file")
+        files = [path]
+    pass_file = PassFile(-1 if index is None else index, files)
+    pass_file.headers  # noqa: B018 - fail now, not at the first tensor
+    return pass_file
+
+
+def _stats_problem(record: Any) -> str | None:
+    """Why a parsed ``stats.jsonl`` line is not a stats record; None when it is one."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if not isinstance(record.get("module"), str):
+        return 'no "module" name'
+    if not _is_int(record.get("pass")):
+        return 'no integer "pass"'
+    for key, check in (("call", _is_int), ("seq", _is_int), ("tensor", lambda v: isinstance(v, str))):
+        if key in record and not check(record[key]):
+            return f"{key!r} is {record[key]!r}"
+    shape = record.get("shape")
+    if shape is not None and not (isinstance(shape, list) and all(_is_int(s) for s in shape)):
+        return f"'shape' is {shape!r}"
+    for name in NUMERIC_STATS:
+        value = record.get(name)
+        if value is not None and not _is_number(value):
+            return f"{name!r} is {value!r}"
+    return None
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, str):
+        return value in _TEXT_NUMBERS
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parse_stats(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}:{number}: torn line skipped (the run did not close cleanly)", stacklevel=3)
+            continue
+        problem = _stats_problem(record)
+        if problem is not None:
+            raise DumpReadError(f"{path}:{number}: not a stats record: {problem}")
+        records.append(record)
+    return records
 
 
 @dataclass
@@ -176,6 +381,7 @@ class Run:
 
     @cached_property
     def passes(self) -> dict[int, PassFile]:
+        """Every pass, by index; lazy (no file is opened until a pass is used)."""
         return {index: PassFile(index, files) for index, files in _group_pass_files(self.path).items()}
 
     @property
@@ -188,47 +394,76 @@ class Run:
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
 
+    @property
+    def root(self) -> str:
+        """The label of the model this run dumped (manifest "root"), "" when unknown."""
+        return str(self.manifest.get("root") or self.manifest.get("model_class") or "")
+
+    @property
+    def serial(self) -> int:
+        """2, 3, ... for the second, third root of one process (``rank0_pid7-2``); 1 otherwise."""
+        match = _RUN_RE.match(self.path.name)
+        return int(match.group(3)) if match and match.group(3) else 1
+
     def stats(self) -> list[dict[str, Any]]:
-        """Stats-mode records (one per tensor), from ``stats.jsonl`` or a crashed run's partial file."""
-        path = self.path / STATS_FILE
-        if not path.is_file():
-            path = self.path / STATS_PARTIAL
-        if not path.is_file():
-            return []
-        records = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                warnings.warn(
-                    f"{path}:{number}: torn line skipped (the run did not close cleanly)", stacklevel=2
-                )
-        return records
+        """Stats-mode records (one per tensor), from ``stats.jsonl`` or a crashed run's partial file.
+
+        A torn last line (a crash mid-write) is skipped with a warning; any other line that is not a
+        stats record raises DumpReadError naming ``file:line``."""
+        for name in (STATS_FILE, STATS_PARTIAL):
+            if (self.path / name).is_file():
+                return _parse_stats(self.path / name)
+        return []
 
     @property
     def name(self) -> str:
         return self.path.name
 
 
+def runs_by_rank(runs: Iterable[Run], where: str) -> dict[int, Run]:
+    """The runs of one root, by rank. Two runs of one rank and root are two independent processes
+    dumped into one dir: which one is meant cannot be guessed, so that raises DumpReadError."""
+    by_rank: dict[int, list[Run]] = {}
+    for run in runs:
+        by_rank.setdefault(run.rank, []).append(run)
+    for rank, same in sorted(by_rank.items()):
+        if len(same) > 1:
+            root = f" for root {same[0].root!r}" if same[0].root else ""
+            raise DumpReadError(
+                f"{where}: several runs of rank {rank}{root}: {', '.join(r.name for r in same)}; "
+                f"pass one run dir instead, e.g. {same[0].path}"
+            )
+    return {rank: same[0] for rank, same in sorted(by_rank.items())}
+
+
+def default_rank(ranks: Iterable[int]) -> int:
+    """The rank used when none is asked for: 0, else the lowest."""
+    present = set(ranks)
+    return 0 if 0 in present else min(present)
+
+
 @dataclass
 class Dump:
-    """A dump directory: one :class:`Run` per process (rank, pid)."""
+    """A dump directory: one :class:`Run` per process (rank, pid) and root."""
 
     path: Path
     runs: list[Run]
 
-    def run(self, rank: int | None = None) -> Run:
-        """The run of ``rank`` (the only run when rank is None and there is one)."""
-        if rank is None:
-            if len(self.runs) == 1:
-                return self.runs[0]
-            ranks = sorted({r.rank for r in self.runs})
-            if len(ranks) == 1 or 0 in ranks:
-                return next(r for r in self.runs if r.rank == (0 if 0 in ranks else ranks[0]))
-        for run in self.runs:
-            if run.rank == rank:
-                return run
-        raise DumpReadError(f"{self.path}: no run for rank {rank}; runs: {[r.name for r in self.runs]}")
+    def run(self, rank: int | None = None, root: str | None = None) -> Run:
+        """The run of ``rank`` (default: 0, else the lowest) of ``root`` (default: the first root).
+
+        Several roots of one process (``rank0_pid7``, ``rank0_pid7-2``) are told apart by ``root``;
+        several runs of one rank and root (independent processes in one dir) raise DumpReadError
+        listing them, as ``tracedump diff`` does."""
+        roots = list(dict.fromkeys(r.root for r in self.runs))
+        if root is not None and root not in roots:
+            raise DumpReadError(f"{self.path}: no run of root {root!r}; roots: {roots}")
+        chosen = roots[0] if root is None else root
+        by_rank = runs_by_rank((r for r in self.runs if r.root == chosen), str(self.path))
+        wanted = default_rank(by_rank) if rank is None else rank
+        if wanted not in by_rank:
+            raise DumpReadError(f"{self.path}: no run for rank {rank}; runs: {[r.name for r in self.runs]}")
+        return by_rank[wanted]
 
     def by_rank(self) -> dict[int, list[Run]]:
         groups: dict[int, list[Run]] = {}
@@ -237,21 +472,33 @@ class Dump:
         return groups
 
 
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    """A run dir's ``manifest.json`` ({} when there is none); DumpReadError when it is not readable."""
+    path = run_dir / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise DumpReadError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise DumpReadError(f"{path}: not a JSON object")
+    return manifest
+
+
 def _read_run(path: Path) -> Run:
-    manifest: dict[str, Any] = {}
-    if (path / MANIFEST).is_file():
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except json.JSONDecodeError as e:
-            raise DumpReadError(f"{path / MANIFEST}: not valid JSON ({e})") from e
+    manifest = read_manifest(path)
     match = _RUN_RE.match(path.name)
-    rank = int(manifest.get("rank", match.group(1) if match else 0))
-    pid = int(manifest.get("pid", match.group(2) if match else 0))
+    try:
+        rank = int(manifest.get("rank", match.group(1) if match else 0))
+        pid = int(manifest.get("pid", match.group(2) if match else 0))
+    except (TypeError, ValueError) as e:
+        raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
     return Run(path, rank, pid, manifest)
 
 
 def _is_run_dir(path: Path) -> bool:
-    return (path / MANIFEST).is_file() or any(_PASS_RE.match(p.name) for p in path.iterdir())
+    return (path / MANIFEST).is_file() or any(PASS_RE.match(p.name) for p in _listing(path))
 
 
 def open_dump(path: str | Path) -> Dump:
@@ -261,10 +508,11 @@ def open_dump(path: str | Path) -> Dump:
         raise DumpReadError(f"{path}: not a directory")
     if _is_run_dir(path):
         return Dump(path, [_read_run(path)])
-    runs = [_read_run(p) for p in sorted(path.iterdir()) if p.is_dir() and _RUN_RE.match(p.name)]
+    children = [p for p in _listing(path) if p.is_dir()]
+    runs = [_read_run(p) for p in children if _RUN_RE.match(p.name)]
     if not runs:
-        runs = [_read_run(p) for p in sorted(path.iterdir()) if p.is_dir() and _is_run_dir(p)]
+        runs = [_read_run(p) for p in children if _is_run_dir(p)]
     if not runs:
         raise DumpReadError(f"{path}: no tracedump runs here (expected rank<R>_pid<P>/ folders)")
-    runs.sort(key=lambda r: (r.rank, r.pid, r.name))
+    runs.sort(key=lambda r: (r.rank, r.pid, r.serial, r.name))
     return Dump(path, runs)

@@ -21,6 +21,16 @@ def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
     return tensor.narrow(dim, tensor.shape[dim] - 1, 1) if tensor.shape[dim] > 0 else tensor
 
 
+def last_row_dim(shape: tuple[int, ...], token_dim: int) -> int | None:
+    """The dim :func:`last_row` cuts to its last index in a tensor of ``shape``; None when it keeps the
+    tensor whole (under 2 dims, or an empty token dim). The comparator cuts full dumps with it, so
+    they line up with ``last_row`` dumps exactly as the dumper cut them."""
+    if len(shape) < 2:
+        return None
+    dim = token_dim if len(shape) > token_dim else 0
+    return dim if shape[dim] > 0 else None
+
+
 def _as_float(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_floating_point():
         return tensor if tensor.dtype in (torch.float32, _F64) else tensor.float()

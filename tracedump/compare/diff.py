@@ -14,7 +14,7 @@ from typing import Any
 from .display import print_report, progress_bar
 from .execute import Executor
 from .options import DiffOptions, NameMap, UnshardRule, UsageError, compile_regex, parse_passes
-from .plan import build_plan
+from .plan import Plan, build_plan, short_list
 from .plot import check_available, write_plot
 from .results import GROWTH_FACTOR, GROWTH_FLOOR, DiffReport
 from .sources import open_side
@@ -45,6 +45,21 @@ def _settings(options: DiffOptions) -> dict[str, Any]:
     }
 
 
+def _why_nothing(plan: Plan, options: DiffOptions) -> str:
+    """Why a plan has no pair: no pass in common, or no name in common (and what may fix that)."""
+    if not plan.units:
+        return (
+            f"no pass is in both dumps (A: {short_list(plan.passes_only_in_a)}; "
+            f"B: {short_list(plan.passes_only_in_b)}); to compare passes of different indices, "
+            "give one pass file per side"
+        )
+    hint = " (--filter matched nothing?)" if options.filter else " (names differ: does A need --map?)"
+    return (
+        f"no tensor name of A is in B{hint}; "
+        f"{len(plan.only_in_a)} names only in A, {len(plan.only_in_b)} only in B"
+    )
+
+
 def build_report(options: DiffOptions) -> DiffReport:
     """Load both sides, plan, execute: the whole comparison, without printing anything."""
     side_a = open_side("A", options.a, options)
@@ -52,11 +67,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     plan, workspace = build_plan(side_a, side_b, options)
     if not plan.pairs:
         workspace.close()
-        hint = " (--filter matched nothing?)" if options.filter else " (names differ: does A need --map?)"
-        raise UsageError(
-            f"nothing to compare: no tensor name of A is in B{hint}; "
-            f"{len(plan.only_in_a)} names only in A, {len(plan.only_in_b)} only in B"
-        )
+        raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
     settings = _settings(options)
     if options.unshard:
         settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)

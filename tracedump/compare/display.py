@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .execute import Progress, pair_bytes
+from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
 
@@ -32,6 +33,10 @@ _LISTED = 10  # names shown per "only in" line
 
 
 def console(stderr: bool = False) -> Any:
+    """The rich console every ``tracedump`` command prints with (stdout, or stderr for ``--json -``).
+
+    When the stream is not a terminal it is 240 columns wide, so long module names stay whole on
+    one greppable line in logs and pipes; rich is imported here, on first output, not at import."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
@@ -213,8 +218,8 @@ def summary_lines(report: DiffReport) -> list[str]:
         lines.append("note: --unshard had no effect: neither side has several ranks")
     if s["dtype_mismatch"]:
         lines.append(
-            f"dtypes differ on {s['dtype_mismatch']} tensors: compared in float64 after upcasting, "
-            "judged by the less precise dtype's tolerance"
+            f"dtypes differ on {s['dtype_mismatch']} tensors: both sides widened and compared "
+            f"{WORK_DTYPE_RULE}, judged by the less precise dtype's tolerance"
         )
     return lines
 

@@ -7,6 +7,7 @@ for ``--unshard sum``. Each unit's files are closed as soon as its pairs are don
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from .metrics import TensorMetrics, compare_arrays
@@ -46,12 +47,7 @@ def _nonfinite_message(metrics: TensorMetrics) -> str | None:
 
 
 def _numel(shape: tuple[int, ...] | None) -> int | None:
-    if shape is None:
-        return None
-    total = 1
-    for size in shape:
-        total *= size
-    return total
+    return None if shape is None else math.prod(shape)
 
 
 class Executor:
@@ -130,7 +126,10 @@ class Executor:
     ) -> TensorResult:
         stats_b_raw = _stats_or_none(pair.b, views_b)
         stats_a_raw = _stats_or_none(pair.a, views_a)
-        names = list((stats_a_raw or stats_b_raw or {}).keys())
+        recorded = [stats for stats in (stats_a_raw, stats_b_raw) if stats is not None]
+        names = [name for name in recorded[0] if all(name in stats for stats in recorded)]
+        if not names:
+            return TensorResult(**base, status="error", message=_no_common_stats(stats_a_raw, stats_b_raw))
         stats_a = stats_a_raw if stats_a_raw is not None else stats_of(assemble(pair.a, views_a), names)
         stats_b = stats_b_raw if stats_b_raw is not None else stats_of(assemble(pair.b, views_b), names)
         numel = _numel(pair.b.meta.shape) or _numel(pair.a.meta.shape)
@@ -145,6 +144,18 @@ class Executor:
             stats=deltas,
             message=f"{worst}: {deltas[worst].a:.6g} vs {deltas[worst].b:.6g}" if worst else None,
         )
+
+
+def _no_common_stats(stats_a: dict[str, float] | None, stats_b: dict[str, float] | None) -> str:
+    """Why a stats pair has no verdict: judging it "ok" would pass what was never compared."""
+
+    def recorded(stats: dict[str, float] | None) -> str:
+        return "a whole tensor" if stats is None else ", ".join(stats) or "none"
+
+    return (
+        f"no numeric statistic on both sides (A: {recorded(stats_a)}; B: {recorded(stats_b)}); "
+        "dump with a numeric one in STATS (e.g. abs_mean)"
+    )
 
 
 def _stats_or_none(entry: SideEntry, views: list[PassView]) -> dict[str, float] | None:

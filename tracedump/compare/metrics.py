@@ -38,6 +38,8 @@ _PARALLEL_CHUNKS = 8  # tensors of at least this many chunks are split across wo
 _MAX_WORKERS = 4  # the arithmetic is memory-bound: more threads than this buy nothing
 _UNDERFLOW = 1e-30  # fp32 squares below this lose digits: redo the chunk in float64
 _WIDE_DTYPES = frozenset({"float64", "int64", "uint64", "int32", "uint32"})
+# What _work_dtype does, in words, for the summary line and the docs.
+WORK_DTYPE_RULE = "in float32 (float64 when either side is float64 or a 32/64-bit integer)"
 _FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 

@@ -3,7 +3,8 @@
 Alignment is by (pass, name including ``::callN``) in A's capture order; A's names go through
 ``--map`` first. Roots pair by their manifest "root" label (a side with a single root pairs with the
 other side's single root whatever the labels). Shapes are compared after squeezing size-1 dims, so a
-``[7, 32]`` engine tensor lines up with HF's ``[1, 7, 32]``.
+``[7, 32]`` engine tensor lines up with HF's ``[1, 7, 32]``. Against a ``last_row`` dump, each tensor
+of the full side is cut to its last row along the dim that makes the shapes agree (:func:`cut_to_last_row`).
 
 The result is a frozen :class:`Plan`; the open :class:`PassView`\\ s it refers to live beside it in
 :class:`Workspace`, which the executor reads and then closes.
@@ -11,8 +12,9 @@ The result is a frozen :class:`Plan`; the open :class:`PassView`\\ s it refers t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ..reduce import last_row_dim
 from .options import DiffOptions, UsageError
 from .sources import PassView, RootGroup, Side
 from .tolerance import Tolerance, resolve, resolve_stats
@@ -127,7 +129,7 @@ def pair_passes(
         if wanted not in other:
             side = "B" if fixed_is_a else "A"
             raise UsageError(
-                f"pass {wanted} is not in {side} (passes: {_short(other)}); choose one with --pass"
+                f"pass {wanted} is not in {side} (passes: {short_list(other)}); choose one with --pass"
             )
         return ([(fixed, wanted)] if fixed_is_a else [(wanted, fixed)]), [], []
     common = sorted(set(passes_a) & set(passes_b))
@@ -138,13 +140,15 @@ def pair_passes(
         if absent:
             raise UsageError(
                 f"--pass {','.join(map(str, absent))}: not in both dumps "
-                f"(A: {_short(passes_a)}; B: {_short(passes_b)})"
+                f"(A: {short_list(passes_a)}; B: {short_list(passes_b)})"
             )
         return [(p, p) for p in options.passes], [], []
     return [(p, p) for p in common], only_a, only_b
 
 
-def _short(indices: list[int]) -> str:
+def short_list(indices: list[int] | tuple[int, ...]) -> str:
+    """Pass indices for a message: ``0-7`` for a run, else up to 20 of them."""
+    indices = list(indices)
     if not indices:
         return "none"
     if indices == list(range(indices[0], indices[-1] + 1)) and len(indices) > 2:
@@ -152,13 +156,51 @@ def _short(indices: list[int]) -> str:
     return ",".join(map(str, indices[:20])) + (" ..." if len(indices) > 20 else "")
 
 
-def _last_row_dims(a: RootGroup, b: RootGroup) -> tuple[int | None, int | None]:
-    """When one side is ``last_row`` and the other full, cut the full side's tensors the same way."""
+@dataclass(frozen=True)
+class LastRowCut:
+    """A full side paired with a ``last_row`` side: its tensors are cut as the dumper would have."""
+
+    full_side: str  # "A" or "B"
+    token_dim: int  # the last_row side's TOKEN_DIM
+
+
+def _last_row_cut(a: RootGroup, b: RootGroup) -> LastRowCut | None:
     if a.mode == "last_row" and b.mode == "full":
-        return None, a.token_dim
+        return LastRowCut("B", a.token_dim)
     if b.mode == "last_row" and a.mode == "full":
-        return b.token_dim, None
-    return None, None
+        return LastRowCut("A", b.token_dim)
+    return None
+
+
+def _cut_shape(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    return shape if dim is None else (*shape[:dim], 1, *shape[dim + 1 :])
+
+
+def cut_to_last_row(full: SideEntry, kept: SideEntry, token_dim: int) -> SideEntry:
+    """``full`` cut to its last row so it lines up with ``kept``, from a ``last_row`` dump.
+
+    The two models may put tokens on different dims (an engine's ``[tokens, hidden]`` with
+    TOKEN_DIM=0 against HF's ``[1, seq, hidden]``), so the dim is chosen per pair: none when the
+    shapes already agree (records are stored whole), else the first of the last_row side's
+    TOKEN_DIM, 1, 0 whose cut gives ``kept``'s shape (after squeezing size-1 dims). When none does,
+    the cut at TOKEN_DIM stands and the shapes are reported as a mismatch.
+    """
+    shape, target = full.meta.shape, squeeze(kept.meta.shape)
+    if full.meta.kind != "tensor" or shape is None or squeeze(shape) == target:
+        return full
+    dims = [last_row_dim(shape, d) for d in dict.fromkeys((token_dim, 1, 0))]
+    dim = next((d for d in dims if squeeze(_cut_shape(shape, d)) == target), dims[0])
+    if dim is None:
+        return full
+    return replace(full, meta=replace(full.meta, shape=_cut_shape(shape, dim)), cut=dim)
+
+
+def _apply_cut(a: SideEntry, b: SideEntry, cut: LastRowCut | None) -> tuple[SideEntry, SideEntry]:
+    if cut is None:
+        return a, b
+    if cut.full_side == "A":
+        return cut_to_last_row(a, b, cut.token_dim), b
+    return a, cut_to_last_row(b, a, cut.token_dim)
 
 
 def side_entries(views: list[PassView], options: DiffOptions) -> dict[str, SideEntry]:
@@ -211,13 +253,13 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
     workspace = Workspace()
     for pass_a, _, pass_b, group_a, group_b in schedule:
         root = group_a.label if labelled else None
-        cut_a, cut_b = _last_row_dims(group_a, group_b)
-        views_a = [run.open_pass(pass_a, cut_a) for run in group_a.runs]
-        views_b = [run.open_pass(pass_b, cut_b) for run in group_b.runs]
+        views_a = [run.open_pass(pass_a) for run in group_a.runs]
+        views_b = [run.open_pass(pass_b) for run in group_b.runs]
         unit = len(units)
         units.append(Unit(root, pass_a, pass_b))
         workspace.views.append((views_a, views_b))
-        _match_unit(unit, pass_a, root, views_a, views_b, options, pairs, only_in_a, only_in_b)
+        cut = _last_row_cut(group_a, group_b)
+        _match_unit(unit, pass_a, root, views_a, views_b, options, cut, pairs, only_in_a, only_in_b)
     plan = Plan(
         tuple(units),
         tuple(pairs),
@@ -238,6 +280,7 @@ def _match_unit(
     views_a: list[PassView],
     views_b: list[PassView],
     options: DiffOptions,
+    cut: LastRowCut | None,
     pairs: list[PairPlan],
     only_in_a: list[Unmatched],
     only_in_b: list[Unmatched],
@@ -254,7 +297,7 @@ def _match_unit(
             only_in_a.append(Unmatched(pass_index, root, name, mapped))
             continue
         matched.add(mapped)
-        pairs.append(_pair(unit, entry_a, entry_b, options))
+        pairs.append(_pair(unit, *_apply_cut(entry_a, entry_b, cut), options))
     for name in entries_b:
         if name not in matched and options.selected(name):
             only_in_b.append(Unmatched(pass_index, root, name))

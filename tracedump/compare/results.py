@@ -7,7 +7,8 @@ Statuses of a tensor pair:
 - ``shape_mismatch``: shapes differ even after squeezing size-1 dims (not compared);
 - ``rank_mismatch``: a multi-rank side disagrees with itself (a replicated tensor differs across
   ranks, or a name is missing on some ranks);
-- ``error``: the pair could not be compared (e.g. an ``--unshard`` rule that cannot apply).
+- ``error``: the pair could not be compared (an ``--unshard`` rule that cannot apply, stats with no
+  numeric statistic on both sides, a tensor whose data cannot be read).
 
 Every status but ``ok`` makes the exit code 1.
 """

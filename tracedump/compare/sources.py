@@ -8,28 +8,38 @@ Run selection per side, per root label (``manifest.json`` "root"; several roots 
 
 - with ``--unshard`` and several ranks: every rank, sorted;
 - else ``--rank R`` when the side has several ranks (a side with one rank uses it), else rank 0
-  (or the lowest rank).
+  (or the lowest rank);
+- two runs of one rank and root (independent processes in one dir) are an error, the same rule as
+  ``Dump.run()`` (:func:`tracedump.loader.runs_by_rank`).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from ..loader import DumpReadError, PassFile, Run, open_dump, open_pass
-from ..writer import MANIFEST
+from ..loader import (
+    DumpReadError,
+    PassFile,
+    Run,
+    default_rank,
+    load_pass,
+    open_dump,
+    open_pass,
+    pass_index,
+    read_manifest,
+    runs_by_rank,
+)
+from ..reduce import dtype_name
+from ..writer import STATS_FILE, STATS_PARTIAL
 from .options import DiffOptions, UsageError
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
 
 Kind = Literal["tensor", "stats"]
-_PASS_NAME = re.compile(r"^pass(\d+)(?:\.part\d+)?\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -50,19 +60,28 @@ def stats_key(record: dict[str, Any]) -> str:
     return f"{record['module']}{suffix}" + (f"::call{call}" if call else "")
 
 
-def last_row_shape(shape: tuple[int, ...], token_dim: int) -> tuple[int, ...]:
-    """The shape ``reduce.last_row`` gives: the token dim cut to its last index (kept, size 1)."""
-    if len(shape) < 2:
-        return shape
-    dim = token_dim if len(shape) > token_dim else 0
-    return shape if shape[dim] == 0 else (*shape[:dim], 1, *shape[dim + 1 :])
+def _stats_meta(record: dict[str, Any]) -> EntryMeta:
+    shape = tuple(record["shape"]) if isinstance(record.get("shape"), list) else None
+    return EntryMeta("stats", shape, infer_dtype(record))
+
+
+def _in_capture_order(found: list[tuple[int | None, str, EntryMeta]]) -> dict[str, EntryMeta]:
+    """Entries by capture sequence number when every one has it; else as found (pass file, then
+    stats lines: dumps written before ``seq`` existed)."""
+    if all(seq is not None for seq, _, _ in found):
+        found = sorted(found, key=lambda item: item[0] or 0)
+    entries: dict[str, EntryMeta] = {}
+    for _, name, meta in found:
+        entries[name] = meta
+    return entries
 
 
 class PassView:
     """One pass of one run: entries in capture order; values read lazily, one at a time.
 
-    ``last_row_dim`` set means: present every tensor as ``last_row`` would have stored it, so a full
-    dump lines up with a ``last_row`` dump of the same model.
+    In a stats-mode run a pass has two sources: ``stats.jsonl`` lines (module captures) and the
+    pass file (``record()`` calls, stored whole). Their capture sequence numbers (``seq``) interleave
+    them as they happened, so the first divergence is the first in time, not the first record.
     """
 
     def __init__(
@@ -71,60 +90,41 @@ class PassView:
         rank: int,
         tensors: PassFile | dict[str, torch.Tensor] | None,
         stats: list[dict[str, Any]] | None = None,
-        last_row_dim: int | None = None,
     ) -> None:
         self.index = index
         self.rank = rank
-        self.last_row_dim = last_row_dim
         self._maps: dict[str, SafetensorsMap] = {}
         self._dict: dict[str, torch.Tensor] = {}
         self._stats: dict[str, dict[str, Any]] = {}
-        self.entries: dict[str, EntryMeta] = {}
+        found: list[tuple[int | None, str, EntryMeta]] = []
         if isinstance(tensors, PassFile):
-            self._index_pass_file(tensors)
+            found.extend(self._index_pass_file(tensors))
         elif tensors is not None:
             self._dict = dict(tensors)
-            for name, tensor in self._dict.items():
-                self._add(name, "tensor", tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+            found.extend(
+                (None, name, EntryMeta("tensor", tuple(t.shape), dtype_name(t.dtype)))
+                for name, t in self._dict.items()
+            )
         for record in stats or []:
             name = stats_key(record)
             self._stats[name] = record
-            shape = tuple(record["shape"]) if isinstance(record.get("shape"), list) else None
-            self._add(name, "stats", shape, infer_dtype(record))
+            found.append((record.get("seq"), name, _stats_meta(record)))
+        self.entries = _in_capture_order(found)
 
-    def _index_pass_file(self, pass_file: PassFile) -> None:
-        try:
-            maps = [SafetensorsMap(path) for path in pass_file.files]
-        except (OSError, ValueError, struct.error) as e:
-            raise DumpReadError(
-                f"{pass_file.files[0]}: unreadable pass file ({type(e).__name__}: {e})"
-            ) from e
+    def _index_pass_file(self, pass_file: PassFile) -> list[tuple[int | None, str, EntryMeta]]:
+        maps = {id(header): SafetensorsMap(header) for header in pass_file.headers}
+        seq = pass_file.seq or {}
+        found: list[tuple[int | None, str, EntryMeta]] = []
         for name in pass_file.names:
-            owner = next(m for m in maps if name in m)
-            self._maps[name] = owner
-            shape, dtype = owner.info(name)
-            self._add(name, "tensor", shape, dtype)
-
-    def _add(self, name: str, kind: Kind, shape: tuple[int, ...] | None, dtype: str | None) -> None:
-        if shape is not None and self.last_row_dim is not None and kind == "tensor":
-            shape = last_row_shape(shape, self.last_row_dim)
-        self.entries[name] = EntryMeta(kind, shape, dtype)
+            header = pass_file.header_of(name)
+            self._maps[name] = maps[id(header)]
+            info = header.tensors[name].info
+            found.append((seq.get(name), name, EntryMeta("tensor", info.shape, info.dtype)))
+        return found
 
     def array(self, name: str) -> Stored:
         """The tensor's values (a zero-copy view when it comes from a pass file)."""
-        stored = self._maps[name].array(name) if name in self._maps else stored_from_torch(self._dict[name])
-        return self._cut_last_row(stored) if self.last_row_dim is not None else stored
-
-    def _cut_last_row(self, stored: Stored) -> Stored:
-        array = stored.array
-        if array.ndim < 2:
-            return stored
-        dim = self.last_row_dim if array.ndim > (self.last_row_dim or 0) else 0
-        if array.shape[dim] == 0:
-            return stored
-        index = [slice(None)] * array.ndim
-        index[dim] = slice(array.shape[dim] - 1, array.shape[dim])
-        return Stored(array[tuple(index)], stored.dtype)
+        return self._maps[name].array(name) if name in self._maps else stored_from_torch(self._dict[name])
 
     def stats(self, name: str) -> dict[str, Any]:
         return self._stats[name]
@@ -152,29 +152,25 @@ class RunSource:
 
     def pass_indices(self) -> list[int]:
         if self.pass_file is not None:
-            return [_pass_file_index(self.pass_file)]
+            index = pass_index(self.pass_file)
+            return [-1 if index is None else index]
         assert self.run is not None
-        try:
-            passes = self.run.passes
-        except Exception as e:  # safetensors' own error type: a truncated or foreign file
-            raise DumpReadError(
-                f"{self.run.path}: a pass file is unreadable ({type(e).__name__}: {e})"
-            ) from e
-        return sorted(set(passes) | set(self._stats()))
+        return sorted(set(self.run.passes) | set(self._stats()))
 
     def _stats(self) -> dict[int, list[dict[str, Any]]]:
         if self._stats_by_pass is None:
             self._stats_by_pass = {}
             if self.run is not None and self.mode == "stats":
                 for record in self.run.stats():
-                    self._stats_by_pass.setdefault(int(record.get("pass", 0)), []).append(record)
+                    self._stats_by_pass.setdefault(record["pass"], []).append(record)
         return self._stats_by_pass
 
-    def open_pass(self, index: int, last_row_dim: int | None) -> PassView:
+    def open_pass(self, index: int) -> PassView:
+        """The pass's entries (headers and stats lines are read now; tensor data when asked)."""
         if self.pass_file is not None:
-            return PassView(index, self.rank, _open_pass_file(self.pass_file), None, last_row_dim)
+            return PassView(index, self.rank, _open_pass_file(self.pass_file))
         assert self.run is not None
-        return PassView(index, self.rank, self.run.passes.get(index), self._stats().get(index), last_row_dim)
+        return PassView(index, self.rank, self.run.passes.get(index), self._stats().get(index))
 
 
 @dataclass
@@ -218,50 +214,32 @@ class Side:
         }
 
 
-def _pass_file_index(path: Path) -> int:
-    """``pass00003.safetensors`` (or a part of it) is pass 3; any other file name is pass -1."""
-    match = _PASS_NAME.match(path.name)
-    return int(match.group(1)) if match else -1
-
-
 def _open_pass_file(path: Path) -> PassFile | dict[str, torch.Tensor]:
-    if path.suffix == ".pt":
-        from ..loader import load_pass
-
-        return load_pass(path)
-    return open_pass(path)
+    return load_pass(path) if path.suffix == ".pt" else open_pass(path)
 
 
 def _manifest_beside(path: Path) -> dict[str, Any]:
-    manifest = path.parent / MANIFEST
-    if manifest.is_file():
-        try:
-            return json.loads(manifest.read_text())
-        except json.JSONDecodeError:
-            return {}
-    return {}
+    return read_manifest(path.parent) if path.parent.is_dir() else {}
 
 
 def _mode_of(manifest: dict[str, Any], run: Run | None) -> tuple[str, int]:
-    settings = manifest.get("settings") or {}
+    settings = manifest.get("settings")
+    settings = settings if isinstance(settings, dict) else {}
     mode = settings.get("mode")
     if mode is None and run is not None:
-        has_stats = any((run.path / f).is_file() for f in ("stats.jsonl", "stats.jsonl.partial"))
+        has_stats = any((run.path / name).is_file() for name in (STATS_FILE, STATS_PARTIAL))
         mode = "stats" if has_stats and not run.passes else "full"
-    return str(mode or "full"), int(settings.get("token_dim", 0) or 0)
+    token_dim = settings.get("token_dim")
+    return str(mode or "full"), token_dim if isinstance(token_dim, int) else 0
 
 
 def _pass_file_side(which: str, path: Path) -> Side:
     manifest = _manifest_beside(path)
     mode, token_dim = _mode_of(manifest, None)
-    if mode == "stats":
-        mode = "full"  # a pass file holds whole tensors even in a stats-mode run (records)
     if path.suffix != ".pt":
-        try:
-            metadata = SafetensorsMap(path).metadata if path.is_file() else {}
-        except Exception as e:
-            raise DumpReadError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
-        mode = metadata.get("tracedump.mode", mode) if metadata.get("tracedump.mode") != "records" else mode
+        mode = open_pass(path).metadata.get("tracedump.mode", mode)
+    if mode in ("stats", "records"):
+        mode = "full"  # a pass file holds whole tensors even in a stats-mode run (records)
     source = RunSource(path.name, int(manifest.get("rank", 0)), mode, token_dim, pass_file=path)
     label = str(manifest.get("root") or "")
     return Side(which, path, [RootGroup(label, [source])])
@@ -280,38 +258,23 @@ def open_side(which: str, path: Path, options: DiffOptions) -> Side:
         return _pass_file_side(which, path)
     dump = open_dump(path)
     by_label: dict[str, list[Run]] = {}
-    for run in sorted(dump.runs, key=lambda r: (r.rank, r.pid, _serial(r.name))):
-        label = str(run.manifest.get("root") or run.manifest.get("model_class") or "")
-        by_label.setdefault(label, []).append(run)
+    for run in dump.runs:
+        by_label.setdefault(run.root, []).append(run)
     groups = [
-        RootGroup(label, _pick_ranks(which, path, label, runs, options)) for label, runs in by_label.items()
+        RootGroup(label, _pick_ranks(f"{which} {path}", runs, options)) for label, runs in by_label.items()
     ]
     return Side(which, path, groups)
 
 
-def _serial(name: str) -> int:
-    head, sep, tail = name.rpartition("-")
-    return int(tail) if sep and tail.isdigit() and "_pid" in head else 1
-
-
-def _pick_ranks(which: str, path: Path, label: str, runs: list[Run], options: DiffOptions) -> list[RunSource]:
-    by_rank: dict[int, list[Run]] = {}
-    for run in runs:
-        by_rank.setdefault(run.rank, []).append(run)
-    duplicated = {rank: [r.name for r in rs] for rank, rs in by_rank.items() if len(rs) > 1}
-    if duplicated:
-        rank, names = next(iter(duplicated.items()))
-        raise UsageError(
-            f"{which} {path}: several runs of rank {rank} for root {label!r}: {', '.join(names)}; "
-            f"pass one run dir instead, e.g. {path / names[0]}"
-        )
+def _pick_ranks(where: str, runs: list[Run], options: DiffOptions) -> list[RunSource]:
+    by_rank = runs_by_rank(runs, where)
     ranks = sorted(by_rank)
     if options.unshard and len(ranks) > 1:
         chosen = ranks
     elif options.rank is not None and len(ranks) > 1:
         if options.rank not in by_rank:
-            raise UsageError(f"{which} {path}: no run of rank {options.rank} (ranks: {ranks})")
+            raise UsageError(f"{where}: no run of rank {options.rank} (ranks: {ranks})")
         chosen = [options.rank]
     else:
-        chosen = [0 if 0 in by_rank else ranks[0]]
-    return [_run_source(by_rank[rank][0]) for rank in chosen]
+        chosen = [default_rank(ranks)]
+    return [_run_source(by_rank[rank]) for rank in chosen]

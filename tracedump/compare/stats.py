@@ -76,12 +76,6 @@ def stats_of(stored: Stored, names: list[str]) -> dict[str, float]:
     return dict(zip(numeric, values.tolist(), strict=True))
 
 
-def _numel(record_shape: Any) -> int | None:
-    if not isinstance(record_shape, (list, tuple)):
-        return None
-    return math.prod(int(s) for s in record_shape)
-
-
 def _scale(name: str, a: float, b: float, stats_b: dict[str, float], numel: int | None) -> float:
     scale = max(abs(a), abs(b))
     abs_mean = stats_b.get("abs_mean")

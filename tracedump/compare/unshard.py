@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .options import UnshardRule
-from .reader import Stored
+from .reader import Stored, last_row_cut
 from .sources import EntryMeta, PassView
 
 
@@ -30,6 +30,7 @@ class SideEntry:
     how: str | None = None  # "cat:1", "sum", "replicated" (several ranks) or None (one rank)
     problem: str | None = None  # why this entry cannot be compared, if it cannot
     problem_status: str | None = None  # "rank_mismatch" or "error"
+    cut: int | None = None  # cut to the last index along this dim once assembled (vs a last_row dump)
 
 
 def _cat_shape(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...] | str:
@@ -82,7 +83,14 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
 
 
 def assemble(entry: SideEntry, views: list[PassView]) -> Stored:
-    """The entry's values: one rank's tensor, or the ranks' tensors joined as the rule says."""
+    """The entry's values as compared: joined across ranks as the rule says, then cut to the last
+    row when the other side is a ``last_row`` dump."""
+    stored = _join(entry, views)
+    return stored if entry.cut is None else last_row_cut(stored, entry.cut)
+
+
+def _join(entry: SideEntry, views: list[PassView]) -> Stored:
+    """One rank's tensor, or the ranks' tensors joined as the rule says."""
     if entry.how is None or entry.how == "replicated":
         return views[0].array(entry.name)
     parts = [view.array(entry.name) for view in views]
