@@ -15,10 +15,8 @@ _F64 = torch.float64
 
 def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
     """The last index along the token dim of a tensor with >= 2 dims (kept as a size-1 dim)."""
-    if tensor.dim() < 2:
-        return tensor
-    dim = token_dim if tensor.dim() > token_dim else 0
-    return tensor.narrow(dim, tensor.shape[dim] - 1, 1) if tensor.shape[dim] > 0 else tensor
+    dim = last_row_dim(tuple(tensor.shape), token_dim)
+    return tensor if dim is None else tensor.narrow(dim, tensor.shape[dim] - 1, 1)
 
 
 def last_row_dim(shape: tuple[int, ...], token_dim: int) -> int | None:
