@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+import tracedump
+import tracedump.cuda
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -45,6 +50,37 @@ def tiny_llama() -> torch.nn.Module:
     return make_tiny_llama()
 
 
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    """The tiny Llama, built once per test file and shared by its tests (a file may override it)."""
+    return make_tiny_llama()
+
+
 @pytest.fixture
 def prompt_ids() -> torch.Tensor:
     return torch.tensor([[3, 14, 15, 9, 26, 5]])
+
+
+@pytest.fixture
+def dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``TRACEDUMP_DUMP_DIR`` set to a fresh ``dump`` folder (not created) under the test's tmp_path."""
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
+    return tmp_path / "dump"
+
+
+@pytest.fixture
+def fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warn_once`` remembers keys for the whole process: start a test as if nothing had warned yet.
+    Opt in per file with ``pytestmark = pytest.mark.usefixtures("fresh_warn_once")``."""
+    monkeypatch.setattr(tracedump.cuda, "_warned", set())
+
+
+def read_passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Every pass of the run in ``run_dir``, loaded: pass index -> {key: tensor}."""
+    run = tracedump.open_dump(run_dir).run()
+    return {index: pass_file.load() for index, pass_file in run.passes.items()}
+
+
+def tracedump_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The messages of the ``TracedumpWarning``s among ``caught``."""
+    return [str(w.message) for w in caught if issubclass(w.category, tracedump.TracedumpWarning)]

@@ -12,34 +12,21 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from torch import nn
 
 from tracedump.capture import Capture, CaptureSpec, ModuleCapture, capture, parse_spec
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 VOCAB = 64
 LAYERS = 4
 HIDDEN = 32
 
 
-def _tiny_llama(num_layers: int = LAYERS) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def llama() -> nn.Module:
-    return _tiny_llama()
+    return make_tiny_llama(layers=LAYERS)
 
 
 def _ids(seed: int = 1) -> torch.Tensor:
@@ -340,7 +327,7 @@ def test_plain_model_calls_inside_the_block_are_captured_but_never_cut_short(
 
 
 def test_early_exit_on_a_deep_model_never_runs_the_rest() -> None:
-    deep = _tiny_llama(num_layers=48)
+    deep = make_tiny_llama(layers=48)
     with (
         torch.no_grad(),
         capture(deep, outputs=["model.layers.0"], early_exit=True) as cap,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, tracedump_warnings
 from torch import nn
 
 import tracedump
@@ -39,10 +39,6 @@ def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(tracedump.cuda, "_warned", set())
     yield
     torch._dynamo.reset()
-
-
-def tracedump_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, TracedumpWarning)]
 
 
 def test_resolve_compile_turns_compile_off_with_one_warning_while_dumping(tmp_path: Path) -> None:

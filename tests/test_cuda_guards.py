@@ -18,43 +18,16 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tracedump_warnings
 from torch import nn
 
 import tracedump
 import tracedump.cuda
 from tracedump.cuda import copy_to_host, stream_is_capturing
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny forwards on a 2-core host: OpenMP spin-waits next to the writer thread cost ~20x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Warn-once state is per process: start each test as if nothing had warned yet."""
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
-
-
-@pytest.fixture(scope="module")
-def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
 
 
 class FakeDeviceTensor(torch.Tensor):
@@ -140,10 +113,6 @@ class EscapeLog:
             self.events.append(("exit", self.sync.mode if self.sync else None))
 
 
-def _tracedump_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, tracedump.TracedumpWarning)]
-
-
 # --------------------------------------------------------------------------- resolve_cuda_graph
 
 
@@ -157,7 +126,7 @@ def test_resolve_cuda_graph_refuses_graphs_with_one_warning_while_dumping(
             warnings.simplefilter("always")
             assert tracedump.resolve_cuda_graph(True, dumper) is False  # warned already
             assert tracedump.resolve_cuda_graph(False, dumper) is False
-    assert _tracedump_warnings(caught) == []
+    assert tracedump_warnings(caught) == []
 
 
 @pytest.mark.parametrize("requested", [True, False])
@@ -165,7 +134,7 @@ def test_resolve_cuda_graph_without_a_dumper_returns_the_request_silently(reques
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert tracedump.resolve_cuda_graph(requested, None) is requested
-    assert _tracedump_warnings(caught) == []
+    assert tracedump_warnings(caught) == []
 
 
 # --------------------------------------------------------------------------- capture-time skip
@@ -197,7 +166,7 @@ def test_hooks_firing_during_graph_capture_copy_nothing_and_warn_once(
     assert copies == []
     assert not list(dumper.run_dir.glob("pass*"))
     assert dumper.skipped["graph_capture"] == 2 * len(dumper.modules)
-    capture_warnings = [m for m in _tracedump_warnings(caught) if "graph capture" in m]
+    capture_warnings = [m for m in tracedump_warnings(caught) if "graph capture" in m]
     assert len(capture_warnings) == 1
 
 
@@ -213,7 +182,7 @@ def test_capture_resumes_once_the_stream_stops_capturing(
             llama(torch.tensor([[1, 2]]))  # captured into a graph: skipped
             capturing["now"] = False
             eager = llama(torch.tensor([[1, 2, 3]])).logits  # eager again: captured
-    messages = _tracedump_warnings(caught)
+    messages = tracedump_warnings(caught)
     assert len([m for m in messages if "during CUDA graph capture" in m]) == 1
     assert len([m for m in messages if "captures lost: {'graph_capture': 1}" in m]) == 1  # said at close
     passes = tracedump.open_dump(dumper.run_dir).run().passes

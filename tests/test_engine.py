@@ -9,17 +9,18 @@ from __future__ import annotations
 import importlib.util
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from conftest import read_passes
 
 import tracedump
-import tracedump.cuda
 
 pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
 
 ENGINE_PATH = Path(__file__).resolve().parents[1] / "examples" / "engine.py"
 PROMPT = [5, 9, 13, 2, 7, 11]  # 6 tokens: not the profile (32) or warm-up (1 per row) token counts
@@ -43,33 +44,12 @@ def _load_engine_module() -> ModuleType:
 engine_module = _load_engine_module()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """On a 2-core host, OpenMP workers spin-waiting next to the writer thread make these tiny
-    forwards ~20x slower; one intra-op thread keeps the file fast and changes no result."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Warn-once state is per process: start each test as if nothing had warned yet."""
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
-
-
 def _run_engine(config: engine_module.EngineConfig | None = None) -> tuple[torch.Tensor, Path | None]:
     """Start an engine, serve PROMPT, close it; the generated ids and the run dir (None when off)."""
     with engine_module.Engine(config) as engine:
         tokens = engine.generate(PROMPT, NEW_TOKENS)
         run_dir = engine.dumper.run_dir if engine.dumper is not None else None
     return tokens, run_dir
-
-
-def _passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
-    run = tracedump.open_dump(run_dir).run()
-    return {index: pass_file.load() for index, pass_file in run.passes.items()}
 
 
 def _module_outputs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,7 +69,7 @@ def _reference_dump(directory: Path) -> dict[str, torch.Tensor]:
     assert dumper is not None
     with dumper, torch.inference_mode():
         model(torch.tensor([PROMPT]))
-    return _passes(dumper.run_dir)[0]
+    return read_passes(dumper.run_dir)[0]
 
 
 # --------------------------------------------------------------------------- engine basics
@@ -114,7 +94,7 @@ def test_decode_steps_feed_one_token_through_the_kv_cache(
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("TRACEDUMP_DUMP_MAX_ROWS", "1")
     _, run_dir = _run_engine()
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     embedding = engine_module.build_model(engine_module.ModelConfig()).model.embed_tokens.weight.detach()
     assert torch.equal(passes[0]["model.embed_tokens"][0], embedding[PROMPT])
     for step in range(1, NEW_TOKENS):
@@ -135,7 +115,7 @@ def test_profile_forward_leaves_no_file_and_no_pass_index(
         engine.generate(PROMPT, 1)
         run_dir = engine.dumper.run_dir
         skipped = dict(engine.dumper.skipped)
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     assert list(passes) == [0]
     assert passes[0]["model.embed_tokens"].shape == (1, len(PROMPT), 32)  # not the 32-token profile
     assert skipped == {}
@@ -147,7 +127,7 @@ def test_without_gates_warm_up_batches_take_the_first_pass_indices(
     """The control experiment: what the gates are for."""
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     _, run_dir = _run_engine()
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     assert sorted(passes) == list(range(2 + NEW_TOKENS))
     assert passes[0]["model.embed_tokens"].shape == (4, 1, 32)
     assert passes[1]["model.embed_tokens"].shape == (2, 1, 32)
@@ -164,7 +144,7 @@ def test_token_gate_skips_warm_up_so_pass_zero_is_the_prefill(
     monkeypatch.setenv("TRACEDUMP_DUMP_TOKENS", str(len(PROMPT)))
     monkeypatch.setenv("TRACEDUMP_DUMP_TOKEN_DIM", "1")
     _, run_dir = _run_engine()
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     assert sorted(passes) == list(range(NEW_TOKENS))
     prefill = _module_outputs(passes[0])
     assert len(prefill) == LEAF_MODULES + 1  # rotary_emb gives two tensors
@@ -182,7 +162,7 @@ def test_row_gate_skips_warm_up_so_pass_zero_is_the_prefill(
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("TRACEDUMP_DUMP_MAX_ROWS", "1")
     _, run_dir = _run_engine()
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     assert sorted(passes) == list(range(NEW_TOKENS))
     assert passes[0]["model.embed_tokens"].shape == (1, len(PROMPT), 32)
     for step in range(1, NEW_TOKENS):  # the row gate keeps decode steps whole
@@ -216,7 +196,7 @@ def test_prefill_pass_equals_a_batch_one_reference_dump(
     for key, value in gate_env.items():
         monkeypatch.setenv(key, value)
     _, run_dir = _run_engine()
-    engine_prefill = _module_outputs(_passes(run_dir)[0])
+    engine_prefill = _module_outputs(read_passes(run_dir)[0])
     for key in [*gate_env, "TRACEDUMP_DUMP_DIR"]:
         monkeypatch.delenv(key)
 
@@ -264,7 +244,7 @@ def test_steps_with_a_gate_keep_files_for_exactly_the_selected_steps(
         monkeypatch.setenv(key, value)
     _, run_dir = _run_engine()
     assert sorted(p.name for p in run_dir.glob("pass*")) == ["pass00001.safetensors", "pass00003.safetensors"]
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     assert "margin_1" in passes[1] and "margin_3" in passes[3]
     assert "logits" not in passes[1]  # the prefill wrote the once-only logits, in unselected pass 0
 
@@ -275,7 +255,7 @@ def test_records_of_a_generation_land_in_the_pass_of_their_step(
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("TRACEDUMP_DUMP_MAX_ROWS", "1")
     tokens, run_dir = _run_engine()
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
 
     prefill_logits = passes[0]["logits"]  # record(once=True): the prefill's, and nowhere else
     assert torch.equal(prefill_logits, passes[0]["lm_head"][:, -1, :])
@@ -301,7 +281,7 @@ def test_engine_config_dump_field_alone_turns_dumping_on(tmp_path: Path) -> None
     )
     _, run_dir = _run_engine(config)
     assert run_dir is not None and run_dir.parent == tmp_path
-    passes = _passes(run_dir)
+    passes = read_passes(run_dir)
     assert sorted(passes) == list(range(NEW_TOKENS))
     assert set(passes[0]) == {"lm_head", "logits", "margin_0", "token_ids"}
 
@@ -317,7 +297,7 @@ def test_env_dir_overrides_the_engine_config_dir_and_keeps_its_other_fields(
     _, run_dir = _run_engine(config)
     assert run_dir is not None and run_dir.parent == env_dir
     assert not config_dir.exists()
-    assert set(_passes(run_dir)[0]) == {"lm_head", "logits", "margin_0", "token_ids"}
+    assert set(read_passes(run_dir)[0]) == {"lm_head", "logits", "margin_0", "token_ids"}
 
 
 def test_engine_with_its_own_env_prefix_reads_only_that_prefix(
@@ -328,7 +308,7 @@ def test_engine_with_its_own_env_prefix_reads_only_that_prefix(
     monkeypatch.setenv("MYENGINE_DUMP_MAX_ROWS", "1")
     _, run_dir = _run_engine(engine_module.EngineConfig(dump_env_prefix="MYENGINE_"))
     assert run_dir is not None and run_dir.parent == tmp_path / "mine"
-    assert sorted(_passes(run_dir)) == list(range(NEW_TOKENS))
+    assert sorted(read_passes(run_dir)) == list(range(NEW_TOKENS))
 
 
 def test_use_cuda_graph_is_refused_with_one_warning_while_dumping(

@@ -6,11 +6,11 @@ vLLM/SGLang (TOKEN_DIM=0) and 1-D per-token tensors come from small modules writ
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_passes
 from torch import nn
 
 import tracedump
@@ -20,30 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
 HIDDEN = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny forwards on a 2-core host: OpenMP spin-waits next to the writer thread cost ~20x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 class TokenScores(nn.Module):
@@ -71,11 +47,6 @@ def _ids(batch: int, seq: int) -> torch.Tensor:
 
 def _pass_files(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.glob("pass*.safetensors"))
-
-
-def _passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
-    run = tracedump.open_dump(run_dir).run()
-    return {index: pass_file.load() for index, pass_file in run.passes.items()}
 
 
 def _set_dump_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **fields: str) -> None:
@@ -131,7 +102,7 @@ def test_token_gate_with_token_dim_one_keeps_only_prompt_length_forwards(
         llama(_ids(1, 6))  # the real prompt: pass 0
         llama(_ids(4, 2))
         assert dumper.pass_index == 1
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [0]
     assert passes[0]["model.embed_tokens"].shape == (1, 6, HIDDEN)
     assert all(t.shape[1] == 6 for t in passes[0].values())
@@ -147,7 +118,7 @@ def test_token_gate_with_token_dim_zero_reads_the_flattened_token_dim(
     with tracedump.attach(block) as dumper, torch.no_grad():
         block(torch.randn(5, 8))  # 5 tokens: refused
         scores = block(torch.randn(3, 8))
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [0]
     assert passes[0]["proj"].shape == (3, 8)
     assert torch.equal(passes[0]["scores"], scores)
@@ -162,7 +133,7 @@ def test_token_dim_zero_on_the_hf_layout_judges_the_batch_dim(
     with tracedump.attach(llama) as dumper, torch.inference_mode():
         llama(_ids(1, 3))  # 3 tokens but batch 1: refused
         llama(_ids(3, 5))  # batch 3: kept
-    assert _passes(dumper.run_dir)[0]["model.embed_tokens"].shape == (3, 5, HIDDEN)
+    assert read_passes(dumper.run_dir)[0]["model.embed_tokens"].shape == (3, 5, HIDDEN)
 
 
 @pytest.mark.parametrize(("tokens", "captured"), [(3, True), (5, False)])
@@ -174,7 +145,7 @@ def test_tensors_with_fewer_dims_are_judged_by_their_leading_dim(
     with tracedump.attach(block) as dumper, torch.no_grad():
         scores = block(torch.randn(3, 8))  # scores are 1-D [3]; dim 1 does not exist
     assert scores.shape == (3,)
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     if captured:
         assert torch.equal(passes[0]["scores"], scores)
     else:
@@ -202,7 +173,7 @@ def test_row_gate_refuses_capture_while_reported_rows_exceed_max_rows(
         with dumper.step():
             llama(_ids(4, 2))
         assert dumper.pass_index == 2
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert passes[0]["lm_head"].shape == (1, 3, VOCAB)
     assert passes[1]["lm_head"].shape == (4, 2, VOCAB)
     assert dumper.skipped["row_gate"] == 1
@@ -217,7 +188,7 @@ def test_row_gate_and_token_gate_combined_keep_only_the_real_request(
             dumper.set_rows(rows)
             with dumper.step():
                 llama(_ids(rows, seq))
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [0]
     assert passes[0]["lm_head"].shape == (1, 5, VOCAB)
     assert dumper.skipped == {"row_gate": 2, "token_gate": 1}
@@ -253,7 +224,7 @@ def test_module_level_profiling_leaves_no_file_and_no_pass_index(
         assert _pass_files(dumper.run_dir) == []
         llama(_ids(1, 4))
         dumper.record_step("margin", torch.zeros(1))
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [0]
     assert passes[0]["lm_head"].shape == (1, 4, VOCAB)
     records = tracedump.open_dump(dumper.run_dir).run().records
@@ -274,7 +245,7 @@ def test_profiling_inside_an_open_step_still_takes_no_pass_index(
         assert dumper.pass_index == 0
         with dumper.step():
             real = llama(_ids(1, 4)).logits
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [0]
     assert torch.equal(passes[0]["lm_head"], real)
 
@@ -291,7 +262,7 @@ def test_dumper_profiling_suspends_only_that_dumper(
         assert suspended.pass_index == 0
         assert running.pass_index == 1
     assert _pass_files(suspended.run_dir) == []
-    assert _passes(running.run_dir)[0]["proj"].shape == (3, 8)
+    assert read_passes(running.run_dir)[0]["proj"].shape == (3, 8)
 
 
 # --------------------------------------------------------------------------- STEPS
@@ -306,7 +277,7 @@ def test_steps_keeps_files_for_exactly_the_selected_pass_indices(
             llama(_ids(1, seq))
         assert dumper.pass_index == 8
     assert _pass_files(dumper.run_dir) == [f"pass{n:05d}.safetensors" for n in (0, 3, 5, 6)]
-    passes = _passes(dumper.run_dir)
+    passes = read_passes(dumper.run_dir)
     assert {n: t["lm_head"].shape[1] for n, t in passes.items()} == {0: 1, 3: 4, 5: 6, 6: 7}
     assert tracedump.open_dump(dumper.run_dir).run().manifest["passes"]["indices"] == [0, 3, 5, 6]
 
@@ -321,7 +292,7 @@ def test_steps_numbering_skips_warm_ups_even_when_their_index_is_unselected(
         llama(_ids(3, 1))  # warm-up again
         second = llama(_ids(1, 4)).logits  # pass 1
     assert _pass_files(dumper.run_dir) == ["pass00001.safetensors"]
-    assert torch.equal(_passes(dumper.run_dir)[1]["lm_head"], second)
+    assert torch.equal(read_passes(dumper.run_dir)[1]["lm_head"], second)
 
 
 def test_steps_with_no_selected_pass_left_writes_no_files(

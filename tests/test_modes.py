@@ -126,12 +126,6 @@ def read_stats(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.fixture
-def dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
-    return tmp_path / "dump"
-
-
 # ---------------------------------------------------------------------------------------------
 # Toy modules with outputs of known shape and content
 

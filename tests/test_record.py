@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_passes
 from torch import nn
 
 import tracedump
@@ -16,40 +16,11 @@ import tracedump.dumper
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny forwards on a 2-core host: OpenMP spin-waits next to the writer thread cost ~20x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def _attach(model: nn.Module, tmp_path: Path, **fields: object) -> tracedump.Dumper:
     fields.setdefault("filter", ["lm_head"])
     dumper = tracedump.attach(model, tracedump.DumpConfig(dir=tmp_path, **fields))
     assert dumper is not None
     return dumper
-
-
-def _passes(dumper: tracedump.Dumper) -> dict[int, dict[str, torch.Tensor]]:
-    run = tracedump.open_dump(dumper.run_dir).run()
-    return {index: pass_file.load() for index, pass_file in run.passes.items()}
 
 
 def _records(dumper: tracedump.Dumper) -> dict[str, torch.Tensor]:
@@ -71,7 +42,7 @@ def test_record_step_numbers_each_tag_per_call_from_zero(llama: nn.Module, tmp_p
                 llama(_ids(2))
                 dumper.record_step("margin", torch.tensor([float(step)]))
                 dumper.record_step("entropy", torch.tensor([10.0 + step]))
-    passes = _passes(dumper)
+    passes = read_passes(dumper.run_dir)
     for step in range(3):
         assert passes[step]["margin_" + str(step)].item() == float(step)
         assert passes[step]["entropy_" + str(step)].item() == 10.0 + step
@@ -82,7 +53,7 @@ def test_record_step_outside_every_pass_goes_to_the_records_file(llama: nn.Modul
     with _attach(llama, tmp_path) as dumper:
         for value in (0.5, 0.25):
             dumper.record_step("margin", torch.tensor(value))
-    assert _passes(dumper) == {}
+    assert read_passes(dumper.run_dir) == {}
     records = _records(dumper)
     assert list(records) == ["margin_0", "margin_1"]
     assert records["margin_0"].item() == 0.5 and records["margin_1"].item() == 0.25
@@ -99,7 +70,7 @@ def test_row_gated_record_step_uses_no_number(llama: nn.Module, tmp_path: Path) 
         with dumper.step():
             llama(_ids(2))
             dumper.record_step("margin", torch.full((1,), 7.0))
-    passes = _passes(dumper)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [0]
     assert passes[0]["margin_0"].tolist() == [7.0]
 
@@ -115,7 +86,7 @@ def test_record_once_keeps_the_first_write(llama: nn.Module, tmp_path: Path) -> 
                 dumper.record("prefill_logits", logits, once=True)
                 if step == 0:
                     first = logits.clone()
-    passes = _passes(dumper)
+    passes = read_passes(dumper.run_dir)
     assert torch.equal(passes[0]["prefill_logits"], first)
     assert "prefill_logits" not in passes[1] and "prefill_logits" not in passes[2]
 
@@ -146,7 +117,7 @@ def test_repeated_record_without_once_gets_call_suffixes(llama: nn.Module, tmp_p
         llama(_ids(2))
         for value in range(3):
             dumper.record("router_probs", torch.tensor([value]))
-    tensors = _passes(dumper)[0]
+    tensors = read_passes(dumper.run_dir)[0]
     assert [tensors[k].item() for k in ("router_probs", "router_probs::call1", "router_probs::call2")] == [
         0,
         1,
@@ -167,7 +138,7 @@ def test_integer_records_are_stored_whole_and_as_is_in_every_mode(
         llama(_ids(3))
         dumper.record("expert_ids", expert_ids)
         dumper.record("router_weights", router_weights)
-    tensors = _passes(dumper)[0]
+    tensors = read_passes(dumper.run_dir)[0]
     assert tensors["expert_ids"].dtype == torch.int64
     assert torch.equal(tensors["expert_ids"], expert_ids)
     assert tensors["router_weights"].dtype == torch.float64
@@ -179,7 +150,7 @@ def test_record_copies_the_value_at_call_time(llama: nn.Module, tmp_path: Path) 
     with _attach(llama, tmp_path) as dumper, dumper.step():
         dumper.record("buffer", buffer)
         buffer.fill_(5.0)  # an engine reusing its buffer must not change what was recorded
-    assert _passes(dumper)[0]["buffer"].tolist() == [0.0] * 4
+    assert read_passes(dumper.run_dir)[0]["buffer"].tolist() == [0.0] * 4
 
 
 def test_record_accepts_numbers_and_lists_as_tensors(llama: nn.Module, tmp_path: Path) -> None:
@@ -199,7 +170,7 @@ def test_record_in_a_steps_unselected_pass_writes_nothing_but_keeps_numbering(
                 llama(_ids(2))
                 dumper.record("logits", torch.full((1,), float(step)), once=True)
                 dumper.record_step("margin", torch.full((1,), float(step)))
-    passes = _passes(dumper)
+    passes = read_passes(dumper.run_dir)
     assert list(passes) == [1]
     assert set(passes[1]) == {"lm_head", "margin_1"}  # the once-only write happened in pass 0
 
@@ -230,7 +201,7 @@ def test_module_level_record_goes_to_the_active_dumper_until_it_closes(
             tracedump.record("logits", torch.zeros(2), once=True)
             tracedump.record_step("margin", torch.tensor([0.25]))
     tracedump.record("after_close", torch.ones(1))  # no dumper is active any more: a no-op
-    passes = _passes(dumper)
+    passes = read_passes(dumper.run_dir)
     assert set(passes[0]) == {"lm_head", "token_ids", "logits", "margin_0"}
     assert set(passes[1]) == {"lm_head", "margin_1"}
     assert passes[0]["token_ids"].tolist() == [11] and passes[1]["margin_1"].tolist() == [0.25]

@@ -24,12 +24,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, tracedump_warnings
 from safetensors.torch import load_file
 from torch import nn
 
 import tracedump
-import tracedump.cuda
 import tracedump.writer
 from tracedump import TracedumpWarning, load_pass, open_dump
 from tracedump.loader import open_pass
@@ -38,16 +37,7 @@ from tracedump.writer import Writer
 PROMPTS = [[3, 14, 15, 9, 26, 5], [7, 1, 2, 8, 4], [1, 2, 3, 4, 5, 6], [9, 9, 2], [5, 6, 7, 8, 9, 10]]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``warn_once`` remembers keys for the whole process; each test must see its own first warning."""
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
-
-
-@pytest.fixture
-def dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
-    return tmp_path / "dump"
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
 
 
 @contextlib.contextmanager
@@ -319,10 +309,6 @@ def enospc_on_write(monkeypatch: pytest.MonkeyPatch, failing_call: int) -> list[
 
     monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
     return attempts
-
-
-def tracedump_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, TracedumpWarning)]
 
 
 def test_a_full_disk_stops_the_dump_once_while_the_model_keeps_running(
