@@ -60,7 +60,7 @@ FOOTER = """\
 - An empty value (`TRACEDUMP_DUMP_FILTER=`) means "unset": it neither clears a value the engine's
   config set nor lifts a gate.
 - Names are upper-case, as written here. A variable with the prefix that names no setting
-  (`TRACEDUMP_DUMP_FILTERS`) is an error at `attach()`, as is an unknown key in a config dict.
+  (a misspelt `...DUMP_FILTERS`) is an error at `attach()`, as is an unknown key in a config dict.
 - Byte sizes are a plain count of bytes or a number with a binary unit: `512MiB`, `4G`, `1.5GB`
   (`K`, `M`, `G`, `T` and their `B`/`iB` forms all mean powers of 1024).
 - Regexes use Python's `re` syntax and are matched with `re.search`, so `layers\\.3` matches
