@@ -378,3 +378,16 @@ def test_a_root_that_is_itself_a_leaf_has_its_inputs_and_output_in_the_pass(tmp_
     assert list(stored) == ["root@in[0]", "root"]
     assert torch.equal(stored["root@in[0]"], x)
     assert dumper.skipped["outside_pass"] == 0
+
+
+def test_a_run_dir_made_by_another_process_with_the_same_pid_is_never_shared(tmp_path, monkeypatch):
+    taken = tmp_path / f"rank0_pid{os.getpid()}"  # e.g. a container on another host, same shared disk
+    taken.mkdir()
+    (taken / "pass00000.safetensors").write_bytes(b"theirs")
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    model = nn.Linear(2, 2)
+    dumper = tracedump.attach(model)
+    model(torch.ones(1, 2))
+    dumper.close()
+    assert dumper.run_dir.name == f"rank0_pid{os.getpid()}-2"
+    assert (taken / "pass00000.safetensors").read_bytes() == b"theirs"

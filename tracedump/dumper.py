@@ -240,13 +240,20 @@ class Dumper:
 
     # ---------------------------------------------------------------- set-up
 
-    def _free_run_dir_name(self, base: Path) -> Path:
-        run_dir = base / f"rank{self.rank}_pid{self._pid}"
+    def _claim_run_dir(self, base: Path) -> Path:
+        """Create ``rank<R>_pid<P>``, or ``-2``, ``-3``... if taken. The mkdir is the claim: a second
+        dumper in this process, or a process with the same pid on a shared disk (containers),
+        never writes into a dir another one made."""
         serial = 1
-        while run_dir.exists():  # a second dumper in this process gets its own dir
-            serial += 1
-            run_dir = base / f"rank{self.rank}_pid{self._pid}-{serial}"
-        return run_dir
+        while True:
+            run_dir = base / (f"rank{self.rank}_pid{self._pid}" + (f"-{serial}" if serial > 1 else ""))
+            try:
+                run_dir.mkdir(mode=0o700)
+            except FileExistsError:
+                serial += 1
+                continue
+            os.chmod(run_dir, 0o700)
+            return run_dir
 
     def _make_run_dir(self) -> Path:
         base = Path(self.settings.dir).expanduser()  # type: ignore[arg-type]
@@ -255,9 +262,7 @@ class Dumper:
                 with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
                     base.mkdir(parents=True, mode=0o700)
                     os.chmod(base, 0o700)
-            run_dir = self._free_run_dir_name(base)
-            run_dir.mkdir(mode=0o700)
-            os.chmod(run_dir, 0o700)
+            run_dir = self._claim_run_dir(base)
             with tempfile.TemporaryFile(dir=run_dir):
                 pass
         except OSError as e:
@@ -324,9 +329,9 @@ class Dumper:
         rank, world = dist.get_rank(), dist.get_world_size()
         if rank != self.rank:
             previous, self.rank = self.rank, rank
-            moved = self._free_run_dir_name(self.run_dir.parent)
             try:
-                os.rename(self.run_dir, moved)
+                moved = self._claim_run_dir(self.run_dir.parent)
+                os.rename(self.run_dir, moved)  # replaces the empty dir just claimed
             except OSError as e:
                 self.rank = previous
                 self._report_run_error("moving the run dir to its rank", e)
