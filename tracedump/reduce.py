@@ -72,9 +72,14 @@ def compute_stats(
     if "dtype" in names:
         extras["dtype"] = dtype_name(source.dtype)
     x = _as_float(source)
-    values = (
-        torch.stack([NUMERIC_STATS[n](x).to(_F64) for n in numeric])
-        if numeric
-        else torch.empty(0, dtype=_F64)
-    )
-    return numeric, values, extras
+    return numeric, _stack_as_float64([NUMERIC_STATS[n](x) for n in numeric]), extras
+
+
+def _stack_as_float64(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """One float64 vector of the scalars. Scalars of one dtype are stacked first and widened once
+    (each small op costs microseconds per hook); integer counts are widened one by one to stay exact."""
+    if not scalars:
+        return torch.empty(0, dtype=_F64)
+    if all(v.dtype == scalars[0].dtype for v in scalars):
+        return torch.stack(scalars).to(_F64)
+    return torch.stack([v.to(_F64) for v in scalars])
