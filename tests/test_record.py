@@ -246,3 +246,27 @@ def test_a_forked_child_numbers_its_records_afresh_in_its_own_run_dir(tmp_path, 
     assert child.passes[0].names == ["0", "margin_0", "logits"]
     assert child.manifest["complete"] and child.manifest["skipped"] == {}
     assert runs[os.getpid()].passes[1].names == ["0", "margin_1"]
+
+
+def test_a_forked_child_that_cannot_make_its_run_dir_runs_unhooked_and_never_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dumper = tracedump.attach(model)
+    model(torch.ones(1, 2))
+    dumper.flush()
+    (tmp_path / "dump").rename(tmp_path / "moved")
+    (tmp_path / "dump").write_text("a file where the dump dir was")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out = model(torch.ones(1, 2))  # the first pass in the child re-binds, and fails
+            hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+            code = 0 if out.shape == (1, 2) and not hooked else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    (tmp_path / "dump").unlink()
+    (tmp_path / "moved").rename(tmp_path / "dump")
+    dumper.close()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -370,6 +370,7 @@ class Dumper:
             self.run_dir = self._make_run_dir()
         except ConfigError as e:
             self._closed = True
+            self._detach()  # this child dumps nothing: leave its model exactly as if never attached
             self._report_run_error("a forked child's run dir", e)
             return False
         self._writer = self._start_writer()
@@ -433,11 +434,7 @@ class Dumper:
             if self._closed:
                 return
             self._closed = True
-        if self in _active:
-            _active.remove(self)
-        atexit.unregister(self.close)
-        for handle in self._handles:
-            handle.remove()
+        self._detach()
         if os.getpid() != self._pid:  # a forked child that never dumped owns nothing here
             return
         if self._pass is not None:
@@ -446,6 +443,14 @@ class Dumper:
             self._writer.submit(PassJob(-1, None, "records", self._loose, 0, file_name=RECORDS_FILE))
         self._writer.close()
         self._finish_manifest()
+
+    def _detach(self) -> None:
+        """Remove every hook this dumper added and drop it from the module-level ``record()`` target."""
+        if self in _active:
+            _active.remove(self)
+        atexit.unregister(self.close)
+        for handle in self._handles:
+            handle.remove()
 
     def __enter__(self) -> Dumper:
         return self
