@@ -156,7 +156,7 @@ def test_the_less_precise_dtype_sets_the_default() -> None:
     assert less_precise("int64", "float32") == "float32"
     assert less_precise(None, "float32") == "float32"  # a stats record without dtype trusts the other side
     assert resolve("rel_diff", "bfloat16", "float32", None, None) == Tolerance(
-        "rel_diff", 1e-2, 0.0, "bfloat16 default"
+        "rel_diff", 1e-2, 0.0, "bfloat16 default", "bfloat16"
     )
     assert resolve("rel_diff", "float32", "float32", None, None).rtol == REL_DIFF_DEFAULTS["float32"] == 1e-8
 

@@ -232,6 +232,7 @@ class Dumper:
         self._pid = os.getpid()
         self.run_dir = self._make_run_dir()
         self.modules = select_modules(model, settings)
+        self._precision = run_precision(model)
         self._handles = self._register(model)
         self._writer = self._start_writer()
         self._flush_at_exit()
@@ -296,6 +297,7 @@ class Dumper:
             "model_class": self.model_class,
             "root": self.root_label,
             "modules": [name for name, _ in self.modules],
+            "precision": self._precision,
             "pid": self._pid,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -679,6 +681,27 @@ class Dumper:
                 f"skipped_{self._serial}",
                 f"tracedump: {self.run_dir}: captures lost: {losses} (see manifest.json 'skipped')",
             )
+
+
+def run_precision(model: nn.Module) -> dict[str, Any]:
+    """What the comparator needs to judge this run's numbers: the dtypes its parameters hold, and
+    whether fp32 matmuls on CUDA may run in TF32 (a 10-bit mantissa in an fp32 run)."""
+    counts: dict[str, int] = {}
+    devices: set[str] = set()
+    for param in model.parameters():
+        name = str(param.dtype).removeprefix("torch.")
+        counts[name] = counts.get(name, 0) + param.numel()
+        devices.add(param.device.type)
+    on_cuda = "cuda" in devices
+    tf32 = on_cuda and (
+        torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
+    )
+    return {
+        "parameters": counts,
+        "devices": sorted(devices),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32": tf32,
+    }
 
 
 def _storable(tensor: torch.Tensor) -> bool:

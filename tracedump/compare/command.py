@@ -68,8 +68,26 @@ def add_diff_parser(sub: Any) -> None:
         default="rel_diff",
         help="what must stay under tolerance",
     )
-    parser.add_argument("--rtol", type=float, help="relative threshold (overrides the dtype default)")
-    parser.add_argument("--atol", type=float, help="absolute threshold (overrides the dtype default)")
+    parser.add_argument(
+        "--rtol",
+        action="append",
+        metavar="VALUE|REGEX=VALUE",
+        help="fixed relative threshold instead of the noise model: for every pair, or for names where "
+        "REGEX is found (repeatable, first matching rule wins)",
+    )
+    parser.add_argument(
+        "--atol",
+        action="append",
+        metavar="VALUE|REGEX=VALUE",
+        help="absolute threshold: pairs whose max |A-B| is within it pass (repeatable, rules as --rtol)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="C",
+        help="a rerun of the reference under the difference you accept (e.g. in A's dtype): each "
+        "pair's threshold becomes its measured noise err(C, B) times a factor",
+    )
     parser.add_argument(
         "--json", dest="json_path", metavar="PATH", help="write the full per-tensor report ('-': stdout)"
     )
@@ -85,9 +103,21 @@ def add_diff_parser(sub: Any) -> None:
 
 def run_diff(args: argparse.Namespace) -> int:
     from .diff import run
-    from .options import DiffOptions, NameMap, UnshardRule, UsageError, compile_regex, parse_passes
+    from .options import (
+        DiffOptions,
+        NameMap,
+        UnshardRule,
+        UsageError,
+        compile_regex,
+        parse_passes,
+        parse_tolerances,
+    )
 
     try:
+        rtol, rtol_rules = parse_tolerances(args.rtol, "--rtol")
+        atol, atol_rules = parse_tolerances(args.atol, "--atol")
+        if args.baseline is not None and not args.baseline.exists():
+            raise UsageError(f"--baseline {args.baseline}: no such file or directory")
         options = DiffOptions(
             a=args.a,
             b=args.b,
@@ -97,8 +127,11 @@ def run_diff(args: argparse.Namespace) -> int:
             maps=tuple(NameMap.parse(text) for text in args.maps),
             unshard=tuple(UnshardRule.parse(text) for text in args.unshard),
             metric=args.metric,
-            rtol=args.rtol,
-            atol=args.atol,
+            rtol=rtol,
+            atol=atol,
+            rtol_rules=rtol_rules,
+            atol_rules=atol_rules,
+            baseline=args.baseline,
             json_path=args.json_path,
             plot_path=args.plot_path,
             max_rows=args.max_rows,

@@ -8,22 +8,36 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .display import print_report, progress_bar
 from .execute import Executor
-from .options import DiffOptions, NameMap, UnshardRule, UsageError, compile_regex, parse_passes
+from .options import (
+    DiffOptions,
+    NameMap,
+    UnshardRule,
+    UsageError,
+    compile_regex,
+    parse_passes,
+    parse_tolerances,
+)
 from .plan import Plan, build_plan, short_list
 from .plot import check_available, write_plot
-from .results import GROWTH_FACTOR, GROWTH_FLOOR, DiffReport
-from .sources import open_side
+from .results import GROWTH_FACTOR, GROWTH_FLOOR, DiffReport, TensorResult
+from .sources import Side, open_side
 from .tolerance import table_rows
+from .verdict import BASELINE_FACTOR, GROWTH, K_ROUNDING, judge_all
 
 
 def _settings(options: DiffOptions) -> dict[str, Any]:
     if options.rtol is None and options.atol is None:
-        tolerance = f"{options.metric} by dtype defaults"
+        tolerance = (
+            f"{options.metric} by the noise measured in --baseline"
+            if options.baseline is not None
+            else f"{options.metric} by the error upstream at the run precision"
+        )
     else:
         given = ", ".join(
             f"{k} {v:g}" for k, v in (("--rtol", options.rtol), ("--atol", options.atol)) if v is not None
@@ -39,6 +53,14 @@ def _settings(options: DiffOptions) -> dict[str, Any]:
         "filter": options.filter.pattern if options.filter else None,
         "map": [str(rule) for rule in options.maps],
         "unshard": [str(rule) for rule in options.unshard],
+        "rtol_rules": [str(rule) for rule in options.rtol_rules],
+        "atol_rules": [str(rule) for rule in options.atol_rules],
+        "baseline": str(options.baseline) if options.baseline is not None else None,
+        "verdict": {
+            "growth": GROWTH,
+            "rounding_k": K_ROUNDING,
+            "baseline_factor": BASELINE_FACTOR,
+        },
         "growth_factor": GROWTH_FACTOR,
         "growth_floor": GROWTH_FLOOR,
         "defaults": table_rows(),
@@ -61,7 +83,7 @@ def _why_nothing(plan: Plan, options: DiffOptions) -> str:
 
 
 def build_report(options: DiffOptions) -> DiffReport:
-    """Load both sides, plan, execute: the whole comparison, without printing anything."""
+    """Load both sides, plan, execute, judge: the whole comparison, without printing anything."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     plan, workspace = build_plan(side_a, side_b, options)
@@ -73,8 +95,46 @@ def build_report(options: DiffOptions) -> DiffReport:
         settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
     report = DiffReport(side_a.describe(), side_b.describe(), settings, plan)
     with progress_bar(plan, options.progress) as advance:
-        report.results = Executor(plan, workspace, advance).run()
+        executor = Executor(plan, workspace, advance)
+        measured = executor.run()
+    report.flips = executor.flips
+    noise = _baseline_noise(options, side_b, measured) if options.baseline is not None else None
+    report.results = judge_all(measured, noise)
+    report.unused_rules = [
+        str(rule)
+        for rule in (*options.rtol_rules, *options.atol_rules)
+        if not any(rule.matches(r.name, r.name_b) for r in report.results)
+    ]
     return report
+
+
+def _baseline_noise(options: DiffOptions, side_b: Side, measured: list[TensorResult]) -> dict[int, float]:
+    """``err(C, B)`` for each measured pair of A and B: the baseline C compared with B by B's names
+    (C's names go through ``--map`` when they are not B's already), pass by pass."""
+    assert options.baseline is not None
+    baseline_options = replace(options, a=options.baseline, maps=(), filter=None)
+    side_c = open_side("baseline", options.baseline, baseline_options)
+    plan, workspace = build_plan(side_c, side_b, baseline_options)
+    if not plan.pairs and options.maps:
+        workspace.close()
+        baseline_options = replace(baseline_options, maps=options.maps)
+        plan, workspace = build_plan(side_c, side_b, baseline_options)
+    noise_by_key = {
+        (r.pass_index, r.root, r.name_b): r.metrics
+        for r in Executor(plan, workspace, per_token=False).run()
+        if r.metrics is not None
+    }
+    noise: dict[int, float] = {}
+    for result in measured:
+        metrics = noise_by_key.get((result.pass_index, result.root, result.name_b))
+        if metrics is not None:
+            cosine = result.tolerance.metric == "cosine"
+            noise[result.index] = metrics.one_minus_cosine if cosine else metrics.rel_diff
+    if not noise:
+        raise UsageError(
+            f"--baseline {options.baseline}: no tensor of it lines up with B (is it a rerun of the reference?)"
+        )
+    return noise
 
 
 def write_json(report: DiffReport, target: str) -> None:
@@ -114,10 +174,15 @@ def compare(
     maps: list[str] | tuple[str, ...] = (),
     unshard: list[str] | tuple[str, ...] = (),
     metric: str = "rel_diff",
-    rtol: float | None = None,
-    atol: float | None = None,
+    rtol: float | str | list[str] | None = None,
+    atol: float | str | list[str] | None = None,
+    baseline: str | Path | None = None,
 ) -> DiffReport:
-    """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI."""
+    """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI.
+
+    ``rtol``/``atol`` take a number (every pair) or ``'REGEX=VALUE'`` rules, as ``--rtol``."""
+    rtol_value, rtol_rules = parse_tolerances(_as_list(rtol), "--rtol")
+    atol_value, atol_rules = parse_tolerances(_as_list(atol), "--atol")
     options = DiffOptions(
         a=Path(a),
         b=Path(b),
@@ -127,8 +192,19 @@ def compare(
         maps=tuple(NameMap.parse(m) for m in maps),
         unshard=tuple(UnshardRule.parse(u) for u in unshard),
         metric=metric,  # type: ignore[arg-type]
-        rtol=rtol,
-        atol=atol,
+        rtol=rtol_value,
+        atol=atol_value,
+        rtol_rules=rtol_rules,
+        atol_rules=atol_rules,
+        baseline=Path(baseline) if baseline is not None else None,
         progress=False,
     )
     return build_report(options)
+
+
+def _as_list(value: float | str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [repr(value) if isinstance(value, float) else str(value)]

@@ -20,6 +20,8 @@ _STATUS_TEXT = {
     "shape_mismatch": "shape mismatch",
     "rank_mismatch": "rank mismatch",
     "error": "error",
+    "routing_flip": "routing flip",
+    "routing": "routing differs",
 }
 _STATUS_STYLE = {
     "ok": "green",
@@ -27,6 +29,8 @@ _STATUS_STYLE = {
     "shape_mismatch": "yellow",
     "rank_mismatch": "magenta",
     "error": "yellow",
+    "routing_flip": "cyan",
+    "routing": "dim",
 }
 _WIDE = 240  # columns when stdout is not a terminal: names are never cut in logs and pipes
 _LISTED = 10  # names shown per "only in" line
@@ -60,6 +64,20 @@ def _cosine(result: TensorResult) -> str:
     if m.one_minus_cosine < 1e-4:
         return f"1-{m.one_minus_cosine:.1e}"
     return f"{m.cosine:.5f}"
+
+
+def _times_noise(result: TensorResult) -> str:
+    from .verdict import times_noise
+
+    ratio = times_noise(result)
+    return "-" if ratio is None else f"{ratio:.3g}x"
+
+
+def _worst_token(result: TensorResult) -> str:
+    worst = result.worst_token
+    if worst is None:
+        return "-"
+    return f"{worst[0]}: {_num(worst[1])}" if worst[1] > 0 else "0"
 
 
 def _shape(result: TensorResult) -> str:
@@ -121,8 +139,13 @@ def table(report: DiffReport, max_rows: int) -> Any:
     # In a narrow terminal the name and the verdict fold; the numbers stay whole.
     longest = max((len(r.label) for r in report.results), default=4)
     grid.add_column("name", overflow="fold", min_width=min(longest, 28))
-    for column in ("shape", "dtype", "max_abs", "rel_diff", "cosine", "status"):
-        numeric = column in ("max_abs", "rel_diff", "cosine")
+    with_noise = report.settings.get("baseline") is not None
+    with_tokens = any(r.per_token for r in report.results)
+    columns = ["shape", "dtype", "max_abs", "rel_diff", "cosine"]
+    columns += ["x noise"] if with_noise else []
+    columns += ["worst token"] if with_tokens else []
+    for column in (*columns, "status"):
+        numeric = column in ("max_abs", "rel_diff", "cosine", "x noise")
         grid.add_column(column, justify="right" if numeric else "left", no_wrap=column != "status")
     first, growth = report.first_divergence, report.largest_growth
     previous = -1
@@ -140,6 +163,8 @@ def table(report: DiffReport, max_rows: int) -> Any:
             _num(m.max_abs) if m else "-",
             _num(m.rel_diff) if m else "-",
             _cosine(result),
+            *([_times_noise(result)] if with_noise else []),
+            *([_worst_token(result)] if with_tokens else []),
             _status(result, first, growth),
         ]
         style = (
@@ -193,6 +218,15 @@ def summary_lines(report: DiffReport) -> list[str]:
         lines.append(
             f"no divergence: every compared tensor is within tolerance ({report.settings['tolerance']})"
         )
+    if first is not None and first.worst_token is not None and first.worst_token[1] > 0:
+        position, value = first.worst_token
+        lines.append(
+            f"worst token of {first.label}: position {position} (rel_diff {_num(value)}, dim {first.token_dim})"
+        )
+    for flip in report.flips:
+        lines.append(flip.message())
+    for rule in report.unused_rules:
+        lines.append(f"warning: {rule} matched no tensor name")
     growth = report.largest_growth
     if growth is not None:
         lines.append(
@@ -224,11 +258,23 @@ def summary_lines(report: DiffReport) -> list[str]:
     return lines
 
 
+def _basis(result: TensorResult) -> str:
+    """Why the threshold is what it is, in a few words."""
+    precision = result.tolerance.precision or "?"
+    if result.basis == "baseline":
+        from .verdict import times_noise
+
+        return f"{_num(times_noise(result))}x the baseline's noise {_num(result.noise)}, {precision} run"
+    if result.basis == "upstream":
+        return f"what the error upstream explains at {precision} run precision"
+    return result.tolerance.source
+
+
 def _describe_error(result: TensorResult) -> str:
     metric = "1-cosine" if result.metric == "cosine" else result.metric
     if result.error is None or result.status != "diverged":
         return _STATUS_TEXT.get(result.status, result.status)
-    text = f"{metric} {_num(result.error)} > {_num(result.threshold)} ({result.tolerance.source})"
+    text = f"{metric} {_num(result.error)} > {_num(result.threshold)} ({_basis(result)})"
     if result.metrics is not None and result.metrics.argmax is not None:
         m = result.metrics
         text += f", max_abs {_num(m.max_abs)} (A {_num(m.a_at_argmax)} vs B {_num(m.b_at_argmax)})"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from .metrics import TensorMetrics, compare_arrays
+from .metrics import TensorMetrics, compare_arrays, per_token_rel_diff
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
 from .results import TensorResult
+from .routing import Flip, detect, is_router_indices, kept_rows, module_of
 from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
 from .tolerance import Tolerance
@@ -23,7 +24,8 @@ Progress = Callable[[int], None]  # called with the bytes just compared
 
 
 def judge(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, float, bool]:
-    """(the number judged, what it must stay under, whether it does) for one tensor pair."""
+    """(the number judged, its fixed threshold, whether it stays under) for one tensor pair: the plain
+    rule (ranks of a replicated tensor must agree within the ceiling; verdicts are :mod:`.verdict`'s)."""
     if tolerance.metric == "exact":
         error, threshold = metrics.max_abs, 0.0
         ok = error == 0
@@ -37,15 +39,6 @@ def judge(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, float, b
     return error, threshold, ok and metrics.nonfinite_mismatch == 0
 
 
-def _nonfinite_message(metrics: TensorMetrics) -> str | None:
-    if not metrics.nonfinite_mismatch:
-        return None
-    return (
-        f"NaN/Inf differ at {metrics.nonfinite_mismatch} positions "
-        f"(A: {metrics.nan_a} NaN, {metrics.inf_a} Inf; B: {metrics.nan_b} NaN, {metrics.inf_b} Inf)"
-    )
-
-
 def _numel(shape: tuple[int, ...] | None) -> int | None:
     return None if shape is None else math.prod(shape)
 
@@ -53,10 +46,17 @@ def _numel(shape: tuple[int, ...] | None) -> int | None:
 class Executor:
     """Runs a plan pair by pair and returns the results in execution order."""
 
-    def __init__(self, plan: Plan, workspace: Workspace, progress: Progress | None = None) -> None:
+    def __init__(
+        self, plan: Plan, workspace: Workspace, progress: Progress | None = None, *, per_token: bool = True
+    ) -> None:
         self.plan = plan
         self.workspace = workspace
         self.progress = progress
+        self.per_token = per_token
+        self.flips: list[Flip] = []
+        self._unit_flips: list[Flip] = []
+        self._tokens: int | None = None
+        self._by_name: dict[str, PairPlan] = {}
 
     def run(self) -> list[TensorResult]:
         results: list[TensorResult] = []
@@ -67,12 +67,17 @@ class Executor:
                     if current_unit >= 0:
                         self.workspace.close_unit(current_unit)
                     current_unit = pair.unit
+                    self._enter_unit(current_unit)
                 results.append(self._one(len(results), pair))
                 if self.progress is not None:
                     self.progress(pair_bytes(pair))
         finally:
             self.workspace.close()
         return results
+
+    def _enter_unit(self, unit: int) -> None:
+        self._unit_flips, self._tokens = [], None
+        self._by_name = {p.a.name: p for p in self.plan.pairs if p.unit == unit}
 
     def _one(self, index: int, pair: PairPlan) -> TensorResult:
         unit = self.plan.units[pair.unit]
@@ -105,20 +110,125 @@ class Executor:
     def _tensor_pair(
         self, base: dict, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
     ) -> TensorResult:
-        metrics = compare_arrays(
-            assemble(pair.a, views_a),
-            assemble(pair.b, views_b),
-            want_max_b=pair.tolerance.metric == "max_abs",
-        )
-        error, threshold, ok = judge(metrics, pair.tolerance)
-        status, message = "ok" if ok else "diverged", _nonfinite_message(metrics)
+        stored_a, stored_b = assemble(pair.a, views_a), assemble(pair.b, views_b)
+        metrics = compare_arrays(stored_a, stored_b, want_max_b=pair.tolerance.metric == "max_abs")
         for side, entry, views in (("A", pair.a, views_a), ("B", pair.b, views_b)):
             disagreement = _rank_disagreement(entry, views, pair.tolerance)
             if disagreement is not None:
-                status, message = "rank_mismatch", f"{side}: {disagreement}"
-                break
+                error, threshold, _ = judge(metrics, pair.tolerance)
+                return TensorResult(
+                    **base,
+                    status="rank_mismatch",
+                    error=error,
+                    threshold=threshold,
+                    metrics=metrics,
+                    message=f"{side}: {disagreement}",
+                )
+        if pair.tolerance.metric == "exact" and metrics.max_abs > 0:
+            flipped = self._router_flip(base, pair, (stored_a, stored_b), metrics, views_a, views_b)
+            if flipped is not None:
+                return flipped
+        covering = next((f for f in self._unit_flips if f.covers(pair.a.name)), None)
+        if covering is not None:
+            return self._inside_flipped_block(base, covering, (stored_a, stored_b), metrics)
+        token_dim, per_token = self._per_token(stored_a, stored_b, metrics)
         return TensorResult(
-            **base, status=status, error=error, threshold=threshold, metrics=metrics, message=message
+            **base, status="measured", metrics=metrics, token_dim=token_dim, per_token=per_token
+        )
+
+    def _per_token(
+        self, a: Stored, b: Stored, metrics: TensorMetrics
+    ) -> tuple[int | None, tuple[float, ...] | None]:
+        """rel_diff per token position, along the dim whose size is the unit's token count."""
+        if not self.per_token:
+            return None, None
+        shape = a.shape
+        if self._tokens is None:
+            squeezed = [s for s in shape if s != 1]
+            if len(squeezed) >= 2:
+                self._tokens = squeezed[0]
+        tokens = self._tokens
+        if not tokens or tokens < 2 or len(shape) < 2 or b.shape != shape:
+            return None, None
+        dim = next((d for d, size in enumerate(shape[:-1]) if size == tokens), None)
+        if dim is None:
+            return None, None
+        if metrics.rel_diff == 0 and metrics.nonfinite_mismatch == 0:
+            return dim, (0.0,) * tokens
+        return dim, per_token_rel_diff(a, b, dim)
+
+    def _router_flip(
+        self,
+        base: dict,
+        pair: PairPlan,
+        indices: tuple[Stored, Stored],
+        metrics: TensorMetrics,
+        views_a: list[PassView],
+        views_b: list[PassView],
+    ) -> TensorResult | None:
+        if not is_router_indices(pair.a.meta.shape, pair.a.meta.dtype, pair.b.meta.dtype):
+            return None
+        router = module_of(pair.a.name)
+        scores = self._router_scores(router, pair, indices[0].shape[0], views_a, views_b)
+        flip = detect(router, indices, scores)
+        if flip is None:
+            return None
+        self.flips.append(flip)
+        if not flip.near_tie:
+            return TensorResult(
+                **base,
+                status="diverged",
+                error=metrics.max_abs,
+                threshold=0.0,
+                metrics=metrics,
+                message=flip.message(),
+                basis="routing",
+            )
+        self._unit_flips.append(flip)
+        return TensorResult(
+            **base,
+            status="routing_flip",
+            error=float(len(flip.flipped)),
+            metrics=metrics,
+            message=flip.message(),
+            basis="routing",
+        )
+
+    def _router_scores(
+        self, router: str, pair: PairPlan, tokens: int, views_a: list[PassView], views_b: list[PassView]
+    ) -> tuple[Stored, Stored] | None:
+        """The router's float ``[tokens, experts]`` output beside its indices, on both sides."""
+        for name, sibling in self._by_name.items():
+            if name == pair.a.name or module_of(name) != router or sibling.kind != "tensor":
+                continue
+            shape = sibling.a.meta.shape
+            if shape is None or len(shape) < 2 or math.prod(shape[:-1]) != tokens:
+                continue
+            if sibling.a.meta.dtype is None or not sibling.a.meta.dtype.startswith(("float", "bfloat")):
+                continue
+            return assemble(sibling.a, views_a), assemble(sibling.b, views_b)
+        return None
+
+    def _inside_flipped_block(
+        self, base: dict, flip: Flip, stored: tuple[Stored, Stored], metrics: TensorMetrics
+    ) -> TensorResult:
+        """A tensor of a MoE block whose router flipped at a near-tie: compared on the kept tokens."""
+        kept_a, kept_b = kept_rows(stored[0], flip), kept_rows(stored[1], flip)
+        if kept_a is None or kept_b is None:
+            return TensorResult(
+                **base,
+                status="routing",
+                metrics=metrics,
+                message=f"not compared: {flip.router} routed {len(flip.flipped)} tokens differently",
+            )
+        kept = compare_arrays(kept_a, kept_b)
+        return TensorResult(
+            **base,
+            status="routing_flip",
+            error=kept.rel_diff,
+            metrics=metrics,
+            absorbed=metrics.rel_diff,
+            message=f"compared on the {kept_a.shape[0]} tokens {flip.router} routed alike",
         )
 
     def _stats_pair(
@@ -133,7 +243,7 @@ class Executor:
         stats_a = stats_a_raw if stats_a_raw is not None else stats_of(assemble(pair.a, views_a), names)
         stats_b = stats_b_raw if stats_b_raw is not None else stats_of(assemble(pair.b, views_b), names)
         numel = _numel(pair.b.meta.shape) or _numel(pair.a.meta.shape)
-        error, deltas = compare_stats(stats_a, stats_b, numel, pair.tolerance.atol)
+        error, deltas = compare_stats(stats_a, stats_b, numel, pair.tolerance.atol)  # fixed rule
         ok = error <= pair.tolerance.rtol
         worst = max(deltas, key=lambda n: deltas[n].rel_err) if deltas and not ok else None
         return TensorResult(

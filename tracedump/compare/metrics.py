@@ -323,3 +323,30 @@ def _finish(
         inf_b=sums.inf_b,
         nonfinite_mismatch=sums.mismatch,
     )
+
+
+def per_token_rel_diff(a: Stored, b: Stored, dim: int) -> tuple[float, ...]:
+    """rel_diff of each index along ``dim`` (the token positions), widened a token slab at a time.
+
+    Position bugs (rotary, masks, KV cache, padding) show as a pattern over tokens that one number
+    per tensor hides."""
+    from .routing import as_float
+
+    tokens = a.shape[dim]
+    moved_a, moved_b = np.moveaxis(a.array, dim, 0), np.moveaxis(b.array, dim, 0)
+    per_row = max(1, math.prod(a.shape) // max(tokens, 1))
+    step = max(1, CHUNK // per_row)
+    out: list[float] = []
+    with np.errstate(all="ignore"):
+        for start in range(0, tokens, step):
+            x = as_float(Stored(moved_a[start : start + step], a.dtype)).reshape(-1, per_row)
+            y = as_float(Stored(moved_b[start : start + step], b.dtype)).reshape(-1, per_row)
+            x64, y64 = x.astype(np.float64), y.astype(np.float64)
+            finite = np.isfinite(x64) & np.isfinite(y64)
+            x64, y64 = np.where(finite, x64, 0.0), np.where(finite, y64, 0.0)
+            d = x64 - y64
+            dd = np.einsum("ij,ij->i", d, d)
+            norm = np.einsum("ij,ij->i", x64, x64) + np.einsum("ij,ij->i", y64, y64)
+            rows = np.where(norm > 0, dd / np.where(norm > 0, norm, 1.0), np.where(dd > 0, 1.0, 0.0))
+            out.extend(float(v) for v in rows)
+    return tuple(out)

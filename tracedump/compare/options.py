@@ -6,6 +6,7 @@ which the command turns into exit code 2 with the message: a typo should not cos
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,48 @@ class UnshardRule:
         return f"{self.pattern.pattern}={self.op}" + (f":{self.dim}" if self.op == "cat" else "")
 
 
+@dataclass(frozen=True)
+class ToleranceRule:
+    """One ``--rtol REGEX=VALUE`` (or ``--atol``) rule: names where REGEX is found get VALUE."""
+
+    option: str
+    pattern: re.Pattern[str]
+    value: float
+
+    @classmethod
+    def parse(cls, text: str, option: str) -> ToleranceRule:
+        pattern, value = split_rule(text, option)
+        return cls(option, compile_regex(pattern, option), _non_negative(value, option, text))
+
+    def matches(self, *names: str) -> bool:
+        return any(self.pattern.search(n) for n in names)
+
+    def __str__(self) -> str:
+        return f"{self.option} {self.pattern.pattern}={self.value:g}"
+
+
+def _non_negative(text: str, option: str, whole: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise UsageError(f"{option} {whole!r}: expected a non-negative number, got {text!r}")
+    return value
+
+
+def parse_tolerances(values: list[str] | None, option: str) -> tuple[float | None, tuple[ToleranceRule, ...]]:
+    """``--rtol 1e-3`` (global) and ``--rtol 'REGEX=VALUE'`` (rules, first match wins), repeatable."""
+    global_value: float | None = None
+    rules: list[ToleranceRule] = []
+    for text in values or []:
+        if "=" in text:
+            rules.append(ToleranceRule.parse(text, option))
+        else:
+            global_value = _non_negative(text, option, text)
+    return global_value, tuple(rules)
+
+
 def parse_passes(text: str | None) -> tuple[int, ...] | None:
     """``--pass 3`` or ``--pass 0,2,5-7``; None means every pass present in both dumps."""
     if text is None:
@@ -123,6 +166,9 @@ class DiffOptions:
     metric: Metric = "rel_diff"
     rtol: float | None = None
     atol: float | None = None
+    rtol_rules: tuple[ToleranceRule, ...] = ()
+    atol_rules: tuple[ToleranceRule, ...] = ()
+    baseline: Path | None = None
     json_path: str | None = None
     plot_path: Path | None = None
     max_rows: int = 500
@@ -142,6 +188,12 @@ class DiffOptions:
         for rule in self.maps:
             name = rule.apply(name)
         return name
+
+    def tolerances_for(self, *names: str) -> tuple[float | None, float | None]:
+        """(rtol, atol) the user set for this pair: the first matching rule, else the global value."""
+        rtol = next((r.value for r in self.rtol_rules if r.matches(*names)), self.rtol)
+        atol = next((r.value for r in self.atol_rules if r.matches(*names)), self.atol)
+        return rtol, atol
 
     def unshard_rule(self, name: str) -> UnshardRule | None:
         """The first ``--unshard`` rule whose regex is found in ``name``."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from ..reduce import last_row_dim
 from .options import DiffOptions, UsageError
 from .sources import PassView, RootGroup, Side
-from .tolerance import Tolerance, resolve, resolve_stats
+from .tolerance import Tolerance, is_integer, pair_precision, resolve, resolve_stats
 from .unshard import SideEntry, plan_entry
 
 
@@ -215,11 +215,15 @@ def side_entries(views: list[PassView], options: DiffOptions) -> dict[str, SideE
     }
 
 
-def _pair(unit: int, a: SideEntry, b: SideEntry, options: DiffOptions) -> PairPlan:
+def _pair(
+    unit: int, a: SideEntry, b: SideEntry, options: DiffOptions, run_precision: str | None = None
+) -> PairPlan:
+    rtol, atol = options.tolerances_for(a.name, b.name)
+    precision = pair_precision(run_precision, a.meta.dtype, b.meta.dtype)
     if a.meta.kind == "stats" or b.meta.kind == "stats":
-        tolerance = resolve_stats(a.meta.dtype, b.meta.dtype, options.rtol, options.atol)
+        tolerance = resolve_stats(a.meta.dtype, b.meta.dtype, rtol, atol, precision)
     else:
-        tolerance = resolve(options.metric, a.meta.dtype, b.meta.dtype, options.rtol, options.atol)
+        tolerance = resolve(options.metric, a.meta.dtype, b.meta.dtype, rtol, atol, precision)
     for side, entry in (("A", a), ("B", b)):
         if entry.problem is not None:
             return PairPlan(
@@ -259,7 +263,13 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
         units.append(Unit(root, pass_a, pass_b))
         workspace.views.append((views_a, views_b))
         cut = _last_row_cut(group_a, group_b)
-        _match_unit(unit, pass_a, root, views_a, views_b, options, cut, pairs, only_in_a, only_in_b)
+        precision = pair_precision(
+            run_precision(views_a, group_a.declared_precision), run_precision(views_b, group_b.declared_precision)
+        )
+        matched = _match_unit(unit, pass_a, root, views_a, views_b, options, cut, precision)
+        pairs.extend(matched[0])
+        only_in_a.extend(matched[1])
+        only_in_b.extend(matched[2])
     plan = Plan(
         tuple(units),
         tuple(pairs),
@@ -273,6 +283,27 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
     return plan, workspace
 
 
+def run_precision(views: list[PassView], declared: str | None) -> str | None:
+    """The precision a run computed this pass in: the least precise of what its manifest declares
+    (parameter dtypes, TF32 matmuls) and every float dtype it stored (autocast shows there). A stats
+    record's dtype may be a guess from its max/min, so stats count only when nothing else is known."""
+    stored = _float_dtypes(views, "tensor")
+    if declared is None and not stored:
+        stored = _float_dtypes(views, "stats")
+    if declared is None and not stored:
+        return None
+    return pair_precision(declared, *stored)
+
+
+def _float_dtypes(views: list[PassView], kind: str) -> set[str]:
+    return {
+        entry.dtype
+        for view in views
+        for entry in view.entries.values()
+        if entry.kind == kind and entry.dtype is not None and not is_integer(entry.dtype)
+    }
+
+
 def _match_unit(
     unit: int,
     pass_index: int,
@@ -281,10 +312,11 @@ def _match_unit(
     views_b: list[PassView],
     options: DiffOptions,
     cut: LastRowCut | None,
-    pairs: list[PairPlan],
-    only_in_a: list[Unmatched],
-    only_in_b: list[Unmatched],
-) -> None:
+    precision: str | None,
+) -> tuple[list[PairPlan], list[Unmatched], list[Unmatched]]:
+    pairs: list[PairPlan] = []
+    only_in_a: list[Unmatched] = []
+    only_in_b: list[Unmatched] = []
     entries_a = side_entries(views_a, options)
     entries_b = side_entries(views_b, options)
     matched: set[str] = set()
@@ -297,7 +329,8 @@ def _match_unit(
             only_in_a.append(Unmatched(pass_index, root, name, mapped))
             continue
         matched.add(mapped)
-        pairs.append(_pair(unit, *_apply_cut(entry_a, entry_b, cut), options))
+        pairs.append(_pair(unit, *_apply_cut(entry_a, entry_b, cut), options, precision))
     for name in entries_b:
         if name not in matched and options.selected(name):
             only_in_b.append(Unmatched(pass_index, root, name))
+    return pairs, only_in_a, only_in_b

@@ -8,9 +8,14 @@ Statuses of a tensor pair:
 - ``rank_mismatch``: a multi-rank side disagrees with itself (a replicated tensor differs across
   ranks, or a name is missing on some ranks);
 - ``error``: the pair could not be compared (an ``--unshard`` rule that cannot apply, stats with no
-  numeric statistic on both sides, a tensor whose data cannot be read).
+  numeric statistic on both sides, a tensor whose data cannot be read);
+- ``routing_flip``: a MoE router sent some tokens to other experts at a near-tie of its top-k
+  (within the run's noise): reported, not a divergence; tensors of that MoE block are then compared
+  on the tokens that kept their experts (:mod:`.routing`);
+- ``routing``: a tensor inside that MoE block that cannot line up once routing differs (the
+  per-expert calls): not compared.
 
-Every status but ``ok`` makes the exit code 1.
+Every status but ``ok``, ``routing_flip`` and ``routing`` makes the exit code 1.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .stats import StatDelta
 from .tolerance import Tolerance
 
 FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
+PASSING = ("ok", "routing_flip", "routing")
 NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")
 EXIT_OK, EXIT_DIVERGED = 0, 1
 
@@ -70,6 +76,11 @@ class TensorResult:
     unshard_a: str | None = None
     unshard_b: str | None = None
     message: str | None = None
+    noise: float | None = None  # err(C, B) of the --baseline run, when one was given
+    basis: str | None = None  # how the threshold was set: upstream | baseline | fixed
+    absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
+    token_dim: int | None = None  # the dim per_token runs along
+    per_token: tuple[float, ...] | None = None  # rel_diff of each token position
 
     @property
     def label(self) -> str:
@@ -122,7 +133,29 @@ class TensorResult:
             data["unshard"] = {"a": self.unshard_a, "b": self.unshard_b}
         if self.message:
             data["message"] = self.message
+        data["basis"] = self.basis
+        if self.noise is not None:
+            from .verdict import times_noise
+
+            data["noise"] = _number(self.noise)
+            data["x_noise"] = _number(times_noise(self))
+        if self.per_token is not None:
+            worst = self.worst_token
+            data["per_token"] = {
+                "dim": self.token_dim,
+                "rel_diff": [_number(v) for v in self.per_token],
+                "worst": worst[0] if worst else None,
+                "worst_rel_diff": _number(worst[1]) if worst else None,
+            }
         return data
+
+    @property
+    def worst_token(self) -> tuple[int, float] | None:
+        """(position, rel_diff) of the token with the largest error, if measured per token."""
+        if not self.per_token:
+            return None
+        position = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
+        return position, self.per_token[position]
 
 
 @dataclass(frozen=True)
@@ -198,6 +231,8 @@ class DiffReport:
     settings: dict[str, Any]
     plan: Plan
     results: list[TensorResult] = field(default_factory=list)
+    flips: list[Any] = field(default_factory=list)  # routing.Flip of every router whose top-k differed
+    unused_rules: list[str] = field(default_factory=list)  # --rtol/--atol rules that matched no name
 
     @property
     def first_divergence(self) -> TensorResult | None:
@@ -229,6 +264,9 @@ class DiffReport:
             "shape_mismatch": self.count("shape_mismatch"),
             "rank_mismatch": self.count("rank_mismatch"),
             "errors": self.count("error"),
+            "routing_flips": [flip.to_json() for flip in self.flips],
+            "not_compared_routing": self.count("routing"),
+            "unused_rules": list(self.unused_rules),
             "dtype_mismatch": sum(1 for r in self.results if r.dtype_differs),
             "only_in_a": len(plan.only_in_a),
             "only_in_b": len(plan.only_in_b),

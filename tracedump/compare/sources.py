@@ -144,6 +144,7 @@ class RunSource:
     token_dim: int
     run: Run | None = None
     pass_file: Path | None = None
+    declared_precision: str | None = None  # from the manifest's "precision" (parameters, TF32)
     _stats_by_pass: dict[int, list[dict[str, Any]]] | None = field(default=None, repr=False)
 
     @property
@@ -187,6 +188,10 @@ class RootGroup:
     @property
     def token_dim(self) -> int:
         return self.runs[0].token_dim
+
+    @property
+    def declared_precision(self) -> str | None:
+        return self.runs[0].declared_precision
 
     def pass_indices(self) -> list[int]:
         return self.runs[0].pass_indices()
@@ -233,6 +238,21 @@ def _mode_of(manifest: dict[str, Any], run: Run | None) -> tuple[str, int]:
     return str(mode or "full"), token_dim if isinstance(token_dim, int) else 0
 
 
+def declared_precision(manifest: dict[str, Any]) -> str | None:
+    """The least precise float the manifest's ``precision`` declares: its parameters' dtypes, and
+    ``tfloat32`` for an fp32 run whose CUDA matmuls were allowed TF32."""
+    from .tolerance import pair_precision
+
+    precision = manifest.get("precision")
+    if not isinstance(precision, dict):
+        return None
+    parameters = precision.get("parameters")
+    dtypes = [d for d in parameters if isinstance(d, str)] if isinstance(parameters, dict) else []
+    if precision.get("tf32"):
+        dtypes.append("tfloat32")
+    return pair_precision(*dtypes) if dtypes else None
+
+
 def _pass_file_side(which: str, path: Path) -> Side:
     manifest = _manifest_beside(path)
     mode, token_dim = _mode_of(manifest, None)
@@ -240,14 +260,23 @@ def _pass_file_side(which: str, path: Path) -> Side:
         mode = open_pass(path).metadata.get("tracedump.mode", mode)
     if mode in ("stats", "records"):
         mode = "full"  # a pass file holds whole tensors even in a stats-mode run (records)
-    source = RunSource(path.name, int(manifest.get("rank", 0)), mode, token_dim, pass_file=path)
+    source = RunSource(
+        path.name,
+        int(manifest.get("rank", 0)),
+        mode,
+        token_dim,
+        pass_file=path,
+        declared_precision=declared_precision(manifest),
+    )
     label = str(manifest.get("root") or "")
     return Side(which, path, [RootGroup(label, [source])])
 
 
 def _run_source(run: Run) -> RunSource:
     mode, token_dim = _mode_of(run.manifest, run)
-    return RunSource(run.name, run.rank, mode, token_dim, run=run)
+    return RunSource(
+        run.name, run.rank, mode, token_dim, run=run, declared_precision=declared_precision(run.manifest)
+    )
 
 
 def open_side(which: str, path: Path, options: DiffOptions) -> Side:

@@ -1,7 +1,13 @@
-"""Default tolerances by dtype, and the verdict on one tensor pair.
+"""Per-dtype ceilings, run precision, and the tolerance of one tensor pair.
 
-The default depends on the **less precise** dtype of the pair: a bf16 run compared with an fp32
-reference carries bf16 rounding noise, so it is judged by the bf16 row. The thresholds come from
+The dtype that decides a pair's tolerance is the **run precision** (:func:`pair_precision`): the
+least precise of both runs' precisions and both stored dtypes. A bf16 run compared with an fp32
+reference carries bf16 rounding noise in every tensor, fp32 islands included (an fp32 norm or
+router inside a bf16 model computes from bf16 inputs), so all of it is judged at bf16.
+
+The per-dtype values below are **ceilings**: :mod:`.verdict` judges rel_diff and cosine by the error
+upstream (or by a ``--baseline`` noise run), and a tensor whose error jumps past the ceiling of its
+run precision within one pass is a divergence whatever that model allows. They come from
 measurements (``docs/comparator.md``, kept true by ``tests/test_compare_calibration.py``), set about
 100x above the noise measured for each dtype, yet far enough below what a real bug produces:
 
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 REL_DIFF_DEFAULTS: dict[str, float] = {
     "float64": 1e-10,
     "float32": 1e-8,
+    "tfloat32": 2e-4,
     "float16": 2e-4,
     "bfloat16": 1e-2,
     "float8_e4m3fn": 5e-2,
@@ -39,6 +46,7 @@ REL_DIFF_DEFAULTS: dict[str, float] = {
 MAX_ABS_DEFAULTS: dict[str, tuple[float, float]] = {
     "float64": (1e-7, 1e-7),
     "float32": (1.3e-6, 1e-5),
+    "tfloat32": (1e-3, 1e-5),
     "float16": (1e-3, 1e-5),
     "bfloat16": (1.6e-2, 1e-5),
     "float8_e4m3fn": (1.25e-1, 1e-3),
@@ -50,6 +58,7 @@ MAX_ABS_DEFAULTS: dict[str, tuple[float, float]] = {
 STATS_DEFAULTS: dict[str, float] = {
     "float64": 1e-6,
     "float32": 1e-5,
+    "tfloat32": 2e-2,
     "float16": 2e-2,
     "bfloat16": 1e-1,
     "float8_e4m3fn": 3e-1,
@@ -58,9 +67,11 @@ STATS_DEFAULTS: dict[str, float] = {
     "float8_e5m2fnuz": 5e-1,
 }
 # Most precise first; anything not listed that is not an integer is treated as float32.
+# "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32 (recorded in the manifest).
 PRECISION_ORDER = (
     "float64",
     "float32",
+    "tfloat32",
     "float16",
     "bfloat16",
     "float8_e4m3fn",
@@ -76,6 +87,18 @@ UNKNOWN_DTYPE = "bfloat16"
 
 def is_integer(dtype: str | None) -> bool:
     return dtype in INTEGER_DTYPES
+
+
+def pair_precision(*dtypes: str | None) -> str:
+    """The least precise float of run precisions and stored dtypes (None and integers are skipped)."""
+    floats = [d for d in dtypes if d is not None and not is_integer(d)]
+    if not floats:
+        return "int64" if any(is_integer(d) for d in dtypes) else UNKNOWN_DTYPE
+    return max(floats, key=_rank)
+
+
+def _rank(dtype: str) -> int:
+    return PRECISION_ORDER.index(dtype) if dtype in PRECISION_ORDER else 1
 
 
 def less_precise(dtype_a: str | None, dtype_b: str | None) -> str:
@@ -94,21 +117,31 @@ class Tolerance:
     """How one pair is judged: which number (``metric``) must stay under which threshold."""
 
     metric: str  # rel_diff | cosine | max_abs | exact | stats
-    rtol: float
+    rtol: float  # the ceiling (or the user's fixed threshold when ``fixed``)
     atol: float
     source: str  # e.g. "bfloat16 default", "--rtol"
+    precision: str | None = None  # the run precision the pair is judged at
+    fixed: bool = False  # the user gave rtol for this pair: a fixed threshold, no noise model
 
     def to_json(self) -> dict[str, object]:
         return {"metric": self.metric, "rtol": self.rtol, "atol": self.atol, "source": self.source}
 
 
 def resolve(
-    metric: str, dtype_a: str | None, dtype_b: str | None, rtol: float | None, atol: float | None
+    metric: str,
+    dtype_a: str | None,
+    dtype_b: str | None,
+    rtol: float | None,
+    atol: float | None,
+    precision: str | None = None,
 ) -> Tolerance:
-    """The tolerance for a tensor pair: the user's ``--rtol``/``--atol`` each override their default."""
+    """The tolerance for a tensor pair: the user's ``--rtol``/``--atol`` each override their default.
+
+    ``precision`` is the pair's run precision (:func:`pair_precision`); without it, the less precise
+    stored dtype decides."""
     if is_integer(dtype_a) and is_integer(dtype_b):
         return Tolerance("exact", 0.0, 0.0, "integers compare exactly")
-    dtype = less_precise(dtype_a, dtype_b)
+    dtype = precision or less_precise(dtype_a, dtype_b)
     if metric == "max_abs":
         default_rtol, default_atol = MAX_ABS_DEFAULTS.get(dtype, MAX_ABS_DEFAULTS["float32"])
     else:
@@ -118,17 +151,28 @@ def resolve(
         default_rtol if rtol is None else rtol,
         default_atol if atol is None else atol,
         _source(dtype, rtol, atol),
+        dtype,
+        fixed=rtol is not None,
     )
 
 
 def resolve_stats(
-    dtype_a: str | None, dtype_b: str | None, rtol: float | None, atol: float | None
+    dtype_a: str | None,
+    dtype_b: str | None,
+    rtol: float | None,
+    atol: float | None,
+    precision: str | None = None,
 ) -> Tolerance:
     """The tolerance for comparing the statistics of a tensor (stats-mode dumps)."""
-    dtype = less_precise(dtype_a, dtype_b)
+    dtype = precision or less_precise(dtype_a, dtype_b)
     default = STATS_DEFAULTS.get(dtype, STATS_DEFAULTS["float32"]) if dtype != "int64" else 0.0
     return Tolerance(
-        "stats", default if rtol is None else rtol, 0.0 if atol is None else atol, _source(dtype, rtol, atol)
+        "stats",
+        default if rtol is None else rtol,
+        0.0 if atol is None else atol,
+        _source(dtype, rtol, atol),
+        dtype,
+        fixed=True,
     )
 
 

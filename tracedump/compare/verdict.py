@@ -1,0 +1,195 @@
+"""The verdict: which measured error is a divergence, judged by the numerical physics of the run.
+
+A fixed threshold per dtype cannot be right. Two bf16 runs of the same code agree *exactly* up to
+a bug, and a one-layer bug then shows as an error of ~1e-4 (rel_diff) after exact zeros: far below
+a bf16 threshold that must also pass bf16-vs-fp32 noise, which reaches ~1e-4 after a few layers
+and keeps growing through a deep model. So each tensor is judged against what the error already
+present *upstream* explains (rel_diff and 1 - cosine; both are squared relative errors):
+
+    explained = G * L + R            (G = GROWTH, R = K_ROUNDING * (u_run^2 + n * u_acc^2))
+
+- ``L`` is the running level: the largest error of the tensors before this one, in execution order,
+  that were themselves explained. Modules downstream of a noisy one inherit its noise, amplified by
+  their conditioning (a softmax over logits of a few units, a residual with cancellation): ``G``
+  allows one op to amplify it 100x in rel_diff (10x in RMS error).
+- ``R`` is what one more op can add at the run precision: a few roundings of the output dtype
+  (``u_run`` its unit roundoff: 2^-8 for bf16, 2^-24 for fp32) plus the fp32 accumulation over the
+  tensor's last dim (``n``), which dominates fp32 runs. An error from exact zeros is a divergence
+  when it exceeds a few roundings of one op: a kernel change in bf16 starts at ~0.4 u^2, a 2% MLP
+  scale bug at ~13 u^2.
+- Within one pass the per-dtype default (:mod:`.tolerance`) is a ceiling that the growth allowance
+  never lifts: an error that jumps past it is a divergence, however noisy upstream. Errors carried
+  in from earlier passes (a diffusion loop feeding its latents back, a KV cache) are upstream too,
+  without that cap: their growth over 25 steps is the loop's, not one module's.
+
+With ``--baseline C`` (the reference rerun under the difference the user accepts, e.g. in A's
+dtype), each pair's threshold is its own measured noise instead: ``BASELINE_FACTOR * err(C, B) + R``
+(``R`` is the floor where the noise is exactly zero), capped by the ceiling in a root's first pass
+(later passes of a loop carry noise in that the measurement already holds). The error is reported
+as "x noise".
+
+A user ``--rtol`` (global, or a ``REGEX=VALUE`` rule matching the name) fixes that pair's threshold
+instead; ``max_abs`` is an allclose test and keeps its fixed rule; integers compare exactly.
+Near-tie MoE routing flips are judged in :mod:`.routing`; their effect joins the running level.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .results import TensorResult
+
+GROWTH = 100.0  # how much one op may amplify the upstream error (rel_diff, i.e. 10x in RMS)
+K_ROUNDING = 3.0  # roundings one op may add, in units of u^2 (rel_diff of one rounding ~ u^2/3)
+BASELINE_FACTOR = 10.0  # x the measured noise err(C, B) (about 3x in RMS error)
+# Unit roundoff of each precision (half the spacing of numbers near 1).
+UNIT_ROUNDOFF: dict[str, float] = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "tfloat32": 2.0**-11,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+    "float8_e4m3fn": 2.0**-4,
+    "float8_e4m3fnuz": 2.0**-4,
+    "float8_e5m2": 2.0**-3,
+    "float8_e5m2fnuz": 2.0**-3,
+}
+NOISE_MODEL = ("rel_diff", "cosine")  # metrics the noise model judges; the others keep fixed rules
+
+
+def rounding_floor(precision: str | None, last_dim: int) -> float:
+    """``R``: the error one op can add at ``precision`` (output rounding plus fp32 accumulation)."""
+    u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
+    u_acc = UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
+    return K_ROUNDING * (u_run**2 + max(last_dim, 1) * u_acc**2)
+
+
+@dataclass
+class _Level:
+    """The running error level of one root pair: this pass's, and what earlier passes carried."""
+
+    pass_index: int | None = None
+    in_pass: float = 0.0
+    carried: float = 0.0
+
+    def enter(self, pass_index: int) -> None:
+        if pass_index != self.pass_index:
+            self.carried = max(self.carried, self.in_pass)
+            self.in_pass, self.pass_index = 0.0, pass_index
+
+    def absorb(self, error: float) -> None:
+        self.in_pass = max(self.in_pass, error)
+
+
+def explained(level: _Level, floor: float, ceiling: float) -> float:
+    """What the upstream error explains: growth within the pass capped by the ceiling, and growth
+    of what earlier passes carried in."""
+    return max(min(GROWTH * level.in_pass + floor, ceiling), GROWTH * level.carried + floor)
+
+
+def _last_dim(result: TensorResult) -> int:
+    shape = result.shape_b or result.shape_a or ()
+    return shape[-1] if shape else 1
+
+
+def judge_all(results: list[TensorResult], noise: dict[int, float] | None = None) -> list[TensorResult]:
+    """Give every measured result its threshold and status, in execution order.
+
+    ``noise`` maps a result's index to ``err(C, B)`` from the baseline run, when one was given."""
+    levels: dict[str | None, _Level] = {}
+    flips: dict[str | None, float] = {}  # error let through by near-tie routing flips, per root
+    judged: list[TensorResult] = []
+    for result in results:
+        level = levels.setdefault(result.root, _Level())
+        level.enter(result.pass_index)
+        verdict = _judge(result, level, noise, flips.get(result.root, 0.0))
+        if verdict.status == "routing_flip" and verdict.error is not None:
+            flips[result.root] = max(flips.get(result.root, 0.0), verdict.absorbed or 0.0)
+        if verdict.status in ("ok", "routing_flip") and verdict.metric in NOISE_MODEL:
+            level.absorb(verdict.absorbed if verdict.absorbed is not None else verdict.error or 0.0)
+        judged.append(verdict)
+    return judged
+
+
+def _judge(
+    result: TensorResult, level: _Level, noise: dict[int, float] | None, flipped: float
+) -> TensorResult:
+    if result.status not in ("measured", "routing_flip") or result.metrics is None:
+        return result
+    if result.status == "routing_flip" and result.tolerance.metric == "exact":
+        return result  # the router's own indices: judged by their margins (routing.py)
+    tolerance, metrics = result.tolerance, result.metrics
+    if tolerance.metric not in NOISE_MODEL or tolerance.fixed:
+        return _fixed(result)
+    error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
+    if result.status == "routing_flip":  # error on the tokens that kept their experts
+        error = result.error if result.error is not None else error
+    floor = rounding_floor(tolerance.precision, _last_dim(result))
+    measured_noise = None
+    if noise is not None and result.index in noise:
+        measured_noise = noise[result.index]
+        threshold = BASELINE_FACTOR * measured_noise + floor
+        if not level.carried:  # the ceiling counts within a pass, not over noise a loop carried in
+            threshold = min(threshold, tolerance.rtol)
+        threshold = max(threshold, GROWTH * flipped + floor if flipped else 0.0)
+        basis = "baseline"
+    else:
+        threshold = explained(level, floor, tolerance.rtol)
+        basis = "upstream"
+    ok = error <= threshold or metrics.max_abs <= tolerance.atol
+    ok = ok and metrics.nonfinite_mismatch == 0
+    status = result.status if result.status == "routing_flip" and ok else ("ok" if ok else "diverged")
+    return replace(
+        result,
+        status=status,
+        error=error,
+        threshold=threshold,
+        noise=measured_noise,
+        basis=basis,
+        message=result.message or _nonfinite_message(result),
+    )
+
+
+def _fixed(result: TensorResult) -> TensorResult:
+    """The fixed rules: integers exact, max_abs allclose, a user's rtol as a plain threshold."""
+    tolerance, metrics = result.tolerance, result.metrics
+    assert metrics is not None
+    if tolerance.metric == "exact":
+        error, threshold = metrics.max_abs, 0.0
+        ok = error == 0
+    elif tolerance.metric == "max_abs":
+        error, threshold = metrics.max_abs, tolerance.atol + tolerance.rtol * metrics.max_abs_b
+        ok = error <= threshold
+    else:
+        error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
+        threshold = tolerance.rtol
+        ok = error <= threshold or metrics.max_abs <= tolerance.atol
+    ok = ok and metrics.nonfinite_mismatch == 0
+    return replace(
+        result,
+        status="ok" if ok else "diverged",
+        error=error,
+        threshold=threshold,
+        basis="fixed",
+        message=result.message or _nonfinite_message(result),
+    )
+
+
+def _nonfinite_message(result: TensorResult) -> str | None:
+    metrics = result.metrics
+    if metrics is None or not metrics.nonfinite_mismatch:
+        return None
+    return (
+        f"NaN/Inf differ at {metrics.nonfinite_mismatch} positions "
+        f"(A: {metrics.nan_a} NaN, {metrics.inf_a} Inf; B: {metrics.nan_b} NaN, {metrics.inf_b} Inf)"
+    )
+
+
+def times_noise(result: TensorResult) -> float | None:
+    """The error as a multiple of the baseline's measured noise (inf over exact-zero noise)."""
+    if result.noise is None or result.error is None:
+        return None
+    if result.noise == 0:
+        return 0.0 if result.error == 0 else math.inf
+    return result.error / result.noise
