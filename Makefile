@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench calibrate lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py --out benchmarks/results.json
+
+calibrate: $(STAMP)
+	$(BIN)/python benchmarks/calibrate.py --markdown --out benchmarks/calibration.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check tracedump tests benchmarks examples

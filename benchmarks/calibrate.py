@@ -175,7 +175,12 @@ def gpt2_family() -> Family:
 
     def build(dtype: torch.dtype, attention: str) -> nn.Module:
         config = GPT2Config(
-            vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64, initializer_range=INIT,
+            vocab_size=128,
+            n_embd=64,
+            n_layer=4,
+            n_head=4,
+            n_positions=64,
+            initializer_range=INIT,
             attn_implementation=attention,
         )
         torch.manual_seed(0)

@@ -370,7 +370,9 @@ def test_json_report_schema(dumps: dict[str, Path], tmp_path: Path) -> None:
     }
     assert expected <= set(row)
     assert row["status"] == "diverged" and row["dtype_a"] == "float32" and row["basis"] == "upstream"
-    assert 0 < row["tolerance"] < row["rtol"] == 1e-8  # from exact zeros: a few fp32 roundings, under the ceiling
+    assert (
+        0 < row["tolerance"] < row["rtol"] == 1e-8
+    )  # from exact zeros: a few fp32 roundings, under the ceiling
     assert len(row["argmax"]) == 3 and all(
         0 <= i < s for i, s in zip(row["argmax"], row["shape_a"], strict=True)
     )

@@ -132,7 +132,8 @@ def _baseline_noise(options: DiffOptions, side_b: Side, measured: list[TensorRes
             noise[result.index] = metrics.one_minus_cosine if cosine else metrics.rel_diff
     if not noise:
         raise UsageError(
-            f"--baseline {options.baseline}: no tensor of it lines up with B (is it a rerun of the reference?)"
+            f"--baseline {options.baseline}: no tensor of it lines up with B "
+            "(is it a rerun of the reference?)"
         )
     return noise
 

@@ -221,7 +221,8 @@ def summary_lines(report: DiffReport) -> list[str]:
     if first is not None and first.worst_token is not None and first.worst_token[1] > 0:
         position, value = first.worst_token
         lines.append(
-            f"worst token of {first.label}: position {position} (rel_diff {_num(value)}, dim {first.token_dim})"
+            f"worst token of {first.label}: position {position} "
+            f"(rel_diff {_num(value)}, dim {first.token_dim})"
         )
     for flip in report.flips:
         lines.append(flip.message())

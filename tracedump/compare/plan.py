@@ -264,7 +264,8 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
         workspace.views.append((views_a, views_b))
         cut = _last_row_cut(group_a, group_b)
         precision = pair_precision(
-            run_precision(views_a, group_a.declared_precision), run_precision(views_b, group_b.declared_precision)
+            run_precision(views_a, group_a.declared_precision),
+            run_precision(views_b, group_b.declared_precision),
         )
         matched = _match_unit(unit, pass_a, root, views_a, views_b, options, cut, precision)
         pairs.extend(matched[0])

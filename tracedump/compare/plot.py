@@ -39,9 +39,10 @@ def write_plot(report: DiffReport, path: Path) -> Path:
     # error alone they could sit above the tolerance line, and read as failures.
     positive = [v for r in points for v in (r.error, r.threshold) if v and v > 0]
     floor = min(positive) / 10 if positive else 1e-16
-    figure = Figure(figsize=(12, 5), dpi=100)
+    token_rows = [r for r in report.results if r.per_token]
+    figure = Figure(figsize=(12, 10 if token_rows else 5), dpi=100)
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
+    axes = figure.add_subplot(2 if token_rows else 1, 1, 1)
     axes.set_yscale("log")
     xs = [r.index for r in points]
     ys = [max(r.error or 0.0, floor) for r in points]
@@ -67,6 +68,8 @@ def write_plot(report: DiffReport, path: Path) -> Path:
     axes.set_ylabel("1 - cosine" if metric == "cosine" else metric)
     axes.set_title(f"tracedump diff: {report.a['path']} vs {report.b['path']}", fontsize=9)
     axes.legend(loc="upper left", fontsize=8)
+    if token_rows:
+        _token_heatmap(figure.add_subplot(2, 1, 2), token_rows, floor)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,3 +98,25 @@ def _mark_findings(axes: object, report: DiffReport) -> None:
             linestyle=":",  # type: ignore[attr-defined]
             label=f"largest growth: {growth.result.label}",
         )
+
+
+def _token_heatmap(axes: object, rows: list, floor: float) -> None:
+    """Tensor x token position, log colour: position bugs (rotary, masks, KV cache) show as columns."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    width = max(len(r.per_token) for r in rows)
+    grid = np.full((len(rows), width), np.nan)
+    for i, result in enumerate(rows):
+        grid[i, : len(result.per_token)] = result.per_token
+    positive = grid[grid > 0]
+    low = float(positive.min()) if positive.size else floor
+    high = float(positive.max()) if positive.size else floor * 10
+    image = axes.imshow(  # type: ignore[attr-defined]
+        np.where(grid > 0, grid, low), aspect="auto", interpolation="nearest", cmap="viridis",
+        norm=LogNorm(vmin=low, vmax=max(high, low * 10)),
+    )  # fmt: skip
+    axes.set_xlabel("token position")  # type: ignore[attr-defined]
+    axes.set_ylabel("tensor (execution order)")  # type: ignore[attr-defined]
+    axes.set_title("rel_diff per token (exact zeros at the lowest colour)", fontsize=9)  # type: ignore[attr-defined]
+    axes.figure.colorbar(image, ax=axes)  # type: ignore[attr-defined]

@@ -98,9 +98,7 @@ def is_router_indices(shape: tuple[int, ...] | None, dtype_a: str | None, dtype_
     return integers and shape is not None and len(shape) == 2 and 0 < shape[1] < 64
 
 
-def detect(
-    router: str, indices: tuple[Stored, Stored], scores: tuple[Stored, Stored] | None
-) -> Flip | None:
+def detect(router: str, indices: tuple[Stored, Stored], scores: tuple[Stored, Stored] | None) -> Flip | None:
     """The flip of one router, or None when its indices are not router indices or agree."""
     index_a, index_b = (np.sort(s.array.astype(np.int64), axis=1) for s in indices)
     if index_a.shape != index_b.shape:
