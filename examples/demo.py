@@ -56,9 +56,14 @@ NAME_MAP = (
     r"^final_norm$=model.norm",
     r"^head$=lm_head",
 )
-DUMPS = ("ref_fp32", "ref_bf16", "port_buggy", "port_fixed")
+DUMPS = ("ref_fp32", "ref_bf16", "port_buggy", "port_fixed", "port_buggy_bf16")
 PLOT = "port_vs_reference.png"
-REPORTS = {"diff_buggy": "port_vs_reference.json", "diff_fixed": "fixed.json", "diff_bf16": "bf16.json"}
+REPORTS = {
+    "diff_buggy": "port_vs_reference.json",
+    "diff_fixed": "fixed.json",
+    "diff_bf16": "bf16.json",
+    "diff_bf16_bug": "bf16_port_vs_fp32_reference.json",
+}
 
 
 @dataclass
@@ -144,6 +149,11 @@ def dump_jobs(out: Path, bug_layer: int, quick: bool) -> list[Job]:
             Job(
                 "ref_bf16", [*reference, "--dtype", "bfloat16"], dump_env(out / "ref_bf16", REFERENCE_FILTER)
             ),
+            Job(
+                "port_buggy_bf16",
+                python("port.py", "--bug-layer", str(bug_layer), "--bug", "eps", "--dtype", "bfloat16"),
+                dump_env(out / "port_buggy_bf16", PORT_FILTER),
+            ),
         ]
     return jobs
 
@@ -163,6 +173,7 @@ def diff_jobs(out: Path, quick: bool) -> list[Job]:
         jobs += [
             diff("diff_fixed", "port_fixed", "ref_fp32", *maps),
             diff("diff_bf16", "ref_bf16", "ref_fp32"),
+            diff("diff_bf16_bug", "port_buggy_bf16", "ref_fp32", *maps, "--baseline", str(out / "ref_bf16")),
         ]
     return jobs
 
@@ -237,6 +248,31 @@ class Demo:
         print("\n[3/3] What must pass:")
         self.check_clean(done["diff_fixed"], "the port without the bug, against the reference")
         self.check_clean(done["diff_bf16"], "the reference in bf16, against itself in fp32")
+        self.check_bf16_bug(done["diff_bf16_bug"])
+
+    def check_bf16_bug(self, job: Job) -> None:
+        """The port in bf16 (with a norm-eps bug) against the fp32 reference, the bf16 reference as
+        --baseline: the bug is found in bf16, where no fixed threshold tells it from rounding."""
+        print(
+            "\n  the port in bf16 with an eps bug in the same layer, against the fp32 reference, "
+            f"the bf16 reference as baseline:\n    $ {job.shown}"
+        )
+        report = json.loads((self.out / REPORTS[job.label]).read_text())
+        first = report["summary"]["first_divergence"]
+        if job.returncode != 1 or first is None or layer_of(first["name"]) != self.bug_layer:
+            self.failures.append(
+                f"bf16 port vs fp32 reference with --baseline: exit {job.returncode}, {first}"
+            )
+            print(job.output)
+            return
+        row = report["tensors"][first["index"]]
+        print(
+            f"    exit 1, first divergence {first['name']}: rel_diff {row['rel_diff']:.2g}, "
+            f"{row['x_noise']:.3g}x the bf16 noise measured there ({row['noise']:.2g});\n"
+            f"    a fixed bf16 threshold (1e-2, the old default) would have passed it"
+            if row["rel_diff"] < 1e-2
+            else f"    exit 1, first divergence {first['name']}: {row['x_noise']:.3g}x the bf16 noise"
+        )
 
     def check_buggy(self, job: Job) -> None:
         report = self.out / REPORTS[job.label]

@@ -188,10 +188,19 @@ def load_from_hf(port: PortLM, hf_model: nn.Module) -> PortLM:
     return port
 
 
-def build_port(bug_layer: int | None = None, dtype: torch.dtype = torch.float32) -> PortLM:
+# The other planted slip (``--bug eps``): that layer's first norm with eps 2e-3 instead of the
+# config's 1e-6, large enough to stand out of bf16 rounding noise, unlike the rotary one.
+WRONG_NORM_EPS = 2e-3
+
+
+def build_port(
+    bug_layer: int | None = None, dtype: torch.dtype = torch.float32, bug: str = "rotary"
+) -> PortLM:
     """The port holding the reference's weights (optionally with the planted bug), in ``dtype``."""
     reference = build_reference(torch.float32)
-    port = PortLM(PortConfig.from_hf(reference.config, bug_layer))
+    port = PortLM(PortConfig.from_hf(reference.config, bug_layer if bug == "rotary" else None))
+    if bug == "eps" and bug_layer is not None:
+        port.blocks[bug_layer].norm1.eps = WRONG_NORM_EPS
     return load_from_hf(port, reference).eval().to(dtype)
 
 
@@ -216,9 +225,10 @@ class PortEngine:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the port for one step (dumping: TRACEDUMP_DUMP_*).")
     parser.add_argument("--bug-layer", type=int, default=None, help="plant the rotary-base bug here")
+    parser.add_argument("--bug", choices=("rotary", "eps"), default="rotary", help="which bug to plant")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args()
-    engine = PortEngine(build_port(args.bug_layer, DTYPES[args.dtype]))
+    engine = PortEngine(build_port(args.bug_layer, DTYPES[args.dtype], args.bug))
     logits = engine.step(prompt_ids())
     engine.close()
     bug = f"bug in layer {args.bug_layer}" if args.bug_layer is not None else "no bug"
