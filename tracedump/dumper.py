@@ -50,7 +50,7 @@ from .settings import (
     load_callable,
     load_settings,
 )
-from .writer import MANIFEST, RECORDS_FILE, PassJob, StatsJob, Writer
+from .writer import MANIFEST, RECORDS_FILE, RESERVED_NAMES, STORABLE_DTYPES, PassJob, StatsJob, Writer
 
 _active: list[Dumper] = []
 _serials = itertools.count()
@@ -416,12 +416,16 @@ class Dumper:
         """Store a tensor that is not a module output under ``tag``, whole and in its own dtype.
 
         ``once=True`` keeps only the first write (e.g. the prefill logits). Inside a pass it goes to
-        that pass's file; outside every pass, to ``records.safetensors`` at close.
+        that pass's file; outside every pass, to ``records.safetensors`` at close. A tag the file
+        format reserves (``__metadata__``) raises ``ValueError`` here: it is a bug in the calling
+        code, and storing it would make the whole pass file unreadable.
         """
+        _check_tag(tag)
         self._record_safely(tag, tensor, once=once)
 
     def record_step(self, tag: str, tensor: torch.Tensor) -> None:
         """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
+        _check_tag(tag)
         self._record_safely(tag, tensor, numbered=True)
 
     def flush(self) -> None:
@@ -625,6 +629,9 @@ class Dumper:
             tag = f"{tag}_{count}"
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
+        if not _storable(tensor):
+            self.skipped["unsupported_tensor"] += 1
+            return
         current = self._pass
         if current is not None and not current.selected:
             current.kept += 1  # a real step's record: the pass keeps its index (see _gated_leaves)
@@ -681,5 +688,23 @@ class Dumper:
             )
 
 
+def _check_tag(tag: str) -> None:
+    """Refuse a record tag no pass file can hold, at the call that names it."""
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tracedump.record(): the tag must be a non-empty str, not {tag!r}")
+    if tag in RESERVED_NAMES:
+        raise ValueError(
+            f"tracedump.record(): the tag {tag!r} is reserved by the safetensors format "
+            "(it holds the file's metadata); choose another name"
+        )
+
+
 def _storable(tensor: torch.Tensor) -> bool:
-    return tensor.layout == torch.strided and not tensor.is_quantized and tensor.device.type != "meta"
+    """Whether the pass file can hold ``tensor``. One unwritable tensor (``complex128``, ``int3``)
+    would make the whole file unwritable, so it is skipped and counted here instead."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type != "meta"
+        and tensor.dtype in STORABLE_DTYPES
+    )

@@ -126,6 +126,29 @@ def parse_byte_size(value: Any) -> int:
     return size
 
 
+def parse_dir(value: Any) -> Path | None:
+    """The dump dir as an absolute path, fixed now: a host that later calls ``os.chdir()`` (or a
+    forked worker that does) must keep writing where the run began. Surrounding spaces are dropped
+    (`` /x `` is a quoting slip, not a dir name); ``~user`` must expand; the name must be valid
+    UTF-8, since it goes into the manifest."""
+    if value is None:
+        return None
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise ValueError(f"expected a path, got {type(value).__name__}")
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError("the path is not valid UTF-8 (it could not be written to the manifest)") from e
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise ValueError(f"cannot expand {text.split(os.sep)[0]!r}: no such user")
+    return Path(os.path.abspath(expanded))
+
+
 @dataclass(frozen=True)
 class StepSelection:
     """Pass indices to keep, from ``"0,3,10-20"``. Empty means every pass."""
@@ -262,6 +285,11 @@ class _DumpFields(BaseModel):
         description="Cap on host memory held by captures not yet on disk "
         "(bytes, or `512MiB`, `4G`); when reached the step waits for the writer (nothing is dropped).",
     )
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _parse_dir(cls, value: Any) -> Path | None:
+        return parse_dir(value)
 
     @field_validator("filter", mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors.torch import save_file
 
@@ -35,6 +36,39 @@ STATS_PARTIAL = "stats.jsonl.partial"
 MANIFEST = "manifest.json"
 RECORDS_FILE = "records.safetensors"
 _MANIFEST_INTERVAL_S = 1.0
+# Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
+RESERVED_NAMES = frozenset({"__metadata__"})
+# The dtypes a pass file holds (what safetensors writes and reads back); any other dtype is skipped
+# and counted as ``unsupported_tensor``, since one such tensor would make the whole file unwritable.
+_OUR_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+        "complex64",
+    )
+    if hasattr(torch, name)
+)
+# An older safetensors writes fewer of them: it lists what it can write in a private table.
+_WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
+STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 
 def pass_file_name(index: int, part: int | None = None) -> str:
