@@ -74,11 +74,10 @@ def test_an_unwritable_dtype_is_skipped_and_counted_and_the_rest_of_every_pass_i
 
 def test_a_record_of_an_unwritable_dtype_is_skipped_and_counted(tmp_path: Path) -> None:
     model = _Two()
-    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
-        with dumper.step():
-            model(torch.ones(1, 4))
-            dumper.record("rope", torch.ones(2, dtype=torch.complex128))
-            dumper.record("kept", torch.ones(2))
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad(), dumper.step():
+        model(torch.ones(1, 4))
+        dumper.record("rope", torch.ones(2, dtype=torch.complex128))
+        dumper.record("kept", torch.ones(2))
     assert sorted(read_passes(dumper.run_dir)[0]) == ["a", "b", "kept"]
     assert _manifest(dumper.run_dir)["skipped"] == {"unsupported_tensor": 1}
 
@@ -88,13 +87,12 @@ def test_a_record_of_an_unwritable_dtype_is_skipped_and_counted(tmp_path: Path) 
 
 def test_a_reserved_record_tag_is_refused_at_record_and_the_pass_is_still_written(tmp_path: Path) -> None:
     model = _Two()
-    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
-        with dumper.step():
-            model(torch.ones(1, 4))
-            with pytest.raises(ValueError, match="__metadata__.*reserved"):
-                dumper.record("__metadata__", torch.ones(1))
-            with pytest.raises(ValueError, match="reserved"):
-                tracedump.record("__metadata__", torch.ones(1))
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad(), dumper.step():
+        model(torch.ones(1, 4))
+        with pytest.raises(ValueError, match=r"__metadata__.*reserved"):
+            dumper.record("__metadata__", torch.ones(1))
+        with pytest.raises(ValueError, match="reserved"):
+            tracedump.record("__metadata__", torch.ones(1))
     assert sorted(read_passes(dumper.run_dir)[0]) == ["a", "b"]
     assert _manifest(dumper.run_dir)["complete"] is True
 
@@ -120,3 +118,75 @@ def test_a_relative_dump_dir_is_resolved_at_attach_and_survives_a_chdir(
     assert _manifest(dumper.run_dir)["settings"]["dir"] == str(tmp_path / "start" / "rel")
     assert sorted(read_passes(dumper.run_dir)) == [0]
     assert not (tmp_path / "elsewhere" / "rel").exists()
+
+
+# ------------------------------------------------------------------ 4. interrupted passes
+
+
+class _Interruptible(_Two):
+    """``b`` raises ``error`` on the calls listed in ``fail_on`` (0-based), like Ctrl-C mid-forward."""
+
+    def __init__(self, error: BaseException, fail_on: set[int]) -> None:
+        super().__init__()
+        self.error, self.fail_on, self.calls = error, fail_on, 0
+        self.b.register_forward_pre_hook(self._maybe_fail)
+
+    def _maybe_fail(self, _module: nn.Module, _args: object) -> None:
+        self.calls += 1
+        if self.calls - 1 in self.fail_on:
+            raise self.error
+
+
+def _truncated_flag(run_dir: Path, index: int) -> str | None:
+    return tracedump.open_dump(run_dir).run().passes[index].metadata.get("tracedump.truncated")
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("boom")], ids=["ctrl_c", "exception"])
+def test_a_pass_whose_forward_was_cut_short_is_marked_truncated_in_file_and_manifest(
+    tmp_path: Path, error: BaseException
+) -> None:
+    model = _Interruptible(error, fail_on={0})
+    dumper = tracedump.attach(model, {"dir": tmp_path})
+    with torch.no_grad():
+        with pytest.raises(type(error)):
+            model(torch.ones(1, 4))
+        model(torch.ones(1, 4))  # the next forward: whole
+    dumper.close()
+    passes = read_passes(dumper.run_dir)
+    assert list(passes[0]) == ["a"] and sorted(passes[1]) == ["a", "b"]
+    assert _truncated_flag(dumper.run_dir, 0) == "true"
+    assert _truncated_flag(dumper.run_dir, 1) is None
+    assert _manifest(dumper.run_dir)["truncated_passes"] == [0]
+
+
+def test_ctrl_c_in_the_last_forward_before_exit_marks_that_pass_truncated(tmp_path: Path) -> None:
+    model = _Interruptible(KeyboardInterrupt(), fail_on={1})
+    dumper = tracedump.attach(model, {"dir": tmp_path})
+    with torch.no_grad():
+        model(torch.ones(1, 4))
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.ones(1, 4))
+    dumper.close()  # what atexit does after the interrupt
+    assert _manifest(dumper.run_dir)["truncated_passes"] == [1]
+    assert _truncated_flag(dumper.run_dir, 1) == "true"
+
+
+def test_ctrl_c_inside_a_step_marks_the_step_truncated(tmp_path: Path) -> None:
+    model = _Interruptible(KeyboardInterrupt(), fail_on={0})
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        with pytest.raises(KeyboardInterrupt), dumper.step():
+            model(torch.ones(1, 4))
+        with dumper.step():
+            model(torch.ones(1, 4))
+    assert _manifest(dumper.run_dir)["truncated_passes"] == [0]
+
+
+def test_diff_says_which_passes_were_truncated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tracedump.cli import main
+
+    model = _Interruptible(KeyboardInterrupt(), fail_on={0})
+    with tracedump.attach(model, {"dir": tmp_path / "a"}), torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(torch.ones(1, 4))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "A rank0_pid" in out and "pass(es) 0 cut short (truncated)" in out

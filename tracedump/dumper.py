@@ -155,6 +155,7 @@ class _Pass:
         "selected",
         "seqs",
         "stats",
+        "truncated",
     )
 
     def __init__(self, index: int, selected: bool) -> None:
@@ -169,6 +170,7 @@ class _Pass:
         self.parts = 0
         self.gated = 0
         self.kept = 0
+        self.truncated = False  # the forward (or step) that owned it ended by an exception
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -185,7 +187,13 @@ class _Pass:
     def take_job(self, part: int | None, mode: str) -> PassJob:
         """The entries gathered so far as one file's job; the pass starts gathering afresh."""
         job = PassJob(
-            self.index, part, mode, self.entries, self.nbytes, seqs=self.seqs if mode == "stats" else None
+            self.index,
+            part,
+            mode,
+            self.entries,
+            self.nbytes,
+            seqs=self.seqs if mode == "stats" else None,
+            truncated=self.truncated,
         )
         self.entries, self.seqs, self.nbytes = [], [], 0
         return job
@@ -276,7 +284,7 @@ class Dumper:
     def _register(self, model: nn.Module) -> list[Any]:
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
-        root = RootPassHooks(self)
+        root = self._root_hooks = RootPassHooks(self)
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
         for name, module in self.modules:
             if self.settings.inputs:
@@ -305,6 +313,7 @@ class Dumper:
             "complete": False,
             "incomplete_reason": None,
             "skipped": {},
+            "truncated_passes": [],
         }
         writer = Writer(self.run_dir, self.settings.max_pending_bytes, manifest, self._on_write_error)
         writer.write_manifest()
@@ -358,6 +367,7 @@ class Dumper:
         self._step_counts: collections.Counter[str] = collections.Counter()
         self._loose: list[tuple[str, torch.Tensor, Any]] = []
         self._failure: str | None = None
+        self._truncated: list[int] = []
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -395,6 +405,11 @@ class Dumper:
         opened = self._open_pass() if self._pass is None and not self._suspended() else False
         try:
             yield self
+        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
+            if opened:
+                opened = False
+                self._close_pass(truncated=True)
+            raise
         finally:
             if opened:
                 self._close_pass()
@@ -442,7 +457,8 @@ class Dumper:
         if os.getpid() != self._pid:  # a forked child that never dumped owns nothing here
             return
         if self._pass is not None:
-            self._close_pass()
+            # A root forward still on record never returned: interrupted (Ctrl-C, then exit).
+            self._close_pass(truncated=bool(self._root_hooks.opened))
         if self._loose:
             self._writer.submit(PassJob(-1, None, "records", self._loose, 0, file_name=RECORDS_FILE))
         self._writer.close()
@@ -491,11 +507,18 @@ class Dumper:
             return False
         return self._open_pass()
 
-    def _close_pass(self) -> None:
+    def _close_pass(self, truncated: bool = False) -> None:
+        """End the open pass and queue its files. ``truncated``: its forward did not finish (an
+        exception, Ctrl-C), so the pass holds only the captures made before that; it is written,
+        marked in its file's metadata and in the manifest's ``truncated_passes``."""
         current, self._pass = self._pass, None
         if current is None or current.is_warmup:
             return
         self._next_index = current.index + 1
+        if truncated and current.selected:
+            current.truncated = True
+            self._truncated.append(current.index)
+            self._writer.write_manifest(truncated_passes=list(self._truncated))
         try:
             if current.entries:  # a pass whose last capture was spilled has no tail: no empty part file
                 part = current.parts + 1 if current.parts else None

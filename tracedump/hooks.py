@@ -117,7 +117,7 @@ class RootPassHooks:
             return
         if self.opened and forward_calls_on_stack(module) <= 1:  # an earlier call was unwound
             if any(self.opened):
-                self.dumper._close_pass()
+                self.dumper._close_pass(truncated=True)
             self.opened.clear()
         self.opened.append(self.dumper._open_auto_pass())
 
@@ -125,7 +125,9 @@ class RootPassHooks:
         if torch.compiler.is_compiling():
             return
         if self.opened and self.opened.pop():
-            self.dumper._close_pass()
+            # Torch calls an always_call hook with no output from inside its `except Exception:`
+            # when the forward raised: that pass holds only what ran before the error.
+            self.dumper._close_pass(truncated=output is None and sys.exc_info()[1] is not None)
 
     def __repr__(self) -> str:
         return f"RootPassHooks(depth={len(self.opened)})"

@@ -31,6 +31,7 @@ from .cuda import wait_for
 FORMAT_VERSION = "1"
 ORDER_KEY = "tracedump.order"
 SEQ_KEY = "tracedump.seq"
+TRUNCATED_KEY = "tracedump.truncated"
 STATS_FILE = "stats.jsonl"
 STATS_PARTIAL = "stats.jsonl.partial"
 MANIFEST = "manifest.json"
@@ -132,6 +133,7 @@ class PassJob:
     nbytes: int
     file_name: str | None = None
     seqs: list[int] | None = None  # stats mode: where each entry stands in the pass's capture order
+    truncated: bool = False  # the forward that made the pass was cut short (see Dumper._close_pass)
 
     def run(self, writer: Writer) -> None:
         for _, _, event in self.entries:
@@ -146,6 +148,8 @@ class PassJob:
             metadata["tracedump.part"] = str(self.part)
         if self.seqs is not None:
             metadata[SEQ_KEY] = json.dumps(self.seqs)
+        if self.truncated:
+            metadata[TRUNCATED_KEY] = "true"
         size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)

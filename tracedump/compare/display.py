@@ -214,6 +214,7 @@ def summary_lines(report: DiffReport) -> list[str]:
     for which, roots in (("A", plan.roots_only_in_a), ("B", plan.roots_only_in_b)):
         if roots:
             lines.append(f"roots only in {which}: {', '.join(roots)}")
+    lines.extend(f"note: {note}" for note in report.settings.get("notes", []))
     if report.settings.get("unshard_applied") is False:
         lines.append("note: --unshard had no effect: neither side has several ranks")
     if s["dtype_mismatch"]:
