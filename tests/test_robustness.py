@@ -190,3 +190,63 @@ def test_diff_says_which_passes_were_truncated(tmp_path: Path, capsys: pytest.Ca
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "A rank0_pid" in out and "pass(es) 0 cut short (truncated)" in out
+
+
+# ------------------------------------------------------------------ 6. losses after a write error
+
+
+def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import tracedump.writer
+
+    original = tracedump.writer.save_tensors_atomic
+    calls: list[str] = []
+
+    def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+        calls.append(path.name)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(path, tensors, metadata)
+
+    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
+    model = _Two()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            for _ in range(5):
+                model(torch.ones(1, 4))
+            dumper.record("outside", torch.ones(3))  # records.safetensors, dropped at close
+    skipped = _manifest(dumper.run_dir)["skipped"]
+    per_pass = 2 * 4 * 4  # two [1, 4] float32 tensors
+    # pass 1 failed in the writer; passes 2-4 were dropped in the queue or refused at the hook
+    # (which depends on when the writer thread met the error); the records file at close
+    lost = skipped["dropped_captures"] + skipped.get("after_failure", 0)
+    assert lost == 2 + 3 * 2 + 1
+    lost_bytes = skipped["dropped_bytes"] + skipped.get("after_failure_bytes", 0)
+    assert lost_bytes == 4 * per_pass + 3 * 4
+    written = _manifest(dumper.run_dir)
+    assert len(written["errors"]) == 1 and "No space left on device" in written["errors"][0]
+
+
+def test_every_distinct_capture_error_is_kept_in_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    def failing_copy(tensor: torch.Tensor, *_: object) -> object:
+        raise (ValueError("odd shape") if tensor.shape[-1] == 4 else TypeError("odd type"))
+
+    monkeypatch.setattr(tracedump.dumper, "copy_to_host", failing_copy)
+    model = _Two()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            for _ in range(3):
+                model(torch.ones(1, 4))
+            dumper.record("r", torch.ones(2))
+    written = _manifest(dumper.run_dir)
+    assert written["skipped"]["errors"] == 7
+    assert written["errors"] == ["ValueError: odd shape", "TypeError: odd type"]

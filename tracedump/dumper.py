@@ -75,6 +75,7 @@ def _install_fork_guard() -> None:
 
 # Skips the settings asked for: reported in the summary, not warned about.
 _INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
+_MAX_ERRORS_KEPT = 20  # distinct error messages kept for the manifest's "errors"
 
 
 def active_dumper() -> Dumper | None:
@@ -314,6 +315,7 @@ class Dumper:
             "incomplete_reason": None,
             "skipped": {},
             "truncated_passes": [],
+            "errors": [],
         }
         writer = Writer(self.run_dir, self.settings.max_pending_bytes, manifest, self._on_write_error)
         writer.write_manifest()
@@ -321,12 +323,13 @@ class Dumper:
 
     def _on_write_error(self, failure: str) -> None:
         self._failure = failure
+        self._note_error(failure)
         warn_once(
             f"write_error_{self._serial}",
             f"tracedump: {failure}. Dumping stopped; the model "
             f"continues. {self.run_dir / MANIFEST} is marked incomplete.",
         )
-        self._writer.write_manifest(complete=False, incomplete_reason=failure)
+        self._writer.write_manifest(complete=False, incomplete_reason=failure, errors=list(self._errors))
 
     def _settle_rank(self) -> None:
         """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
@@ -368,6 +371,7 @@ class Dumper:
         self._loose: list[tuple[str, torch.Tensor, Any]] = []
         self._failure: str | None = None
         self._truncated: list[int] = []
+        self._errors: dict[str, None] = {}  # each distinct error once, in order of first sight
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -575,7 +579,7 @@ class Dumper:
     ) -> None:
         settings = self.settings
         if self._failure is not None:
-            self.skipped["after_failure"] += 1
+            self._count_after_failure([tensor for _, tensor in leaves])
             return
         if stream_is_capturing():
             self.skipped["graph_capture"] += 1
@@ -662,7 +666,7 @@ class Dumper:
                 self._once_tags.add(tag)
             return
         if self._failure is not None:
-            self.skipped["after_failure"] += 1
+            self._count_after_failure([tensor])
             return
         host, event = copy_to_host(tensor, self._sync_escape, self._writer.buffers)
         if current is None:
@@ -676,8 +680,18 @@ class Dumper:
 
     # ---------------------------------------------------------------- reporting
 
+    def _count_after_failure(self, tensors: list[torch.Tensor]) -> None:
+        """Captures refused because dumping stopped: each one, and its bytes, counts as lost."""
+        self.skipped["after_failure"] += len(tensors)
+        self.skipped["after_failure_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _note_error(self, text: str) -> None:
+        if len(self._errors) < _MAX_ERRORS_KEPT:
+            self._errors[text] = None
+
     def _report_run_error(self, where: str, error: Exception) -> None:
         self.skipped["errors"] += 1
+        self._note_error(f"{type(error).__name__}: {error}")
         warn_once(
             f"run_error_{self._serial}",
             f"tracedump: capture failed at {where}: "
@@ -690,11 +704,13 @@ class Dumper:
         skipped = dict(self.skipped)
         if totals.dropped_jobs:
             skipped["dropped_files"] = totals.dropped_jobs
+            skipped["dropped_captures"] = totals.dropped_captures
             skipped["dropped_bytes"] = totals.dropped_bytes
         self._writer.write_manifest(
             complete=self._failure is None,
             incomplete_reason=self._failure,
             skipped=skipped,
+            errors=list(self._errors),
             end_time=dt.datetime.now(dt.timezone.utc).isoformat(),
             records_file=RECORDS_FILE if self._loose else None,
         )

@@ -183,6 +183,7 @@ class WriterTotals:
     bytes: int = 0
     files: int = 0
     dropped_jobs: int = 0
+    dropped_captures: int = 0
     dropped_bytes: int = 0
 
 
@@ -300,8 +301,14 @@ class Writer:
                 self._on_error(self.failure)
 
     def _drop(self, job: Job) -> None:
+        """Count an abandoned job by what it held: every capture and every byte, not one file
+        (a pass job's ``nbytes`` is only what it holds against the memory cap)."""
         self.totals.dropped_jobs += 1
-        self.totals.dropped_bytes += job.nbytes
+        if isinstance(job, PassJob):
+            self.totals.dropped_captures += len(job.entries)
+            self.totals.dropped_bytes += sum(t.numel() * t.element_size() for _, t, _ in job.entries)
+        else:
+            self.totals.dropped_captures += len(job.records)
 
     def _loop(self) -> None:
         while True:
