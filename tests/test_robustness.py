@@ -250,3 +250,23 @@ def test_every_distinct_capture_error_is_kept_in_the_manifest(
     written = _manifest(dumper.run_dir)
     assert written["skipped"]["errors"] == 7
     assert written["errors"] == ["ValueError: odd shape", "TypeError: odd type"]
+
+
+# ------------------------------------------------------------------ 2. host hooks added after attach
+
+
+def test_host_hooks_added_after_attach_that_replace_values_are_seen_by_the_dump(tmp_path: Path) -> None:
+    model = _Two()
+    dumper = tracedump.attach(model, {"dir": tmp_path, "inputs": True})
+    model.a.register_forward_hook(lambda _m, _args, out: out * 2)
+    model.b.register_forward_pre_hook(lambda _m, args: (args[0] + 1,))
+    x = torch.randn(1, 4)
+    with torch.no_grad():
+        y = model(x)
+        expected_a = model.a.forward(x) * 2
+    dumper.close()
+    (stored,) = read_passes(dumper.run_dir).values()
+    assert torch.equal(y, expected_a)  # what the caller continued with
+    assert torch.equal(stored["a"], expected_a)
+    assert torch.equal(stored["b@in[0]"], expected_a + 1)
+    assert torch.equal(stored["b"], expected_a + 1)

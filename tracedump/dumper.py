@@ -287,12 +287,32 @@ class Dumper:
         # leaf has its input hook on the same module) and closes after the last one.
         root = self._root_hooks = RootPassHooks(self)
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
+        self._last_hooks: list[tuple[dict[int, Any], int]] = []
         for name, module in self.modules:
             if self.settings.inputs:
-                handles.append(module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True))
-            handles.append(module.register_forward_hook(OutputHook(self, name)))
-        handles.append(model.register_forward_hook(root.after, always_call=True))
+                handle = module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True)
+                handles.append(handle)
+                self._last_hooks.append((module._forward_pre_hooks, handle.id))
+            handle = module.register_forward_hook(OutputHook(self, name))
+            handles.append(handle)
+            self._last_hooks.append((module._forward_hooks, handle.id))
+        closer = model.register_forward_hook(root.after, always_call=True)
+        handles.append(closer)
+        self._last_hooks.append((model._forward_hooks, closer.id))  # the pass closes after all of them
         return handles
+
+    def keep_hooks_last(self) -> None:
+        """Move each capture hook behind any hook the host added after ``attach()``.
+
+        A host hook that replaces a module's input (pre-hook) or output (forward hook) changes what
+        the caller continues with; torch runs hooks in registration order, so a capture hook
+        registered earlier would record the value before the replacement. Called at the start of
+        every outermost root forward, before any selected module's hooks are read for that call:
+        a check per selected module (is ours last?), a move only when a host hook was added.
+        """
+        for hooks, hook_id in self._last_hooks:
+            if hook_id in hooks and next(reversed(hooks)) != hook_id:
+                hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
 
     def _start_writer(self) -> Writer:
         manifest = {
@@ -502,7 +522,8 @@ class Dumper:
         if self._rank_provisional:
             self._settle_rank()
         index = self._next_index
-        self._pass = _Pass(index, selected=index in self._steps and self._failure is None)
+        # After a write error a pass still counts as selected: its captures are counted as lost.
+        self._pass = _Pass(index, selected=index in self._steps)
         return True
 
     def _open_auto_pass(self) -> bool:

@@ -119,6 +119,8 @@ class RootPassHooks:
             if any(self.opened):
                 self.dumper._close_pass(truncated=True)
             self.opened.clear()
+        if not self.opened:
+            self.dumper.keep_hooks_last()
         self.opened.append(self.dumper._open_auto_pass())
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
