@@ -270,3 +270,62 @@ def test_host_hooks_added_after_attach_that_replace_values_are_seen_by_the_dump(
     assert torch.equal(stored["a"], expected_a)
     assert torch.equal(stored["b@in[0]"], expected_a + 1)
     assert torch.equal(stored["b"], expected_a + 1)
+
+
+# ------------------------------------------------------------------ 3. two threads, one dumper
+
+
+class _Handshake(nn.Module):
+    """In ``owner``'s forward, lets the other thread run a whole forward before going on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.done = __import__("threading").Event(), __import__("threading").Event()
+        self.owner: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        if threading.get_ident() == self.owner:
+            self.inside.set()
+            assert self.done.wait(timeout=30)
+        return x + 1
+
+
+def test_a_forward_from_a_second_thread_while_a_pass_is_open_is_kept_out_of_it(tmp_path: Path) -> None:
+    import threading
+
+    model = _Two()
+    model.b = _Handshake()
+    outputs: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        model.b.owner = threading.get_ident()
+        outputs["first"] = model(torch.ones(1, 4))
+
+    def second() -> None:
+        assert model.b.inside.wait(timeout=30)
+        try:
+            outputs["second"] = model(torch.full((1, 4), 5.0))
+        finally:
+            model.b.done.set()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            threads = [threading.Thread(target=first), threading.Thread(target=second)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            model(torch.full((1, 4), 2.0))  # afterwards, from one thread: a whole pass
+    passes = read_passes(dumper.run_dir)
+    assert sorted(passes) == [0, 1]
+    with torch.no_grad():
+        assert torch.equal(passes[0]["a"], model.a(torch.ones(1, 4)))  # the first thread's, unmixed
+        assert torch.equal(passes[1]["a"], model.a(torch.full((1, 4), 2.0)))
+    written = _manifest(dumper.run_dir)
+    assert written["skipped"]["concurrent_thread"] == 2  # the second thread's a and b
+    assert "concurrent_threads" in written["anomalies"]
+    assert sum("second thread" in m for m in tracedump_warnings(caught)) == 1
+    assert torch.equal(outputs["second"], model.a(torch.full((1, 4), 5.0)).detach())

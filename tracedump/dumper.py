@@ -155,6 +155,7 @@ class _Pass:
         "parts",
         "selected",
         "seqs",
+        "owner",
         "stats",
         "truncated",
     )
@@ -172,6 +173,7 @@ class _Pass:
         self.gated = 0
         self.kept = 0
         self.truncated = False  # the forward (or step) that owned it ended by an exception
+        self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -336,6 +338,7 @@ class Dumper:
             "skipped": {},
             "truncated_passes": [],
             "errors": [],
+            "anomalies": {},
         }
         writer = Writer(self.run_dir, self.settings.max_pending_bytes, manifest, self._on_write_error)
         writer.write_manifest()
@@ -392,6 +395,8 @@ class Dumper:
         self._failure: str | None = None
         self._truncated: list[int] = []
         self._errors: dict[str, None] = {}  # each distinct error once, in order of first sight
+        self._anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
+        self._local = threading.local()  # per thread: was its current root forward refused?
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -527,10 +532,44 @@ class Dumper:
         return True
 
     def _open_auto_pass(self) -> bool:
-        """Called by the root pre-hook: a pass per root forward when the engine opened none."""
-        if self._pass is not None or self._suspended():
+        """Called by the root pre-hook: a pass per root forward when the engine opened none.
+
+        The pass belongs to the calling thread. A root forward entering from another thread while
+        it is open would mix two forwards into one pass: that forward is refused instead (see
+        :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
+        if self._suspended():
             return False
-        return self._open_pass()
+        me = threading.get_ident()
+        with self._lock:
+            current = self._pass
+            if current is not None:
+                if current.owner not in (None, me):
+                    self._local.concurrent = True
+                    self._refuse_concurrent(count=False)
+                return False
+            self._local.concurrent = False
+            if not self._open_pass():
+                return False
+            self._pass.owner = me  # type: ignore[union-attr]
+            return True
+
+    def _refuse_concurrent(self, count: bool = True) -> None:
+        """Count a capture of a thread that does not own the open pass; say it once."""
+        if count:
+            self.skipped["concurrent_thread"] += 1
+        if "concurrent_threads" in self._anomalies:
+            return
+        self._anomalies["concurrent_threads"] = (
+            "root forwards from several threads overlapped; the captures of a thread whose forward "
+            "began while another thread's pass was open were skipped (skipped.concurrent_thread)"
+        )
+        self._writer.write_manifest(anomalies=dict(self._anomalies))
+        warn_once(
+            f"concurrent_{self._serial}",
+            "tracedump: a root forward entered from a second thread while another thread's pass "
+            "was open; its captures are skipped, not mixed into that pass. Run the dumped model "
+            "from one thread at a time, or attach one dumper per model copy.",
+        )
 
     def _close_pass(self, truncated: bool = False) -> None:
         """End the open pass and queue its files. ``truncated``: its forward did not finish (an
@@ -558,8 +597,13 @@ class Dumper:
     def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
         current, suspended = self._pass, self._suspended()
         if current is None:
-            if not suspended:
+            if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
+                self.skipped["concurrent_thread"] += 1
+            elif not suspended:
                 self.skipped["outside_pass"] += 1
+            return
+        if current.owner is not None and current.owner != threading.get_ident():
+            self._refuse_concurrent()
             return
         if suspended:
             current.gated += 1  # profiling inside an open step: that step, too, takes no index
