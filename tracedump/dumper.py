@@ -152,10 +152,10 @@ class _Pass:
         "kept",
         "nbytes",
         "order",
+        "owner",
         "parts",
         "selected",
         "seqs",
-        "owner",
         "stats",
         "truncated",
     )
