@@ -329,3 +329,71 @@ def test_a_forward_from_a_second_thread_while_a_pass_is_open_is_kept_out_of_it(t
     assert "concurrent_threads" in written["anomalies"]
     assert sum("second thread" in m for m in tracedump_warnings(caught)) == 1
     assert torch.equal(outputs["second"], model.a(torch.full((1, 4), 5.0)).detach())
+
+
+# ------------------------------------------------------------------ 9. attach() all or nothing
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _attach_fails(model: nn.Module, match: str, config: dict | None = None) -> None:
+    with pytest.raises(tracedump.ConfigError, match=match):
+        tracedump.attach(model, config)
+    assert _hook_count(model) == 0
+
+
+_PREDICATES = {
+    "raises": "def pick(name, module):\n    raise KeyError(name)\n",
+    "arity": "def pick(name):\n    return True\n",
+    "exits": "import sys\nsys.exit(3)\ndef pick(name, module):\n    return True\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PREDICATES))
+def test_a_bad_filter_fn_fails_at_attach_with_its_env_var_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    predicate = tmp_path / f"pred_{kind}.py"
+    predicate.write_text(_PREDICATES[kind])
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("TRACEDUMP_DUMP_FILTER_FN", f"{predicate}:pick")
+    _attach_fails(_Two(), "TRACEDUMP_DUMP_FILTER_FN=")
+    assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("MAX_PENDING_BYTES", "9" * 400, "MAX_PENDING_BYTES"),
+        ("DIR", "~nosuchuser_tracedump/d", "no such user"),
+        ("DIR", "/tmp/\udcff", "UTF-8"),
+    ],
+    ids=["huge_bytes", "unknown_user", "non_utf8_dir"],
+)
+def test_bad_values_that_used_to_escape_config_error_now_raise_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, match: str
+) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", "/tmp/never-created-by-tracedump-tests")
+    monkeypatch.setenv(f"TRACEDUMP_DUMP_{name}", value)
+    _attach_fails(_Two(), match)
+    assert not Path("/tmp/never-created-by-tracedump-tests").exists()
+
+
+def test_a_config_stats_of_the_wrong_type_is_a_config_error(tmp_path: Path) -> None:
+    _attach_fails(_Two(), "DumpConfig.stats=5: expected a comma list", {"dir": tmp_path / "d", "stats": 5})
+
+
+def test_a_manifest_that_cannot_be_written_fails_attach_and_removes_its_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    def unwritable(_path: Path, _data: object) -> None:
+        raise TypeError("not JSON serializable")
+
+    monkeypatch.setattr(tracedump.dumper, "write_json_atomic", unwritable)
+    (tmp_path / "d").mkdir()
+    _attach_fails(_Two(), "cannot write the manifest", {"dir": tmp_path / "d"})
+    assert list((tmp_path / "d").iterdir()) == []

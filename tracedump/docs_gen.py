@@ -49,6 +49,11 @@ A bad value fails at `attach()` with a `tracedump.ConfigError` that names the va
 value (`TRACEDUMP_DUMP_MODE='fast': ...`), rather than an hour into a run. Setting both `FILTER` and
 `FILTER_FN` is an error; an env var for either one replaces a filter of either kind from the
 engine's config.
+
+`attach()` is all or nothing: it validates every value, imports `FILTER_FN` and `SYNC_ESCAPE`, asks
+the predicate about every module and writes the manifest before it registers the first hook. Any
+failure there (a predicate that raises or takes other arguments, a filter file that calls
+`sys.exit()`, a dump dir it cannot write) is a `ConfigError`, and leaves no hook and no run dir.
 """
 
 FOOTER = """\

@@ -23,6 +23,7 @@ import datetime as dt
 import itertools
 import os
 import platform
+import shutil
 import socket
 import sys
 import tempfile
@@ -50,7 +51,16 @@ from .settings import (
     load_callable,
     load_settings,
 )
-from .writer import MANIFEST, RECORDS_FILE, RESERVED_NAMES, STORABLE_DTYPES, PassJob, StatsJob, Writer
+from .writer import (
+    MANIFEST,
+    RECORDS_FILE,
+    RESERVED_NAMES,
+    STORABLE_DTYPES,
+    PassJob,
+    StatsJob,
+    Writer,
+    write_json_atomic,
+)
 
 _active: list[Dumper] = []
 _serials = itertools.count()
@@ -241,10 +251,19 @@ class Dumper:
         self._closed = False
         self.rank, self.world_size, self._rank_provisional = _rank_and_world()
         self._pid = os.getpid()
+        # All or nothing: everything that can fail runs before the first hook is registered, and a
+        # failure removes the run dir it made, so a bad setting leaves the model as it was.
+        self.modules = select_modules(model, settings, env_prefix)
         self.run_dir = self._make_run_dir()
-        self.modules = select_modules(model, settings)
+        try:
+            self._writer = self._start_writer()
+        except Exception as e:
+            self._remove_run_dir()
+            where = describe_source("dir", str(settings.dir), env_prefix)
+            raise ConfigError(
+                f"tracedump: bad setting\n  {where}: cannot write the manifest: {type(e).__name__}: {e}"
+            ) from e
         self._handles = self._register(model)
-        self._writer = self._start_writer()
         self._flush_at_exit()
         _install_fork_guard()
         _active.append(self)
@@ -268,6 +287,7 @@ class Dumper:
 
     def _make_run_dir(self) -> Path:
         base = Path(self.settings.dir).expanduser()  # type: ignore[arg-type]
+        self._made_base = not base.exists()
         try:
             if not base.exists():
                 with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
@@ -341,8 +361,21 @@ class Dumper:
             "anomalies": {},
         }
         writer = Writer(self.run_dir, self.settings.max_pending_bytes, manifest, self._on_write_error)
+        try:
+            write_json_atomic(self.run_dir / MANIFEST, manifest)  # raises, unlike write_manifest()
+        except BaseException:
+            writer.close()
+            raise
         writer.write_manifest()
         return writer
+
+    def _remove_run_dir(self) -> None:
+        """Undo :meth:`_make_run_dir` after a failed attach: an empty run dir would be listed (and
+        picked by ``open_dump().run()``) ahead of the real one."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._made_base:
+            with contextlib.suppress(OSError):
+                self.run_dir.parent.rmdir()  # only if still empty: another rank may be using it
 
     def _on_write_error(self, failure: str) -> None:
         self._failure = failure

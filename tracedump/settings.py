@@ -42,6 +42,7 @@ STAT_NAMES = (
 )
 DEFAULT_STATS = ("abs_mean", "sum", "max", "shape")
 DEFAULT_MAX_PENDING_BYTES = 4 << 30
+_MAX_BYTE_SIZE = 1 << 63
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _BYTE_UNITS = {
@@ -117,12 +118,14 @@ def parse_byte_size(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        match = re.fullmatch(r"\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([a-zA-Z]*)\s*", str(value))
         if not match or match.group(2).lower() not in _BYTE_UNITS:
             raise ValueError("expected a byte count such as 1073741824, 512MiB or 4G")
         size = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
     if size <= 0:
         raise ValueError("must be a positive number of bytes")
+    if size > _MAX_BYTE_SIZE:
+        raise ValueError(f"{size} bytes is more than any machine holds (at most {_MAX_BYTE_SIZE}, 8 EiB)")
     return size
 
 
@@ -199,7 +202,7 @@ def load_callable(spec: str) -> Callable[..., Any]:
 def _import_module(name: str) -> Any:
     try:
         return importlib.import_module(name)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a module that calls sys.exit() must not end the host
         raise ValueError(f"cannot import module {name!r}: {type(e).__name__}: {e}") from e
 
 
@@ -216,7 +219,7 @@ def _import_file(path: str) -> Any:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a file that calls sys.exit() must not end the host
         sys.modules.pop(module_name, None)
         raise ValueError(f"importing {path!r} failed: {type(e).__name__}: {e}") from e
     return module
@@ -347,7 +350,12 @@ class _DumpFields(BaseModel):
     def _parse_stats(cls, value: Any) -> list[str]:
         if value is None:
             return list(DEFAULT_STATS)
-        names = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
+        if isinstance(value, str):
+            names = [s.strip() for s in value.split(",")]
+        elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+            names = list(value)
+        else:
+            raise ValueError(f"expected a comma list or a list of names, not {value!r}")
         names = [n for n in names if n]
         unknown = [n for n in names if n not in STAT_NAMES]
         if unknown:
