@@ -397,3 +397,56 @@ def test_a_manifest_that_cannot_be_written_fails_attach_and_removes_its_run_dir(
     (tmp_path / "d").mkdir()
     _attach_fails(_Two(), "cannot write the manifest", {"dir": tmp_path / "d"})
     assert list((tmp_path / "d").iterdir()) == []
+
+
+# ------------------------------------------------------------------ 17. one rule for every setting
+
+
+@pytest.mark.parametrize("name", ["tracedump_dump_mode", "Tracedump_Dump_Mode", "tracedump_dump_mdoe"])
+def test_env_names_in_another_case_are_refused_not_read_or_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "full")
+    monkeypatch.setenv(name, "stats")
+    with pytest.raises(tracedump.ConfigError, match=name):
+        tracedump.settings.load_settings()
+
+
+@pytest.mark.parametrize(
+    ("field", "config_value"),
+    [("mode", "stats"), ("token_dim", 1), ("inputs", True), ("stats", ["sum"]), ("max_pending_bytes", 1024)],
+)
+def test_a_whitespace_only_env_value_is_unset_for_every_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, config_value: object
+) -> None:
+    monkeypatch.setenv(f"TRACEDUMP_DUMP_{field.upper()}", "   ")
+    settings = tracedump.settings.load_settings({"dir": tmp_path, field: config_value})
+    assert getattr(settings, field) == config_value  # the config's value, neither cleared nor an error
+    blank_config = tracedump.settings.load_settings({"dir": tmp_path, field: "  "})
+    assert getattr(blank_config, field) == tracedump.settings.DumpSettings.model_fields[field].default
+
+
+@pytest.mark.parametrize(("field", "value"), [("TOKENS", "٣"), ("MAX_ROWS", "٣"), ("STEPS", "٣")])
+def test_non_ascii_digits_are_refused(monkeypatch: pytest.MonkeyPatch, field: str, value: str) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", "/tmp/x")
+    monkeypatch.setenv(f"TRACEDUMP_DUMP_{field}", value)
+    with pytest.raises(tracedump.ConfigError, match=f"TRACEDUMP_DUMP_{field}="):
+        tracedump.settings.load_settings()
+
+
+def test_surrounding_spaces_of_dir_are_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", f"  {tmp_path}/d  ")
+    assert tracedump.settings.load_settings().dir == tmp_path / "d"
+
+
+def test_run_with_a_dir_that_is_a_file_exits_2_without_starting_the_command(tmp_path: Path) -> None:
+    import sys
+
+    from tracedump.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    marker = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    assert main(["run", "--quiet", "--dir", str(tmp_path / "afile"), "--", *command]) == 2
+    assert not marker.exists()
