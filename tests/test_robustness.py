@@ -450,3 +450,39 @@ def test_run_with_a_dir_that_is_a_file_exits_2_without_starting_the_command(tmp_
     command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
     assert main(["run", "--quiet", "--dir", str(tmp_path / "afile"), "--", *command]) == 2
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ 14. user strings in tables
+
+
+class _Named(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _DictOut()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.model(x)
+
+
+class _DictOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"last_hidden_state": x * 2, "bold": x}
+
+
+def test_names_with_brackets_keep_them_in_show_and_diff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    model = _Named()
+    with tracedump.attach(model, {"dir": tmp_path / "[bold]d"}) as dumper, torch.no_grad():
+        model(torch.ones(1, 3))
+    pass_file = dumper.run_dir / "pass00000.safetensors"
+    assert main(["show", str(pass_file)]) == 0
+    out = capsys.readouterr().out
+    assert "model[last_hidden_state]" in out and "model[bold]" in out and "[bold]d" in out
+    assert main(["diff", str(pass_file), str(pass_file), "--no-progress", "--max-rows", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "model[last_hidden_state]" in out and "model[bold]" in out and "[bold]d" in out
+    assert main(["ls", str(tmp_path / "[bold]d")]) == 0
+    assert "[bold]d" in capsys.readouterr().out
