@@ -486,3 +486,77 @@ def test_names_with_brackets_keep_them_in_show_and_diff(
     assert "model[last_hidden_state]" in out and "model[bold]" in out and "[bold]d" in out
     assert main(["ls", str(tmp_path / "[bold]d")]) == 0
     assert "[bold]d" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ 10. hostile files for readers
+
+
+def _one_pass_dump(base: Path) -> Path:
+    model = _Two()
+    with tracedump.attach(model, {"dir": base}) as dumper, torch.no_grad():
+        model(torch.ones(1, 4))
+    return dumper.run_dir
+
+
+def _cli_fails_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str], expected: str) -> None:
+    from tracedump.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+
+
+def test_a_header_nested_100k_deep_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    header = b"[" * 100_000 + b"]" * 100_000
+    path = tmp_path / "pass00000.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    for command in ("show", "diff"):
+        argv = [command, str(path)] + ([str(path)] if command == "diff" else [])
+        _cli_fails_in_one_line(argv, capsys, "not a readable safetensors file")
+
+
+@pytest.mark.parametrize(
+    "manifest", ['{"rank": 1e400}', '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"], ids=["rank_inf", "deep"]
+)
+def test_a_hostile_manifest_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], manifest: str
+) -> None:
+    run_dir = _one_pass_dump(tmp_path / "d")
+    (run_dir / "manifest.json").write_text(manifest)
+    capsys.readouterr()
+    _cli_fails_in_one_line(["ls", str(tmp_path / "d")], capsys, "manifest.json")
+    _cli_fails_in_one_line(["diff", str(run_dir), str(run_dir)], capsys, "manifest.json")
+
+
+def test_a_fifo_under_a_pass_file_name_is_refused_not_waited_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = _one_pass_dump(tmp_path / "d")
+    capsys.readouterr()
+    fifo = run_dir / "pass00001.safetensors"
+    os.mkfifo(fifo)
+    _cli_fails_in_one_line(["show", str(fifo)], capsys, "not a regular file")
+    _cli_fails_in_one_line(["ls", str(tmp_path / "d")], capsys, "not a regular file")
+    _cli_fails_in_one_line(["diff", str(run_dir), str(run_dir)], capsys, "not a regular file")
+    with pytest.raises(tracedump.loader.DumpReadError, match="not a regular file"):
+        tracedump.load_pass(fifo)
+    os.mkfifo(tmp_path / "x.pt")
+    _cli_fails_in_one_line(["show", str(tmp_path / "x.pt")], capsys, "not a regular file")
+
+
+def test_show_reads_float4_and_pt_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    from tracedump.cli import main
+
+    packed = torch.tensor([0x12, 0x34], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    save_file({"fp4": packed, "x": torch.ones(2)}, str(tmp_path / "pass00000.safetensors"))
+    assert main(["show", str(tmp_path / "pass00000.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "fp4" in out and "float4_e2m1fn_x2" in out
+    torch.save({"h": torch.full((2,), 3.0)}, tmp_path / "ref.pt")
+    assert main(["show", str(tmp_path / "ref.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "h" in out and "3" in out and "float32" in out
