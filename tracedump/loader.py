@@ -96,18 +96,11 @@ class SafetensorsHeader:
 
 
 def _open_regular(path: Path) -> Any:
-    """Open ``path`` for reading only if it is a regular file. A FIFO or device under a pass file's
-    name would block every reader forever; opening non-blocking and checking first refuses it."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DumpReadError(f"{path}: not a regular file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    """Open ``path`` for reading only if it is a regular file: a FIFO or device under a pass file's
+    name would block every reader forever (``stat`` does not open it, so it cannot block)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise DumpReadError(f"{path}: not a regular file")
+    return path.open("rb")
 
 
 def _unreadable(path: Path, reason: str) -> DumpReadError:
