@@ -11,6 +11,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .compare.display import console
 
@@ -31,12 +32,14 @@ def _human_bytes(n: float) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """Runs, passes, tensors and bytes of a dump."""
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     from .loader import open_dump
 
     dump = open_dump(args.dir)
-    table = Table(title=f"tracedump {dump.path}")
+    table = Table(title=escape(f"tracedump {dump.path}"))
     for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete"):
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
     for run in dump.runs:
@@ -46,7 +49,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         stats = run.stats()  # stats mode: one record per tensor, beside any whole-stored records
         tensors += len(stats)
         table.add_row(
-            run.name,
+            Text(run.name),
             str(run.rank),
             str(run.pid),
             str(len(set(passes) | {s.get("pass") for s in stats})),
@@ -61,32 +64,41 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """Name, shape, dtype and simple statistics of each tensor of a pass, in capture order."""
     import torch
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
-    from .loader import open_pass
+    from .loader import load_pass, open_pass
     from .reduce import dtype_name
 
     pattern = re.compile(args.filter) if args.filter else None
-    pass_file = open_pass(args.passfile)
-    table = Table(title=str(args.passfile))
+    # A .pt file of {name: tensor} is read as `diff` reads it; a pass file lazily, one tensor at a time.
+    tensors = load_pass(args.passfile) if args.passfile.suffix == ".pt" else open_pass(args.passfile)
+    table = Table(title=escape(str(args.passfile)))
     for column in ("name", "shape", "dtype", "min", "max", "mean", "abs_mean"):
         table.add_column(column, justify="left" if column in ("name", "dtype") else "right")
-    for name in pass_file.names:
+    for name in list(tensors):
         if pattern and not pattern.search(name):
             continue
-        tensor = pass_file[name]
-        values = tensor.double() if tensor.numel() else torch.zeros(1, dtype=torch.float64)
+        tensor = tensors[name]
         table.add_row(
-            name,
+            Text(name),  # not markup: `model[last_hidden_state]` keeps its brackets
             str(list(tensor.shape)),
             dtype_name(tensor.dtype),
-            f"{values.min().item():.4g}",
-            f"{values.max().item():.4g}",
-            f"{values.mean().item():.4g}",
-            f"{values.abs().mean().item():.4g}",
+            *_summary_cells(tensor, torch),
         )
     console().print(table)
     return EXIT_OK
+
+
+def _summary_cells(tensor: Any, torch: Any) -> list[str]:
+    """min, max, mean, abs_mean as text; ``-`` for a dtype torch cannot widen (float4, bits)."""
+    try:
+        values = tensor.double() if tensor.numel() else torch.zeros(1, dtype=torch.float64)
+        stats = (values.min(), values.max(), values.mean(), values.abs().mean())
+        return [f"{value.item():.4g}" for value in stats]
+    except (NotImplementedError, RuntimeError, TypeError):
+        return ["-"] * 4
 
 
 def build_parser() -> argparse.ArgumentParser:

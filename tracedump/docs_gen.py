@@ -49,6 +49,11 @@ A bad value fails at `attach()` with a `tracedump.ConfigError` that names the va
 value (`TRACEDUMP_DUMP_MODE='fast': ...`), rather than an hour into a run. Setting both `FILTER` and
 `FILTER_FN` is an error; an env var for either one replaces a filter of either kind from the
 engine's config.
+
+`attach()` is all or nothing: it validates every value, imports `FILTER_FN` and `SYNC_ESCAPE`, asks
+the predicate about every module and writes the manifest before it registers the first hook. Any
+failure there (a predicate that raises or takes other arguments, a filter file that calls
+`sys.exit()`, a dump dir it cannot write) is a `ConfigError`, and leaves no hook and no run dir.
 """
 
 FOOTER = """\
@@ -57,12 +62,20 @@ FOOTER = """\
 
 - Booleans accept exactly `1`/`true`/`yes`/`on` and `0`/`false`/`no`/`off`, so `...=false` can
   never mean "on".
-- An empty value (`TRACEDUMP_DUMP_FILTER=`) means "unset": it neither clears a value the engine's
-  config set nor lifts a gate.
-- Names are upper-case, as written here. A variable with the prefix that names no setting
-  (a misspelt `...DUMP_FILTERS`) is an error at `attach()`, as is an unknown key in a config dict.
+- One rule for every field: an empty or whitespace-only value (`TRACEDUMP_DUMP_FILTER=`,
+  `...MODE='  '`) means "unset": it neither clears a value the engine's config set nor lifts a
+  gate. A blank string in the engine's config is unset too (the default applies).
+- Names are exactly upper-case, as written here. A variable that starts with the prefix in any
+  case and is not one of these names (a misspelt `...DUMP_FILTERS`, or `tracedump_dump_mode`) is an
+  error at `attach()`, as is an unknown key in a config dict; a name in another case is never
+  read, so it cannot silently win or lose against the upper-case one.
+- Integers (`TOKENS`, `MAX_ROWS`, `STEPS`, byte sizes) are ASCII digits; `'٣'` is refused.
+- `DIR` loses surrounding spaces, `~` and `~user` are expanded (an unknown user is an error), and
+  it is made absolute at `attach()`, so a later `os.chdir()` does not move the dump. A `DIR` that
+  exists but is not a directory is an error (`tracedump run --dir FILE` exits 2 and does not
+  start the command); so is one whose name is not valid UTF-8.
 - Byte sizes are a plain count of bytes or a number with a binary unit: `512MiB`, `4G`, `1.5GB`
-  (`K`, `M`, `G`, `T` and their `B`/`iB` forms all mean powers of 1024).
+  (`K`, `M`, `G`, `T` and their `B`/`iB` forms all mean powers of 1024), at most 8 EiB.
 - Regexes use Python's `re` syntax and are matched with `re.search`, so `layers\\.3` matches
   `model.layers.3.mlp` as well; anchor with `^...$` to match one name exactly.
 

@@ -23,6 +23,7 @@ import datetime as dt
 import itertools
 import os
 import platform
+import shutil
 import socket
 import sys
 import tempfile
@@ -50,7 +51,16 @@ from .settings import (
     load_callable,
     load_settings,
 )
-from .writer import MANIFEST, RECORDS_FILE, PassJob, StatsJob, Writer
+from .writer import (
+    MANIFEST,
+    RECORDS_FILE,
+    RESERVED_NAMES,
+    STORABLE_DTYPES,
+    PassJob,
+    StatsJob,
+    Writer,
+    write_json_atomic,
+)
 
 _active: list[Dumper] = []
 _serials = itertools.count()
@@ -75,6 +85,7 @@ def _install_fork_guard() -> None:
 
 # Skips the settings asked for: reported in the summary, not warned about.
 _INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
+_MAX_ERRORS_KEPT = 20  # distinct error messages kept for the manifest's "errors"
 
 
 def active_dumper() -> Dumper | None:
@@ -151,10 +162,12 @@ class _Pass:
         "kept",
         "nbytes",
         "order",
+        "owner",
         "parts",
         "selected",
         "seqs",
         "stats",
+        "truncated",
     )
 
     def __init__(self, index: int, selected: bool) -> None:
@@ -169,6 +182,8 @@ class _Pass:
         self.parts = 0
         self.gated = 0
         self.kept = 0
+        self.truncated = False  # the forward (or step) that owned it ended by an exception
+        self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -185,7 +200,13 @@ class _Pass:
     def take_job(self, part: int | None, mode: str) -> PassJob:
         """The entries gathered so far as one file's job; the pass starts gathering afresh."""
         job = PassJob(
-            self.index, part, mode, self.entries, self.nbytes, seqs=self.seqs if mode == "stats" else None
+            self.index,
+            part,
+            mode,
+            self.entries,
+            self.nbytes,
+            seqs=self.seqs if mode == "stats" else None,
+            truncated=self.truncated,
         )
         self.entries, self.seqs, self.nbytes = [], [], 0
         return job
@@ -230,11 +251,20 @@ class Dumper:
         self._closed = False
         self.rank, self.world_size, self._rank_provisional = _rank_and_world()
         self._pid = os.getpid()
-        self.run_dir = self._make_run_dir()
-        self.modules = select_modules(model, settings)
+        # All or nothing: everything that can fail runs before the first hook is registered, and a
+        # failure removes the run dir it made, so a bad setting leaves the model as it was.
+        self.modules = select_modules(model, settings, env_prefix)
         self._precision = run_precision(model)
+        self.run_dir = self._make_run_dir()
+        try:
+            self._writer = self._start_writer()
+        except Exception as e:
+            self._remove_run_dir()
+            where = describe_source("dir", str(settings.dir), env_prefix)
+            raise ConfigError(
+                f"tracedump: bad setting\n  {where}: cannot write the manifest: {type(e).__name__}: {e}"
+            ) from e
         self._handles = self._register(model)
-        self._writer = self._start_writer()
         self._flush_at_exit()
         _install_fork_guard()
         _active.append(self)
@@ -258,6 +288,7 @@ class Dumper:
 
     def _make_run_dir(self) -> Path:
         base = Path(self.settings.dir).expanduser()  # type: ignore[arg-type]
+        self._made_base = not base.exists()
         try:
             if not base.exists():
                 with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
@@ -277,14 +308,34 @@ class Dumper:
     def _register(self, model: nn.Module) -> list[Any]:
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
-        root = RootPassHooks(self)
+        root = self._root_hooks = RootPassHooks(self)
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
+        self._last_hooks: list[tuple[dict[int, Any], int]] = []
         for name, module in self.modules:
             if self.settings.inputs:
-                handles.append(module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True))
-            handles.append(module.register_forward_hook(OutputHook(self, name)))
-        handles.append(model.register_forward_hook(root.after, always_call=True))
+                handle = module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True)
+                handles.append(handle)
+                self._last_hooks.append((module._forward_pre_hooks, handle.id))
+            handle = module.register_forward_hook(OutputHook(self, name))
+            handles.append(handle)
+            self._last_hooks.append((module._forward_hooks, handle.id))
+        closer = model.register_forward_hook(root.after, always_call=True)
+        handles.append(closer)
+        self._last_hooks.append((model._forward_hooks, closer.id))  # the pass closes after all of them
         return handles
+
+    def keep_hooks_last(self) -> None:
+        """Move each capture hook behind any hook the host added after ``attach()``.
+
+        A host hook that replaces a module's input (pre-hook) or output (forward hook) changes what
+        the caller continues with; torch runs hooks in registration order, so a capture hook
+        registered earlier would record the value before the replacement. Called at the start of
+        every outermost root forward, before any selected module's hooks are read for that call:
+        a check per selected module (is ours last?), a move only when a host hook was added.
+        """
+        for hooks, hook_id in self._last_hooks:
+            if hook_id in hooks and next(reversed(hooks)) != hook_id:
+                hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
 
     def _start_writer(self) -> Writer:
         manifest = {
@@ -307,19 +358,36 @@ class Dumper:
             "complete": False,
             "incomplete_reason": None,
             "skipped": {},
+            "truncated_passes": [],
+            "errors": [],
+            "anomalies": {},
         }
         writer = Writer(self.run_dir, self.settings.max_pending_bytes, manifest, self._on_write_error)
+        try:
+            write_json_atomic(self.run_dir / MANIFEST, manifest)  # raises, unlike write_manifest()
+        except BaseException:
+            writer.close()
+            raise
         writer.write_manifest()
         return writer
 
+    def _remove_run_dir(self) -> None:
+        """Undo :meth:`_make_run_dir` after a failed attach: an empty run dir would be listed (and
+        picked by ``open_dump().run()``) ahead of the real one."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._made_base:
+            with contextlib.suppress(OSError):
+                self.run_dir.parent.rmdir()  # only if still empty: another rank may be using it
+
     def _on_write_error(self, failure: str) -> None:
         self._failure = failure
+        self._note_error(failure)
         warn_once(
             f"write_error_{self._serial}",
             f"tracedump: {failure}. Dumping stopped; the model "
             f"continues. {self.run_dir / MANIFEST} is marked incomplete.",
         )
-        self._writer.write_manifest(complete=False, incomplete_reason=failure)
+        self._writer.write_manifest(complete=False, incomplete_reason=failure, errors=list(self._errors))
 
     def _settle_rank(self) -> None:
         """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
@@ -360,6 +428,10 @@ class Dumper:
         self._step_counts: collections.Counter[str] = collections.Counter()
         self._loose: list[tuple[str, torch.Tensor, Any]] = []
         self._failure: str | None = None
+        self._truncated: list[int] = []
+        self._errors: dict[str, None] = {}  # each distinct error once, in order of first sight
+        self._anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
+        self._local = threading.local()  # per thread: was its current root forward refused?
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -397,6 +469,11 @@ class Dumper:
         opened = self._open_pass() if self._pass is None and not self._suspended() else False
         try:
             yield self
+        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
+            if opened:
+                opened = False
+                self._close_pass(truncated=True)
+            raise
         finally:
             if opened:
                 self._close_pass()
@@ -418,12 +495,16 @@ class Dumper:
         """Store a tensor that is not a module output under ``tag``, whole and in its own dtype.
 
         ``once=True`` keeps only the first write (e.g. the prefill logits). Inside a pass it goes to
-        that pass's file; outside every pass, to ``records.safetensors`` at close.
+        that pass's file; outside every pass, to ``records.safetensors`` at close. A tag the file
+        format reserves (``__metadata__``) raises ``ValueError`` here: it is a bug in the calling
+        code, and storing it would make the whole pass file unreadable.
         """
+        _check_tag(tag)
         self._record_safely(tag, tensor, once=once)
 
     def record_step(self, tag: str, tensor: torch.Tensor) -> None:
         """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
+        _check_tag(tag)
         self._record_safely(tag, tensor, numbered=True)
 
     def flush(self) -> None:
@@ -440,7 +521,8 @@ class Dumper:
         if os.getpid() != self._pid:  # a forked child that never dumped owns nothing here
             return
         if self._pass is not None:
-            self._close_pass()
+            # A root forward still on record never returned: interrupted (Ctrl-C, then exit).
+            self._close_pass(truncated=bool(self._root_hooks.opened))
         if self._loose:
             self._writer.submit(PassJob(-1, None, "records", self._loose, 0, file_name=RECORDS_FILE))
         self._writer.close()
@@ -480,20 +562,62 @@ class Dumper:
         if self._rank_provisional:
             self._settle_rank()
         index = self._next_index
-        self._pass = _Pass(index, selected=index in self._steps and self._failure is None)
+        # After a write error a pass still counts as selected: its captures are counted as lost.
+        self._pass = _Pass(index, selected=index in self._steps)
         return True
 
     def _open_auto_pass(self) -> bool:
-        """Called by the root pre-hook: a pass per root forward when the engine opened none."""
-        if self._pass is not None or self._suspended():
-            return False
-        return self._open_pass()
+        """Called by the root pre-hook: a pass per root forward when the engine opened none.
 
-    def _close_pass(self) -> None:
+        The pass belongs to the calling thread. A root forward entering from another thread while
+        it is open would mix two forwards into one pass: that forward is refused instead (see
+        :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
+        if self._suspended():
+            return False
+        me = threading.get_ident()
+        with self._lock:
+            current = self._pass
+            if current is not None:
+                if current.owner not in (None, me):
+                    self._local.concurrent = True
+                    self._refuse_concurrent(count=False)
+                return False
+            self._local.concurrent = False
+            if not self._open_pass():
+                return False
+            self._pass.owner = me  # type: ignore[union-attr]
+            return True
+
+    def _refuse_concurrent(self, count: bool = True) -> None:
+        """Count a capture of a thread that does not own the open pass; say it once."""
+        if count:
+            self.skipped["concurrent_thread"] += 1
+        if "concurrent_threads" in self._anomalies:
+            return
+        self._anomalies["concurrent_threads"] = (
+            "root forwards from several threads overlapped; the captures of a thread whose forward "
+            "began while another thread's pass was open were skipped (skipped.concurrent_thread)"
+        )
+        self._writer.write_manifest(anomalies=dict(self._anomalies))
+        warn_once(
+            f"concurrent_{self._serial}",
+            "tracedump: a root forward entered from a second thread while another thread's pass "
+            "was open; its captures are skipped, not mixed into that pass. Run the dumped model "
+            "from one thread at a time, or attach one dumper per model copy.",
+        )
+
+    def _close_pass(self, truncated: bool = False) -> None:
+        """End the open pass and queue its files. ``truncated``: its forward did not finish (an
+        exception, Ctrl-C), so the pass holds only the captures made before that; it is written,
+        marked in its file's metadata and in the manifest's ``truncated_passes``."""
         current, self._pass = self._pass, None
         if current is None or current.is_warmup:
             return
         self._next_index = current.index + 1
+        if truncated and current.selected:
+            current.truncated = True
+            self._truncated.append(current.index)
+            self._writer.write_manifest(truncated_passes=list(self._truncated))
         try:
             if current.entries:  # a pass whose last capture was spilled has no tail: no empty part file
                 part = current.parts + 1 if current.parts else None
@@ -508,8 +632,13 @@ class Dumper:
     def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
         current, suspended = self._pass, self._suspended()
         if current is None:
-            if not suspended:
+            if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
+                self.skipped["concurrent_thread"] += 1
+            elif not suspended:
                 self.skipped["outside_pass"] += 1
+            return
+        if current.owner is not None and current.owner != threading.get_ident():
+            self._refuse_concurrent()
             return
         if suspended:
             current.gated += 1  # profiling inside an open step: that step, too, takes no index
@@ -550,7 +679,7 @@ class Dumper:
     ) -> None:
         settings = self.settings
         if self._failure is not None:
-            self.skipped["after_failure"] += 1
+            self._count_after_failure([tensor for _, tensor in leaves])
             return
         if stream_is_capturing():
             self.skipped["graph_capture"] += 1
@@ -627,6 +756,9 @@ class Dumper:
             tag = f"{tag}_{count}"
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.as_tensor(tensor)
+        if not _storable(tensor):
+            self.skipped["unsupported_tensor"] += 1
+            return
         current = self._pass
         if current is not None and not current.selected:
             current.kept += 1  # a real step's record: the pass keeps its index (see _gated_leaves)
@@ -634,7 +766,7 @@ class Dumper:
                 self._once_tags.add(tag)
             return
         if self._failure is not None:
-            self.skipped["after_failure"] += 1
+            self._count_after_failure([tensor])
             return
         host, event = copy_to_host(tensor, self._sync_escape, self._writer.buffers)
         if current is None:
@@ -648,8 +780,18 @@ class Dumper:
 
     # ---------------------------------------------------------------- reporting
 
+    def _count_after_failure(self, tensors: list[torch.Tensor]) -> None:
+        """Captures refused because dumping stopped: each one, and its bytes, counts as lost."""
+        self.skipped["after_failure"] += len(tensors)
+        self.skipped["after_failure_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _note_error(self, text: str) -> None:
+        if len(self._errors) < _MAX_ERRORS_KEPT:
+            self._errors[text] = None
+
     def _report_run_error(self, where: str, error: Exception) -> None:
         self.skipped["errors"] += 1
+        self._note_error(f"{type(error).__name__}: {error}")
         warn_once(
             f"run_error_{self._serial}",
             f"tracedump: capture failed at {where}: "
@@ -662,11 +804,13 @@ class Dumper:
         skipped = dict(self.skipped)
         if totals.dropped_jobs:
             skipped["dropped_files"] = totals.dropped_jobs
+            skipped["dropped_captures"] = totals.dropped_captures
             skipped["dropped_bytes"] = totals.dropped_bytes
         self._writer.write_manifest(
             complete=self._failure is None,
             incomplete_reason=self._failure,
             skipped=skipped,
+            errors=list(self._errors),
             end_time=dt.datetime.now(dt.timezone.utc).isoformat(),
             records_file=RECORDS_FILE if self._loose else None,
         )
@@ -704,5 +848,23 @@ def run_precision(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def _check_tag(tag: str) -> None:
+    """Refuse a record tag no pass file can hold, at the call that names it."""
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tracedump.record(): the tag must be a non-empty str, not {tag!r}")
+    if tag in RESERVED_NAMES:
+        raise ValueError(
+            f"tracedump.record(): the tag {tag!r} is reserved by the safetensors format "
+            "(it holds the file's metadata); choose another name"
+        )
+
+
 def _storable(tensor: torch.Tensor) -> bool:
-    return tensor.layout == torch.strided and not tensor.is_quantized and tensor.device.type != "meta"
+    """Whether the pass file can hold ``tensor``. One unwritable tensor (``complex128``, ``int3``)
+    would make the whole file unwritable, so it is skipped and counted here instead."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type != "meta"
+        and tensor.dtype in STORABLE_DTYPES
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -106,26 +107,42 @@ class RootPassHooks:
     opened one with ``dumper.step()``. The post hook is registered with ``always_call=True`` so a
     forward that raises still closes its pass."""
 
-    __slots__ = ("dumper", "opened")
+    __slots__ = ("_local", "dumper")
 
     def __init__(self, dumper: Dumper) -> None:
         self.dumper = dumper
-        self.opened: list[bool] = []  # one entry per nested root call: did that call open the pass?
+        self._local = threading.local()
+
+    @property
+    def opened(self) -> list[bool]:
+        """One entry per nested root call on this thread: did that call open the pass? Per thread,
+        so a forward on a second thread neither closes nor nests into the first one's pass."""
+        try:
+            return self._local.opened
+        except AttributeError:
+            self._local.opened = []
+            return self._local.opened
 
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        if self.opened and forward_calls_on_stack(module) <= 1:  # an earlier call was unwound
-            if any(self.opened):
-                self.dumper._close_pass()
-            self.opened.clear()
-        self.opened.append(self.dumper._open_auto_pass())
+        opened = self.opened
+        if opened and forward_calls_on_stack(module) <= 1:  # an earlier call was unwound
+            if any(opened):
+                self.dumper._close_pass(truncated=True)
+            opened.clear()
+        if not opened:
+            self.dumper.keep_hooks_last()
+        opened.append(self.dumper._open_auto_pass())
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        if self.opened and self.opened.pop():
-            self.dumper._close_pass()
+        opened = self.opened
+        if opened and opened.pop():
+            # Torch calls an always_call hook with no output from inside its `except Exception:`
+            # when the forward raised: that pass holds only what ran before the error.
+            self.dumper._close_pass(truncated=output is None and sys.exc_info()[1] is not None)
 
     def __repr__(self) -> str:
-        return f"RootPassHooks(depth={len(self.opened)})"
+        return f"RootPassHooks(depth={len(self.opened)})"  # this thread's depth

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import warnings
 from collections.abc import Iterable, Iterator
@@ -94,6 +95,14 @@ class SafetensorsHeader:
         return list(self.tensors)
 
 
+def _open_regular(path: Path) -> Any:
+    """Open ``path`` for reading only if it is a regular file: a FIFO or device under a pass file's
+    name would block every reader forever (``stat`` does not open it, so it cannot block)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise DumpReadError(f"{path}: not a regular file")
+    return path.open("rb")
+
+
 def _unreadable(path: Path, reason: str) -> DumpReadError:
     return DumpReadError(f"{path}: not a readable safetensors file ({reason})")
 
@@ -103,7 +112,7 @@ def read_header(path: Path) -> SafetensorsHeader:
     data_offsets}}``. Every tensor is checked to lie inside the file, so a truncated file fails here,
     with its name, rather than later inside a reader."""
     try:
-        with path.open("rb") as handle:
+        with _open_regular(path) as handle:
             size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
@@ -116,8 +125,8 @@ def read_header(path: Path) -> SafetensorsHeader:
         raise _unreadable(path, f"header length {length} does not fit the file's {size} bytes")
     try:
         header = json.loads(text)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise _unreadable(path, f"header is not JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nested 100k deep
+        raise _unreadable(path, f"header is not JSON: {type(e).__name__}: {e}") from e
     return _parse_header(path, header, 8 + length, size)
 
 
@@ -150,7 +159,7 @@ def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
 def _json_list(metadata: dict[str, str], key: str) -> list[Any] | None:
     try:
         value = json.loads(metadata[key]) if key in metadata else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
     return value if isinstance(value, list) else None
 
@@ -275,7 +284,8 @@ def _listing(path: Path) -> list[Path]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text()
+        with _open_regular(path) as handle:
+            return handle.read().decode()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else str(e)
         raise DumpReadError(f"{path}: cannot read ({reason or e})") from e
@@ -304,6 +314,7 @@ def load_pass(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _load_pt(path: Path) -> dict[str, torch.Tensor]:
+    _open_regular(path).close()  # a FIFO would block torch.load
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling refused (weights_only), truncated zip, not a .pt at all
@@ -360,6 +371,8 @@ def _parse_stats(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(_read_text(path).splitlines(), 1):
         try:
             record = json.loads(line)
+        except RecursionError as e:
+            raise DumpReadError(f"{path}:{number}: not a stats record: nested too deep") from e
         except json.JSONDecodeError:
             warnings.warn(f"{path}:{number}: torn line skipped (the run did not close cleanly)", stacklevel=3)
             continue
@@ -479,8 +492,8 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         return {}
     try:
         manifest = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise DumpReadError(f"{path}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
     if not isinstance(manifest, dict):
         raise DumpReadError(f"{path}: not a JSON object")
     return manifest
@@ -492,7 +505,7 @@ def _read_run(path: Path) -> Run:
     try:
         rank = int(manifest.get("rank", match.group(1) if match else 0))
         pid = int(manifest.get("pid", match.group(2) if match else 0))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # "rank": 1e400 is inf
         raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
     return Run(path, rank, pid, manifest)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .cuda import warn_once
-from .settings import DumpSettings, load_callable
+from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, describe_source, load_callable
 
 ROOT_NAME = "root"
 Predicate = Callable[[str, nn.Module], bool]
@@ -39,13 +39,29 @@ def build_predicate(settings: DumpSettings) -> Predicate | None:
     return None
 
 
-def select_modules(model: nn.Module, settings: DumpSettings) -> list[tuple[str, nn.Module]]:
+def _ask(predicate: Predicate, name: str, module: nn.Module, settings: DumpSettings, env_prefix: str) -> bool:
+    """Call the user's predicate; one that raises (or takes other arguments) is a bad setting,
+    reported at ``attach()`` with the value that named it, before any hook exists."""
+    try:
+        return bool(predicate(name, module))
+    except Exception as e:
+        field = "filter_fn" if settings.filter_fn is not None else "filter"
+        where = describe_source(field, getattr(settings, field), env_prefix)
+        raise ConfigError(
+            f"tracedump: bad setting\n  {where}: the predicate failed on module {name!r}: "
+            f"{type(e).__name__}: {e} (it must take (name, module) and return a bool)"
+        ) from e
+
+
+def select_modules(
+    model: nn.Module, settings: DumpSettings, env_prefix: str = DEFAULT_ENV_PREFIX
+) -> list[tuple[str, nn.Module]]:
     """The (name, module) pairs to hook, in registration order; warns when a filter matches none."""
     candidates = candidate_modules(model, settings.modules)
     predicate = build_predicate(settings)
     if predicate is None:
         return candidates
-    selected = [(n, m) for n, m in candidates if predicate(n, m)]
+    selected = [(n, m) for n, m in candidates if _ask(predicate, n, m, settings, env_prefix)]
     if not selected:
         sample = ", ".join(n for n, _ in candidates[:12])
         warn_once(

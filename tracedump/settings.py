@@ -42,6 +42,7 @@ STAT_NAMES = (
 )
 DEFAULT_STATS = ("abs_mean", "sum", "max", "shape")
 DEFAULT_MAX_PENDING_BYTES = 4 << 30
+_MAX_BYTE_SIZE = 1 << 63
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _BYTE_UNITS = {
@@ -117,13 +118,41 @@ def parse_byte_size(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        match = re.fullmatch(r"\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([a-zA-Z]*)\s*", str(value))
         if not match or match.group(2).lower() not in _BYTE_UNITS:
             raise ValueError("expected a byte count such as 1073741824, 512MiB or 4G")
         size = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
     if size <= 0:
         raise ValueError("must be a positive number of bytes")
+    if size > _MAX_BYTE_SIZE:
+        raise ValueError(f"{size} bytes is more than any machine holds (at most {_MAX_BYTE_SIZE}, 8 EiB)")
     return size
+
+
+def parse_dir(value: Any) -> Path | None:
+    """The dump dir as an absolute path, fixed now: a host that later calls ``os.chdir()`` (or a
+    forked worker that does) must keep writing where the run began. Surrounding spaces are dropped
+    (`` /x `` is a quoting slip, not a dir name); ``~user`` must expand; the name must be valid
+    UTF-8, since it goes into the manifest."""
+    if value is None:
+        return None
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise ValueError(f"expected a path, got {type(value).__name__}")
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError("the path is not valid UTF-8 (it could not be written to the manifest)") from e
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise ValueError(f"cannot expand {text.split(os.sep)[0]!r}: no such user")
+    path = Path(os.path.abspath(expanded))
+    if path.exists() and not path.is_dir():
+        raise ValueError("exists and is not a directory")
+    return path
 
 
 @dataclass(frozen=True)
@@ -144,7 +173,7 @@ class StepSelection:
             item = item.strip()
             if not item:
                 continue
-            match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", item)
+            match = re.fullmatch(r"([0-9]{1,18})(?:\s*-\s*([0-9]{1,18}))?", item)
             if not match:
                 raise ValueError(
                     f"bad item {item!r}: expected N or LO-HI with non-negative integers, e.g. '0,3,10-20'"
@@ -176,7 +205,7 @@ def load_callable(spec: str) -> Callable[..., Any]:
 def _import_module(name: str) -> Any:
     try:
         return importlib.import_module(name)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a module that calls sys.exit() must not end the host
         raise ValueError(f"cannot import module {name!r}: {type(e).__name__}: {e}") from e
 
 
@@ -193,7 +222,7 @@ def _import_file(path: str) -> Any:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a file that calls sys.exit() must not end the host
         sys.modules.pop(module_name, None)
         raise ValueError(f"importing {path!r} failed: {type(e).__name__}: {e}") from e
     return module
@@ -263,6 +292,11 @@ class _DumpFields(BaseModel):
         "(bytes, or `512MiB`, `4G`); when reached the step waits for the writer (nothing is dropped).",
     )
 
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _parse_dir(cls, value: Any) -> Path | None:
+        return parse_dir(value)
+
     @field_validator("filter", mode="before")
     @classmethod
     def _parse_filter(cls, value: Any) -> list[str] | None:
@@ -281,10 +315,12 @@ class _DumpFields(BaseModel):
     def _positive_int(cls, value: Any) -> int | None:
         if value is None:
             return None
-        try:
-            number = int(str(value).strip())
-        except ValueError as e:
-            raise ValueError("expected a positive integer") from e
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str) and re.fullmatch(r"[0-9]{1,18}", value.strip()):
+            number = int(value.strip())  # ASCII digits only: int() would also take '٣'
+        else:
+            raise ValueError("expected a positive integer")
         if number < 1:
             raise ValueError("expected a positive integer")
         return number
@@ -319,7 +355,12 @@ class _DumpFields(BaseModel):
     def _parse_stats(cls, value: Any) -> list[str]:
         if value is None:
             return list(DEFAULT_STATS)
-        names = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
+        if isinstance(value, str):
+            names = [s.strip() for s in value.split(",")]
+        elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+            names = list(value)
+        else:
+            raise ValueError(f"expected a comma list or a list of names, not {value!r}")
         names = [n for n in names if n]
         unknown = [n for n in names if n not in STAT_NAMES]
         if unknown:
@@ -340,10 +381,14 @@ class _DumpFields(BaseModel):
 
     # Defined last, so pydantic runs it before the field's own parser ("before" validators run in
     # reverse order): a blank string in a config means unset, as an empty env var does.
-    @field_validator("dir", "filter_fn", "sync_escape", "tokens", "max_rows", "steps", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _blank_is_unset(cls, value: Any) -> Any:
-        return None if isinstance(value, str) and not value.strip() else value
+    def _blank_is_unset(cls, data: Any) -> Any:
+        """A blank string means unset for every field (the default applies), as a blank env var
+        does: one rule, rather than unset for some fields and an error for others."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (isinstance(v, str) and not v.strip())}
+        return data
 
     @model_validator(mode="after")
     def _filter_xor_filter_fn(self) -> _DumpFields:
@@ -390,7 +435,12 @@ class DumpSettings(BaseSettings, _DumpFields):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ):  # type: ignore[no-untyped-def]
-        """Env first: an operator's env var overlays whatever config the engine passed in."""
+        """Env first: an operator's env var overlays whatever config the engine passed in.
+
+        A whitespace-only env value means unset, like an empty one, for every field."""
+        env_vars = getattr(env_settings, "env_vars", None)
+        if isinstance(env_vars, dict):
+            env_settings.env_vars = {k: v for k, v in env_vars.items() if v is None or v.strip()}
         return (env_settings, init_settings)
 
     def summary(self) -> dict[str, Any]:
@@ -406,7 +456,7 @@ def env_name(field: str, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
 def _env_value(field: str, env_prefix: str) -> str | None:
     """The env var's value as pydantic-settings reads it: any case, and empty meaning unset."""
     wanted = env_name(field, env_prefix).lower()
-    return next((v for k, v in os.environ.items() if k.lower() == wanted and v), None)
+    return next((v for k, v in os.environ.items() if k.lower() == wanted and v.strip()), None)
 
 
 def describe_source(field: str, value: Any, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
@@ -448,11 +498,16 @@ def _reject_unknown_names(explicit: dict[str, Any], env_prefix: str) -> None:
     """A misspelt setting (``TRACEDUMP_DUMP_FILTERS``, ``{"mdoe": ...}``) would otherwise be ignored
     and the run would dump something else than asked, silently."""
     known = set(_DumpFields.model_fields)
-    prefix = env_prefix + "DUMP_"
+    prefix = (env_prefix + "DUMP_").upper()
+    exact = {env_name(field, env_prefix): field for field in known}
     unknown = [f"DumpConfig.{key}" for key in explicit if key not in known]
-    unknown += [
-        key for key in os.environ if key.startswith(prefix) and key[len(prefix) :].lower() not in known
-    ]
+    for key in os.environ:
+        if key.upper().startswith(prefix) and key not in exact:
+            field = key[len(prefix) :].lower()
+            # A name in another case would otherwise be read or ignored depending on the order of
+            # os.environ: names are exactly upper-case, and any other spelling is refused.
+            hint = f" (names are upper-case: {env_name(field, env_prefix)})" if field in known else ""
+            unknown.append(key + hint)
     if unknown:
         names = ", ".join(env_name(field, env_prefix) for field in _DumpFields.model_fields)
         raise ConfigError(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors.torch import save_file
 
@@ -30,11 +31,45 @@ from .cuda import wait_for
 FORMAT_VERSION = "1"
 ORDER_KEY = "tracedump.order"
 SEQ_KEY = "tracedump.seq"
+TRUNCATED_KEY = "tracedump.truncated"
 STATS_FILE = "stats.jsonl"
 STATS_PARTIAL = "stats.jsonl.partial"
 MANIFEST = "manifest.json"
 RECORDS_FILE = "records.safetensors"
 _MANIFEST_INTERVAL_S = 1.0
+# Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
+RESERVED_NAMES = frozenset({"__metadata__"})
+# The dtypes a pass file holds (what safetensors writes and reads back); any other dtype is skipped
+# and counted as ``unsupported_tensor``, since one such tensor would make the whole file unwritable.
+_OUR_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+        "complex64",
+    )
+    if hasattr(torch, name)
+)
+# An older safetensors writes fewer of them: it lists what it can write in a private table.
+_WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
+STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 
 def pass_file_name(index: int, part: int | None = None) -> str:
@@ -98,6 +133,7 @@ class PassJob:
     nbytes: int
     file_name: str | None = None
     seqs: list[int] | None = None  # stats mode: where each entry stands in the pass's capture order
+    truncated: bool = False  # the forward that made the pass was cut short (see Dumper._close_pass)
 
     def run(self, writer: Writer) -> None:
         for _, _, event in self.entries:
@@ -112,6 +148,8 @@ class PassJob:
             metadata["tracedump.part"] = str(self.part)
         if self.seqs is not None:
             metadata[SEQ_KEY] = json.dumps(self.seqs)
+        if self.truncated:
+            metadata[TRUNCATED_KEY] = "true"
         size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)
@@ -145,6 +183,7 @@ class WriterTotals:
     bytes: int = 0
     files: int = 0
     dropped_jobs: int = 0
+    dropped_captures: int = 0
     dropped_bytes: int = 0
 
 
@@ -262,8 +301,14 @@ class Writer:
                 self._on_error(self.failure)
 
     def _drop(self, job: Job) -> None:
+        """Count an abandoned job by what it held: every capture and every byte, not one file
+        (a pass job's ``nbytes`` is only what it holds against the memory cap)."""
         self.totals.dropped_jobs += 1
-        self.totals.dropped_bytes += job.nbytes
+        if isinstance(job, PassJob):
+            self.totals.dropped_captures += len(job.entries)
+            self.totals.dropped_bytes += sum(t.numel() * t.element_size() for _, t, _ in job.entries)
+        else:
+            self.totals.dropped_captures += len(job.records)
 
     def _loop(self) -> None:
         while True:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .display import print_report, progress_bar
 from .execute import Executor
+from .notes import side_notes
 from .options import (
     DiffOptions,
     NameMap,
@@ -93,6 +94,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     settings = _settings(options)
     if options.unshard:
         settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
+    settings["notes"] = side_notes(side_a) + side_notes(side_b)
     report = DiffReport(side_a.describe(), side_b.describe(), settings, plan)
     with progress_bar(plan, options.progress) as advance:
         executor = Executor(plan, workspace, advance)

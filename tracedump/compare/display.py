@@ -130,10 +130,13 @@ def _rows_to_show(report: DiffReport, max_rows: int) -> list[int]:
 
 
 def table(report: DiffReport, max_rows: int) -> Any:
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     show_pass = len(report.plan.units) > 1
-    grid = Table(title=f"tracedump diff  A={report.a['path']}  B={report.b['path']}", title_justify="left")
+    title = escape(f"tracedump diff  A={report.a['path']}  B={report.b['path']}")
+    grid = Table(title=title, title_justify="left")
     if show_pass:
         grid.add_column("pass", justify="right", no_wrap=True)
     # In a narrow terminal the name and the verdict fold; the numbers stay whole.
@@ -174,7 +177,8 @@ def table(report: DiffReport, max_rows: int) -> Any:
             if result.status != "ok"
             else None
         )
-        grid.add_row(*([str(result.pass_index)] if show_pass else []), *cells, style=style)
+        # Text, not str: rich would read `model[last_hidden_state]` as markup and drop the brackets.
+        grid.add_row(*([str(result.pass_index)] if show_pass else []), *map(Text, cells), style=style)
     hidden = len(report.results) - 1 - previous
     if hidden > 0:
         grid.add_row(*([""] if show_pass else []), f"... {hidden} hidden", style="dim")
@@ -249,6 +253,7 @@ def summary_lines(report: DiffReport) -> list[str]:
     for which, roots in (("A", plan.roots_only_in_a), ("B", plan.roots_only_in_b)):
         if roots:
             lines.append(f"roots only in {which}: {', '.join(roots)}")
+    lines.extend(f"note: {note}" for note in report.settings.get("notes", []))
     if report.settings.get("unshard_applied") is False:
         lines.append("note: --unshard had no effect: neither side has several ranks")
     if s["dtype_mismatch"]:

@@ -1,0 +1,562 @@
+"""Defects found running tracedump against real programs and hostile input (issue 13).
+
+Each test names the defect it guards against; each failed on the code before its fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_passes, tracedump_warnings
+from torch import nn
+
+import tracedump
+
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
+
+
+class _Two(nn.Module):
+    """A root with two leaves: ``a`` (a Linear) and ``b`` (returns whatever dtype it was built for)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = _Cast(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        self.b(y)
+        return y
+
+
+class _Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype.is_complex:
+            return torch.polar(torch.ones_like(x.double()), x.double()).to(self.dtype)
+        return x.to(self.dtype)
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+# ------------------------------------------------------------------ 1. unsupported dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32])
+def test_an_unwritable_dtype_is_skipped_and_counted_and_the_rest_of_every_pass_is_written(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    model = _Two(dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            for _ in range(2):
+                model(torch.ones(1, 4))
+    assert dumper.failure is None
+    passes = read_passes(dumper.run_dir)
+    assert sorted(passes) == [0, 1]
+    assert all(list(p) == ["a"] for p in passes.values())
+    written = _manifest(dumper.run_dir)
+    assert written["complete"] is True
+    assert written["skipped"] == {"unsupported_tensor": 2}
+    assert any("unsupported_tensor" in m for m in tracedump_warnings(caught))
+
+
+def test_a_record_of_an_unwritable_dtype_is_skipped_and_counted(tmp_path: Path) -> None:
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad(), dumper.step():
+        model(torch.ones(1, 4))
+        dumper.record("rope", torch.ones(2, dtype=torch.complex128))
+        dumper.record("kept", torch.ones(2))
+    assert sorted(read_passes(dumper.run_dir)[0]) == ["a", "b", "kept"]
+    assert _manifest(dumper.run_dir)["skipped"] == {"unsupported_tensor": 1}
+
+
+# ------------------------------------------------------------------ 5. reserved record names
+
+
+def test_a_reserved_record_tag_is_refused_at_record_and_the_pass_is_still_written(tmp_path: Path) -> None:
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad(), dumper.step():
+        model(torch.ones(1, 4))
+        with pytest.raises(ValueError, match=r"__metadata__.*reserved"):
+            dumper.record("__metadata__", torch.ones(1))
+        with pytest.raises(ValueError, match="reserved"):
+            tracedump.record("__metadata__", torch.ones(1))
+    assert sorted(read_passes(dumper.run_dir)[0]) == ["a", "b"]
+    assert _manifest(dumper.run_dir)["complete"] is True
+
+
+# ------------------------------------------------------------------ 13. relative DUMP_DIR
+
+
+def test_a_relative_dump_dir_is_resolved_at_attach_and_survives_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "start").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "start")
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", "rel")
+    model = _Two()
+    dumper = tracedump.attach(model)
+    os.chdir(tmp_path / "elsewhere")
+    with torch.no_grad():
+        model(torch.ones(1, 4))
+    dumper.close()
+    assert dumper.run_dir.is_absolute()
+    assert dumper.run_dir.parent == tmp_path / "start" / "rel"
+    assert _manifest(dumper.run_dir)["settings"]["dir"] == str(tmp_path / "start" / "rel")
+    assert sorted(read_passes(dumper.run_dir)) == [0]
+    assert not (tmp_path / "elsewhere" / "rel").exists()
+
+
+# ------------------------------------------------------------------ 4. interrupted passes
+
+
+class _Interruptible(_Two):
+    """``b`` raises ``error`` on the calls listed in ``fail_on`` (0-based), like Ctrl-C mid-forward."""
+
+    def __init__(self, error: BaseException, fail_on: set[int]) -> None:
+        super().__init__()
+        self.error, self.fail_on, self.calls = error, fail_on, 0
+        self.b.register_forward_pre_hook(self._maybe_fail)
+
+    def _maybe_fail(self, _module: nn.Module, _args: object) -> None:
+        self.calls += 1
+        if self.calls - 1 in self.fail_on:
+            raise self.error
+
+
+def _truncated_flag(run_dir: Path, index: int) -> str | None:
+    return tracedump.open_dump(run_dir).run().passes[index].metadata.get("tracedump.truncated")
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("boom")], ids=["ctrl_c", "exception"])
+def test_a_pass_whose_forward_was_cut_short_is_marked_truncated_in_file_and_manifest(
+    tmp_path: Path, error: BaseException
+) -> None:
+    model = _Interruptible(error, fail_on={0})
+    dumper = tracedump.attach(model, {"dir": tmp_path})
+    with torch.no_grad():
+        with pytest.raises(type(error)):
+            model(torch.ones(1, 4))
+        model(torch.ones(1, 4))  # the next forward: whole
+    dumper.close()
+    passes = read_passes(dumper.run_dir)
+    assert list(passes[0]) == ["a"] and sorted(passes[1]) == ["a", "b"]
+    assert _truncated_flag(dumper.run_dir, 0) == "true"
+    assert _truncated_flag(dumper.run_dir, 1) is None
+    assert _manifest(dumper.run_dir)["truncated_passes"] == [0]
+
+
+def test_ctrl_c_in_the_last_forward_before_exit_marks_that_pass_truncated(tmp_path: Path) -> None:
+    model = _Interruptible(KeyboardInterrupt(), fail_on={1})
+    dumper = tracedump.attach(model, {"dir": tmp_path})
+    with torch.no_grad():
+        model(torch.ones(1, 4))
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.ones(1, 4))
+    dumper.close()  # what atexit does after the interrupt
+    assert _manifest(dumper.run_dir)["truncated_passes"] == [1]
+    assert _truncated_flag(dumper.run_dir, 1) == "true"
+
+
+def test_ctrl_c_inside_a_step_marks_the_step_truncated(tmp_path: Path) -> None:
+    model = _Interruptible(KeyboardInterrupt(), fail_on={0})
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        with pytest.raises(KeyboardInterrupt), dumper.step():
+            model(torch.ones(1, 4))
+        with dumper.step():
+            model(torch.ones(1, 4))
+    assert _manifest(dumper.run_dir)["truncated_passes"] == [0]
+
+
+def test_diff_says_which_passes_were_truncated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tracedump.cli import main
+
+    model = _Interruptible(KeyboardInterrupt(), fail_on={0})
+    with tracedump.attach(model, {"dir": tmp_path / "a"}), torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(torch.ones(1, 4))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "A rank0_pid" in out and "pass(es) 0 cut short (truncated)" in out
+
+
+# ------------------------------------------------------------------ 6. losses after a write error
+
+
+def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import tracedump.writer
+
+    original = tracedump.writer.save_tensors_atomic
+    calls: list[str] = []
+
+    def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+        calls.append(path.name)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(path, tensors, metadata)
+
+    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
+    model = _Two()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            for _ in range(5):
+                model(torch.ones(1, 4))
+            dumper.record("outside", torch.ones(3))  # records.safetensors, dropped at close
+    skipped = _manifest(dumper.run_dir)["skipped"]
+    per_pass = 2 * 4 * 4  # two [1, 4] float32 tensors
+    # pass 1 failed in the writer; passes 2-4 were dropped in the queue or refused at the hook
+    # (which depends on when the writer thread met the error); the records file at close
+    lost = skipped["dropped_captures"] + skipped.get("after_failure", 0)
+    assert lost == 2 + 3 * 2 + 1
+    lost_bytes = skipped["dropped_bytes"] + skipped.get("after_failure_bytes", 0)
+    assert lost_bytes == 4 * per_pass + 3 * 4
+    written = _manifest(dumper.run_dir)
+    assert len(written["errors"]) == 1 and "No space left on device" in written["errors"][0]
+
+
+def test_every_distinct_capture_error_is_kept_in_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    def failing_copy(tensor: torch.Tensor, *_: object) -> object:
+        raise (ValueError("odd shape") if tensor.shape[-1] == 4 else TypeError("odd type"))
+
+    monkeypatch.setattr(tracedump.dumper, "copy_to_host", failing_copy)
+    model = _Two()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            for _ in range(3):
+                model(torch.ones(1, 4))
+            dumper.record("r", torch.ones(2))
+    written = _manifest(dumper.run_dir)
+    assert written["skipped"]["errors"] == 7
+    assert written["errors"] == ["ValueError: odd shape", "TypeError: odd type"]
+
+
+# ------------------------------------------------------------------ 2. host hooks added after attach
+
+
+def test_host_hooks_added_after_attach_that_replace_values_are_seen_by_the_dump(tmp_path: Path) -> None:
+    model = _Two()
+    dumper = tracedump.attach(model, {"dir": tmp_path, "inputs": True})
+    model.a.register_forward_hook(lambda _m, _args, out: out * 2)
+    model.b.register_forward_pre_hook(lambda _m, args: (args[0] + 1,))
+    x = torch.randn(1, 4)
+    with torch.no_grad():
+        y = model(x)
+        expected_a = model.a.forward(x) * 2
+    dumper.close()
+    (stored,) = read_passes(dumper.run_dir).values()
+    assert torch.equal(y, expected_a)  # what the caller continued with
+    assert torch.equal(stored["a"], expected_a)
+    assert torch.equal(stored["b@in[0]"], expected_a + 1)
+    assert torch.equal(stored["b"], expected_a + 1)
+
+
+# ------------------------------------------------------------------ 3. two threads, one dumper
+
+
+class _Handshake(nn.Module):
+    """In ``owner``'s forward, lets the other thread run a whole forward before going on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.done = __import__("threading").Event(), __import__("threading").Event()
+        self.owner: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        if threading.get_ident() == self.owner:
+            self.inside.set()
+            assert self.done.wait(timeout=30)
+        return x + 1
+
+
+def test_a_forward_from_a_second_thread_while_a_pass_is_open_is_kept_out_of_it(tmp_path: Path) -> None:
+    import threading
+
+    model = _Two()
+    model.b = _Handshake()
+    outputs: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        model.b.owner = threading.get_ident()
+        outputs["first"] = model(torch.ones(1, 4))
+
+    def second() -> None:
+        assert model.b.inside.wait(timeout=30)
+        try:
+            outputs["second"] = model(torch.full((1, 4), 5.0))
+        finally:
+            model.b.done.set()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+            threads = [threading.Thread(target=first), threading.Thread(target=second)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            model(torch.full((1, 4), 2.0))  # afterwards, from one thread: a whole pass
+    passes = read_passes(dumper.run_dir)
+    assert sorted(passes) == [0, 1]
+    with torch.no_grad():
+        assert torch.equal(passes[0]["a"], model.a(torch.ones(1, 4)))  # the first thread's, unmixed
+        assert torch.equal(passes[1]["a"], model.a(torch.full((1, 4), 2.0)))
+    written = _manifest(dumper.run_dir)
+    assert written["skipped"]["concurrent_thread"] == 2  # the second thread's a and b
+    assert "concurrent_threads" in written["anomalies"]
+    assert sum("second thread" in m for m in tracedump_warnings(caught)) == 1
+    assert torch.equal(outputs["second"], model.a(torch.full((1, 4), 5.0)).detach())
+
+
+# ------------------------------------------------------------------ 9. attach() all or nothing
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _attach_fails(model: nn.Module, match: str, config: dict | None = None) -> None:
+    with pytest.raises(tracedump.ConfigError, match=match):
+        tracedump.attach(model, config)
+    assert _hook_count(model) == 0
+
+
+_PREDICATES = {
+    "raises": "def pick(name, module):\n    raise KeyError(name)\n",
+    "arity": "def pick(name):\n    return True\n",
+    "exits": "import sys\nsys.exit(3)\ndef pick(name, module):\n    return True\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PREDICATES))
+def test_a_bad_filter_fn_fails_at_attach_with_its_env_var_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    predicate = tmp_path / f"pred_{kind}.py"
+    predicate.write_text(_PREDICATES[kind])
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("TRACEDUMP_DUMP_FILTER_FN", f"{predicate}:pick")
+    _attach_fails(_Two(), "TRACEDUMP_DUMP_FILTER_FN=")
+    assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("MAX_PENDING_BYTES", "9" * 400, "MAX_PENDING_BYTES"),
+        ("DIR", "~nosuchuser_tracedump/d", "no such user"),
+        ("DIR", "/tmp/\udcff", "UTF-8"),
+    ],
+    ids=["huge_bytes", "unknown_user", "non_utf8_dir"],
+)
+def test_bad_values_that_used_to_escape_config_error_now_raise_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, match: str
+) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", "/tmp/never-created-by-tracedump-tests")
+    monkeypatch.setenv(f"TRACEDUMP_DUMP_{name}", value)
+    _attach_fails(_Two(), match)
+    assert not Path("/tmp/never-created-by-tracedump-tests").exists()
+
+
+def test_a_config_stats_of_the_wrong_type_is_a_config_error(tmp_path: Path) -> None:
+    _attach_fails(_Two(), "DumpConfig.stats=5: expected a comma list", {"dir": tmp_path / "d", "stats": 5})
+
+
+def test_a_manifest_that_cannot_be_written_fails_attach_and_removes_its_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    def unwritable(_path: Path, _data: object) -> None:
+        raise TypeError("not JSON serializable")
+
+    monkeypatch.setattr(tracedump.dumper, "write_json_atomic", unwritable)
+    (tmp_path / "d").mkdir()
+    _attach_fails(_Two(), "cannot write the manifest", {"dir": tmp_path / "d"})
+    assert list((tmp_path / "d").iterdir()) == []
+
+
+# ------------------------------------------------------------------ 17. one rule for every setting
+
+
+@pytest.mark.parametrize("name", ["tracedump_dump_mode", "Tracedump_Dump_Mode", "tracedump_dump_mdoe"])
+def test_env_names_in_another_case_are_refused_not_read_or_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "full")
+    monkeypatch.setenv(name, "stats")
+    with pytest.raises(tracedump.ConfigError, match=name):
+        tracedump.settings.load_settings()
+
+
+@pytest.mark.parametrize(
+    ("field", "config_value"),
+    [("mode", "stats"), ("token_dim", 1), ("inputs", True), ("stats", ["sum"]), ("max_pending_bytes", 1024)],
+)
+def test_a_whitespace_only_env_value_is_unset_for_every_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, config_value: object
+) -> None:
+    monkeypatch.setenv(f"TRACEDUMP_DUMP_{field.upper()}", "   ")
+    settings = tracedump.settings.load_settings({"dir": tmp_path, field: config_value})
+    assert getattr(settings, field) == config_value  # the config's value, neither cleared nor an error
+    blank_config = tracedump.settings.load_settings({"dir": tmp_path, field: "  "})
+    assert getattr(blank_config, field) == tracedump.settings.DumpSettings.model_fields[field].default
+
+
+@pytest.mark.parametrize(("field", "value"), [("TOKENS", "٣"), ("MAX_ROWS", "٣"), ("STEPS", "٣")])
+def test_non_ascii_digits_are_refused(monkeypatch: pytest.MonkeyPatch, field: str, value: str) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", "/tmp/x")
+    monkeypatch.setenv(f"TRACEDUMP_DUMP_{field}", value)
+    with pytest.raises(tracedump.ConfigError, match=f"TRACEDUMP_DUMP_{field}="):
+        tracedump.settings.load_settings()
+
+
+def test_surrounding_spaces_of_dir_are_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", f"  {tmp_path}/d  ")
+    assert tracedump.settings.load_settings().dir == tmp_path / "d"
+
+
+def test_run_with_a_dir_that_is_a_file_exits_2_without_starting_the_command(tmp_path: Path) -> None:
+    import sys
+
+    from tracedump.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    marker = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    assert main(["run", "--quiet", "--dir", str(tmp_path / "afile"), "--", *command]) == 2
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ 14. user strings in tables
+
+
+class _Named(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _DictOut()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.model(x)
+
+
+class _DictOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"last_hidden_state": x * 2, "bold": x}
+
+
+def test_names_with_brackets_keep_them_in_show_and_diff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    model = _Named()
+    with tracedump.attach(model, {"dir": tmp_path / "[bold]d"}) as dumper, torch.no_grad():
+        model(torch.ones(1, 3))
+    pass_file = dumper.run_dir / "pass00000.safetensors"
+    assert main(["show", str(pass_file)]) == 0
+    out = capsys.readouterr().out
+    assert "model[last_hidden_state]" in out and "model[bold]" in out and "[bold]d" in out
+    assert main(["diff", str(pass_file), str(pass_file), "--no-progress", "--max-rows", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "model[last_hidden_state]" in out and "model[bold]" in out and "[bold]d" in out
+    assert main(["ls", str(tmp_path / "[bold]d")]) == 0
+    assert "[bold]d" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ 10. hostile files for readers
+
+
+def _one_pass_dump(base: Path) -> Path:
+    model = _Two()
+    with tracedump.attach(model, {"dir": base}) as dumper, torch.no_grad():
+        model(torch.ones(1, 4))
+    return dumper.run_dir
+
+
+def _cli_fails_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str], expected: str) -> None:
+    from tracedump.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+
+
+def test_a_header_nested_100k_deep_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    header = b"[" * 100_000 + b"]" * 100_000
+    path = tmp_path / "pass00000.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    for command in ("show", "diff"):
+        argv = [command, str(path)] + ([str(path)] if command == "diff" else [])
+        _cli_fails_in_one_line(argv, capsys, "not a readable safetensors file")
+
+
+@pytest.mark.parametrize(
+    "manifest", ['{"rank": 1e400}', '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"], ids=["rank_inf", "deep"]
+)
+def test_a_hostile_manifest_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], manifest: str
+) -> None:
+    run_dir = _one_pass_dump(tmp_path / "d")
+    (run_dir / "manifest.json").write_text(manifest)
+    capsys.readouterr()
+    _cli_fails_in_one_line(["ls", str(tmp_path / "d")], capsys, "manifest.json")
+    _cli_fails_in_one_line(["diff", str(run_dir), str(run_dir)], capsys, "manifest.json")
+
+
+def test_a_fifo_under_a_pass_file_name_is_refused_not_waited_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = _one_pass_dump(tmp_path / "d")
+    capsys.readouterr()
+    fifo = run_dir / "pass00001.safetensors"
+    os.mkfifo(fifo)
+    _cli_fails_in_one_line(["show", str(fifo)], capsys, "not a regular file")
+    _cli_fails_in_one_line(["ls", str(tmp_path / "d")], capsys, "not a regular file")
+    _cli_fails_in_one_line(["diff", str(run_dir), str(run_dir)], capsys, "not a regular file")
+    with pytest.raises(tracedump.loader.DumpReadError, match="not a regular file"):
+        tracedump.load_pass(fifo)
+    os.mkfifo(tmp_path / "x.pt")
+    _cli_fails_in_one_line(["show", str(tmp_path / "x.pt")], capsys, "not a regular file")
+
+
+def test_show_reads_float4_and_pt_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    from tracedump.cli import main
+
+    packed = torch.tensor([0x12, 0x34], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    save_file({"fp4": packed, "x": torch.ones(2)}, str(tmp_path / "pass00000.safetensors"))
+    assert main(["show", str(tmp_path / "pass00000.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "fp4" in out and "float4_e2m1fn_x2" in out
+    torch.save({"h": torch.full((2,), 3.0)}, tmp_path / "ref.pt")
+    assert main(["show", str(tmp_path / "ref.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "h" in out and "3" in out and "float32" in out
