@@ -188,9 +188,9 @@ def load_from_hf(port: PortLM, hf_model: nn.Module) -> PortLM:
     return port
 
 
-# The other planted slip (``--bug eps``): that layer's first norm with eps 2e-3 instead of the
+# The other planted slip (``--bug eps``): that layer's first norm with eps 3e-4 instead of the
 # config's 1e-6, large enough to stand out of bf16 rounding noise, unlike the rotary one.
-WRONG_NORM_EPS = 2e-3
+WRONG_NORM_EPS = 3e-4
 
 
 def build_port(
