@@ -216,14 +216,20 @@ def side_entries(views: list[PassView], options: DiffOptions) -> dict[str, SideE
 
 
 def _pair(
-    unit: int, a: SideEntry, b: SideEntry, options: DiffOptions, run_precision: str | None = None
+    unit: int,
+    a: SideEntry,
+    b: SideEntry,
+    options: DiffOptions,
+    precisions: tuple[str | None, str | None] = (None, None),
 ) -> PairPlan:
     rtol, atol = options.tolerances_for(a.name, b.name)
-    precision = pair_precision(run_precision, a.meta.dtype, b.meta.dtype)
+    precision = pair_precision(*precisions, a.meta.dtype, b.meta.dtype)
     if a.meta.kind == "stats" or b.meta.kind == "stats":
         tolerance = resolve_stats(a.meta.dtype, b.meta.dtype, rtol, atol, precision)
     else:
         tolerance = resolve(options.metric, a.meta.dtype, b.meta.dtype, rtol, atol, precision)
+    if None not in precisions and precisions[0] != precisions[1]:
+        tolerance = replace(tolerance, mixed=True)
     for side, entry in (("A", a), ("B", b)):
         if entry.problem is not None:
             return PairPlan(
@@ -263,11 +269,11 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
         units.append(Unit(root, pass_a, pass_b))
         workspace.views.append((views_a, views_b))
         cut = _last_row_cut(group_a, group_b)
-        precision = pair_precision(
+        precisions = (
             run_precision(views_a, group_a.declared_precision),
             run_precision(views_b, group_b.declared_precision),
         )
-        matched = _match_unit(unit, pass_a, root, views_a, views_b, options, cut, precision)
+        matched = _match_unit(unit, pass_a, root, views_a, views_b, options, cut, precisions)
         pairs.extend(matched[0])
         only_in_a.extend(matched[1])
         only_in_b.extend(matched[2])
@@ -313,7 +319,7 @@ def _match_unit(
     views_b: list[PassView],
     options: DiffOptions,
     cut: LastRowCut | None,
-    precision: str | None,
+    precisions: tuple[str | None, str | None],
 ) -> tuple[list[PairPlan], list[Unmatched], list[Unmatched]]:
     pairs: list[PairPlan] = []
     only_in_a: list[Unmatched] = []
@@ -330,7 +336,7 @@ def _match_unit(
             only_in_a.append(Unmatched(pass_index, root, name, mapped))
             continue
         matched.add(mapped)
-        pairs.append(_pair(unit, *_apply_cut(entry_a, entry_b, cut), options, precision))
+        pairs.append(_pair(unit, *_apply_cut(entry_a, entry_b, cut), options, precisions))
     for name in entries_b:
         if name not in matched and options.selected(name):
             only_in_b.append(Unmatched(pass_index, root, name))

@@ -122,6 +122,7 @@ class Tolerance:
     source: str  # e.g. "bfloat16 default", "--rtol"
     precision: str | None = None  # the run precision the pair is judged at
     fixed: bool = False  # the user gave rtol for this pair: a fixed threshold, no noise model
+    mixed: bool = False  # the runs computed at different precisions: their inputs differ by a rounding
 
     def to_json(self) -> dict[str, object]:
         return {"metric": self.metric, "rtol": self.rtol, "atol": self.atol, "source": self.source}

@@ -17,6 +17,8 @@ present *upstream* explains (rel_diff and 1 - cosine; both are squared relative 
   tensor's last dim (``n``), which dominates fp32 runs. An error from exact zeros is a divergence
   when it exceeds a few roundings of one op: a kernel change in bf16 starts at ~0.4 u^2, a 2% MLP
   scale bug at ~13 u^2.
+- Between runs at different precisions (bf16 against fp32) the model's inputs already differ by one
+  rounding (u^2/3), so the level starts there instead of at exact zero.
 - Within one pass the per-dtype default (:mod:`.tolerance`) is a ceiling that the growth allowance
   never lifts: an error that jumps past it is a divergence, however noisy upstream. Errors carried
   in from earlier passes (a diffusion loop feeding its latents back, a KV cache) are upstream too,
@@ -82,10 +84,17 @@ class _Level:
         self.in_pass = max(self.in_pass, error)
 
 
-def explained(level: _Level, floor: float, ceiling: float) -> float:
+def explained(level: _Level, floor: float, ceiling: float, inputs: float = 0.0) -> float:
     """What the upstream error explains: growth within the pass capped by the ceiling, and growth
-    of what earlier passes carried in."""
-    return max(min(GROWTH * level.in_pass + floor, ceiling), GROWTH * level.carried + floor)
+    of what earlier passes carried in. ``inputs`` is the error the model's inputs already carry."""
+    in_pass = max(level.in_pass, inputs)
+    return max(min(GROWTH * in_pass + floor, ceiling), GROWTH * level.carried + floor)
+
+
+def input_rounding(precision: str | None) -> float:
+    """rel_diff of one rounding to ``precision`` (~u^2/3): what the inputs of two runs at different
+    precisions differ by before any module runs (a prompt's embeddings, latents, timesteps)."""
+    return UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"]) ** 2 / 3
 
 
 def _last_dim(result: TensorResult) -> int:
@@ -135,7 +144,8 @@ def _judge(
         threshold = max(threshold, GROWTH * flipped + floor if flipped else 0.0)
         basis = "baseline"
     else:
-        threshold = explained(level, floor, tolerance.rtol)
+        inputs = input_rounding(tolerance.precision) if tolerance.mixed else 0.0
+        threshold = explained(level, floor, tolerance.rtol, inputs)
         basis = "upstream"
     ok = error <= threshold or metrics.max_abs <= tolerance.atol
     ok = ok and metrics.nonfinite_mismatch == 0
