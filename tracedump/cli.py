@@ -58,7 +58,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "yes" if run.complete else "no",
         )
     console().print(table)
+    for run in dump.runs:
+        _print_sequences(run)
     return EXIT_OK
+
+
+def _print_sequences(run: Any) -> None:
+    """The sequences and positions each pass holds, for runs whose engine called ``set_batch``."""
+    from .sequences import SequenceError
+
+    try:
+        found = run.batches()
+    except (SequenceError, ValueError) as e:
+        console().print(f"{run.name}: sequence metadata unreadable: {e}", markup=False)
+        return
+    declared = {index: batch for index, batch in found.items() if batch.declared}
+    if not declared:
+        return
+    console().print(f"{run.name}: sequences per pass (seq: positions)", markup=False)
+    for index, batch in sorted(declared.items()):
+        console().print(f"  pass {index}: {batch.summary()}", markup=False)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import datetime as dt
 import itertools
+import json
 import os
 import platform
 import shutil
@@ -28,7 +29,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,7 @@ class _Pass:
     """What one open pass has gathered so far."""
 
     __slots__ = (
+        "batch",
         "calls",
         "entries",
         "gated",
@@ -184,6 +186,7 @@ class _Pass:
         self.kept = 0
         self.truncated = False  # the forward (or step) that owned it ended by an exception
         self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
+        self.batch: str | None = None  # set_batch(): what each token row of this step belongs to
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -207,6 +210,7 @@ class _Pass:
             self.nbytes,
             seqs=self.seqs if mode == "stats" else None,
             truncated=self.truncated,
+            batch=self.batch,
         )
         self.entries, self.seqs, self.nbytes = [], [], 0
         return job
@@ -423,6 +427,7 @@ class Dumper:
         self._lock = threading.RLock()
         self.skipped: collections.Counter[str] = collections.Counter()
         self._pass: _Pass | None = None
+        self._pending_batch: str | None = None  # set_batch() before its step() opened the pass
         self._next_index = 0
         self._once_tags: set[str] = set()
         self._step_counts: collections.Counter[str] = collections.Counter()
@@ -490,6 +495,28 @@ class Dumper:
     def set_rows(self, rows: int | None) -> None:
         """Report the batch rows of the coming work (for ``MAX_ROWS``); None lifts the row gate."""
         self._rows = rows
+
+    def set_batch(
+        self,
+        seq_ids: Sequence[int | str] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        input_ids: Sequence[int] | torch.Tensor | None = None,
+    ) -> None:
+        """Say which sequence and position each token row of this step holds, so ``tracedump diff
+        --align tokens`` can line a batching engine's steps up with a batch-1 reference.
+
+        One entry per token row (the rows along ``TOKEN_DIM``): ``seq_ids`` the request of each row,
+        ``positions`` its position in that request (default: each request's rows continue where its
+        previous step ended), ``input_ids`` its token id (lets ``diff`` match requests by their
+        tokens when the two sides name them differently). Call it inside ``step()`` or just before;
+        it is stored in the pass file's metadata (``tracedump.batch``). Pass host lists or CPU
+        tensors: a CUDA tensor costs a device sync here. A call with rows that disagree raises
+        ``ValueError``: it is a bug in the engine's bookkeeping, caught where it is made."""
+        batch = batch_metadata(seq_ids, positions, input_ids)
+        if self._pass is not None:
+            self._pass.batch = batch
+        else:
+            self._pending_batch = batch
 
     def record(self, tag: str, tensor: torch.Tensor, once: bool = False) -> None:
         """Store a tensor that is not a module output under ``tag``, whole and in its own dtype.
@@ -564,6 +591,7 @@ class Dumper:
         index = self._next_index
         # After a write error a pass still counts as selected: its captures are counted as lost.
         self._pass = _Pass(index, selected=index in self._steps)
+        self._pass.batch, self._pending_batch = self._pending_batch, None
         return True
 
     def _open_auto_pass(self) -> bool:
@@ -846,6 +874,35 @@ def run_precision(model: nn.Module) -> dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "tf32": tf32,
     }
+
+
+def _as_list(values: Sequence[Any] | torch.Tensor | None) -> list[Any] | None:
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        return values.detach().reshape(-1).cpu().tolist()
+    return list(values)
+
+
+def batch_metadata(
+    seq_ids: Sequence[int | str] | torch.Tensor,
+    positions: Sequence[int] | torch.Tensor | None,
+    input_ids: Sequence[int] | torch.Tensor | None,
+) -> str:
+    """The ``tracedump.batch`` JSON of one step, checked: one entry per token row in every list."""
+    rows = _as_list(seq_ids) or []
+    batch: dict[str, list[Any]] = {"seq_ids": [s if isinstance(s, str) else int(s) for s in rows]}
+    for name, values in (("positions", positions), ("input_ids", input_ids)):
+        listed = _as_list(values)
+        if listed is None:
+            continue
+        if len(listed) != len(rows):
+            raise ValueError(
+                f"tracedump set_batch(): {len(listed)} {name} for {len(rows)} seq_ids; "
+                "give one entry per token row"
+            )
+        batch[name] = [int(v) for v in listed]
+    return json.dumps(batch, separators=(",", ":"))
 
 
 def _check_tag(tag: str) -> None:

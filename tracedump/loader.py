@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from .reduce import NUMERIC_STATS
+from .sequences import Batch, SeqId, Sequence, batches, sequences, token_dim
 from .writer import MANIFEST, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
 
 # Capture sequence numbers of a stats-mode pass file's tensors (JSON list aligned with ORDER_KEY): they
@@ -431,6 +432,54 @@ class Run:
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def token_dim(self) -> int:
+        settings = self.manifest.get("settings")
+        value = settings.get("token_dim") if isinstance(settings, dict) else None
+        return value if isinstance(value, int) else 0
+
+    def batches(self) -> dict[int, Batch]:
+        """Each pass's rows as (sequence, position) (see :mod:`tracedump.sequences`)."""
+        passes = self.passes
+        return batches(
+            list(passes),
+            lambda index: passes[index].metadata,
+            lambda index: [passes[index].info(name).shape for name in passes[index].names],
+        )
+
+    def sequences(self) -> dict[SeqId, Sequence]:
+        """Every sequence of the run with the pass and row of each of its positions."""
+        return sequences(self.batches())
+
+    def sequence(self, seq_id: SeqId) -> dict[str, torch.Tensor]:
+        """One sequence's tensors, name by name, its rows gathered over the passes in position order
+        (along each tensor's token dim). Names whose rows cannot be found in every pass that holds
+        the sequence (no token dim, another per-token shape) are left out."""
+        found = self.batches()
+        sequence = sequences(found).get(seq_id)
+        if sequence is None:
+            raise KeyError(f"{self.path}: no sequence {seq_id!r} (sequences: {list(sequences(found))})")
+        by_pass: dict[int, list[int]] = {}
+        for position in sequence.positions:
+            index, row = sequence.rows[position]
+            by_pass.setdefault(index, []).append(row)
+        gathered: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        dropped: set[str] = set()
+        for index, rows in by_pass.items():
+            pass_file = self.passes[index]
+            for name in pass_file.names:
+                dim = token_dim(pass_file.info(name).shape, found[index].tokens, self.token_dim)
+                if dim is None or gathered.get(name, (dim, []))[0] != dim:
+                    dropped.add(name)
+                    continue
+                part = pass_file[name].index_select(dim, torch.tensor(rows))
+                gathered.setdefault(name, (dim, []))[1].append(part)
+        return {
+            name: torch.cat(parts, dim=dim)
+            for name, (dim, parts) in gathered.items()
+            if name not in dropped and len(parts) == len(by_pass)
+        }
 
 
 def runs_by_rank(runs: Iterable[Run], where: str) -> dict[int, Run]:

@@ -30,6 +30,7 @@ from .cuda import wait_for
 
 FORMAT_VERSION = "1"
 ORDER_KEY = "tracedump.order"
+BATCH_KEY = "tracedump.batch"
 SEQ_KEY = "tracedump.seq"
 TRUNCATED_KEY = "tracedump.truncated"
 STATS_FILE = "stats.jsonl"
@@ -134,6 +135,7 @@ class PassJob:
     file_name: str | None = None
     seqs: list[int] | None = None  # stats mode: where each entry stands in the pass's capture order
     truncated: bool = False  # the forward that made the pass was cut short (see Dumper._close_pass)
+    batch: str | None = None  # Dumper.set_batch(): each token row's sequence, position, token id
 
     def run(self, writer: Writer) -> None:
         for _, _, event in self.entries:
@@ -150,6 +152,8 @@ class PassJob:
             metadata[SEQ_KEY] = json.dumps(self.seqs)
         if self.truncated:
             metadata[TRUNCATED_KEY] = "true"
+        if self.batch is not None:
+            metadata[BATCH_KEY] = self.batch
         size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)

@@ -82,6 +82,13 @@ def add_diff_parser(sub: Any) -> None:
         help="absolute threshold: pairs whose max |A-B| is within it pass (repeatable, rules as --rtol)",
     )
     parser.add_argument(
+        "--align",
+        choices=("passes", "tokens"),
+        default="passes",
+        help="tokens: compare each sequence's rows gathered over all steps, by position (a batching "
+        "engine against a batch-1 reference; see set_batch)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         metavar="C",
@@ -132,6 +139,7 @@ def run_diff(args: argparse.Namespace) -> int:
             rtol_rules=rtol_rules,
             atol_rules=atol_rules,
             baseline=args.baseline,
+            align=args.align,
             json_path=args.json_path,
             plot_path=args.plot_path,
             max_rows=args.max_rows,

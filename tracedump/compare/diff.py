@@ -32,7 +32,7 @@ from .tolerance import table_rows
 from .verdict import BASELINE_FACTOR, GROWTH, K_ROUNDING, judge_all
 
 
-def _settings(options: DiffOptions) -> dict[str, Any]:
+def report_settings(options: DiffOptions) -> dict[str, Any]:
     if options.rtol is None and options.atol is None:
         tolerance = (
             f"{options.metric} by the noise measured in --baseline"
@@ -57,6 +57,7 @@ def _settings(options: DiffOptions) -> dict[str, Any]:
         "rtol_rules": [str(rule) for rule in options.rtol_rules],
         "atol_rules": [str(rule) for rule in options.atol_rules],
         "baseline": str(options.baseline) if options.baseline is not None else None,
+        "align": options.align,
         "verdict": {
             "growth": GROWTH,
             "rounding_k": K_ROUNDING,
@@ -85,13 +86,17 @@ def _why_nothing(plan: Plan, options: DiffOptions) -> str:
 
 def build_report(options: DiffOptions) -> DiffReport:
     """Load both sides, plan, execute, judge: the whole comparison, without printing anything."""
+    if options.align == "tokens":
+        from .align import build_aligned_report
+
+        return build_aligned_report(options)
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     plan, workspace = build_plan(side_a, side_b, options)
     if not plan.pairs:
         workspace.close()
         raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
-    settings = _settings(options)
+    settings = report_settings(options)
     if options.unshard:
         settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
     settings["notes"] = side_notes(side_a) + side_notes(side_b)
@@ -180,6 +185,7 @@ def compare(
     rtol: float | str | list[str] | None = None,
     atol: float | str | list[str] | None = None,
     baseline: str | Path | None = None,
+    align: str = "passes",
 ) -> DiffReport:
     """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI.
 
@@ -200,6 +206,7 @@ def compare(
         rtol_rules=rtol_rules,
         atol_rules=atol_rules,
         baseline=Path(baseline) if baseline is not None else None,
+        align=align,  # type: ignore[arg-type]
         progress=False,
     )
     return build_report(options)

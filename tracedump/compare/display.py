@@ -22,6 +22,7 @@ _STATUS_TEXT = {
     "error": "error",
     "routing_flip": "routing flip",
     "routing": "routing differs",
+    "not_aligned": "no token rows",
 }
 _STATUS_STYLE = {
     "ok": "green",
@@ -31,6 +32,7 @@ _STATUS_STYLE = {
     "error": "yellow",
     "routing_flip": "cyan",
     "routing": "dim",
+    "not_aligned": "dim",
 }
 _WIDE = 240  # columns when stdout is not a terminal: names are never cut in logs and pipes
 _LISTED = 10  # names shown per "only in" line
@@ -196,6 +198,14 @@ def _names(items: tuple[Unmatched, ...]) -> str:
     return ", ".join(shown) + more
 
 
+def _aligned_where(report: DiffReport) -> str | None:
+    """``sequence 0, position 11, step 3, name`` for a diff with --align tokens."""
+    first = next((a.get("first") for a in report.alignment or [] if a.get("first")), None)
+    if first is None:
+        return None
+    return f"{first['sequence']}, position {first['position']}, step {first['step']}, {first['name']}"
+
+
 def _where(result: TensorResult) -> str:
     return f"pass {result.pass_index} {result.label}" + (
         f" (B: {result.name_b})" if result.name_b != result.name else ""
@@ -205,9 +215,14 @@ def _where(result: TensorResult) -> str:
 def summary_lines(report: DiffReport) -> list[str]:
     """The verdict in a few plain lines (the last thing printed, also what logs keep)."""
     s = report.summary()
-    passes = len(s["passes"])
+    if report.alignment is not None:
+        count = len(report.plan.units)
+        where = f"{count} sequence{'s' if count != 1 else ''}"
+    else:
+        count = len(s["passes"])
+        where = f"{count} pass{'es' if count != 1 else ''}"
     lines = [
-        f"compared {s['compared']} tensors in {passes} pass{'es' if passes != 1 else ''}: "
+        f"compared {s['compared']} tensors in {where}: "
         f"{s['diverged']} diverged, {s['shape_mismatch']} shape mismatches, "
         f"{s['rank_mismatch']} rank mismatches, "
         f"{s['errors']} errors; {s['only_in_a']} only in A, {s['only_in_b']} only in B"
@@ -215,7 +230,7 @@ def summary_lines(report: DiffReport) -> list[str]:
     first = report.first_divergence
     if first is not None:
         lines.append(
-            f"first divergence: {_where(first)}: {_describe_error(first)}"
+            f"first divergence: {_aligned_where(report) or _where(first)}: {_describe_error(first)}"
             + (f"; {first.message}" if first.message else "")
         )
     elif report.exit_code == 0:
@@ -228,6 +243,10 @@ def summary_lines(report: DiffReport) -> list[str]:
             f"worst token of {first.label}: position {position} "
             f"(rel_diff {_num(value)}, dim {first.token_dim})"
         )
+    lines.extend(report.alignment_lines)
+    unaligned = [r for r in report.results if r.status == "not_aligned"]
+    if unaligned:
+        lines.append(f"not aligned ({len(unaligned)}): {unaligned[0].label}: {unaligned[0].message}")
     for flip in report.flips:
         lines.append(flip.message())
     for rule in report.unused_rules:

@@ -169,6 +169,7 @@ class DiffOptions:
     rtol_rules: tuple[ToleranceRule, ...] = ()
     atol_rules: tuple[ToleranceRule, ...] = ()
     baseline: Path | None = None
+    align: Literal["passes", "tokens"] = "passes"
     json_path: str | None = None
     plot_path: Path | None = None
     max_rows: int = 500
@@ -180,6 +181,12 @@ class DiffOptions:
         for flag, value in (("--rtol", self.rtol), ("--atol", self.atol)):
             if value is not None and not value >= 0:
                 raise UsageError(f"{flag} {value}: expected a non-negative number")
+        if self.align not in ("passes", "tokens"):
+            raise UsageError(f"--align {self.align!r}: choose passes or tokens")
+        if self.align == "tokens" and self.baseline is not None:
+            raise UsageError(
+                "--align tokens with --baseline is not supported yet: align the baseline's passes"
+            )
         if self.rank is not None and self.rank < 0:
             raise UsageError(f"--rank {self.rank}: expected a non-negative rank")
 

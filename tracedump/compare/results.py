@@ -13,9 +13,12 @@ Statuses of a tensor pair:
   (within the run's noise): reported, not a divergence; tensors of that MoE block are then compared
   on the tokens that kept their experts (:mod:`.routing`);
 - ``routing``: a tensor inside that MoE block that cannot line up once routing differs (the
-  per-expert calls): not compared.
+  per-expert calls): not compared;
+- ``not_aligned``: with ``--align tokens``, a tensor whose rows of a sequence cannot be found on
+  a side (no dim of the pass's token count, e.g. logits of the last token only): reported, not
+  compared.
 
-Every status but ``ok``, ``routing_flip`` and ``routing`` makes the exit code 1.
+Every status but ``ok``, ``routing_flip``, ``routing`` and ``not_aligned`` makes the exit code 1.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .stats import StatDelta
 from .tolerance import Tolerance
 
 FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
-PASSING = ("ok", "routing_flip", "routing")
+PASSING = ("ok", "routing_flip", "routing", "not_aligned")
 NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")
 EXIT_OK, EXIT_DIVERGED = 0, 1
 
@@ -81,6 +84,7 @@ class TensorResult:
     absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
     token_dim: int | None = None  # the dim per_token runs along
     per_token: tuple[float, ...] | None = None  # rel_diff of each token position
+    positions: tuple[int, ...] | None = None  # --align tokens: the sequence position of each row
 
     @property
     def label(self) -> str:
@@ -143,6 +147,7 @@ class TensorResult:
             worst = self.worst_token
             data["per_token"] = {
                 "dim": self.token_dim,
+                **({"positions": list(self.positions)} if self.positions is not None else {}),
                 "rel_diff": [_number(v) for v in self.per_token],
                 "worst": worst[0] if worst else None,
                 "worst_rel_diff": _number(worst[1]) if worst else None,
@@ -151,11 +156,12 @@ class TensorResult:
 
     @property
     def worst_token(self) -> tuple[int, float] | None:
-        """(position, rel_diff) of the token with the largest error, if measured per token."""
+        """(position, rel_diff) of the token with the largest error, if measured per token (with
+        ``--align tokens``, the sequence position; else the index along ``token_dim``)."""
         if not self.per_token:
             return None
-        position = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
-        return position, self.per_token[position]
+        row = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
+        return (self.positions[row] if self.positions else row), self.per_token[row]
 
 
 @dataclass(frozen=True)
@@ -233,10 +239,13 @@ class DiffReport:
     results: list[TensorResult] = field(default_factory=list)
     flips: list[Any] = field(default_factory=list)  # routing.Flip of every router whose top-k differed
     unused_rules: list[str] = field(default_factory=list)  # --rtol/--atol rules that matched no name
+    first_override: TensorResult | None = None  # --align tokens: the first divergence in time
+    alignment: list[dict[str, Any]] | None = None  # --align tokens: how sequences were paired
+    alignment_lines: list[str] = field(default_factory=list)
 
     @property
     def first_divergence(self) -> TensorResult | None:
-        return first_divergence(self.results)
+        return self.first_override or first_divergence(self.results)
 
     @property
     def largest_growth(self) -> Growth | None:
@@ -266,7 +275,9 @@ class DiffReport:
             "errors": self.count("error"),
             "routing_flips": [flip.to_json() for flip in self.flips],
             "not_compared_routing": self.count("routing"),
+            "not_aligned": self.count("not_aligned"),
             "unused_rules": list(self.unused_rules),
+            **({"alignment": self.alignment} if self.alignment is not None else {}),
             "dtype_mismatch": sum(1 for r in self.results if r.dtype_differs),
             "only_in_a": len(plan.only_in_a),
             "only_in_b": len(plan.only_in_b),

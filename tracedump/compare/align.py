@@ -1,0 +1,363 @@
+"""``tracedump diff A B --align tokens``: compare sequences, not passes.
+
+A batching engine's step holds rows of several requests; the reference runs one request per
+forward (or ``generate()``, one pass per token). Here every tensor's rows of one sequence are
+gathered over all of a side's passes in position order (:mod:`tracedump.sequences` says which pass
+and row hold each position), on both sides, and the rows of the positions both sides hold are
+compared, name by name, with the same metrics and verdict as a pass-by-pass diff. Each compared
+row remembers the step (A's pass) it came from, so the first divergence reads as "sequence 2,
+position 17, step 5, ``model.layers.3.self_attn.o_proj``": the earliest step in which a row
+diverged, and the first module in that step's capture order.
+
+Sequences pair by seq id when both sides name them (``set_batch``) and share ids, else by equal
+tokens (``input_ids``, one a prefix of the other), else in order of first appearance; the report
+says which. Tensors without a token dim, or whose rows have another shape on the other side, are
+reported, never guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..sequences import Batch, SeqId, Sequence, SequenceError, batches, sequences, token_dim
+from .metrics import compare_arrays, per_token_rel_diff
+from .options import DiffOptions, UsageError
+from .plan import Plan, Unit, Unmatched, pair_roots, run_precision, side_entries
+from .reader import Stored
+from .results import DiffReport, TensorResult
+from .sources import PassView, RootGroup, Side, open_side
+from .tolerance import pair_precision, resolve
+from .unshard import SideEntry, assemble
+from .verdict import judge_all
+
+
+@dataclass
+class _SideSequences:
+    """One side's passes, batches and sequences, for one root group."""
+
+    group: RootGroup
+    batches: dict[int, Batch]
+    sequences: dict[SeqId, Sequence]
+    views: dict[int, list[PassView]] = field(default_factory=dict)
+    entries: dict[int, dict[str, SideEntry]] = field(default_factory=dict)
+
+    def view(self, index: int, options: DiffOptions) -> tuple[list[PassView], dict[str, SideEntry]]:
+        if index not in self.views:
+            self.views[index] = [run.open_pass(index) for run in self.group.runs]
+            self.entries[index] = side_entries(self.views[index], options)
+        return self.views[index], self.entries[index]
+
+    def close(self) -> None:
+        for views in self.views.values():
+            for view in views:
+                view.close()
+
+    @property
+    def declared(self) -> bool:
+        return any(b.declared for b in self.batches.values())
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """How the sequences of A and B were paired, and where the first divergence happened."""
+
+    matched_by: str
+    pairs: tuple[tuple[SeqId, SeqId], ...]
+    only_in_a: tuple[SeqId, ...]
+    only_in_b: tuple[SeqId, ...]
+    first: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "matched_by": self.matched_by,
+            "pairs": [[_json_id(a), _json_id(b)] for a, b in self.pairs],
+            "only_in_a": [_json_id(s) for s in self.only_in_a],
+            "only_in_b": [_json_id(s) for s in self.only_in_b],
+            "first": self.first,
+        }
+
+
+def _json_id(seq: SeqId) -> SeqId:
+    return seq
+
+
+def _read_side(side: Side, group: RootGroup) -> _SideSequences:
+    if group.mode != "full":
+        raise UsageError(
+            f"--align tokens needs full dumps: {side.which} {side.path} is a {group.mode!r} dump "
+            "(its records hold no rows per token)"
+        )
+    if group.is_pass_file:
+        raise UsageError(f"--align tokens reads whole runs: give {side.which} as a dump or run dir")
+    run = group.runs[0].run
+    assert run is not None
+    passes = run.passes
+    try:
+        found = batches(
+            list(passes),
+            lambda index: passes[index].metadata,
+            lambda index: [passes[index].info(name).shape for name in passes[index].names],
+        )
+        return _SideSequences(group, found, sequences(found))
+    except SequenceError as e:
+        raise UsageError(f"{side.which} {side.path}: {e}") from e
+
+
+def _pair_sequences(a: _SideSequences, b: _SideSequences) -> tuple[str, list[tuple[SeqId, SeqId]]]:
+    """Pairs of (A's sequence, B's sequence) and how they were matched."""
+    if a.declared and b.declared:
+        common = [s for s in a.sequences if s in b.sequences]
+        if common:
+            return "seq id", [(s, s) for s in common]
+    tokens_a = {s: q.tokens() for s, q in a.sequences.items()}
+    tokens_b = {s: q.tokens() for s, q in b.sequences.items()}
+    if any(tokens_a.values()) and any(tokens_b.values()):
+        pairs = []
+        taken: set[SeqId] = set()
+        for seq_a, ids_a in tokens_a.items():
+            match = next(
+                (
+                    s
+                    for s, ids_b in tokens_b.items()
+                    if ids_a and ids_b and s not in taken and _prefix(ids_a, ids_b)
+                ),
+                None,
+            )
+            if match is not None:
+                pairs.append((seq_a, match))
+                taken.add(match)
+        if pairs:
+            return "input_ids", pairs
+    return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False))
+
+
+def _prefix(x: list[int], y: list[int]) -> bool:
+    n = min(len(x), len(y))
+    return n > 0 and x[:n] == y[:n]
+
+
+def _rows(
+    side: _SideSequences, sequence: Sequence, name: str, positions: list[int], options: DiffOptions
+) -> tuple[Stored | None, str | None, str | None]:
+    """The rows of ``name`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
+    why they cannot be gathered."""
+    by_pass: dict[int, list[int]] = {}
+    for position in positions:
+        index, row = sequence.rows[position]
+        by_pass.setdefault(index, []).append(row)
+    pieces: list[np.ndarray] = []
+    dtype = None
+    for index, rows in by_pass.items():
+        views, entries = side.view(index, options)
+        entry = entries.get(name)
+        if entry is None:
+            return None, None, f"not in pass {index}"
+        if entry.problem is not None:
+            return None, None, entry.problem
+        shape = entry.meta.shape or ()
+        dim = token_dim(shape, side.batches[index].tokens, side.group.token_dim)
+        if dim is None:
+            return None, None, f"no token dim of size {side.batches[index].tokens} in {list(shape)}"
+        stored = assemble(entry, views)
+        taken = np.moveaxis(np.take(stored.array, rows, axis=dim), dim, 0)
+        rest = tuple(s for s in taken.shape[1:] if s != 1)
+        pieces.append(taken.reshape((len(rows), *rest)))
+        dtype = stored.dtype
+    if not pieces or dtype is None:
+        return None, None, "no rows"
+    if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
+        return None, None, "rows of different shapes across passes"
+    return Stored(np.ascontiguousarray(np.concatenate(pieces)), dtype), dtype, None
+
+
+def _names_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> list[str]:
+    """The sequence's tensor names in capture order of the first pass that holds it."""
+    first_pass = sequence.rows[sequence.positions[0]][0]
+    return list(side.view(first_pass, options)[1])
+
+
+def build_aligned_report(options: DiffOptions) -> DiffReport:
+    side_a = open_side("A", options.a, options)
+    side_b = open_side("B", options.b, options)
+    root_pairs, roots_only_a, roots_only_b = pair_roots(side_a, side_b)
+    results: list[TensorResult] = []
+    units: list[Unit] = []
+    only_a: list[Unmatched] = []
+    only_b: list[Unmatched] = []
+    alignments: list[Alignment] = []
+    steps_of: dict[int, tuple[int, ...]] = {}
+    opened: list[_SideSequences] = []
+    try:
+        for group_a, group_b in root_pairs:
+            seq_a, seq_b = _read_side(side_a, group_a), _read_side(side_b, group_b)
+            opened += [seq_a, seq_b]
+            matched_by, pairs = _pair_sequences(seq_a, seq_b)
+            paired_a = {a for a, _ in pairs}
+            paired_b = {b for _, b in pairs}
+            alignments.append(
+                Alignment(
+                    matched_by,
+                    tuple(pairs),
+                    tuple(s for s in seq_a.sequences if s not in paired_a),
+                    tuple(s for s in seq_b.sequences if s not in paired_b),
+                )
+            )
+            for name_a, name_b in pairs:
+                _compare_sequence(
+                    options, seq_a, seq_b, name_a, name_b, results, units, only_a, only_b, steps_of
+                )
+    finally:
+        for side in opened:
+            side.close()
+    if not results:
+        why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
+        raise UsageError(f"nothing to compare with --align tokens: {why}")
+    plan = Plan(
+        tuple(units), (), tuple(only_a), tuple(only_b), (), (), tuple(roots_only_a), tuple(roots_only_b)
+    )
+    from .diff import report_settings
+
+    report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
+    report.results = judge_all(results)
+    first = _first_in_time(report.results, steps_of)
+    if first is not None:
+        report.first_override = first[0]
+        alignments[0] = replace(alignments[0], first=first[1])
+    report.alignment = [a.to_json() for a in alignments]
+    report.alignment_lines = [_describe(a) for a in alignments]
+    return report
+
+
+def _compare_sequence(
+    options: DiffOptions,
+    side_a: _SideSequences,
+    side_b: _SideSequences,
+    seq_a: SeqId,
+    seq_b: SeqId,
+    results: list[TensorResult],
+    units: list[Unit],
+    only_a: list[Unmatched],
+    only_b: list[Unmatched],
+    steps_of: dict[int, tuple[int, ...]],
+) -> None:
+    sequence_a, sequence_b = side_a.sequences[seq_a], side_b.sequences[seq_b]
+    positions = [p for p in sequence_a.positions if p in sequence_b.rows]
+    if not positions:
+        return
+    label = f"seq {seq_a}" if seq_a == seq_b else f"seq {seq_a} (B: {seq_b})"
+    first_step = sequence_a.rows[positions[0]][0]
+    units.append(Unit(label, first_step, sequence_b.rows[positions[0]][0]))
+    names_b = set(_names_in_order(side_b, sequence_b, options))
+    steps = tuple(sequence_a.rows[p][0] for p in positions)
+    views_a = side_a.view(first_step, options)[0]
+    views_b = side_b.view(sequence_b.rows[positions[0]][0], options)[0]
+    precisions = (
+        run_precision(views_a, side_a.group.declared_precision),
+        run_precision(views_b, side_b.group.declared_precision),
+    )
+    matched: set[str] = set()
+    for name in _names_in_order(side_a, sequence_a, options):
+        mapped = options.map_name(name)
+        if not options.selected(name, mapped):
+            continue
+        if mapped not in names_b:
+            only_a.append(Unmatched(first_step, label, name, mapped))
+            continue
+        matched.add(mapped)
+        result = _compare_rows(options, side_a, side_b, sequence_a, sequence_b, name, mapped, positions)
+        result = replace(result, index=len(results), root=label, pass_index=first_step)
+        steps_of[result.index] = steps
+        results.append(_with_tolerance(result, precisions, options))
+    for name in names_b - matched:
+        if options.selected(name):
+            only_b.append(Unmatched(first_step, label, name))
+
+
+def _with_tolerance(
+    result: TensorResult, precisions: tuple[str | None, str | None], options: DiffOptions
+) -> TensorResult:
+    rtol, atol = options.tolerances_for(result.name, result.name_b)
+    precision = pair_precision(*precisions, result.dtype_a, result.dtype_b)
+    tolerance = resolve(options.metric, result.dtype_a, result.dtype_b, rtol, atol, precision)
+    if None not in precisions and precisions[0] != precisions[1]:
+        tolerance = replace(tolerance, mixed=True)
+    return replace(result, tolerance=tolerance, metric=tolerance.metric)
+
+
+def _compare_rows(
+    options: DiffOptions,
+    side_a: _SideSequences,
+    side_b: _SideSequences,
+    sequence_a: Sequence,
+    sequence_b: Sequence,
+    name: str,
+    name_b: str,
+    positions: list[int],
+) -> TensorResult:
+    rows_a, dtype_a, why_a = _rows(side_a, sequence_a, name, positions, options)
+    rows_b, dtype_b, why_b = _rows(side_b, sequence_b, name_b, positions, options)
+    placeholder = resolve(options.metric, dtype_a, dtype_b, None, None)
+    base: dict[str, Any] = {
+        "index": 0,
+        "pass_index": 0,
+        "root": None,
+        "name": name,
+        "name_b": name_b,
+        "kind": "tensor",
+        "shape_a": rows_a.shape if rows_a is not None else None,
+        "shape_b": rows_b.shape if rows_b is not None else None,
+        "dtype_a": dtype_a,
+        "dtype_b": dtype_b,
+        "tolerance": placeholder,
+        "metric": placeholder.metric,
+        "token_dim": 0,
+        "positions": tuple(positions),
+    }
+    if rows_a is None or rows_b is None:
+        why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
+        return TensorResult(**base, status="not_aligned", message=f"rows not compared: {why}")
+    if rows_a.shape != rows_b.shape:
+        message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
+        return TensorResult(**base, status="shape_mismatch", message=message)
+    metrics = compare_arrays(rows_a, rows_b)
+    per_token = per_token_rel_diff(rows_a, rows_b, 0) if metrics.rel_diff > 0 else (0.0,) * len(positions)
+    return TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
+
+
+def _first_in_time(
+    results: list[TensorResult], steps_of: dict[int, tuple[int, ...]]
+) -> tuple[TensorResult, dict[str, Any]] | None:
+    """The diverged row computed earliest: the lowest step, then the first module in that step."""
+    best: tuple[tuple[int, int], TensorResult, int] | None = None
+    for result in results:
+        if result.status != "diverged" or result.per_token is None:
+            continue
+        threshold = result.threshold or 0.0
+        bad = [i for i, v in enumerate(result.per_token) if v > threshold]
+        row = bad[0] if bad else max(range(len(result.per_token)), key=lambda i: result.per_token[i])  # type: ignore[index]
+        key = (steps_of[result.index][row], result.index)
+        if best is None or key < best[0]:
+            best = (key, result, row)
+    if best is None:
+        return None
+    (step, _), result, row = best
+    position = result.positions[row] if result.positions else row
+    return result, {
+        "sequence": result.root,
+        "position": position,
+        "step": step,
+        "name": result.name,
+        "rel_diff": result.per_token[row] if result.per_token else None,
+    }
+
+
+def _describe(alignment: Alignment) -> str:
+    line = f"sequences matched by {alignment.matched_by}: {len(alignment.pairs)} pairs"
+    if alignment.only_in_a:
+        line += f"; only in A: {', '.join(map(str, alignment.only_in_a))}"
+    if alignment.only_in_b:
+        line += f"; only in B: {', '.join(map(str, alignment.only_in_b))}"
+    return line
