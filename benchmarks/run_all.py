@@ -44,6 +44,8 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["memory"] = bench_memory.run(quick=quick)
     if "diff" not in skip:
         results["diff"] = _run_diff(quick)
+    if "align" not in skip:
+        results["align"] = _run_module("bench_align", quick)
     results["targets"] = judge(results)
     results["seconds"] = time.perf_counter() - started
     return results
@@ -56,6 +58,14 @@ def _run_diff(quick: bool) -> dict[str, Any]:
     try:
         module = importlib.import_module("benchmarks.bench_diff")
         return dict(module.run(quick=quick))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
+
+
+def _run_module(name: str, quick: bool) -> dict[str, Any]:
+    """Another benchmark module's ``run()``; its failure is reported, not fatal."""
+    try:
+        return dict(importlib.import_module(f"benchmarks.{name}").run(quick=quick))
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
 
@@ -149,6 +159,9 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("memory", "untouched_peak_rss_MB", "MB"),
         ("memory", "allowed_MB", "MB"),
         ("memory", "within_cap", ""),
+        ("align", "ratio_vs_raw_read", "x"),
+        ("align", "align_GBps", "GB/s"),
+        ("align", "peak_anon_over_sequence_tensor", "x"),
     ]
     rows = []
     for section, key, unit in shown:
@@ -187,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny model, few rounds: a smoke run (< 30 s)")
-    parser.add_argument("--skip", action="append", default=[], choices=["memory", "diff"])
+    parser.add_argument("--skip", action="append", default=[], choices=["memory", "diff", "align"])
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, reported)"
     )

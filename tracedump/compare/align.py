@@ -162,7 +162,7 @@ def _rows(
         if dim is None:
             return None, None, f"no token dim of size {side.batches[index].tokens} in {list(shape)}"
         stored = assemble(entry, views)
-        taken = np.moveaxis(np.take(stored.array, rows, axis=dim), dim, 0)
+        taken = np.moveaxis(_take_rows(stored.array, rows, dim), dim, 0)
         rest = tuple(s for s in taken.shape[1:] if s != 1)
         pieces.append(taken.reshape((len(rows), *rest)))
         dtype = stored.dtype
@@ -170,7 +170,18 @@ def _rows(
         return None, None, "no rows"
     if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
         return None, None, "rows of different shapes across passes"
-    return Stored(np.ascontiguousarray(np.concatenate(pieces)), dtype), dtype, None
+    joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    return Stored(joined, dtype), dtype, None
+
+
+def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
+    """The rows along ``dim``: a view when they are one contiguous run (a sequence's rows in a step
+    usually are), else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = [slice(None)] * array.ndim
+        index[dim] = slice(rows[0], rows[0] + len(rows))
+        return array[tuple(index)]
+    return np.take(array, rows, axis=dim)
 
 
 def _names_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> list[str]:
