@@ -1,7 +1,7 @@
 """Calibrate ``tracedump diff``'s verdict: detection and false alarms over model families and bugs.
 
 Builds tiny models of five families from configs (random weights, nothing downloaded): a Llama
-(GQA, rotary), GPT2 (learned positions, LayerNorm), Mixtral (MoE with an fp32 router), T5
+(GQA, rotary), GPT2 (learned positions, LayerNorm), Mixtral (MoE whose router weights come out of an fp32 softmax), T5
 (encoder-decoder, ``wo`` kept in fp32 inside bf16 as HF does) and a diffusers UNet run as a
 25-step DDIM loop (one pass per step). Each family is dumped
 
@@ -236,6 +236,80 @@ def mixtral_family() -> Family:
     )
 
 
+def qwen2_moe_family() -> Family:
+    """Eight experts, top-2, plus a shared expert: routing flips are common at 48 tokens."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = Qwen2MoeConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            initializer_range=INIT,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            attn_implementation=attention,
+        )
+        torch.manual_seed(0)
+        return _random_norms(Qwen2MoeForCausalLM(config)).eval().to(dtype)
+
+    layer = lambda m: m.model.layers[2]  # noqa: E731
+    return Family(
+        "qwen2moe",
+        build,
+        _lm_run(48, 128),
+        {
+            "moe_scale": lambda m: _scale_output(layer(m).mlp, 1.02),
+            "norm_eps": lambda m: _set_eps(layer(m).post_attention_layernorm, 0.5),
+        },
+        r"\.layers\.2\.",
+        baseline_bugs=("norm_eps",),
+    )
+
+
+def olmoe_family() -> Family:
+    """Eight experts, top-2, no shared expert: eager vs sdpa swaps the order of chosen experts."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = OlmoeConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            initializer_range=INIT,
+            attn_implementation=attention,
+        )
+        torch.manual_seed(0)
+        return _random_norms(OlmoeForCausalLM(config)).eval().to(dtype)
+
+    layer = lambda m: m.model.layers[2]  # noqa: E731
+    return Family(
+        "olmoe",
+        build,
+        _lm_run(48, 128),
+        {
+            "moe_scale": lambda m: _scale_output(layer(m).mlp, 1.02),
+            "norm_eps": lambda m: _set_eps(layer(m).post_attention_layernorm, 0.5),
+        },
+        r"\.layers\.2\.",
+        baseline_bugs=("norm_eps",),
+    )
+
+
 def t5_family() -> Family:
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -323,6 +397,8 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "llama": llama_family,
     "gpt2": gpt2_family,
     "mixtral": mixtral_family,
+    "qwen2moe": qwen2_moe_family,
+    "olmoe": olmoe_family,
     "t5": t5_family,
     "unet": unet_family,
 }
@@ -375,7 +451,11 @@ class Case:
         return f"{self.a} vs {self.b}" + (f" (baseline {self.baseline})" if self.baseline else "")
 
 
-WELCOME = {("bf16", "softmax_scale"), ("baseline", "mlp_scale"), ("baseline", "moe_scale")}
+WELCOME = {
+    ("bf16", "softmax_scale"),
+    ("baseline", "mlp_scale"),
+    ("baseline", "moe_scale"),
+}
 
 
 def cases(family: Family) -> list[Case]:

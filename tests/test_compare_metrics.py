@@ -165,7 +165,7 @@ def test_user_tolerances_override_each_default_separately() -> None:
     assert resolve("rel_diff", "bfloat16", "float32", 1e-6, None).rtol == 1e-6
     only_atol = resolve("max_abs", "float32", "float32", None, 0.5)
     assert (only_atol.rtol, only_atol.atol) == (1.3e-6, 0.5)
-    assert only_atol.source == "--atol float32 default"
+    assert only_atol.source == "--atol, float32 default rtol"
 
 
 def test_defaults_are_ordered_by_precision() -> None:

@@ -170,3 +170,40 @@ def test_per_name_rules_first_match_wins_and_unused_rules_warn(
     assert code == 0  # the 2% bug is 2e-4 < 1e-3, and the first rule matched layers.3.mlp
     assert "--rtol nomatch=1 matched no tensor name" in out
     assert main(["diff", str(dumps["bf16"]), str(dumps["bf16"]), "--rtol", "x=abc"]) == 2
+
+
+def test_an_order_only_swap_of_chosen_experts_is_no_divergence(tmp_path: Path) -> None:
+    """OLMoE eager vs sdpa in bf16: some tokens keep their two experts in swapped top-k order."""
+    family = FAMILIES["olmoe"]()
+    dumps = _dump_family(tmp_path, family, [Case("olmoe", "bf16-eager", "bf16", "clean")])
+    report = compare(dumps["bf16-eager"], dumps["bf16"])
+    assert report.exit_code == 0
+    assert any(not flip.flipped for flip in report.flips)  # same experts, another order
+    assert not [r for r in report.results if r.status == "diverged"]
+
+
+def test_a_routing_flip_upstream_does_not_hide_a_later_bug_under_baseline(tmp_path: Path) -> None:
+    """Qwen2-MoE: bf16 flips routing in layer 1; the eps bug in layer 2 is still found (the flip's
+    allowance stays under the ceiling and within its pass)."""
+    family = FAMILIES["qwen2moe"]()
+    wanted = [Case("qwen2moe", "bf16+norm_eps", "fp32", "detect", baseline="bf16")]
+    dumps = _dump_family(tmp_path, family, wanted)
+    report = compare(dumps["bf16+norm_eps"], dumps["fp32"], baseline=dumps["bf16"])
+    first = report.first_divergence
+    assert report.flips and first is not None and first.name == "model.layers.2.post_attention_layernorm"
+    assert first.threshold is not None and first.threshold <= first.tolerance.rtol  # under the ceiling
+
+
+def test_baseline_pairs_with_b_by_b_pass_when_a_is_a_pass_file_of_another_index(
+    llama: tuple[Family, dict[str, Path]], tmp_path: Path
+) -> None:
+    import shutil
+
+    _, dumps = llama
+    source = next((dumps["bf16+rotary"]).glob("rank*/pass00000.safetensors"))
+    renamed = tmp_path / "pass00003.safetensors"
+    shutil.copy(source, renamed)
+    report = compare(renamed, dumps["fp32"], passes="0", baseline=dumps["bf16"])
+    first = report.first_divergence
+    assert first is not None and first.basis == "baseline" and ".layers.3." in first.name
+    assert all(r.noise is not None for r in report.results if r.metrics is not None and r.kind == "tensor")

@@ -105,7 +105,7 @@ def build_report(options: DiffOptions) -> DiffReport:
         executor = Executor(plan, workspace, advance)
         measured = executor.run()
     report.flips = executor.flips
-    noise = _baseline_noise(options, side_b, measured) if options.baseline is not None else None
+    noise = _baseline_noise(options, side_b, measured, report) if options.baseline is not None else None
     report.results = judge_all(measured, noise)
     report.unused_rules = [
         str(rule)
@@ -115,34 +115,57 @@ def build_report(options: DiffOptions) -> DiffReport:
     return report
 
 
-def _baseline_noise(options: DiffOptions, side_b: Side, measured: list[TensorResult]) -> dict[int, float]:
-    """``err(C, B)`` for each measured pair of A and B: the baseline C compared with B by B's names
-    (C's names go through ``--map`` when they are not B's already), pass by pass."""
+def _baseline_noise(
+    options: DiffOptions, side_b: Side, measured: list[TensorResult], report: DiffReport
+) -> dict[int, float] | None:
+    """``err(C, B)`` for each measured tensor pair of A and B, keyed by B's pass and name: the
+    baseline C is a rerun of the reference, so it pairs with B by B's names; names of C that are
+    not B's go through ``--map``, like A's."""
     assert options.baseline is not None
-    baseline_options = replace(options, a=options.baseline, maps=(), filter=None)
-    side_c = open_side("baseline", options.baseline, baseline_options)
-    plan, workspace = build_plan(side_c, side_b, baseline_options)
-    if not plan.pairs and options.maps:
-        workspace.close()
-        baseline_options = replace(baseline_options, maps=options.maps)
-        plan, workspace = build_plan(side_c, side_b, baseline_options)
-    noise_by_key = {
-        (r.pass_index, r.root, r.name_b): r.metrics
-        for r in Executor(plan, workspace, per_token=False).run()
-        if r.metrics is not None
-    }
+    tensor_pairs = [r for r in measured if r.metrics is not None and r.kind == "tensor"]
+    if not tensor_pairs:
+        report.notes.append("--baseline applies to tensor pairs; stats pairs keep their fixed rule")
+        return None
+    plain = replace(options, a=options.baseline, maps=(), filter=None)
+    side_c = open_side("baseline", options.baseline, plain)
+    found = _noise_by_key(side_c, side_b, plain)
+    if options.maps:  # C's names that are not B's: as A's, through --map
+        mapped = replace(plain, maps=options.maps)
+        for key, value in _noise_by_key(side_c, side_b, mapped).items():
+            found.setdefault(key, value)
     noise: dict[int, float] = {}
-    for result in measured:
-        metrics = noise_by_key.get((result.pass_index, result.root, result.name_b))
-        if metrics is not None:
-            cosine = result.tolerance.metric == "cosine"
-            noise[result.index] = metrics.one_minus_cosine if cosine else metrics.rel_diff
+    for result in tensor_pairs:
+        pass_b = result.pass_b if result.pass_b is not None else result.pass_index
+        value = found.get((pass_b, result.root, result.name_b), found.get((pass_b, None, result.name_b)))
+        if value is not None:
+            noise[result.index] = value[1] if result.tolerance.metric == "cosine" else value[0]
     if not noise:
         raise UsageError(
             f"--baseline {options.baseline}: no tensor of it lines up with B "
-            "(is it a rerun of the reference?)"
+            "(is it a rerun of the reference? same passes, B's names or names --map turns into B's)"
+        )
+    missing = len(tensor_pairs) - len(noise)
+    if missing:
+        report.notes.append(
+            f"--baseline: {missing} of {len(tensor_pairs)} tensor pairs have no counterpart in "
+            f"{options.baseline}: judged by the error upstream instead"
         )
     return noise
+
+
+def _noise_by_key(
+    side_c: Side, side_b: Side, options: DiffOptions
+) -> dict[tuple[int, str | None, str], tuple[float, float]]:
+    """(rel_diff, 1 - cosine) of C against B, by (B's pass, root, B's name)."""
+    plan, workspace = build_plan(side_c, side_b, options)
+    return {
+        (r.pass_b if r.pass_b is not None else r.pass_index, r.root, r.name_b): (
+            r.metrics.rel_diff,
+            r.metrics.one_minus_cosine,
+        )
+        for r in Executor(plan, workspace, per_token=False).run()
+        if r.metrics is not None
+    }
 
 
 def write_json(report: DiffReport, target: str) -> None:

@@ -244,6 +244,7 @@ def summary_lines(report: DiffReport) -> list[str]:
             f"(rel_diff {_num(value)}, dim {first.token_dim})"
         )
     lines.extend(report.alignment_lines)
+    lines.extend(f"note: {note}" for note in report.notes)
     unaligned = [r for r in report.results if r.status == "not_aligned"]
     if unaligned:
         lines.append(f"not aligned ({len(unaligned)}): {unaligned[0].label}: {unaligned[0].message}")
@@ -278,7 +279,7 @@ def summary_lines(report: DiffReport) -> list[str]:
     if s["dtype_mismatch"]:
         lines.append(
             f"dtypes differ on {s['dtype_mismatch']} tensors: both sides widened and compared "
-            f"{WORK_DTYPE_RULE}, judged by the less precise dtype's tolerance"
+            f"{WORK_DTYPE_RULE}, judged at the runs' precision"
         )
     return lines
 

@@ -19,24 +19,9 @@ from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
 from .tolerance import Tolerance
 from .unshard import SideEntry, assemble
+from .verdict import fixed_rule
 
 Progress = Callable[[int], None]  # called with the bytes just compared
-
-
-def judge(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, float, bool]:
-    """(the number judged, its fixed threshold, whether it stays under) for one tensor pair: the plain
-    rule (ranks of a replicated tensor must agree within the ceiling; verdicts are :mod:`.verdict`'s)."""
-    if tolerance.metric == "exact":
-        error, threshold = metrics.max_abs, 0.0
-        ok = error == 0
-    elif tolerance.metric == "max_abs":
-        error, threshold = metrics.max_abs, tolerance.atol + tolerance.rtol * metrics.max_abs_b
-        ok = error <= threshold
-    else:
-        error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
-        threshold = tolerance.rtol
-        ok = error <= threshold or metrics.max_abs <= tolerance.atol
-    return error, threshold, ok and metrics.nonfinite_mismatch == 0
 
 
 def _numel(shape: tuple[int, ...] | None) -> int | None:
@@ -85,6 +70,7 @@ class Executor:
         base = {
             "index": index,
             "pass_index": unit.pass_a,
+            "pass_b": unit.pass_b,
             "root": unit.root,
             "name": pair.a.name,
             "name_b": pair.b.name,
@@ -115,7 +101,7 @@ class Executor:
         for side, entry, views in (("A", pair.a, views_a), ("B", pair.b, views_b)):
             disagreement = _rank_disagreement(entry, views, pair.tolerance)
             if disagreement is not None:
-                error, threshold, _ = judge(metrics, pair.tolerance)
+                error, threshold, _ = fixed_rule(metrics, pair.tolerance)
                 return TensorResult(
                     **base,
                     status="rank_mismatch",
@@ -169,7 +155,8 @@ class Executor:
         if not is_router_indices(pair.a.meta.shape, pair.a.meta.dtype, pair.b.meta.dtype):
             return None
         router = module_of(pair.a.name)
-        scores = self._router_scores(router, pair, indices[0].shape[0], views_a, views_b)
+        tokens, k = indices[0].shape
+        scores = self._router_scores(router, pair, tokens, k, views_a, views_b)
         flip = detect(router, indices, scores)
         if flip is None:
             return None
@@ -195,14 +182,21 @@ class Executor:
         )
 
     def _router_scores(
-        self, router: str, pair: PairPlan, tokens: int, views_a: list[PassView], views_b: list[PassView]
+        self,
+        router: str,
+        pair: PairPlan,
+        tokens: int,
+        k: int,
+        views_a: list[PassView],
+        views_b: list[PassView],
     ) -> tuple[Stored, Stored] | None:
-        """The router's float ``[tokens, experts]`` output beside its indices, on both sides."""
+        """The router's float ``[tokens, experts]`` output beside its indices, on both sides (not its
+        ``[tokens, k]`` top-k weights: the margin needs the experts that were not chosen)."""
         for name, sibling in self._by_name.items():
             if name == pair.a.name or module_of(name) != router or sibling.kind != "tensor":
                 continue
             shape = sibling.a.meta.shape
-            if shape is None or len(shape) < 2 or math.prod(shape[:-1]) != tokens:
+            if shape is None or len(shape) < 2 or math.prod(shape[:-1]) != tokens or shape[-1] <= k:
                 continue
             if sibling.a.meta.dtype is None or not sibling.a.meta.dtype.startswith(("float", "bfloat")):
                 continue
@@ -281,7 +275,7 @@ def _rank_disagreement(entry: SideEntry, views: list[PassView], tolerance: Toler
     reference: Stored = views[0].array(entry.name)
     for view in views[1:]:
         metrics = compare_arrays(view.array(entry.name), reference, want_max_b=tolerance.metric == "max_abs")
-        error, threshold, ok = judge(metrics, tolerance)
+        error, threshold, ok = fixed_rule(metrics, tolerance)
         if not ok:
             return (
                 f"rank {view.rank} differs from rank {views[0].rank} ({tolerance.metric} {error:.3g} > "

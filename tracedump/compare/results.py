@@ -60,7 +60,7 @@ class TensorResult:
     """The verdict on one pair, with every measurement behind it."""
 
     index: int
-    pass_index: int
+    pass_index: int  # A's pass
     root: str | None
     name: str
     name_b: str
@@ -85,6 +85,7 @@ class TensorResult:
     token_dim: int | None = None  # the dim per_token runs along
     per_token: tuple[float, ...] | None = None  # rel_diff of each token position
     positions: tuple[int, ...] | None = None  # --align tokens: the sequence position of each row
+    pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
 
     @property
     def label(self) -> str:
@@ -242,6 +243,7 @@ class DiffReport:
     first_override: TensorResult | None = None  # --align tokens: the first divergence in time
     alignment: list[dict[str, Any]] | None = None  # --align tokens: how sequences were paired
     alignment_lines: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the summary should say besides findings
 
     @property
     def first_divergence(self) -> TensorResult | None:
@@ -276,6 +278,7 @@ class DiffReport:
             "routing_flips": [flip.to_json() for flip in self.flips],
             "not_compared_routing": self.count("routing"),
             "not_aligned": self.count("not_aligned"),
+            "notes": list(self.notes),
             "unused_rules": list(self.unused_rules),
             **({"alignment": self.alignment} if self.alignment is not None else {}),
             "dtype_mismatch": sum(1 for r in self.results if r.dtype_differs),

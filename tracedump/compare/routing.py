@@ -60,11 +60,17 @@ class Flip:
         return all(m <= TIE_FACTOR * self.noise for m in self.margins)
 
     def covers(self, name: str) -> bool:
-        """A tensor of this MoE block after the router (the block output included)."""
+        """A tensor of this MoE block after the router (the block output included): compared on the
+        tokens that kept their experts, or not at all when its rows are not tokens."""
         module = module_of(name)
         return module != self.router and (module == self.block or module.startswith(self.block + "."))
 
     def message(self) -> str:
+        if not self.flipped:
+            return (
+                f"router {self.router}: the same experts in another top-k order for some of "
+                f"{self.tokens} tokens (a near-tie between chosen experts): not a divergence"
+            )
         widest = max(self.margins) if self.margins else 0.0
         verdict = (
             "near-tie, within the run's noise: not a divergence"
@@ -99,22 +105,29 @@ def is_router_indices(shape: tuple[int, ...] | None, dtype_a: str | None, dtype_
 
 
 def detect(router: str, indices: tuple[Stored, Stored], scores: tuple[Stored, Stored] | None) -> Flip | None:
-    """The flip of one router, or None when its indices are not router indices or agree."""
-    index_a, index_b = (np.sort(s.array.astype(np.int64), axis=1) for s in indices)
-    if index_a.shape != index_b.shape:
+    """The flip of one router, or None when its indices agree (or cannot be judged: no scores).
+
+    Indices that hold the same experts in another order (a near-tie between two chosen experts)
+    are a flip of no token: the experts' own tensors no longer line up (they gather tokens by
+    top-k slot), the block's output still does."""
+    raw_a, raw_b = (s.array.astype(np.int64) for s in indices)
+    if raw_a.shape != raw_b.shape or raw_a.ndim != 2 or np.array_equal(raw_a, raw_b):
         return None
+    index_a, index_b = np.sort(raw_a, axis=1), np.sort(raw_b, axis=1)
     rows = np.nonzero((index_a != index_b).any(axis=1))[0]
-    if rows.size == 0 or scores is None:
+    block = router.rpartition(".")[0] or router
+    tokens, k = index_a.shape
+    if rows.size == 0:
+        return Flip(router, block, tokens, (), (), 0.0)
+    if scores is None:
         return None
-    score_a, score_b = (as_float(s).reshape(index_a.shape[0], -1) for s in scores)
-    k = index_a.shape[1]
+    score_a, score_b = (as_float(s).reshape(tokens, -1) for s in scores)
     if score_b.shape[1] <= k:
         return None
     noise = math.sqrt(float(np.mean((score_a.astype(np.float64) - score_b) ** 2)))
     ranked = -np.sort(-score_b[rows].astype(np.float64), axis=1)
     margins = ranked[:, k - 1] - ranked[:, k]
-    block = router.rpartition(".")[0] or router
-    return Flip(router, block, index_a.shape[0], tuple(int(r) for r in rows), tuple(margins), noise)
+    return Flip(router, block, tokens, tuple(int(r) for r in rows), tuple(margins), noise)
 
 
 def kept_rows(stored: Stored, flip: Flip) -> Stored | None:

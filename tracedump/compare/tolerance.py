@@ -102,14 +102,9 @@ def _rank(dtype: str) -> int:
 
 
 def less_precise(dtype_a: str | None, dtype_b: str | None) -> str:
-    """The dtype whose rounding dominates the pair (integers defer to the float side)."""
-    if dtype_a is None or dtype_b is None:  # a stats record without a dtype: trust the other side
-        known = dtype_a if dtype_b is None else dtype_b
-        return UNKNOWN_DTYPE if known is None else less_precise(known, known)
-    floats = [d for d in (dtype_a, dtype_b) if not is_integer(d)]
-    if not floats:
-        return "int64"
-    return max(floats, key=lambda d: PRECISION_ORDER.index(d) if d in PRECISION_ORDER else 1)
+    """The dtype whose rounding dominates the pair (integers defer to the float side; a side
+    without a dtype, a stats record, trusts the other)."""
+    return pair_precision(dtype_a, dtype_b)
 
 
 @dataclass(frozen=True)
@@ -178,8 +173,13 @@ def resolve_stats(
 
 
 def _source(dtype: str, rtol: float | None, atol: float | None) -> str:
-    given = [flag for flag, value in (("--rtol", rtol), ("--atol", atol)) if value is not None]
-    return " ".join(given) if len(given) == 2 else " ".join([*given, f"{dtype} default"])
+    """``bfloat16 default``, ``--rtol``, or ``--rtol, bfloat16 default atol`` (which value is whose)."""
+    if rtol is None and atol is None:
+        return f"{dtype} default"
+    if rtol is not None and atol is not None:
+        return "--rtol --atol"
+    given, default = ("--rtol", "atol") if rtol is not None else ("--atol", "rtol")
+    return f"{given}, {dtype} default {default}"
 
 
 def table_rows() -> list[dict[str, object]]:

@@ -19,15 +19,15 @@ present *upstream* explains (rel_diff and 1 - cosine; both are squared relative 
   scale bug at ~13 u^2.
 - Between runs at different precisions (bf16 against fp32) the model's inputs already differ by one
   rounding (u^2/3), so the level starts there instead of at exact zero.
-- Within one pass the per-dtype default (:mod:`.tolerance`) is a ceiling that the growth allowance
-  never lifts: an error that jumps past it is a divergence, however noisy upstream. Errors carried
-  in from earlier passes (a diffusion loop feeding its latents back, a KV cache) are upstream too,
-  without that cap: their growth over 25 steps is the loop's, not one module's.
+- The per-dtype default (:mod:`.tolerance`) is a ceiling that the growth allowance never lifts: an
+  error that jumps past it is a divergence, however noisy upstream. Errors carried in from earlier
+  passes (a diffusion loop feeding its latents back, a KV cache) are upstream too; the ceiling is
+  lifted only for a tensor whose own error neared it in an earlier pass, to ``CARRY_GROWTH`` x that
+  error: a 25-step bf16 loop grows its errors step by step, not one module at once.
 
 With ``--baseline C`` (the reference rerun under the difference the user accepts, e.g. in A's
 dtype), each pair's threshold is its own measured noise instead: ``BASELINE_FACTOR * err(C, B) + R``
-(``R`` is the floor where the noise is exactly zero), capped by the ceiling in a root's first pass
-(later passes of a loop carry noise in that the measurement already holds). The error is reported
+(``R`` is the floor where the noise is exactly zero), under the same ceiling. The error is reported
 as "x noise".
 
 A user ``--rtol`` (global, or a ``REGEX=VALUE`` rule matching the name) fixes that pair's threshold
@@ -38,11 +38,14 @@ Near-tie MoE routing flips are judged in :mod:`.routing`; their effect joins the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from .metrics import TensorMetrics
 from .results import TensorResult
+from .tolerance import Tolerance
 
 GROWTH = 100.0  # how much one op may amplify the upstream error (rel_diff, i.e. 10x in RMS)
+CARRY_GROWTH = 10.0  # how much one step of a loop may grow a tensor's own error past the ceiling
 K_ROUNDING = 3.0  # roundings one op may add, in units of u^2 (rel_diff of one rounding ~ u^2/3)
 BASELINE_FACTOR = 10.0  # x the measured noise err(C, B) (about 3x in RMS error)
 # Unit roundoff of each precision (half the spacing of numbers near 1).
@@ -74,21 +77,35 @@ class _Level:
     pass_index: int | None = None
     in_pass: float = 0.0
     carried: float = 0.0
+    flipped: float = 0.0  # this pass's error let through by near-tie routing flips
+    own: dict[str, float] = field(default_factory=dict)  # each tensor's largest error in earlier passes
+    this_pass: dict[str, float] = field(default_factory=dict)
 
     def enter(self, pass_index: int) -> None:
         if pass_index != self.pass_index:
             self.carried = max(self.carried, self.in_pass)
-            self.in_pass, self.pass_index = 0.0, pass_index
+            for name, error in self.this_pass.items():
+                self.own[name] = max(self.own.get(name, 0.0), error)
+            self.in_pass, self.flipped, self.this_pass = 0.0, 0.0, {}
+            self.pass_index = pass_index
 
-    def absorb(self, error: float) -> None:
+    def absorb(self, name: str, error: float) -> None:
         self.in_pass = max(self.in_pass, error)
+        self.this_pass[name] = max(self.this_pass.get(name, 0.0), error)
+
+    def cap(self, name: str, ceiling: float) -> float:
+        """The ceiling, lifted only for a tensor whose own error already neared it in an earlier
+        pass (a loop that feeds its output back grows each tensor's error step by step)."""
+        return max(ceiling, CARRY_GROWTH * self.own.get(name, 0.0))
 
 
-def explained(level: _Level, floor: float, ceiling: float, inputs: float = 0.0) -> float:
-    """What the upstream error explains: growth within the pass capped by the ceiling, and growth
-    of what earlier passes carried in. ``inputs`` is the error the model's inputs already carry."""
-    in_pass = max(level.in_pass, inputs)
-    return max(min(GROWTH * in_pass + floor, ceiling), GROWTH * level.carried + floor)
+def explained(level: _Level, name: str, floor: float, ceiling: float, inputs: float = 0.0) -> float:
+    """What the upstream error explains: growth within the pass, and growth of what earlier passes
+    carried in, both under the ceiling (see :meth:`_Level.cap`). ``inputs`` is the error the
+    model's inputs already carry."""
+    within = min(GROWTH * max(level.in_pass, inputs) + floor, ceiling)
+    carried = min(GROWTH * level.carried + floor, level.cap(name, ceiling))
+    return max(within, carried)
 
 
 def input_rounding(precision: str | None) -> float:
@@ -107,23 +124,21 @@ def judge_all(results: list[TensorResult], noise: dict[int, float] | None = None
 
     ``noise`` maps a result's index to ``err(C, B)`` from the baseline run, when one was given."""
     levels: dict[str | None, _Level] = {}
-    flips: dict[str | None, float] = {}  # error let through by near-tie routing flips, per root
     judged: list[TensorResult] = []
     for result in results:
         level = levels.setdefault(result.root, _Level())
         level.enter(result.pass_index)
-        verdict = _judge(result, level, noise, flips.get(result.root, 0.0))
-        if verdict.status == "routing_flip" and verdict.error is not None:
-            flips[result.root] = max(flips.get(result.root, 0.0), verdict.absorbed or 0.0)
+        verdict = _judge(result, level, noise)
+        if verdict.status == "routing_flip" and verdict.absorbed is not None:
+            level.flipped = max(level.flipped, verdict.absorbed)
         if verdict.status in ("ok", "routing_flip") and verdict.metric in NOISE_MODEL:
-            level.absorb(verdict.absorbed if verdict.absorbed is not None else verdict.error or 0.0)
+            error = verdict.absorbed if verdict.absorbed is not None else verdict.error or 0.0
+            level.absorb(verdict.name, error)
         judged.append(verdict)
     return judged
 
 
-def _judge(
-    result: TensorResult, level: _Level, noise: dict[int, float] | None, flipped: float
-) -> TensorResult:
+def _judge(result: TensorResult, level: _Level, noise: dict[int, float] | None) -> TensorResult:
     if result.status not in ("measured", "routing_flip") or result.metrics is None:
         return result
     if result.status == "routing_flip" and result.tolerance.metric == "exact":
@@ -138,14 +153,13 @@ def _judge(
     measured_noise = None
     if noise is not None and result.index in noise:
         measured_noise = noise[result.index]
-        threshold = BASELINE_FACTOR * measured_noise + floor
-        if not level.carried:  # the ceiling counts within a pass, not over noise a loop carried in
-            threshold = min(threshold, tolerance.rtol)
-        threshold = max(threshold, GROWTH * flipped + floor if flipped else 0.0)
+        threshold = min(BASELINE_FACTOR * measured_noise + floor, level.cap(result.name, tolerance.rtol))
+        if level.flipped:  # a near-tie flip upstream in this pass: its effect, under the ceiling
+            threshold = max(threshold, min(GROWTH * level.flipped + floor, tolerance.rtol))
         basis = "baseline"
     else:
         inputs = input_rounding(tolerance.precision) if tolerance.mixed else 0.0
-        threshold = explained(level, floor, tolerance.rtol, inputs)
+        threshold = explained(level, result.name, floor, tolerance.rtol, inputs)
         basis = "upstream"
     ok = error <= threshold or metrics.max_abs <= tolerance.atol
     ok = ok and metrics.nonfinite_mismatch == 0
@@ -161,10 +175,9 @@ def _judge(
     )
 
 
-def _fixed(result: TensorResult) -> TensorResult:
-    """The fixed rules: integers exact, max_abs allclose, a user's rtol as a plain threshold."""
-    tolerance, metrics = result.tolerance, result.metrics
-    assert metrics is not None
+def fixed_rule(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, float, bool]:
+    """(the number judged, its threshold, whether it stays under) by a fixed rule: integers exact,
+    ``max_abs`` allclose, a user's rtol (or the ceiling) as a plain threshold on rel_diff/cosine."""
     if tolerance.metric == "exact":
         error, threshold = metrics.max_abs, 0.0
         ok = error == 0
@@ -175,7 +188,12 @@ def _fixed(result: TensorResult) -> TensorResult:
         error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
         threshold = tolerance.rtol
         ok = error <= threshold or metrics.max_abs <= tolerance.atol
-    ok = ok and metrics.nonfinite_mismatch == 0
+    return error, threshold, ok and metrics.nonfinite_mismatch == 0
+
+
+def _fixed(result: TensorResult) -> TensorResult:
+    assert result.metrics is not None
+    error, threshold, ok = fixed_rule(result.metrics, result.tolerance)
     return replace(
         result,
         status="ok" if ok else "diverged",
