@@ -1,9 +1,10 @@
 """Calibrate ``tracedump diff``'s verdict: detection and false alarms over model families and bugs.
 
-Builds tiny models of five families from configs (random weights, nothing downloaded): a Llama
-(GQA, rotary), GPT2 (learned positions, LayerNorm), Mixtral (MoE whose router weights come out of an fp32 softmax), T5
-(encoder-decoder, ``wo`` kept in fp32 inside bf16 as HF does) and a diffusers UNet run as a
-25-step DDIM loop (one pass per step). Each family is dumped
+Builds tiny models of seven families from configs (random weights, nothing downloaded): a Llama
+(GQA, rotary), GPT2 (learned positions, LayerNorm), three MoE (Mixtral, whose router weights come
+out of an fp32 softmax; Qwen2-MoE with a shared expert; OLMoE), T5 (encoder-decoder, ``wo`` kept
+in fp32 inside bf16 as HF does) and a diffusers UNet run as a 25-step DDIM loop (one pass per
+step). Each family is dumped
 
 - clean, in fp32 and bf16, with eager and sdpa attention where the family has both;
 - with one planted bug in one middle layer, in fp32 and bf16 (see :data:`BUGS`);
