@@ -7,6 +7,7 @@ Exit codes: 0 ok, 1 a divergence (``diff``), 2 a usage error or unreadable input
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -59,8 +60,41 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     console().print(table)
     for run in dump.runs:
+        _print_control(run)
         _print_sequences(run)
     return EXIT_OK
+
+
+def _print_control(run: Any) -> None:
+    """State and order history of a run started with TRACEDUMP_DUMP_CONTROL=1."""
+    import json
+
+    from .control import STATE_FILE
+
+    control = run.manifest.get("control")
+    if not isinstance(control, dict):
+        return
+    state, until = control.get("state", "?"), control.get("armed_until")
+    try:
+        beat = json.loads((run.path / STATE_FILE).read_text())
+        state, until = beat.get("state", state), beat.get("armed_until", until)
+        at = f", at step {beat.get('step')}"
+    except (OSError, ValueError):
+        at = ""
+    armed = f" until step {until}" if state == "armed" and until is not None else ""
+    console().print(f"{run.name}: control {state}{armed}{at}", markup=False)
+    for order in control.get("orders", []):
+        what = ", ".join(
+            f"{k} {order[k]}"
+            for k in ("steps", "filter", "mode", "request", "start_step")
+            if order.get(k) is not None
+        )
+        dumped = f", dumped {order['dumped']}" if "dumped" in order else ""
+        console().print(
+            f"  order {order.get('id')}: {order.get('action')} ({what}) {order.get('event')} at step "
+            f"{order.get('step')}{dumped}",
+            markup=False,
+        )
 
 
 def _print_sequences(run: Any) -> None:
@@ -120,6 +154,71 @@ def _summary_cells(tensor: Any, torch: Any) -> list[str]:
         return ["-"] * 4
 
 
+def _watched(directory: Path) -> list[Any]:
+    """The engines watching ``directory`` (raises ControlRefused with a clear message)."""
+    from .control import STALE_SECONDS, watchers
+
+    if not directory.is_dir():
+        raise _Refused(f"{directory}: no such directory")
+    if directory.stat().st_uid != os.getuid():
+        raise _Refused(f"{directory}: owned by another user; only the dump dir's owner may arm")
+    found = watchers(directory)
+    if not found:
+        raise _Refused(
+            f"{directory}: no engine watches it (no run dir with TRACEDUMP_DUMP_CONTROL=1 and a "
+            f"heartbeat in the last {STALE_SECONDS:.0f} s)"
+        )
+    return found
+
+
+class _Refused(Exception):
+    pass
+
+
+def cmd_arm(args: argparse.Namespace) -> int:
+    """Write an arm order: every watching process dumps from a common start step."""
+    import time
+
+    from .control import Order, OrderError, start_step, write_order
+
+    try:
+        found = _watched(args.dir)
+        order = Order(
+            id=time.time_ns(),
+            action="arm",
+            start_step=start_step(found),
+            steps=args.steps,
+            filter=args.filter,
+            mode=args.mode,
+            inputs=args.inputs,
+            request=args.request,
+        )
+        order.check()
+    except (_Refused, OrderError) as e:
+        print(f"tracedump arm: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    write_order(args.dir, order)
+    steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
+    print(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}")
+    return EXIT_OK
+
+
+def cmd_disarm(args: argparse.Namespace) -> int:
+    """Write a disarm order: each watching process goes idle at its next step boundary."""
+    import time
+
+    from .control import Order, write_order
+
+    try:
+        found = _watched(args.dir)
+    except _Refused as e:
+        print(f"tracedump disarm: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    write_order(args.dir, Order(id=time.time_ns(), action="disarm"))
+    print(f"disarmed {len(found)} runs under {args.dir} (from their next step)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tracedump", description="Find the first layer where two runs of a model diverge.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("passfile", type=Path)
     show.add_argument("--filter", help="regex on tensor names (re.search)")
     show.set_defaults(func=cmd_show)
+    arm = sub.add_parser(
+        "arm",
+        help="make the engines dumping under DIR (started with TRACEDUMP_DUMP_CONTROL=1) dump the next steps",
+    )
+    arm.add_argument("dir", type=Path)
+    arm.add_argument("--steps", type=int, help="dump this many steps, then go idle (default: until disarmed)")
+    arm.add_argument("--filter", help="only names where this regex is found (within the attached selection)")
+    arm.add_argument("--mode", choices=("full", "last_row", "stats"), help="the mode of the armed steps")
+    arm.add_argument("--inputs", action="store_true", help="capture module inputs too")
+    arm.add_argument("--request", help="only steps whose set_batch() holds this sequence id")
+    arm.set_defaults(func=cmd_arm)
+    disarm = sub.add_parser("disarm", help="stop the dumping ordered by tracedump arm at the next step")
+    disarm.add_argument("dir", type=Path)
+    disarm.set_defaults(func=cmd_disarm)
     from .compare.command import add_diff_parser
     from .launch.command import add_run_parser
 

@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import sys
@@ -38,6 +39,7 @@ from torch import nn
 
 from . import gates
 from ._version import __version__
+from .control import Controller
 from .cuda import SyncEscape, copy_to_host, stream_is_capturing, warn_once
 from .hooks import InputHook, OutputHook, RootPassHooks, flatten_inputs, flatten_tensors
 from .reduce import compute_stats, last_row
@@ -247,7 +249,14 @@ class Dumper:
             sync_escape = load_callable(settings.sync_escape)
         self._sync_escape = sync_escape
         self._steps = settings.step_selection
+        self._mode = settings.mode
         self._full = settings.mode != "stats"
+        self._inputs = settings.inputs
+        self._name_filter: re.Pattern[str] | None = None  # an armed order's --filter
+        self._boundaries = 0  # step boundaries seen (control: the pass index is the step number)
+        self._step_depth = 0  # open step() blocks
+        self._control: Controller | None = None
+        self._idle = False  # control: disarmed, every hook returns at once
         self._suspend_depth = 0
         self._rows: int | None = None
         self._reset_run_state()
@@ -268,6 +277,10 @@ class Dumper:
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot write the manifest: {type(e).__name__}: {e}"
             ) from e
+        if settings.control:
+            self._control = Controller(Path(settings.dir), self.run_dir, self._warn_once)  # type: ignore[arg-type]
+            self._idle = True
+            self._writer.write_manifest(control=self._control.state())
         self._handles = self._register(model)
         self._flush_at_exit()
         _install_fork_guard()
@@ -316,7 +329,7 @@ class Dumper:
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
         self._last_hooks: list[tuple[dict[int, Any], int]] = []
         for name, module in self.modules:
-            if self.settings.inputs:
+            if self.settings.inputs or self._control is not None:  # control: --inputs may arm them
                 handle = module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True)
                 handles.append(handle)
                 self._last_hooks.append((module._forward_pre_hooks, handle.id))
@@ -472,6 +485,7 @@ class Dumper:
     def step(self) -> Iterator[Dumper]:
         """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
         opened = self._open_pass() if self._pass is None and not self._suspended() else False
+        self._step_depth += 1  # root forwards inside belong to this step, armed or not
         try:
             yield self
         except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
@@ -480,6 +494,7 @@ class Dumper:
                 self._close_pass(truncated=True)
             raise
         finally:
+            self._step_depth -= 1
             if opened:
                 self._close_pass()
 
@@ -515,6 +530,7 @@ class Dumper:
         batch = batch_metadata(seq_ids, positions, input_ids)
         if self._pass is not None:
             self._pass.batch = batch
+            self._skip_unrequested(self._pass, batch)
         else:
             self._pending_batch = batch
 
@@ -553,6 +569,9 @@ class Dumper:
         if self._loose:
             self._writer.submit(PassJob(-1, None, "records", self._loose, 0, file_name=RECORDS_FILE))
         self._writer.close()
+        if self._control is not None:
+            self._control.close()
+            self._writer.write_manifest(control=self._control.state())
         self._finish_manifest()
 
     def _detach(self) -> None:
@@ -589,10 +608,43 @@ class Dumper:
         if self._rank_provisional:
             self._settle_rank()
         index = self._next_index
+        if self._control is not None:
+            index = self._boundaries
+            self._boundaries += 1
+            if not self._arm(index):
+                return False
         # After a write error a pass still counts as selected: its captures are counted as lost.
         self._pass = _Pass(index, selected=index in self._steps)
         self._pass.batch, self._pending_batch = self._pending_batch, None
+        if self._pass.batch is not None:
+            self._skip_unrequested(self._pass, self._pass.batch)
         return True
+
+    def _warn_once(self, key: str, message: str) -> None:
+        warn_once(f"{key}_{self._serial}", message)
+
+    def _skip_unrequested(self, current: _Pass, batch: str) -> None:
+        """An order armed for one request: a step without that sequence is no dumped step."""
+        window = self._control.window if self._control is not None else None
+        if window is None or window.order.request is None:
+            return
+        if window.order.request not in {str(s) for s in json.loads(batch)["seq_ids"]}:
+            current.selected = False
+
+    def _arm(self, step: int) -> bool:
+        """Control mode, at a step boundary: whether this step is armed, with the order's overrides."""
+        assert self._control is not None
+        window, changed = self._control.at_boundary(step)
+        order = window.order if window is not None else None
+        self._idle = order is None
+        self._mode = (order.mode if order and order.mode else None) or self.settings.mode
+        self._full = self._mode != "stats"
+        self._inputs = bool(order and order.inputs) or self.settings.inputs
+        self._name_filter = re.compile(order.filter) if order and order.filter else None
+        if changed:
+            settings = {**self._writer.manifest.get("settings", {}), "mode": self._mode}
+            self._writer.write_manifest(control=self._control.state(), settings=settings)
+        return order is not None
 
     def _open_auto_pass(self) -> bool:
         """Called by the root pre-hook: a pass per root forward when the engine opened none.
@@ -600,7 +652,7 @@ class Dumper:
         The pass belongs to the calling thread. A root forward entering from another thread while
         it is open would mix two forwards into one pass: that forward is refused instead (see
         :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
-        if self._suspended():
+        if self._suspended() or self._step_depth:
             return False
         me = threading.get_ident()
         with self._lock:
@@ -642,6 +694,8 @@ class Dumper:
         if current is None or current.is_warmup:
             return
         self._next_index = current.index + 1
+        if self._control is not None and current.selected:
+            self._control.counted()
         if truncated and current.selected:
             current.truncated = True
             self._truncated.append(current.index)
@@ -649,7 +703,7 @@ class Dumper:
         try:
             if current.entries:  # a pass whose last capture was spilled has no tail: no empty part file
                 part = current.parts + 1 if current.parts else None
-                self._writer.submit(current.take_job(part, self.settings.mode))
+                self._writer.submit(current.take_job(part, self._mode))
             if current.stats:
                 self._writer.submit(StatsJob(current.index, current.stats))
         except Exception as e:
@@ -658,6 +712,10 @@ class Dumper:
     # ---------------------------------------------------------------- hot path
 
     def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
+        if self._idle or (is_input and not self._inputs):
+            return
+        if self._name_filter is not None and not self._name_filter.search(name):
+            return
         current, suspended = self._pass, self._suspended()
         if current is None:
             if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
@@ -725,7 +783,7 @@ class Dumper:
                 self.skipped["unsupported_tensor"] += 1
                 continue
             if self._full:
-                kept = last_row(tensor, settings.token_dim) if settings.mode == "last_row" else tensor
+                kept = last_row(tensor, settings.token_dim) if self._mode == "last_row" else tensor
                 host, event = copy_to_host(kept, self._sync_escape, self._writer.buffers)
                 current.add(f"{name}{suffix}{call_suffix}", host, event)
                 self._apply_back_pressure(current)
@@ -762,7 +820,7 @@ class Dumper:
         self._writer.wait_below(cap - current.nbytes)
         if current.nbytes > cap or current.nbytes + self._writer.pending_bytes > cap:
             current.parts += 1
-            self._writer.submit(current.take_job(current.parts, self.settings.mode))
+            self._writer.submit(current.take_job(current.parts, self._mode))
 
     def _record_safely(
         self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False
@@ -773,7 +831,7 @@ class Dumper:
             self._report_run_error(f"record({tag!r})", e)
 
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
-        if self._closed or self._suspended() or (once and tag in self._once_tags):
+        if self._idle or self._closed or self._suspended() or (once and tag in self._once_tags):
             return
         if not gates.row_gate_allows(self._rows, self.settings.max_rows):
             self.skipped["row_gate"] += 1  # a warm-up call uses no record_step number either

@@ -286,6 +286,11 @@ class _DumpFields(BaseModel):
         False,
         description="`1` also captures each selected module's inputs, keyed `name@in[0]`, `name@in[kw]`.",
     )
+    control: bool = Field(
+        False,
+        description="`1` attaches disarmed (hooks in place, nothing captured) until `tracedump arm DIR` "
+        "orders steps; `tracedump disarm DIR` ends them (see docs/operations.md).",
+    )
     max_pending_bytes: int = Field(
         DEFAULT_MAX_PENDING_BYTES,
         description="Cap on host memory held by captures not yet on disk "

@@ -1,0 +1,228 @@
+"""Arming a live engine: ``TRACEDUMP_DUMP_CONTROL=1``, ``tracedump arm`` / ``disarm``, the order file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracedump
+import tracedump.cli
+from tracedump.control import ORDER_FILE, Order, watchers, write_order
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _steps(dumper: tracedump.Dumper, model: torch.nn.Module, count: int, **batch: object) -> None:
+    for _ in range(count):
+        with dumper.step():
+            if batch:
+                dumper.set_batch(**batch)  # type: ignore[arg-type]
+            model(torch.ones(2, 4))
+
+
+def _passes(dump: Path) -> list[str]:
+    return sorted(p.name for p in next(dump.glob("rank*")).glob("pass*.safetensors"))
+
+
+def _arm(dump: Path, *args: str) -> int:
+    return tracedump.cli.main(["arm", str(dump), *args])
+
+
+def _attach(dump: Path, model: torch.nn.Module, **settings: object) -> tracedump.Dumper:
+    dumper = tracedump.attach(model, {"dir": str(dump), "control": True, **settings})
+    assert dumper is not None
+    return dumper
+
+
+def test_control_attaches_disarmed_hooks_in_place_no_pass_file(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    assert any(m._forward_hooks for m in model.modules())
+    _steps(dumper, model, 5)
+    tracedump.record("logits", torch.ones(3))
+    dumper.close()
+    run_dir = next(tmp_path.glob("rank*"))
+    assert _passes(tmp_path) == [] and not (run_dir / "records.safetensors").exists()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["control"]["state"] == "idle" and manifest["skipped"] == {}
+
+
+def test_arm_for_n_steps_then_idle_and_disarm_ends_an_open_order(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 2)
+    assert _arm(tmp_path, "--steps", "3") == 0
+    _steps(dumper, model, 60)  # the order starts a few steps ahead: by the heartbeat's step rate
+    dumped = _passes(tmp_path)
+    assert len(dumped) == 3 and dumped == sorted(dumped)
+    first = int(dumped[0][4:9])
+    assert [int(n[4:9]) for n in dumped] == [first, first + 1, first + 2]  # named by engine step
+    assert _arm(tmp_path) == 0  # until disarmed
+    _steps(dumper, model, 60)
+    assert tracedump.cli.main(["disarm", str(tmp_path)]) == 0
+    _steps(dumper, model, 3)
+    dumper.close()
+    assert len(_passes(tmp_path)) > 3
+    manifest = json.loads((next(tmp_path.glob("rank*")) / "manifest.json").read_text())
+    events = [o["event"] for o in manifest["control"]["orders"]]
+    assert "done" in events and "disarmed" in events and manifest["control"]["state"] == "idle"
+    listing = subprocess.run(
+        [sys.executable, "-m", "tracedump", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert "control idle" in listing.stdout and "disarmed at step" in listing.stdout
+
+
+def test_an_armed_window_honours_filter_mode_and_inputs(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert _arm(tmp_path, "--steps", "1", "--filter", "^2$", "--inputs") == 0
+    _steps(dumper, model, 60)
+    dumper.close()
+    (name,) = _passes(tmp_path)
+    stored = tracedump.load_pass(next(tmp_path.glob("rank*")) / name)
+    assert set(stored) == {"2", "2@in[0]"}
+
+
+def test_request_targeted_arming_dumps_only_steps_holding_that_sequence(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1, seq_ids=[1, 2])
+    assert _arm(tmp_path, "--steps", "2", "--request", "7") == 0
+    _steps(dumper, model, 60, seq_ids=[1, 2])
+    _steps(dumper, model, 1, seq_ids=[7, 2])
+    _steps(dumper, model, 2, seq_ids=[1, 1])
+    _steps(dumper, model, 3, seq_ids=[7, 7])
+    dumper.close()
+    run = tracedump.open_dump(tmp_path).run()
+    assert len(run.passes) == 2
+    assert all(7 in batch.seq_ids for batch in run.batches().values())
+
+
+def test_bad_orders_are_refused_by_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _arm(tmp_path) == 2
+    assert "no engine watches it" in capsys.readouterr().err
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert _arm(tmp_path, "--steps", "-1") == 2
+    assert "--steps -1" in capsys.readouterr().err
+    assert _arm(tmp_path, "--filter", "(") == 2
+    assert "invalid regex" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        _arm(tmp_path, "--mode", "everything")
+    assert exit_info.value.code == 2
+    assert _arm(tmp_path / "nothing") == 2
+    dumper.close()
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+@pytest.mark.parametrize("how", ["corrupt", "writable by others"])
+def test_an_order_file_it_may_not_obey_is_ignored_with_one_warning(tmp_path: Path, how: str) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    path = tmp_path / ORDER_FILE
+    if how == "corrupt":
+        path.write_text("{not json")
+        path.chmod(0o600)
+    else:
+        write_order(tmp_path, Order(id=1, action="arm", steps=2))
+        path.chmod(0o666)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 3)
+        os.utime(path)  # touched again: still ignored, not warned twice
+        _steps(dumper, model, 2)
+    dumper.close()
+    messages = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(messages) == 1 and ORDER_FILE in messages[0]
+    assert _passes(tmp_path) == []
+
+
+def test_without_control_nothing_changes(tmp_path: Path) -> None:
+    model = _model()
+    dumper = tracedump.attach(model, {"dir": str(tmp_path)})
+    assert dumper is not None
+    _steps(dumper, model, 2)
+    dumper.close()
+    assert _passes(tmp_path) == ["pass00000.safetensors", "pass00001.safetensors"]
+    assert "control" not in json.loads((next(tmp_path.glob("rank*")) / "manifest.json").read_text())
+
+
+def _server(out: Path, steps: int, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRACEDUMP_")}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "server.py"), "--steps", str(steps), "--out", str(out),
+         "--port", str(port), "--pause", "0.02"],
+        env={**clean, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_heartbeats(dump: Path, ranks: int, server: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = watchers(dump) if dump.is_dir() else []
+        if len(found) == ranks and all(w.rate > 0 for w in found):
+            return
+        assert server.poll() is None, server.communicate()[0][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("the server never started watching")
+
+
+def _wait_until_done(dump: Path, server: subprocess.Popen[str]) -> None:
+    """Until every rank's manifest records the order as done."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        manifests = [json.loads((run / "manifest.json").read_text()) for run in dump.glob("rank*")]
+        if manifests and all(
+            any(o["event"] == "done" for o in m.get("control", {}).get("orders", [])) for m in manifests
+        ):
+            return
+        assert server.poll() is None, server.communicate()[0][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("the armed steps never finished")
+
+
+def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank(tmp_path: Path) -> None:
+    dump = tmp_path / "live"
+    env = {"TRACEDUMP_DUMP_DIR": str(dump), "TRACEDUMP_DUMP_CONTROL": "1"}
+    server = _server(tmp_path / "on", 300, env, 29541)
+    try:
+        _wait_for_heartbeats(dump, 2, server)
+        armed = subprocess.run(
+            [sys.executable, "-m", "tracedump", "arm", str(dump), "--steps", "3"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert armed.returncode == 0, armed.stderr
+        _wait_until_done(dump, server)
+        assert tracedump.cli.main(["disarm", str(dump)]) == 0  # while it serves on
+        output, _ = server.communicate(timeout=240)
+        assert server.returncode == 0, output[-3000:]
+    finally:
+        server.kill()
+    runs = sorted(dump.glob("rank*"))
+    assert len(runs) == 2
+    dumped = [sorted(p.name for p in run.glob("pass*.safetensors")) for run in runs]
+    assert len(dumped[0]) == 3 and dumped[0] == dumped[1]  # the same steps on both ranks
+    assert tracedump.cli.main(["disarm", str(dump)]) == 2  # the engine is gone: nobody watches
+    off = _server(tmp_path / "off", 300, {}, 29542)
+    assert off.wait(timeout=240) == 0
+    for rank in (0, 1):
+        on_logits = torch.load(tmp_path / "on" / f"rank{rank}.pt")
+        off_logits = torch.load(tmp_path / "off" / f"rank{rank}.pt")
+        assert len(on_logits) == len(off_logits) == 300
+        assert all(torch.equal(a, b) for a, b in zip(on_logits, off_logits, strict=True))
