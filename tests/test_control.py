@@ -83,7 +83,7 @@ def test_arm_for_n_steps_then_idle_and_disarm_ends_an_open_order(tmp_path: Path)
     listing = subprocess.run(
         [sys.executable, "-m", "tracedump", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
-    assert "control idle" in listing.stdout and "disarmed at step" in listing.stdout
+    assert "control closed" in listing.stdout and "disarmed at step" in listing.stdout
 
 
 def test_an_armed_window_honours_filter_mode_and_inputs(tmp_path: Path) -> None:
