@@ -560,3 +560,43 @@ def test_show_reads_float4_and_pt_files(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["show", str(tmp_path / "ref.pt")]) == 0
     out = capsys.readouterr().out
     assert "h" in out and "3" in out and "float32" in out
+
+
+# ------------------------------------------------------------------ 11. diff options checked cheaply
+
+
+def test_a_huge_pass_range_stays_a_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import tracemalloc
+
+    from tracedump.cli import main
+
+    run_dir = _one_pass_dump(tmp_path / "d")
+    capsys.readouterr()
+    tracemalloc.start()
+    try:
+        assert main(["diff", str(run_dir), str(run_dir), "--pass", "0-99999999999", "--no-progress"]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert "--pass 1-99999999999: not in both dumps" in err and len(err) < 500
+    assert peak < 50 << 20
+    assert main(["diff", str(run_dir), str(run_dir), "--pass", "0,0-0", "--no-progress"]) == 0
+
+
+def test_a_plot_path_of_an_unknown_format_fails_before_the_diff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    import tracedump.compare.diff
+    from tracedump.cli import main
+
+    run_dir = _one_pass_dump(tmp_path / "d")
+    capsys.readouterr()
+
+    def no_diff(_options: object) -> None:
+        raise AssertionError("the diff ran before --plot was checked")
+
+    monkeypatch.setattr(tracedump.compare.diff, "build_report", no_diff)
+    assert main(["diff", str(run_dir), str(run_dir), "--plot", str(tmp_path / "x.txt")]) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "x.txt").exists()
