@@ -600,3 +600,58 @@ def test_a_plot_path_of_an_unknown_format_fails_before_the_diff(
     monkeypatch.setattr(tracedump.compare.diff, "build_report", no_diff)
     assert main(["diff", str(run_dir), str(run_dir), "--plot", str(tmp_path / "x.txt")]) == 2
     assert "--plot" in capsys.readouterr().err and not (tmp_path / "x.txt").exists()
+
+
+# ------------------------------------------------------------------ 12. every dtype written is read back
+
+
+class _Exotic(nn.Module):
+    """Leaves returning each dtype the dumper writes that numpy has no type for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaves = nn.ModuleList(_Cast(dtype) for dtype in _EXOTIC)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for leaf in self.leaves:
+            leaf(x)
+        return x
+
+
+_EXOTIC = [
+    torch.complex64,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+]
+
+
+def _exotic_cast(self: _Cast, x: torch.Tensor) -> torch.Tensor:
+    if self.dtype.is_complex:
+        return torch.polar(torch.ones_like(x), x).to(self.dtype)
+    if self.dtype == torch.float4_e2m1fn_x2:
+        return (x.abs() * 7).to(torch.uint8).view(torch.float4_e2m1fn_x2)
+    return x.to(self.dtype)
+
+
+def test_a_self_diff_of_every_exotic_dtype_exits_0_and_a_changed_value_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    monkeypatch.setattr(_Cast, "forward", _exotic_cast)
+    model = _Exotic()
+    for name, scale in (("a", 1.0), ("b", 1.0), ("c", 3.0)):
+        with tracedump.attach(model, {"dir": tmp_path / name}), torch.no_grad():
+            model(torch.linspace(0.1, 2.0, 8).reshape(2, 4) * scale)
+    capsys.readouterr()
+    stored = tracedump.open_dump(tmp_path / "a").run().passes[0]
+    assert [stored.info(n).dtype for n in stored.names] == [str(d).removeprefix("torch.") for d in _EXOTIC]
+    assert stored.load()["leaves.4"].shape == (2, 4)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "compared 5 tensors" in out
+    assert main(["diff", str(tmp_path / "c"), str(tmp_path / "a"), "--no-progress", "--max-rows", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "compared 5 tensors" in out and "5 diverged" in out

@@ -41,6 +41,11 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    # two 4-bit values a byte; the header counts values, torch's float4_e2m1fn_x2 counts bytes
+    "F4": ("float4_e2m1fn_x2", 1),
     "I64": ("int64", 8),
     "I32": ("int32", 4),
     "I16": ("int16", 2),
@@ -150,6 +155,10 @@ def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
     name, width = SAFETENSORS_DTYPES.get(raw, (raw.lower(), 0))
     shape = tuple(int(s) for s in spec["shape"])
+    if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
+        if not shape or shape[-1] % 2:
+            raise ValueError(f"an F4 tensor of shape {list(shape)} does not fill whole bytes")
+        shape = (*shape[:-1], shape[-1] // 2)
     begin, end = (int(offset) for offset in spec["data_offsets"])
     if not 0 <= begin <= end or (width and end - begin != math.prod(shape) * width):
         raise ValueError(f"data_offsets {[begin, end]} do not hold a {raw} tensor of shape {list(shape)}")
