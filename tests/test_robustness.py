@@ -655,3 +655,45 @@ def test_a_self_diff_of_every_exotic_dtype_exits_0_and_a_changed_value_exits_1(
     assert main(["diff", str(tmp_path / "c"), str(tmp_path / "a"), "--no-progress", "--max-rows", "0"]) == 1
     out = capsys.readouterr().out
     assert "compared 5 tensors" in out and "5 diverged" in out
+
+
+# ------------------------------------------------------------------ 15. sizes: on disk, one unit
+
+
+def test_ls_counts_a_stats_dump_s_bytes_and_every_size_uses_binary_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path, "mode": "stats"}) as dumper, torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(1, 4))
+    closing = capsys.readouterr().err
+    size = (dumper.run_dir / "stats.jsonl").stat().st_size
+    assert size > 0
+    assert f"3 passes, {size} B" in closing
+    assert main(["ls", str(tmp_path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if dumper.run_dir.name in line)
+    assert f"{size} B" in row
+
+
+def test_human_bytes_says_which_units_it_means() -> None:
+    from tracedump.units import human_bytes
+
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(20 << 20) == "20.0 MiB"
+
+
+def test_the_run_summary_counts_what_is_on_disk_when_the_manifest_lags(tmp_path: Path) -> None:
+    from tracedump.launch.command import summary_lines
+
+    run_dir = _one_pass_dump(tmp_path / "d")
+    manifest = _manifest(run_dir)
+    manifest.update(complete=False, passes={"count": 0, "bytes": 0, "files": 0, "indices": []})
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))  # as a terminated worker leaves it
+    size = (run_dir / "pass00000.safetensors").stat().st_size
+    lines = summary_lines(tmp_path / "d", set())
+    assert lines[0].endswith(f", {size} B")
+    assert f"1 passes, {size} B, INCOMPLETE (the process ended without closing its dumper" in lines[1]

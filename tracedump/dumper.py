@@ -51,6 +51,7 @@ from .settings import (
     load_callable,
     load_settings,
 )
+from .units import human_bytes
 from .writer import (
     MANIFEST,
     RECORDS_FILE,
@@ -813,7 +814,7 @@ class Dumper:
             records_file=RECORDS_FILE if self._loose else None,
         )
         print(
-            f"tracedump: {self.run_dir}: {len(totals.passes)} passes, {totals.bytes / 1e6:.1f} MB"
+            f"tracedump: {self.run_dir}: {len(totals.passes)} passes, {human_bytes(totals.bytes)}"
             + (f"; skipped {skipped}" if skipped else ""),
             file=sys.stderr,
         )

@@ -10,6 +10,7 @@ files of a pass too large for the memory cap are reassembled transparently.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -415,6 +416,18 @@ class Run:
     @property
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of this run's data files as they are on disk (pass and part files, records,
+        ``stats.jsonl``), whatever the manifest last said."""
+        total = 0
+        for path in _listing(self.path):
+            if PASS_RE.match(path.name) or path.name in (RECORDS_FILE, STATS_FILE, STATS_PARTIAL):
+                with contextlib.suppress(OSError):
+                    info = path.stat()
+                    total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+        return total
 
     @property
     def root(self) -> str:
