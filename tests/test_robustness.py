@@ -697,3 +697,43 @@ def test_the_run_summary_counts_what_is_on_disk_when_the_manifest_lags(tmp_path:
     lines = summary_lines(tmp_path / "d", set())
     assert lines[0].endswith(f", {size} B")
     assert f"1 passes, {size} B, INCOMPLETE (the process ended without closing its dumper" in lines[1]
+
+
+# ------------------------------------------------------------------ 7. Pool workers terminated at exit
+
+_POOL_PROGRAM = """
+import multiprocessing as mp, sys, torch
+from torch import nn
+import tracedump
+
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+dumper = tracedump.attach(model, {"dir": sys.argv[1]})
+
+def task(i):
+    with torch.no_grad():
+        return float(model(torch.full((1, 4), float(i))).sum())
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(2) as pool:  # __exit__ terminates the workers
+        print(pool.map(task, range(6), chunksize=1))
+"""
+
+
+def test_pool_workers_terminated_by_with_pool_keep_every_task_s_pass(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_PROGRAM)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "d")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    workers = [r for r in tracedump.open_dump(tmp_path / "d").runs if r.passes]
+    assert sum(len(r.passes) for r in workers) == 6  # one pass per task, none lost
+    for run in workers:
+        assert run.manifest["passes"]["indices"] == sorted(run.passes)  # the manifest lists them
+        # a worker that exits before terminate() reaches it closes normally; one killed says why
+        assert run.manifest["complete"] or "multiprocessing worker" in run.manifest["incomplete_reason"]
+        assert all(sorted(p.names) == ["0", "1"] for p in run.passes.values())

@@ -623,8 +623,21 @@ class Dumper:
                 self._writer.submit(current.take_job(part, self.settings.mode))
             if current.stats:
                 self._writer.submit(StatsJob(current.index, current.stats))
+            if _in_worker_process():
+                self._flush_for_termination()
         except Exception as e:
             self._report_run_error(f"pass {current.index}", e)
+
+    def _flush_for_termination(self) -> None:
+        """In a multiprocessing worker, write the pass before its forward returns.
+
+        ``with Pool(...)`` ends with ``terminate()``: SIGTERM to every worker, which skips atexit
+        and multiprocessing's finalizers, so a pass still queued for the writer thread would be
+        lost and the manifest would list none. Here the pass is on disk, and listed, when the
+        task's forward returns; the manifest says why it may stay unclosed."""
+        self._writer.flush()
+        if self._failure is None:
+            self._writer.write_manifest(incomplete_reason=_WORKER_NOT_CLOSED, skipped=dict(self.skipped))
 
     # ---------------------------------------------------------------- hot path
 
@@ -824,6 +837,19 @@ class Dumper:
                 f"skipped_{self._serial}",
                 f"tracedump: {self.run_dir}: captures lost: {losses} (see manifest.json 'skipped')",
             )
+
+
+_WORKER_NOT_CLOSED = (
+    "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
+    "listed here was flushed when its forward returned"
+)
+
+
+def _in_worker_process() -> bool:
+    """A multiprocessing child (Pool worker, Process): it may be terminated without any exit hook.
+    Only looked at when multiprocessing is already imported; importing it here would cost the host."""
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and mp.parent_process() is not None
 
 
 def _check_tag(tag: str) -> None:
