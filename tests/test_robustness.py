@@ -737,3 +737,63 @@ def test_pool_workers_terminated_by_with_pool_keep_every_task_s_pass(tmp_path: P
         # a worker that exits before terminate() reaches it closes normally; one killed says why
         assert run.manifest["complete"] or "multiprocessing worker" in run.manifest["incomplete_reason"]
         assert all(sorted(p.names) == ["0", "1"] for p in run.passes.values())
+
+
+# ------------------------------------------------------------------ 8. torch.compile is never silent
+
+
+@pytest.fixture
+def _reset_dynamo() -> object:
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_runs(tmp_path: Path, setup: str) -> tuple[tracedump.Dumper, list[str]]:
+    model = _Two()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dumper = tracedump.attach(model, {"dir": tmp_path})
+        with torch.no_grad():
+            if setup == "eager_then_compiled":
+                model(torch.ones(1, 4))
+            if setup == "in_place":
+                model.compile(backend="eager")
+                call = model
+            else:
+                call = torch.compile(model, backend="eager", fullgraph=True)
+            for _ in range(3):
+                call(torch.ones(1, 4))
+        dumper.close()
+    return dumper, tracedump_warnings(caught)
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+@pytest.mark.parametrize("setup", ["attach_then_compile", "eager_then_compiled", "in_place"])
+def test_a_compiled_call_of_a_dumped_model_warns_once_and_marks_the_manifest(
+    tmp_path: Path, setup: str
+) -> None:
+    dumper, messages = _compiled_runs(tmp_path, setup)
+    compiled = [m for m in messages if "torch.compile is compiling the dumped _Two" in m]
+    assert len(compiled) == 1 and "--no-compile" in compiled[0]
+    anomalies = _manifest(dumper.run_dir)["anomalies"]
+    assert "passes are missing" in anomalies["compiled"]
+    expected = [0] if setup == "eager_then_compiled" else []
+    assert sorted(read_passes(dumper.run_dir)) == expected
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+def test_diff_says_a_side_lacks_passes_because_it_ran_compiled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    _compiled_runs(tmp_path / "compiled", "eager_then_compiled")
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path / "eager"}), torch.no_grad():
+        for _ in range(4):
+            model(torch.ones(1, 4))
+    capsys.readouterr()
+    main(["diff", str(tmp_path / "compiled"), str(tmp_path / "eager"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert "passes only in B: 1, 2, 3" in out
+    assert "note: A rank0_pid" in out and "torch.compile compiled this model's forward" in out

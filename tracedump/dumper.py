@@ -89,6 +89,23 @@ _INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
 _MAX_ERRORS_KEPT = 20  # distinct error messages kept for the manifest's "errors"
 
 
+def note_compiled() -> None:
+    """Dynamo is compiling a forward with tracedump's hooks in it (see ``hooks.traced_by_dynamo``):
+    every open dumper warns once and marks its manifest; with none yet (``tracedump run`` before
+    its first root), one warning says what will happen."""
+    if not _active:
+        warn_once("compiled_without_dumper", _COMPILED_WARNING.format(what="a module forward"))
+    for dumper in list(_active):
+        dumper._note_compiled()
+
+
+_COMPILED_WARNING = (
+    "tracedump: torch.compile is compiling {what}; a compiled graph runs no hooks, so its calls "
+    "are not dumped and their passes will be missing. Skip compiling while dumping: "
+    "tracedump.resolve_compile(), TORCHDYNAMO_DISABLE=1, or `tracedump run --no-compile`."
+)
+
+
 def active_dumper() -> Dumper | None:
     """The most recently attached open dumper (the target of module-level ``record()``)."""
     return _active[-1] if _active else None
@@ -586,6 +603,17 @@ class Dumper:
                 return False
             self._pass.owner = me  # type: ignore[union-attr]
             return True
+
+    def _note_compiled(self) -> None:
+        """Once per dumper: warn that compiled calls go undumped, and say so in the manifest."""
+        if self._closed or "compiled" in self._anomalies:
+            return
+        self._anomalies["compiled"] = (
+            f"torch.compile compiled this model's forward (first at pass {self.pass_index}); compiled "
+            "calls run no capture hook, so their passes are missing"
+        )
+        self._writer.write_manifest(anomalies=dict(self._anomalies))
+        warn_once(f"compiled_{self._serial}", _COMPILED_WARNING.format(what=f"the dumped {self.root_label}"))
 
     def _refuse_concurrent(self, count: bool = True) -> None:
         """Count a capture of a thread that does not own the open pass; say it once."""

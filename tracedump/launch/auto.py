@@ -31,7 +31,7 @@ from torch.nn.modules import module as torch_module
 
 from ..cuda import warn_once
 from ..dumper import Dumper, original_module
-from ..hooks import RootPassHooks, forward_calls_on_stack
+from ..hooks import RootPassHooks, forward_calls_on_stack, traced_by_dynamo
 from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
 
 _installed: AutoAttach | None = None
@@ -119,6 +119,7 @@ class AutoAttach:
 
     def _before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # a traced forward: stay out of Dynamo's graph
+            traced_by_dynamo()  # ... but say that its calls go undumped
             return
         depth = getattr(self._local, "depth", 0)
         if depth and self._left_behind(module):

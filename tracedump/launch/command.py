@@ -220,7 +220,8 @@ def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
     if not new:
         return [
             f"tracedump run: nothing written to {dump_dir}: no Python process under COMMAND ran a "
-            "torch module forward (or Python started with -S/-I/-E, which skip the bootstrap)."
+            "torch module forward eagerly (torch.compile'd forwards run no hooks: try --no-compile; "
+            "or Python started with -S/-I/-E, which skip the bootstrap)."
         ]
     runs = [run for run in open_dump(dump_dir).runs if run.path.name in new]
     # What is on disk, not what the manifests say: a process killed (or a Pool worker terminated)
