@@ -797,3 +797,73 @@ def test_diff_says_a_side_lacks_passes_because_it_ran_compiled(
     out = capsys.readouterr().out
     assert "passes only in B: 1, 2, 3" in out
     assert "note: A rank0_pid" in out and "torch.compile compiled this model's forward" in out
+
+
+# ------------------------------------------------------------------ 16. roots and passes
+
+
+def _tiny_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config).eval()
+
+
+def test_generate_s_encoder_forward_is_dumped_into_the_first_pass(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    model = _tiny_t5()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with tracedump.attach(model, {"dir": tmp_path}), torch.no_grad():
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        expected = model.encoder(input_ids=ids).last_hidden_state
+    run = tracedump.open_dump(tmp_path).run()
+    assert sorted(run.passes)[:3] == [0, 1, 2]
+    first = run.passes[0]
+    assert "encoder.final_layer_norm" in first.names and "lm_head" in first.names
+    assert first.names.index("encoder.final_layer_norm") < first.names.index("lm_head")  # in time order
+    torch.testing.assert_close(first["encoder.final_layer_norm"], expected)
+    assert not any(n.startswith("encoder.") for n in run.passes[1].names)
+    assert "outside_pass" not in run.manifest["skipped"]
+
+
+def test_under_tracedump_run_a_part_of_a_known_root_called_alone_is_no_new_root(tmp_path: Path) -> None:
+    from tracedump.launch.auto import AutoAttach
+    from tracedump.settings import load_settings
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    auto = AutoAttach(load_settings({"dir": tmp_path}))
+    auto.register()
+    try:
+        with torch.no_grad():
+            net(torch.ones(1, 4))
+            net[0](torch.full((1, 4), 2.0))  # the part alone, then the root again
+            net(torch.ones(1, 4))
+    finally:
+        auto.remove()
+    assert list(auto.roots) == ["Sequential"]
+    passes = read_passes(tracedump.open_dump(tmp_path).run().path)
+    assert sorted(passes) == [0, 1] and sorted(passes[1]) == ["0", "0::call1", "1"]
+    with torch.no_grad():
+        assert torch.equal(passes[1]["0"], net[0](torch.full((1, 4), 2.0)))
+
+
+def test_ls_shows_each_run_s_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tracedump.cli import main
+
+    _one_pass_dump(tmp_path)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "root" in out and "_Two" in out

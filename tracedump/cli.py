@@ -33,7 +33,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     dump = open_dump(args.dir)
     table = Table(title=escape(f"tracedump {dump.path}"))
-    for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete"):
+    for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete", "root"):
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
     for run in dump.runs:
         passes = run.passes
@@ -49,6 +49,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             str(tensors),
             human_bytes(size),
             "yes" if run.complete else "no",
+            Text(run.root),  # the model this run followed: tells several roots of one process apart
         )
     console().print(table)
     return EXIT_OK

@@ -175,7 +175,9 @@ class _Pass:
     __slots__ = (
         "calls",
         "entries",
+        "first",
         "gated",
+        "implicit",
         "index",
         "kept",
         "nbytes",
@@ -202,6 +204,8 @@ class _Pass:
         self.kept = 0
         self.truncated = False  # the forward (or step) that owned it ended by an exception
         self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
+        self.implicit = False  # opened by a capture outside every pass, for the next root forward
+        self.first: tuple[str, bool] | None = None  # the capture that opened an implicit pass
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -483,6 +487,8 @@ class Dumper:
     def step(self) -> Iterator[Dumper]:
         """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
         opened = self._open_pass() if self._pass is None and not self._suspended() else False
+        if not opened and self._adopt_implicit(owner=None):
+            opened = True
         try:
             yield self
         except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
@@ -597,12 +603,32 @@ class Dumper:
                 if current.owner not in (None, me):
                     self._local.concurrent = True
                     self._refuse_concurrent(count=False)
-                return False
+                    return False
+                return self._adopt_implicit(owner=me)
             self._local.concurrent = False
             if not self._open_pass():
                 return False
             self._pass.owner = me  # type: ignore[union-attr]
             return True
+
+    def _open_implicit_pass(self) -> _Pass | None:
+        """A selected module ran with no pass open (``generate()`` runs the encoder of an
+        encoder-decoder model before its first root forward): open a pass that the next root
+        forward (or ``step()``) adopts as its own, so those captures land in the pass they belong
+        to instead of being dropped as ``outside_pass``."""
+        with self._lock:
+            if self._pass is None and self._open_pass():
+                self._pass.implicit = True  # type: ignore[union-attr]
+                self._pass.owner = threading.get_ident()  # type: ignore[union-attr]
+            return self._pass
+
+    def _adopt_implicit(self, owner: int | None) -> bool:
+        """Make an implicit pass of this thread the pass of the root forward (or step) starting."""
+        current = self._pass
+        if current is None or not current.implicit or current.owner != threading.get_ident():
+            return False
+        current.implicit, current.owner = False, owner
+        return True
 
     def _note_compiled(self) -> None:
         """Once per dumper: warn that compiled calls go undumped, and say so in the manifest."""
@@ -674,9 +700,22 @@ class Dumper:
         if current is None:
             if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
                 self.skipped["concurrent_thread"] += 1
-            elif not suspended:
+                return
+            if suspended:
+                return
+            current = self._open_implicit_pass()
+            if current is None:
                 self.skipped["outside_pass"] += 1
-            return
+                return
+            current.first = (name, is_input)
+        elif current.implicit and current.first == (name, is_input):
+            # The module that began it runs again with still no root forward: an engine stepping
+            # submodules itself (no step()). Each such round becomes a pass of its own.
+            self._close_pass()
+            current = self._open_implicit_pass()
+            if current is None:
+                return
+            current.first = (name, is_input)
         if current.owner is not None and current.owner != threading.get_ident():
             self._refuse_concurrent()
             return

@@ -161,7 +161,7 @@ class AutoAttach:
 
     def _on_root_call(self, module: nn.Module, args: Any) -> None:
         target = original_module(module)
-        if self._known(target):
+        if self._known(target) or self._inside_known_root(target):
             return
         with self._lock:
             if self._known(target):  # another thread got here first
@@ -169,6 +169,17 @@ class AutoAttach:
             root = self._new_root(module, target)
         if root.dumper is not None and target is module and not self._late_hooks_fire:
             _replay_pre_hooks(root.dumper, module, args)
+
+    def _inside_known_root(self, target: nn.Module) -> bool:
+        """A part of a root already dumped, called on its own (``generate()`` runs the encoder of an
+        encoder-decoder model by itself): not a new root. The root's dumper, whose hooks are
+        already on it, puts its captures into the pass of the root's next forward, under their
+        full names (``encoder.block.0``)."""
+        for root in list(self._roots.values()):
+            module = root.module()
+            if root.dumper is not None and module is not None and id(target) in self._members(module):
+                return True
+        return False
 
     def _known(self, target: nn.Module) -> bool:
         root = self._roots.get(id(target))
