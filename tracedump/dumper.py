@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import gates
 from ._version import __version__
@@ -332,6 +333,7 @@ class Dumper:
         root = self._root_hooks = RootPassHooks(self)
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
         self._last_hooks: list[tuple[dict[int, Any], int]] = []
+        self._hooks_epoch = -1
         for name, module in self.modules:
             if self.settings.inputs:
                 handle = module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True)
@@ -354,9 +356,13 @@ class Dumper:
         every outermost root forward, before any selected module's hooks are read for that call:
         a check per selected module (is ours last?), a move only when a host hook was added.
         """
+        epoch = RemovableHandle.next_id  # torch numbers every hook it registers, anywhere
+        if epoch == self._hooks_epoch:
+            return  # no hook was added since the last check: ours are still last
         for hooks, hook_id in self._last_hooks:
             if hook_id in hooks and next(reversed(hooks)) != hook_id:
                 hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
+        self._hooks_epoch = epoch
 
     def _start_writer(self) -> Writer:
         manifest = {
