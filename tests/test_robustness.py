@@ -873,3 +873,56 @@ def test_ls_shows_each_run_s_root(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "root" in out and "_Two" in out
+
+
+class _EncDec(nn.Module):
+    """A model whose own methods call its parts without its forward, as ``generate()`` and
+    ``vae.decode()`` do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.post = nn.Linear(4, 4)
+        self.decoder = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)
+
+    def generate(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        memory = self.encoder(x)
+        for _ in range(steps):
+            memory = self(memory)
+        return memory
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.post(z))
+
+
+def test_under_tracedump_run_parts_called_by_the_model_s_own_methods_belong_to_the_model(
+    tmp_path: Path,
+) -> None:
+    from tracedump.launch.auto import AutoAttach
+    from tracedump.settings import load_settings
+
+    for method in ("generate", "decode"):
+        torch.manual_seed(0)
+        model = _EncDec()
+        auto = AutoAttach(load_settings({"dir": tmp_path / method}))
+        auto.register()
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    model.generate(torch.ones(1, 4), steps=2) if method == "generate" else model.decode(
+                        torch.ones(1, 4)
+                    )
+        finally:
+            auto.remove()
+        assert list(auto.roots) == ["_EncDec"], method  # not Linear / Sequential roots
+        passes = read_passes(tracedump.open_dump(tmp_path / method).run().path)
+        if method == "generate":  # the encoder joins the first decoder forward's pass
+            assert [sorted(passes[i]) for i in sorted(passes)] == [
+                ["decoder.0", "decoder.1", "encoder"],
+                ["decoder.0", "decoder.1"],
+            ] * 2
+        else:  # each decode() is one pass, named by the parts' full names
+            assert [sorted(p) for p in passes.values()] == [["decoder.0", "decoder.1", "post"]] * 2

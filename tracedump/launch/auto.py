@@ -163,10 +163,11 @@ class AutoAttach:
         target = original_module(module)
         if self._known(target) or self._inside_known_root(target):
             return
+        owner = _calling_model(target)
         with self._lock:
-            if self._known(target):  # another thread got here first
+            if self._known(target) or (owner is not None and self._known(owner)):  # another thread
                 return
-            root = self._new_root(module, target)
+            root = self._new_root(owner, owner) if owner is not None else self._new_root(module, target)
         if root.dumper is not None and target is module and not self._late_hooks_fire:
             _replay_pre_hooks(root.dumper, module, args)
 
@@ -222,6 +223,33 @@ class AutoAttach:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the parent may have held it while forking
+
+
+_MAX_CALLER_FRAMES = 40
+
+
+def _calling_model(target: nn.Module) -> nn.Module | None:
+    """The model whose own method called ``target`` outside its forward, if any.
+
+    ``generate()`` runs a T5's encoder, ``vae.decode()`` a VAE's ``post_quant_conv`` and
+    ``decoder``, without the model's forward: the root is that model (``AutoencoderKL``, keys
+    ``decoder.up_blocks...``), not each part as a root of its own, which would name them by class
+    (``Decoder``) and split one model over several roots. Found by looking up the stack for the
+    nearest method of a module that holds ``target`` (not its own ``torch.compile`` wrapper);
+    walked only at a new root's first call."""
+    frame = sys._getframe(2)
+    for _ in range(_MAX_CALLER_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, nn.Module) and original_module(owner) is not target and _holds(owner, target):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _holds(owner: nn.Module, target: nn.Module) -> bool:
+    return any(part is target for part in owner.modules())
 
 
 def _attached_explicitly(module: nn.Module) -> bool:
