@@ -926,3 +926,23 @@ def test_under_tracedump_run_parts_called_by_the_model_s_own_methods_belong_to_t
             ] * 2
         else:  # each decode() is one pass, named by the parts' full names
             assert [sorted(p) for p in passes.values()] == [["decoder.0", "decoder.1", "post"]] * 2
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+def test_under_tracedump_run_an_in_place_compiled_model_says_why_nothing_is_dumped(tmp_path: Path) -> None:
+    from tracedump.launch.auto import AutoAttach
+    from tracedump.settings import load_settings
+
+    model = _Two()
+    model.compile(backend="eager")
+    auto = AutoAttach(load_settings({"dir": tmp_path}))
+    auto.register()
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            for _ in range(3):
+                model(torch.ones(1, 4))
+    finally:
+        auto.remove()
+    (message,) = [m for m in tracedump_warnings(caught) if "torch.compile" in m]
+    assert "a compiled graph runs no hooks" in message and "--no-compile" in message
