@@ -676,12 +676,14 @@ def test_ls_counts_a_stats_dump_s_bytes_and_every_size_uses_binary_units(
         for _ in range(3):
             model(torch.ones(1, 4))
     closing = capsys.readouterr().err
+    from tracedump.units import human_bytes
+
     size = (dumper.run_dir / "stats.jsonl").stat().st_size
     assert size > 0
-    assert f"3 passes, {size} B" in closing
+    assert f"3 passes, {human_bytes(size)}" in closing
     assert main(["ls", str(tmp_path)]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if dumper.run_dir.name in line)
-    assert f"{size} B" in row
+    assert human_bytes(size) in row
 
 
 def test_human_bytes_says_which_units_it_means() -> None:
@@ -832,16 +834,25 @@ def test_generate_s_encoder_forward_is_dumped_into_the_first_pass(tmp_path: Path
     model = _tiny_t5()
     ids = torch.tensor([[5, 6, 7, 8]])
     with tracedump.attach(model, {"dir": tmp_path}), torch.no_grad():
-        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        for _ in range(2):
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        model.encoder(input_ids=ids)  # called by the program itself, not by a method of the model
+    with torch.no_grad():
         expected = model.encoder(input_ids=ids).last_hidden_state
     run = tracedump.open_dump(tmp_path).run()
-    assert sorted(run.passes)[:3] == [0, 1, 2]
+    assert sorted(run.passes) == [0, 1, 2, 3, 4, 5]
+    assert [any(n.startswith("encoder.") for n in p.names) for p in run.passes.values()] == [
+        True,
+        False,
+        False,
+    ] * 2
     first = run.passes[0]
     assert "encoder.final_layer_norm" in first.names and "lm_head" in first.names
     assert first.names.index("encoder.final_layer_norm") < first.names.index("lm_head")  # in time order
     torch.testing.assert_close(first["encoder.final_layer_norm"], expected)
     assert not any(n.startswith("encoder.") for n in run.passes[1].names)
-    assert "outside_pass" not in run.manifest["skipped"]
+    # the program's own direct call of the encoder: no method of the model made it, so outside
+    assert list(run.manifest["skipped"]) == ["outside_pass"]
 
 
 def test_under_tracedump_run_a_part_of_a_known_root_called_alone_is_no_new_root(tmp_path: Path) -> None:
@@ -858,11 +869,11 @@ def test_under_tracedump_run_a_part_of_a_known_root_called_alone_is_no_new_root(
             net(torch.ones(1, 4))
     finally:
         auto.remove()
-    assert list(auto.roots) == ["Sequential"]
-    passes = read_passes(tracedump.open_dump(tmp_path).run().path)
-    assert sorted(passes) == [0, 1] and sorted(passes[1]) == ["0", "0::call1", "1"]
-    with torch.no_grad():
-        assert torch.equal(passes[1]["0"], net[0](torch.full((1, 4), 2.0)))
+    assert list(auto.roots) == ["Sequential"]  # not a second root "Linear"
+    run = tracedump.open_dump(tmp_path).run()
+    passes = read_passes(run.path)
+    assert sorted(passes) == [0, 1] and sorted(passes[1]) == ["0", "1"]
+    assert run.manifest["skipped"] == {"outside_pass": 1}  # called by no method of the model
 
 
 def test_ls_shows_each_run_s_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -946,3 +957,41 @@ def test_under_tracedump_run_an_in_place_compiled_model_says_why_nothing_is_dump
         auto.remove()
     (message,) = [m for m in tracedump_warnings(caught) if "torch.compile" in m]
     assert "a compiled graph runs no hooks" in message and "--no-compile" in message
+
+
+class _WithLogits(nn.Module):
+    """An engine-style model: ``forward`` runs the body; ``compute_logits`` runs the head after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
+def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    copies: list[tuple[int, ...]] = []
+    real_copy = tracedump.dumper.copy_to_host
+
+    def counting_copy(tensor: torch.Tensor, *args: object) -> object:
+        copies.append(tuple(tensor.shape))
+        return real_copy(tensor, *args)
+
+    monkeypatch.setattr(tracedump.dumper, "copy_to_host", counting_copy)
+    model = _WithLogits()
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        for _ in range(4):
+            model.compute_logits(model(torch.ones(1, 4)))
+    passes = read_passes(dumper.run_dir)
+    assert {i: sorted(p) for i, p in passes.items()} == {i: ["body"] for i in range(4)}  # no shift
+    assert _manifest(dumper.run_dir)["skipped"] == {"outside_pass": 4}  # as without implicit passes
+    assert copies.count((1, 8)) == 1  # the head was copied once, then no more

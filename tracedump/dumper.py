@@ -28,6 +28,7 @@ import socket
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -174,9 +175,9 @@ class _Pass:
     """What one open pass has gathered so far."""
 
     __slots__ = (
+        "anchor",
         "calls",
         "entries",
-        "first",
         "gated",
         "implicit",
         "index",
@@ -206,7 +207,7 @@ class _Pass:
         self.truncated = False  # the forward (or step) that owned it ended by an exception
         self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
         self.implicit = False  # opened by a capture outside every pass, for the next root forward
-        self.first: tuple[str, bool] | None = None  # the capture that opened an implicit pass
+        self.anchor: Any = None  # an implicit pass's anchor: the root model's method frame
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -333,6 +334,7 @@ class Dumper:
         root = self._root_hooks = RootPassHooks(self)
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
         self._last_hooks: list[tuple[dict[int, Any], int]] = []
+        self._root_ref = weakref.ref(model)
         self._hooks_epoch = -1
         for name, module in self.modules:
             if self.settings.inputs:
@@ -458,6 +460,8 @@ class Dumper:
         self._errors: dict[str, None] = {}  # each distinct error once, in order of first sight
         self._anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
         self._local = threading.local()  # per thread: was its current root forward refused?
+        self._explicit_passes = 0  # passes opened by a root forward or step() (see _settle_implicit)
+        self._implicit_off = False
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -492,8 +496,11 @@ class Dumper:
     @contextlib.contextmanager
     def step(self) -> Iterator[Dumper]:
         """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
+        self._settle_implicit()
         opened = self._open_pass() if self._pass is None and not self._suspended() else False
-        if not opened and self._adopt_implicit(owner=None):
+        if opened:
+            self._explicit_passes += 1
+        elif self._adopt_implicit(owner=None):
             opened = True
         try:
             yield self
@@ -548,6 +555,7 @@ class Dumper:
         self._detach()
         if os.getpid() != self._pid:  # a forked child that never dumped owns nothing here
             return
+        self._settle_implicit(at_close=True)
         if self._pass is not None:
             # A root forward still on record never returned: interrupted (Ctrl-C, then exit).
             self._close_pass(truncated=bool(self._root_hooks.opened))
@@ -603,6 +611,7 @@ class Dumper:
         if self._suspended():
             return False
         me = threading.get_ident()
+        self._settle_implicit()
         with self._lock:
             current = self._pass
             if current is not None:
@@ -615,17 +624,28 @@ class Dumper:
             if not self._open_pass():
                 return False
             self._pass.owner = me  # type: ignore[union-attr]
+            self._explicit_passes += 1
             return True
 
     def _open_implicit_pass(self) -> _Pass | None:
-        """A selected module ran with no pass open (``generate()`` runs the encoder of an
-        encoder-decoder model before its first root forward): open a pass that the next root
-        forward (or ``step()``) adopts as its own, so those captures land in the pass they belong
-        to instead of being dropped as ``outside_pass``."""
+        """A selected module ran with no pass open, called by a method of the root model (its
+        *anchor*: ``generate()`` running the encoder of an encoder-decoder model before the first
+        decoder forward, ``vae.decode()`` running the decoder without the VAE's forward).
+
+        The captures go into an *implicit* pass: a root forward (or ``step()``) that starts while
+        the anchor still runs adopts it as its own, so the encoder lands in pass 0 before the
+        decoder; one that ends with its anchor (no root forward inside) is settled by
+        :meth:`_settle_implicit`. A call from anywhere else stays ``outside_pass``, as before."""
+        if self._implicit_off:
+            return None
+        anchor = _outermost_frame_of(self._root_ref())
+        if anchor is None:
+            return None
         with self._lock:
             if self._pass is None and self._open_pass():
                 self._pass.implicit = True  # type: ignore[union-attr]
                 self._pass.owner = threading.get_ident()  # type: ignore[union-attr]
+                self._pass.anchor = anchor  # type: ignore[union-attr]
             return self._pass
 
     def _adopt_implicit(self, owner: int | None) -> bool:
@@ -633,8 +653,29 @@ class Dumper:
         current = self._pass
         if current is None or not current.implicit or current.owner != threading.get_ident():
             return False
-        current.implicit, current.owner = False, owner
+        current.implicit, current.owner, current.anchor = False, owner, None
+        self._explicit_passes += 1
         return True
+
+    def _settle_implicit(self, *, at_close: bool = False) -> None:
+        """End an implicit pass whose anchor method returned without a root forward inside it.
+
+        With no root-forward pass so far (a VAE only ever ``decode()``-d), each such call is a
+        pass of its own. Once root forwards have made passes, parts called after them (an engine's
+        ``compute_logits()`` after each forward) would shift every later pass index, so their
+        captures are dropped and counted as ``outside_pass``, and this dumper stops copying such
+        calls at all: what it did before, and what keeps its passes aligned with a reference."""
+        current = self._pass
+        if current is None or not current.implicit or current.owner != threading.get_ident():
+            return
+        if not at_close and current.anchor is not None and _on_stack(current.anchor):
+            return
+        if self._explicit_passes and not current.parts:
+            self._pass = None
+            self.skipped["outside_pass"] += current.kept
+            self._implicit_off = True
+            return
+        self._close_pass()
 
     def _note_compiled(self) -> None:
         """Once per dumper: warn that compiled calls go undumped, and say so in the manifest."""
@@ -713,15 +754,10 @@ class Dumper:
             if current is None:
                 self.skipped["outside_pass"] += 1
                 return
-            current.first = (name, is_input)
-        elif current.implicit and current.first == (name, is_input):
-            # The module that began it runs again with still no root forward: an engine stepping
-            # submodules itself (no step()). Each such round becomes a pass of its own.
-            self._close_pass()
-            current = self._open_implicit_pass()
-            if current is None:
-                return
-            current.first = (name, is_input)
+        elif current.implicit and not _on_stack(current.anchor):  # the anchor call returned
+            self._settle_implicit()
+            self._on_module_tensors(name, value, is_input=is_input)
+            return
         if current.owner is not None and current.owner != threading.get_ident():
             self._refuse_concurrent()
             return
@@ -923,6 +959,25 @@ def _in_worker_process() -> bool:
     Only looked at when multiprocessing is already imported; importing it here would cost the host."""
     mp = sys.modules.get("multiprocessing")
     return mp is not None and mp.parent_process() is not None
+
+
+def _outermost_frame_of(model: nn.Module | None) -> Any:
+    """The outermost running frame of a method of ``model`` (``generate``, ``decode``), or None."""
+    found, frame = None, sys._getframe(2)
+    while frame is not None and model is not None:
+        if "self" in frame.f_code.co_varnames and frame.f_locals.get("self") is model:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def _on_stack(anchor: Any) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame is anchor:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_tag(tag: str) -> None:
