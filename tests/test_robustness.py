@@ -995,3 +995,20 @@ def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards
     assert {i: sorted(p) for i, p in passes.items()} == {i: ["body"] for i in range(4)}  # no shift
     assert _manifest(dumper.run_dir)["skipped"] == {"outside_pass": 4}  # as without implicit passes
     assert copies.count((1, 8)) == 1  # the head was copied once, then no more
+
+
+def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    walks: list[int] = []
+    real_walk = tracedump.dumper._outermost_frame_of
+    monkeypatch.setattr(tracedump.dumper, "_ANCHORLESS_LIMIT", 3)
+    monkeypatch.setattr(tracedump.dumper, "_outermost_frame_of", lambda m: walks.append(1) or real_walk(m))
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        for _ in range(10):
+            model.a(torch.ones(1, 4))  # the program steps the part itself, no method of the model
+    assert len(walks) == 3
+    assert _manifest(dumper.run_dir)["skipped"] == {"outside_pass": 10}

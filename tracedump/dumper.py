@@ -462,6 +462,8 @@ class Dumper:
         self._local = threading.local()  # per thread: was its current root forward refused?
         self._explicit_passes = 0  # passes opened by a root forward or step() (see _settle_implicit)
         self._implicit_off = False
+        self._anchorless = 0  # outside captures that no method of the model made
+        self._anchored = 0  # ... and those one did
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -640,7 +642,12 @@ class Dumper:
             return None
         anchor = _outermost_frame_of(self._root_ref())
         if anchor is None:
+            # A program that calls parts itself does so at every step: after many such captures
+            # and no method-made one, stop walking the stack for each (the old, cheap path).
+            self._anchorless += 1
+            self._implicit_off = self._anchorless >= _ANCHORLESS_LIMIT and not self._anchored
             return None
+        self._anchored += 1
         with self._lock:
             if self._pass is None and self._open_pass():
                 self._pass.implicit = True  # type: ignore[union-attr]
@@ -959,6 +966,9 @@ def _in_worker_process() -> bool:
     Only looked at when multiprocessing is already imported; importing it here would cost the host."""
     mp = sys.modules.get("multiprocessing")
     return mp is not None and mp.parent_process() is not None
+
+
+_ANCHORLESS_LIMIT = 1000
 
 
 def _outermost_frame_of(model: nn.Module | None) -> Any:
