@@ -1012,3 +1012,27 @@ def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(
             model.a(torch.ones(1, 4))  # the program steps the part itself, no method of the model
     assert len(walks) == 3
     assert _manifest(dumper.run_dir)["skipped"] == {"outside_pass": 10}
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+def test_generate_with_a_static_cache_compiling_its_decode_steps_warns_and_marks_the_manifest(
+    tmp_path: Path, llama: nn.Module
+) -> None:
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # what generate() does by itself on CUDA
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracedump.attach(llama, {"dir": tmp_path}) as dumper, torch.no_grad():
+            llama.generate(
+                torch.tensor([[3, 14, 15, 9]]),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                cache_implementation="static",
+                compile_config=compile_config,
+            )
+    assert sorted(read_passes(dumper.run_dir)) == [0]  # the prefill ran eagerly; decode compiled
+    assert "first at pass 1" in _manifest(dumper.run_dir)["anomalies"]["compiled"]
+    assert sum("compiling the dumped LlamaForCausalLM" in m for m in tracedump_warnings(caught)) == 1
