@@ -761,7 +761,8 @@ class Dumper:
             if current is None:
                 self.skipped["outside_pass"] += 1
                 return
-        elif current.implicit and not _on_stack(current.anchor):  # the anchor call returned
+        elif current.implicit and current.owner == threading.get_ident() and not _on_stack(current.anchor):
+            # the anchor call returned: settle that pass (it is this thread's), then start afresh
             self._settle_implicit()
             self._on_module_tensors(name, value, is_input=is_input)
             return
