@@ -46,6 +46,8 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["diff"] = _run_diff(quick)
     if "align" not in skip:
         results["align"] = _run_module("bench_align", quick)
+    if "control" not in skip:
+        results["control"] = _run_module("bench_control", quick)
     results["targets"] = judge(results)
     results["seconds"] = time.perf_counter() - started
     return results
@@ -162,6 +164,10 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("align", "ratio_vs_raw_read", "x"),
         ("align", "align_GBps", "GB/s"),
         ("align", "peak_anon_over_sequence_tensor", "x"),
+        ("control", "idle_ratio", "x"),
+        ("control", "hook_ns", "ns"),
+        ("control", "step_boundary_ns", "ns"),
+        ("control", "armed_ratio", "x"),
     ]
     rows = []
     for section, key, unit in shown:
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny model, few rounds: a smoke run (< 30 s)")
-    parser.add_argument("--skip", action="append", default=[], choices=["memory", "diff", "align"])
+    parser.add_argument("--skip", action="append", default=[], choices=["memory", "diff", "align", "control"])
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, reported)"
     )

@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tracedump  # noqa: E402
-from engine import ModelConfig, build_model  # noqa: E402
+from engine import ModelConfig, build_model
+
+import tracedump
 
 
 def request_stream(step: int) -> list[int] | None:
@@ -59,7 +60,7 @@ def serve(rank: int, world: int, steps: int, out: Path, pause: float) -> None:
                 logits = model(input_ids=batch).logits
             agreed = logits[:, -1].argmax(-1)
             dist.all_reduce(agreed.clone(), op=dist.ReduceOp.MAX)  # the ranks meet every step
-            running = [tokens + [int(t)] for tokens, t in zip(running, agreed, strict=True)]
+            running = [[*tokens, int(t)] for tokens, t in zip(running, agreed, strict=True)]
             outputs.append(logits[:, -1].clone())
             time.sleep(pause)
     if dumper is not None:

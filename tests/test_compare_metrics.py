@@ -197,8 +197,9 @@ def test_unshard_rules_parse_cat_and_sum() -> None:
 
 
 def test_pass_selection_accepts_lists_and_ranges() -> None:
-    assert parse_passes("3") == (3,)
-    assert parse_passes("0,2,5-7") == (0, 2, 5, 6, 7)
+    assert parse_passes("3").as_json() == [3]
+    assert parse_passes("0,2,5-7").as_json() == [0, 2, 5, 6, 7]
+    assert str(parse_passes("5-7,0,6,2")) == "0,2,5-7"  # merged ranges, never expanded
     assert parse_passes(None) is None
     with pytest.raises(UsageError):
         parse_passes("x")

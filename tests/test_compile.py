@@ -97,13 +97,14 @@ def test_a_compiled_forward_with_a_dumper_attached_runs_unchanged_and_captures_n
     with pytest.warns(TracedumpWarning):
         dumper = tracedump.attach(compiled, {"dir": tmp_path})
     assert dumper is not None
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(TracedumpWarning, match="compiling the dumped LlamaForCausalLM"):
         outputs = [compiled(IDS).logits for _ in range(2)]
     dumper.close()
     assert all(torch.equal(logits, eager_logits) for logits in outputs)
     (run,) = tracedump.open_dump(tmp_path).runs
     assert run.manifest["passes"]["count"] == 0  # the compiled graph runs no hook: nothing, honestly
     assert run.manifest["skipped"] == {}  # and no copy was attempted inside the graph
+    assert "compiled" in run.manifest["anomalies"]  # but the manifest says why
 
 
 def test_under_tracedump_run_a_compiled_root_keeps_running_and_the_warning_names_no_compile(
@@ -124,8 +125,9 @@ def test_under_tracedump_run_a_compiled_root_keeps_running_and_the_warning_names
         auto.remove()
     assert torch.equal(got, expected)
     assert list(auto.roots) == ["Sequential"]  # labelled by the original module's class
-    (message,) = tracedump_warnings(caught)
-    assert "tracedump run --no-compile" in message
+    messages = tracedump_warnings(caught)
+    assert any("the root Sequential is torch.compile'd" in m for m in messages)
+    assert all("--no-compile" in m for m in messages)  # and the compiled call's own warning too
 
 
 def test_run_no_compile_exports_torchdynamo_disable() -> None:

@@ -191,7 +191,8 @@ def test_manifest_example_and_table_have_exactly_the_keys_the_writer_writes(real
     assert set(example["passes"]) == set(real["passes"])
     documented = _first_column_keys(section)
     assert set(real) <= documented, f"manifest keys missing from the table: {set(real) - documented}"
-    assert documented - set(real) == {"manifest_error"}  # written only after a failed manifest write
+    # manifest_error: only after a failed manifest write; control: only with CONTROL=1
+    assert documented - set(real) == {"manifest_error", "control"}
 
 
 def test_metadata_table_has_exactly_the_keys_of_real_files(real_run: Path) -> None:

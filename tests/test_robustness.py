@@ -74,7 +74,13 @@ def test_an_unwritable_dtype_is_skipped_and_counted_and_the_rest_of_every_pass_i
 
 def test_a_record_of_an_unwritable_dtype_is_skipped_and_counted(tmp_path: Path) -> None:
     model = _Two()
-    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad(), dumper.step():
+    lost = r"captures lost: \{'unsupported_tensor': 1\}"
+    with (
+        pytest.warns(tracedump.TracedumpWarning, match=lost),
+        tracedump.attach(model, {"dir": tmp_path}) as dumper,
+        torch.no_grad(),
+        dumper.step(),
+    ):
         model(torch.ones(1, 4))
         dumper.record("rope", torch.ones(2, dtype=torch.complex128))
         dumper.record("kept", torch.ones(2))
@@ -560,3 +566,473 @@ def test_show_reads_float4_and_pt_files(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["show", str(tmp_path / "ref.pt")]) == 0
     out = capsys.readouterr().out
     assert "h" in out and "3" in out and "float32" in out
+
+
+# ------------------------------------------------------------------ 11. diff options checked cheaply
+
+
+def test_a_huge_pass_range_stays_a_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import tracemalloc
+
+    from tracedump.cli import main
+
+    run_dir = _one_pass_dump(tmp_path / "d")
+    capsys.readouterr()
+    tracemalloc.start()
+    try:
+        assert main(["diff", str(run_dir), str(run_dir), "--pass", "0-99999999999", "--no-progress"]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert "--pass 1-99999999999: not in both dumps" in err and len(err) < 500
+    assert peak < 50 << 20
+    assert main(["diff", str(run_dir), str(run_dir), "--pass", "0,0-0", "--no-progress"]) == 0
+
+
+def test_a_plot_path_of_an_unknown_format_fails_before_the_diff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    import tracedump.compare.diff
+    from tracedump.cli import main
+
+    run_dir = _one_pass_dump(tmp_path / "d")
+    capsys.readouterr()
+
+    def no_diff(_options: object) -> None:
+        raise AssertionError("the diff ran before --plot was checked")
+
+    monkeypatch.setattr(tracedump.compare.diff, "build_report", no_diff)
+    assert main(["diff", str(run_dir), str(run_dir), "--plot", str(tmp_path / "x.txt")]) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "x.txt").exists()
+
+
+# ------------------------------------------------------------------ 12. every dtype written is read back
+
+
+class _Exotic(nn.Module):
+    """Leaves returning each dtype the dumper writes that numpy has no type for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaves = nn.ModuleList(_Cast(dtype) for dtype in _EXOTIC)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for leaf in self.leaves:
+            leaf(x)
+        return x
+
+
+_EXOTIC = [
+    torch.complex64,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+]
+
+
+def _exotic_cast(self: _Cast, x: torch.Tensor) -> torch.Tensor:
+    if self.dtype.is_complex:
+        return torch.polar(torch.ones_like(x), x).to(self.dtype)
+    if self.dtype == torch.float4_e2m1fn_x2:
+        return (x.abs() * 7).to(torch.uint8).view(torch.float4_e2m1fn_x2)
+    return x.to(self.dtype)
+
+
+def test_a_self_diff_of_every_exotic_dtype_exits_0_and_a_changed_value_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    monkeypatch.setattr(_Cast, "forward", _exotic_cast)
+    model = _Exotic()
+    for name, scale in (("a", 1.0), ("b", 1.0), ("c", 3.0)):
+        with tracedump.attach(model, {"dir": tmp_path / name}), torch.no_grad():
+            model(torch.linspace(0.1, 2.0, 8).reshape(2, 4) * scale)
+    capsys.readouterr()
+    stored = tracedump.open_dump(tmp_path / "a").run().passes[0]
+    assert [stored.info(n).dtype for n in stored.names] == [str(d).removeprefix("torch.") for d in _EXOTIC]
+    assert stored.load()["leaves.4"].shape == (2, 4)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "compared 5 tensors" in out
+    assert main(["diff", str(tmp_path / "c"), str(tmp_path / "a"), "--no-progress", "--max-rows", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "compared 5 tensors" in out and "5 diverged" in out
+
+
+# ------------------------------------------------------------------ 15. sizes: on disk, one unit
+
+
+def test_ls_counts_a_stats_dump_s_bytes_and_every_size_uses_binary_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path, "mode": "stats"}) as dumper, torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(1, 4))
+    closing = capsys.readouterr().err
+    from tracedump.units import human_bytes
+
+    size = (dumper.run_dir / "stats.jsonl").stat().st_size
+    assert size > 0
+    assert f"3 passes, {human_bytes(size)}" in closing
+    assert main(["ls", str(tmp_path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if dumper.run_dir.name in line)
+    assert human_bytes(size) in row
+
+
+def test_human_bytes_says_which_units_it_means() -> None:
+    from tracedump.units import human_bytes
+
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(20 << 20) == "20.0 MiB"
+
+
+def test_the_run_summary_counts_what_is_on_disk_when_the_manifest_lags(tmp_path: Path) -> None:
+    from tracedump.launch.command import summary_lines
+
+    run_dir = _one_pass_dump(tmp_path / "d")
+    manifest = _manifest(run_dir)
+    manifest.update(complete=False, passes={"count": 0, "bytes": 0, "files": 0, "indices": []})
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))  # as a terminated worker leaves it
+    size = (run_dir / "pass00000.safetensors").stat().st_size
+    lines = summary_lines(tmp_path / "d", set())
+    assert lines[0].endswith(f", {size} B")
+    assert f"1 passes, {size} B, INCOMPLETE (the process ended without closing its dumper" in lines[1]
+
+
+# ------------------------------------------------------------------ 7. Pool workers terminated at exit
+
+_POOL_PROGRAM = """
+import multiprocessing as mp, sys, torch
+from torch import nn
+import tracedump
+
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+dumper = tracedump.attach(model, {"dir": sys.argv[1]})
+
+def task(i):
+    with torch.no_grad():
+        return float(model(torch.full((1, 4), float(i))).sum())
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(2) as pool:  # __exit__ terminates the workers
+        print(pool.map(task, range(6), chunksize=1))
+"""
+
+
+def test_pool_workers_terminated_by_with_pool_keep_every_task_s_pass(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_PROGRAM)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "d")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    workers = [r for r in tracedump.open_dump(tmp_path / "d").runs if r.passes]
+    assert sum(len(r.passes) for r in workers) == 6  # one pass per task, none lost
+    for run in workers:
+        assert run.manifest["passes"]["indices"] == sorted(run.passes)  # the manifest lists them
+        # a worker that exits before terminate() reaches it closes normally; one killed says why
+        assert run.manifest["complete"] or "multiprocessing worker" in run.manifest["incomplete_reason"]
+        assert all(sorted(p.names) == ["0", "1"] for p in run.passes.values())
+
+
+# ------------------------------------------------------------------ 8. torch.compile is never silent
+
+
+@pytest.fixture
+def _reset_dynamo() -> object:
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_runs(tmp_path: Path, setup: str) -> tuple[tracedump.Dumper, list[str]]:
+    model = _Two()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dumper = tracedump.attach(model, {"dir": tmp_path})
+        with torch.no_grad():
+            if setup == "eager_then_compiled":
+                model(torch.ones(1, 4))
+            if setup == "in_place":
+                model.compile(backend="eager")
+                call = model
+            else:
+                call = torch.compile(model, backend="eager", fullgraph=True)
+            for _ in range(3):
+                call(torch.ones(1, 4))
+        dumper.close()
+    return dumper, tracedump_warnings(caught)
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+@pytest.mark.parametrize("setup", ["attach_then_compile", "eager_then_compiled", "in_place"])
+def test_a_compiled_call_of_a_dumped_model_warns_once_and_marks_the_manifest(
+    tmp_path: Path, setup: str
+) -> None:
+    dumper, messages = _compiled_runs(tmp_path, setup)
+    compiled = [m for m in messages if "torch.compile is compiling the dumped _Two" in m]
+    assert len(compiled) == 1 and "--no-compile" in compiled[0]
+    anomalies = _manifest(dumper.run_dir)["anomalies"]
+    assert "passes are missing" in anomalies["compiled"]
+    expected = [0] if setup == "eager_then_compiled" else []
+    assert sorted(read_passes(dumper.run_dir)) == expected
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+def test_diff_says_a_side_lacks_passes_because_it_ran_compiled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tracedump.cli import main
+
+    _compiled_runs(tmp_path / "compiled", "eager_then_compiled")
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path / "eager"}), torch.no_grad():
+        for _ in range(4):
+            model(torch.ones(1, 4))
+    capsys.readouterr()
+    main(["diff", str(tmp_path / "compiled"), str(tmp_path / "eager"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert "passes only in B: 1, 2, 3" in out
+    assert "note: A rank0_pid" in out and "torch.compile compiled this model's forward" in out
+
+
+# ------------------------------------------------------------------ 16. roots and passes
+
+
+def _tiny_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config).eval()
+
+
+def test_generate_s_encoder_forward_is_dumped_into_the_first_pass(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    model = _tiny_t5()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with tracedump.attach(model, {"dir": tmp_path}), torch.no_grad():
+        for _ in range(2):
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        model.encoder(input_ids=ids)  # called by the program itself, not by a method of the model
+    with torch.no_grad():
+        expected = model.encoder(input_ids=ids).last_hidden_state
+    run = tracedump.open_dump(tmp_path).run()
+    assert sorted(run.passes) == [0, 1, 2, 3, 4, 5]
+    assert [any(n.startswith("encoder.") for n in p.names) for p in run.passes.values()] == [
+        True,
+        False,
+        False,
+    ] * 2
+    first = run.passes[0]
+    assert "encoder.final_layer_norm" in first.names and "lm_head" in first.names
+    assert first.names.index("encoder.final_layer_norm") < first.names.index("lm_head")  # in time order
+    torch.testing.assert_close(first["encoder.final_layer_norm"], expected)
+    assert not any(n.startswith("encoder.") for n in run.passes[1].names)
+    # the program's own direct call of the encoder: no method of the model made it, so outside
+    assert list(run.manifest["skipped"]) == ["outside_pass"]
+
+
+def test_under_tracedump_run_a_part_of_a_known_root_called_alone_is_no_new_root(tmp_path: Path) -> None:
+    from tracedump.launch.auto import AutoAttach
+    from tracedump.settings import load_settings
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    auto = AutoAttach(load_settings({"dir": tmp_path}))
+    auto.register()
+    try:
+        with torch.no_grad():
+            net(torch.ones(1, 4))
+            net[0](torch.full((1, 4), 2.0))  # the part alone, then the root again
+            net(torch.ones(1, 4))
+    finally:
+        auto.remove()
+    assert list(auto.roots) == ["Sequential"]  # not a second root "Linear"
+    run = tracedump.open_dump(tmp_path).run()
+    passes = read_passes(run.path)
+    assert sorted(passes) == [0, 1] and sorted(passes[1]) == ["0", "1"]
+    assert run.manifest["skipped"] == {"outside_pass": 1}  # called by no method of the model
+
+
+def test_ls_shows_each_run_s_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tracedump.cli import main
+
+    _one_pass_dump(tmp_path)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "root" in out and "_Two" in out
+
+
+class _EncDec(nn.Module):
+    """A model whose own methods call its parts without its forward, as ``generate()`` and
+    ``vae.decode()`` do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.post = nn.Linear(4, 4)
+        self.decoder = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)
+
+    def generate(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        memory = self.encoder(x)
+        for _ in range(steps):
+            memory = self(memory)
+        return memory
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.post(z))
+
+
+def test_under_tracedump_run_parts_called_by_the_model_s_own_methods_belong_to_the_model(
+    tmp_path: Path,
+) -> None:
+    from tracedump.launch.auto import AutoAttach
+    from tracedump.settings import load_settings
+
+    for method in ("generate", "decode"):
+        torch.manual_seed(0)
+        model = _EncDec()
+        auto = AutoAttach(load_settings({"dir": tmp_path / method}))
+        auto.register()
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    model.generate(torch.ones(1, 4), steps=2) if method == "generate" else model.decode(
+                        torch.ones(1, 4)
+                    )
+        finally:
+            auto.remove()
+        assert list(auto.roots) == ["_EncDec"], method  # not Linear / Sequential roots
+        passes = read_passes(tracedump.open_dump(tmp_path / method).run().path)
+        if method == "generate":  # the encoder joins the first decoder forward's pass
+            assert [sorted(passes[i]) for i in sorted(passes)] == [
+                ["decoder.0", "decoder.1", "encoder"],
+                ["decoder.0", "decoder.1"],
+            ] * 2
+        else:  # each decode() is one pass, named by the parts' full names
+            assert [sorted(p) for p in passes.values()] == [["decoder.0", "decoder.1", "post"]] * 2
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+def test_under_tracedump_run_an_in_place_compiled_model_says_why_nothing_is_dumped(tmp_path: Path) -> None:
+    from tracedump.launch.auto import AutoAttach
+    from tracedump.settings import load_settings
+
+    model = _Two()
+    model.compile(backend="eager")
+    auto = AutoAttach(load_settings({"dir": tmp_path}))
+    auto.register()
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            for _ in range(3):
+                model(torch.ones(1, 4))
+    finally:
+        auto.remove()
+    (message,) = [m for m in tracedump_warnings(caught) if "torch.compile" in m]
+    assert "a compiled graph runs no hooks" in message and "--no-compile" in message
+
+
+class _WithLogits(nn.Module):
+    """An engine-style model: ``forward`` runs the body; ``compute_logits`` runs the head after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
+def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    copies: list[tuple[int, ...]] = []
+    real_copy = tracedump.dumper.copy_to_host
+
+    def counting_copy(tensor: torch.Tensor, *args: object) -> object:
+        copies.append(tuple(tensor.shape))
+        return real_copy(tensor, *args)
+
+    monkeypatch.setattr(tracedump.dumper, "copy_to_host", counting_copy)
+    model = _WithLogits()
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        for _ in range(4):
+            model.compute_logits(model(torch.ones(1, 4)))
+    passes = read_passes(dumper.run_dir)
+    assert {i: sorted(p) for i, p in passes.items()} == {i: ["body"] for i in range(4)}  # no shift
+    assert _manifest(dumper.run_dir)["skipped"] == {"outside_pass": 4}  # as without implicit passes
+    assert copies.count((1, 8)) == 1  # the head was copied once, then no more
+
+
+def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracedump.dumper
+
+    walks: list[int] = []
+    real_walk = tracedump.dumper._outermost_frame_of
+    monkeypatch.setattr(tracedump.dumper, "_ANCHORLESS_LIMIT", 3)
+    monkeypatch.setattr(tracedump.dumper, "_outermost_frame_of", lambda m: walks.append(1) or real_walk(m))
+    model = _Two()
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        for _ in range(10):
+            model.a(torch.ones(1, 4))  # the program steps the part itself, no method of the model
+    assert len(walks) == 3
+    assert _manifest(dumper.run_dir)["skipped"] == {"outside_pass": 10}
+
+
+@pytest.mark.usefixtures("_reset_dynamo")
+def test_generate_with_a_static_cache_compiling_its_decode_steps_warns_and_marks_the_manifest(
+    tmp_path: Path, llama: nn.Module
+) -> None:
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # what generate() does by itself on CUDA
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracedump.attach(llama, {"dir": tmp_path}) as dumper, torch.no_grad():
+            llama.generate(
+                torch.tensor([[3, 14, 15, 9]]),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                cache_implementation="static",
+                compile_config=compile_config,
+            )
+    assert sorted(read_passes(dumper.run_dir)) == [0]  # the prefill ran eagerly; decode compiled
+    assert "first at pass 1" in _manifest(dumper.run_dir)["anomalies"]["compiled"]
+    assert sum("compiling the dumped LlamaForCausalLM" in m for m in tracedump_warnings(caught)) == 1

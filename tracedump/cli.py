@@ -15,20 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from .compare.display import console
+from .units import human_bytes
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse exits with 2 on usage errors, which is the exit code we document for them too."""
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -41,12 +34,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     dump = open_dump(args.dir)
     table = Table(title=escape(f"tracedump {dump.path}"))
-    for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete"):
+    for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete", "root"):
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
     for run in dump.runs:
         passes = run.passes
         tensors = sum(len(p) for p in passes.values())
-        size = sum(p.nbytes for p in passes.values())
+        size = run.disk_bytes  # pass files, records and stats.jsonl: a stats dump is not 0 B
         stats = run.stats()  # stats mode: one record per tensor, beside any whole-stored records
         tensors += len(stats)
         table.add_row(
@@ -55,8 +48,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             str(run.pid),
             str(len(set(passes) | {s.get("pass") for s in stats})),
             str(tensors),
-            _human_bytes(size),
+            human_bytes(size),
             "yes" if run.complete else "no",
+            Text(run.root),  # the model this run followed: tells several roots of one process apart
         )
     console().print(table)
     for run in dump.runs:

@@ -68,7 +68,8 @@ FOOTER = """\
 - Names are exactly upper-case, as written here. A variable that starts with the prefix in any
   case and is not one of these names (a misspelt `...DUMP_FILTERS`, or `tracedump_dump_mode`) is an
   error at `attach()`, as is an unknown key in a config dict; a name in another case is never
-  read, so it cannot silently win or lose against the upper-case one.
+  read, so it cannot silently win or lose against the upper-case one. (`tracedump_dump_dir`
+  alone leaves dumping off: with dumping off, `attach()` reads one variable, `..._DUMP_DIR`.)
 - Integers (`TOKENS`, `MAX_ROWS`, `STEPS`, byte sizes) are ASCII digits; `'٣'` is refused.
 - `DIR` loses surrounding spaces, `~` and `~user` are expanded (an unknown user is an error), and
   it is made absolute at `attach()`, so a later `os.chdir()` does not move the dump. A `DIR` that

@@ -30,12 +30,14 @@ import socket
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import gates
 from ._version import __version__
@@ -54,6 +56,7 @@ from .settings import (
     load_callable,
     load_settings,
 )
+from .units import human_bytes
 from .writer import (
     MANIFEST,
     RECORDS_FILE,
@@ -89,6 +92,23 @@ def _install_fork_guard() -> None:
 # Skips the settings asked for: reported in the summary, not warned about.
 _INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
 _MAX_ERRORS_KEPT = 20  # distinct error messages kept for the manifest's "errors"
+
+
+def note_compiled() -> None:
+    """Dynamo is compiling a forward with tracedump's hooks in it (see ``hooks.traced_by_dynamo``):
+    every open dumper warns once and marks its manifest; with none yet (``tracedump run`` before
+    its first root), one warning says what will happen."""
+    if not _active:
+        warn_once("compiled_without_dumper", _COMPILED_WARNING.format(what="a module forward"))
+    for dumper in list(_active):
+        dumper._note_compiled()
+
+
+_COMPILED_WARNING = (
+    "tracedump: torch.compile is compiling {what}; a compiled graph runs no hooks, so its calls "
+    "are not dumped and their passes will be missing. Skip compiling while dumping: "
+    "tracedump.resolve_compile(), TORCHDYNAMO_DISABLE=1, or `tracedump run --no-compile`."
+)
 
 
 def active_dumper() -> Dumper | None:
@@ -158,10 +178,12 @@ class _Pass:
     """What one open pass has gathered so far."""
 
     __slots__ = (
+        "anchor",
         "batch",
         "calls",
         "entries",
         "gated",
+        "implicit",
         "index",
         "kept",
         "nbytes",
@@ -189,6 +211,8 @@ class _Pass:
         self.truncated = False  # the forward (or step) that owned it ended by an exception
         self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
         self.batch: str | None = None  # set_batch(): what each token row of this step belongs to
+        self.implicit = False  # opened by a capture outside every pass, for the next root forward
+        self.anchor: Any = None  # an implicit pass's anchor: the root model's method frame
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -328,6 +352,8 @@ class Dumper:
         root = self._root_hooks = RootPassHooks(self)
         handles = [model.register_forward_pre_hook(root.before, prepend=True)]
         self._last_hooks: list[tuple[dict[int, Any], int]] = []
+        self._root_ref = weakref.ref(model)
+        self._hooks_epoch = -1
         for name, module in self.modules:
             if self.settings.inputs or self._control is not None:  # control: --inputs may arm them
                 handle = module.register_forward_pre_hook(InputHook(self, name), with_kwargs=True)
@@ -350,9 +376,13 @@ class Dumper:
         every outermost root forward, before any selected module's hooks are read for that call:
         a check per selected module (is ours last?), a move only when a host hook was added.
         """
+        epoch = RemovableHandle.next_id  # torch numbers every hook it registers, anywhere
+        if epoch == self._hooks_epoch:
+            return  # no hook was added since the last check: ours are still last
         for hooks, hook_id in self._last_hooks:
             if hook_id in hooks and next(reversed(hooks)) != hook_id:
                 hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
+        self._hooks_epoch = epoch
 
     def _start_writer(self) -> Writer:
         manifest = {
@@ -450,6 +480,10 @@ class Dumper:
         self._errors: dict[str, None] = {}  # each distinct error once, in order of first sight
         self._anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
         self._local = threading.local()  # per thread: was its current root forward refused?
+        self._explicit_passes = 0  # passes opened by a root forward or step() (see _settle_implicit)
+        self._implicit_off = False
+        self._anchorless = 0  # outside captures that no method of the model made
+        self._anchored = 0  # ... and those one did
 
     def _rebind_after_fork(self) -> bool:
         """A forked child inherits the hooks but not the writer thread: give it its own run dir.
@@ -484,7 +518,12 @@ class Dumper:
     @contextlib.contextmanager
     def step(self) -> Iterator[Dumper]:
         """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
+        self._settle_implicit()
         opened = self._open_pass() if self._pass is None and not self._suspended() else False
+        if opened:
+            self._explicit_passes += 1
+        elif self._adopt_implicit(owner=None):
+            opened = True
         self._step_depth += 1  # root forwards inside belong to this step, armed or not
         try:
             yield self
@@ -563,6 +602,7 @@ class Dumper:
         self._detach()
         if os.getpid() != self._pid:  # a forked child that never dumped owns nothing here
             return
+        self._settle_implicit(at_close=True)
         if self._pass is not None:
             # A root forward still on record never returned: interrupted (Ctrl-C, then exit).
             self._close_pass(truncated=bool(self._root_hooks.opened))
@@ -655,18 +695,87 @@ class Dumper:
         if self._suspended() or self._step_depth:
             return False
         me = threading.get_ident()
+        self._settle_implicit()
         with self._lock:
             current = self._pass
             if current is not None:
                 if current.owner not in (None, me):
                     self._local.concurrent = True
                     self._refuse_concurrent(count=False)
-                return False
+                    return False
+                return self._adopt_implicit(owner=me)
             self._local.concurrent = False
             if not self._open_pass():
                 return False
             self._pass.owner = me  # type: ignore[union-attr]
+            self._explicit_passes += 1
             return True
+
+    def _open_implicit_pass(self) -> _Pass | None:
+        """A selected module ran with no pass open, called by a method of the root model (its
+        *anchor*: ``generate()`` running the encoder of an encoder-decoder model before the first
+        decoder forward, ``vae.decode()`` running the decoder without the VAE's forward).
+
+        The captures go into an *implicit* pass: a root forward (or ``step()``) that starts while
+        the anchor still runs adopts it as its own, so the encoder lands in pass 0 before the
+        decoder; one that ends with its anchor (no root forward inside) is settled by
+        :meth:`_settle_implicit`. A call from anywhere else stays ``outside_pass``, as before."""
+        if self._implicit_off:
+            return None
+        anchor = _outermost_frame_of(self._root_ref())
+        if anchor is None:
+            # A program that calls parts itself does so at every step: after many such captures
+            # and no method-made one, stop walking the stack for each (the old, cheap path).
+            self._anchorless += 1
+            self._implicit_off = self._anchorless >= _ANCHORLESS_LIMIT and not self._anchored
+            return None
+        self._anchored += 1
+        with self._lock:
+            if self._pass is None and self._open_pass():
+                self._pass.implicit = True  # type: ignore[union-attr]
+                self._pass.owner = threading.get_ident()  # type: ignore[union-attr]
+                self._pass.anchor = anchor  # type: ignore[union-attr]
+            return self._pass
+
+    def _adopt_implicit(self, owner: int | None) -> bool:
+        """Make an implicit pass of this thread the pass of the root forward (or step) starting."""
+        current = self._pass
+        if current is None or not current.implicit or current.owner != threading.get_ident():
+            return False
+        current.implicit, current.owner, current.anchor = False, owner, None
+        self._explicit_passes += 1
+        return True
+
+    def _settle_implicit(self, *, at_close: bool = False) -> None:
+        """End an implicit pass whose anchor method returned without a root forward inside it.
+
+        With no root-forward pass so far (a VAE only ever ``decode()``-d), each such call is a
+        pass of its own. Once root forwards have made passes, parts called after them (an engine's
+        ``compute_logits()`` after each forward) would shift every later pass index, so their
+        captures are dropped and counted as ``outside_pass``, and this dumper stops copying such
+        calls at all: what it did before, and what keeps its passes aligned with a reference."""
+        current = self._pass
+        if current is None or not current.implicit or current.owner != threading.get_ident():
+            return
+        if not at_close and current.anchor is not None and _on_stack(current.anchor):
+            return
+        if self._explicit_passes and not current.parts:
+            self._pass = None
+            self.skipped["outside_pass"] += current.kept
+            self._implicit_off = True
+            return
+        self._close_pass()
+
+    def _note_compiled(self) -> None:
+        """Once per dumper: warn that compiled calls go undumped, and say so in the manifest."""
+        if self._closed or "compiled" in self._anomalies:
+            return
+        self._anomalies["compiled"] = (
+            f"torch.compile compiled this model's forward (first at pass {self.pass_index}); compiled "
+            "calls run no capture hook, so their passes are missing"
+        )
+        self._writer.write_manifest(anomalies=dict(self._anomalies))
+        warn_once(f"compiled_{self._serial}", _COMPILED_WARNING.format(what=f"the dumped {self.root_label}"))
 
     def _refuse_concurrent(self, count: bool = True) -> None:
         """Count a capture of a thread that does not own the open pass; say it once."""
@@ -706,8 +815,21 @@ class Dumper:
                 self._writer.submit(current.take_job(part, self._mode))
             if current.stats:
                 self._writer.submit(StatsJob(current.index, current.stats))
+            if _in_worker_process():
+                self._flush_for_termination()
         except Exception as e:
             self._report_run_error(f"pass {current.index}", e)
+
+    def _flush_for_termination(self) -> None:
+        """In a multiprocessing worker, write the pass before its forward returns.
+
+        ``with Pool(...)`` ends with ``terminate()``: SIGTERM to every worker, which skips atexit
+        and multiprocessing's finalizers, so a pass still queued for the writer thread would be
+        lost and the manifest would list none. Here the pass is on disk, and listed, when the
+        task's forward returns; the manifest says why it may stay unclosed."""
+        self._writer.flush()
+        if self._failure is None:
+            self._writer.write_manifest(incomplete_reason=_WORKER_NOT_CLOSED, skipped=dict(self.skipped))
 
     # ---------------------------------------------------------------- hot path
 
@@ -720,8 +842,17 @@ class Dumper:
         if current is None:
             if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
                 self.skipped["concurrent_thread"] += 1
-            elif not suspended:
+                return
+            if suspended:
+                return
+            current = self._open_implicit_pass()
+            if current is None:
                 self.skipped["outside_pass"] += 1
+                return
+        elif current.implicit and current.owner == threading.get_ident() and not _on_stack(current.anchor):
+            # the anchor call returned: settle that pass (it is this thread's), then start afresh
+            self._settle_implicit()
+            self._on_module_tensors(name, value, is_input=is_input)
             return
         if current.owner is not None and current.owner != threading.get_ident():
             self._refuse_concurrent()
@@ -901,7 +1032,7 @@ class Dumper:
             records_file=RECORDS_FILE if self._loose else None,
         )
         print(
-            f"tracedump: {self.run_dir}: {len(totals.passes)} passes, {totals.bytes / 1e6:.1f} MB"
+            f"tracedump: {self.run_dir}: {len(totals.passes)} passes, {human_bytes(totals.bytes)}"
             + (f"; skipped {skipped}" if skipped else ""),
             file=sys.stderr,
         )
@@ -961,6 +1092,41 @@ def batch_metadata(
             )
         batch[name] = [int(v) for v in listed]
     return json.dumps(batch, separators=(",", ":"))
+
+
+_WORKER_NOT_CLOSED = (
+    "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
+    "listed here was flushed when its forward returned"
+)
+
+
+def _in_worker_process() -> bool:
+    """A multiprocessing child (Pool worker, Process): it may be terminated without any exit hook.
+    Only looked at when multiprocessing is already imported; importing it here would cost the host."""
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and mp.parent_process() is not None
+
+
+_ANCHORLESS_LIMIT = 1000
+
+
+def _outermost_frame_of(model: nn.Module | None) -> Any:
+    """The outermost running frame of a method of ``model`` (``generate``, ``decode``), or None."""
+    found, frame = None, sys._getframe(2)
+    while frame is not None and model is not None:
+        if "self" in frame.f_code.co_varnames and frame.f_locals.get("self") is model:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def _on_stack(anchor: Any) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame is anchor:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_tag(tag: str) -> None:

@@ -66,6 +66,24 @@ def flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tup
     return leaves
 
 
+def traced_by_dynamo() -> bool:
+    """Say that Dynamo is compiling a forward that holds tracedump's hooks.
+
+    A compiled graph runs no Python hook, so its calls are never dumped. This function is marked
+    as having a constant result (what ``torch._dynamo.assume_constant_result`` does, without
+    importing Dynamo): Dynamo *calls it for real* while tracing, once per compilation, rather than
+    tracing it, so the first compiled call warns and marks the manifest instead of dumping
+    nothing silently. It adds nothing to the graph and breaks no ``fullgraph=True`` compile.
+    """
+    from .dumper import note_compiled
+
+    note_compiled()
+    return True
+
+
+traced_by_dynamo._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class OutputHook:
     """Forward hook handing a module's output to its dumper; returns None, so outputs are untouched."""
 
@@ -77,6 +95,7 @@ class OutputHook:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():  # Dynamo traces hooks: a host copy here would break the graph
+            traced_by_dynamo()
             return
         self.dumper._on_module_tensors(self.name, output, is_input=False)
 
@@ -95,6 +114,7 @@ class InputHook:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
+            traced_by_dynamo()
             return
         self.dumper._on_module_tensors(self.name, (args, kwargs), is_input=True)
 
@@ -125,6 +145,7 @@ class RootPassHooks:
 
     def before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
+            traced_by_dynamo()
             return
         opened = self.opened
         if opened and forward_calls_on_stack(module) <= 1:  # an earlier call was unwound

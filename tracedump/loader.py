@@ -10,6 +10,7 @@ files of a pass too large for the memory cap are reassembled transparently.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,6 +43,11 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    # two 4-bit values a byte; the header counts values, torch's float4_e2m1fn_x2 counts bytes
+    "F4": ("float4_e2m1fn_x2", 1),
     "I64": ("int64", 8),
     "I32": ("int32", 4),
     "I16": ("int16", 2),
@@ -151,6 +157,10 @@ def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
     name, width = SAFETENSORS_DTYPES.get(raw, (raw.lower(), 0))
     shape = tuple(int(s) for s in spec["shape"])
+    if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
+        if not shape or shape[-1] % 2:
+            raise ValueError(f"an F4 tensor of shape {list(shape)} does not fill whole bytes")
+        shape = (*shape[:-1], shape[-1] // 2)
     begin, end = (int(offset) for offset in spec["data_offsets"])
     if not 0 <= begin <= end or (width and end - begin != math.prod(shape) * width):
         raise ValueError(f"data_offsets {[begin, end]} do not hold a {raw} tensor of shape {list(shape)}")
@@ -407,6 +417,18 @@ class Run:
     @property
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of this run's data files as they are on disk (pass and part files, records,
+        ``stats.jsonl``), whatever the manifest last said."""
+        total = 0
+        for path in _listing(self.path):
+            if PASS_RE.match(path.name) or path.name in (RECORDS_FILE, STATS_FILE, STATS_PARTIAL):
+                with contextlib.suppress(OSError):
+                    info = path.stat()
+                    total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+        return total
 
     @property
     def root(self) -> str:

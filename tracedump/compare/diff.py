@@ -49,7 +49,7 @@ def report_settings(options: DiffOptions) -> dict[str, Any]:
         "rtol": options.rtol,
         "atol": options.atol,
         "tolerance": tolerance,
-        "passes": list(options.passes) if options.passes is not None else None,
+        "passes": options.passes.as_json() if options.passes is not None else None,
         "rank": options.rank,
         "filter": options.filter.pattern if options.filter else None,
         "map": [str(rule) for rule in options.maps],
@@ -181,7 +181,7 @@ def write_json(report: DiffReport, target: str) -> None:
 def run(options: DiffOptions) -> int:
     """``tracedump diff``: 0 no divergence, 1 divergence, 2 usage error or unreadable input."""
     if options.plot_path is not None:
-        check_available()
+        check_available(options.plot_path)
     report = build_report(options)
     json_to_stdout = options.json_path == "-"
     try:

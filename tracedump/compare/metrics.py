@@ -40,7 +40,13 @@ _UNDERFLOW = 1e-30  # fp32 squares below this lose digits: redo the chunk in flo
 _WIDE_DTYPES = frozenset({"float64", "int64", "uint64", "int32", "uint32"})
 # What _work_dtype does, in words, for the summary line and the docs.
 WORK_DTYPE_RULE = "in float32 (float64 when either side is float64 or a 32/64-bit integer)"
-_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# 8-bit floats torch widens (float8_e8m0fnu: power-of-two scales). float4_e2m1fn_x2, which torch
+# cannot widen, stays as its byte values: compared bitwise, any difference is a divergence.
+_FP8 = {
+    name: getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+}
 
 
 @dataclass(frozen=True)

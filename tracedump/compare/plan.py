@@ -136,13 +136,12 @@ def pair_passes(
     only_a = sorted(set(passes_a) - set(passes_b))
     only_b = sorted(set(passes_b) - set(passes_a))
     if options.passes is not None:
-        absent = [p for p in options.passes if p not in common]
+        absent = options.passes.missing(common)  # ranges stay ranges: never expanded
         if absent:
             raise UsageError(
-                f"--pass {','.join(map(str, absent))}: not in both dumps "
-                f"(A: {short_list(passes_a)}; B: {short_list(passes_b)})"
+                f"--pass {absent}: not in both dumps (A: {short_list(passes_a)}; B: {short_list(passes_b)})"
             )
-        return [(p, p) for p in options.passes], [], []
+        return [(p, p) for p in options.passes.pick(common)], [], []
     return [(p, p) for p in common], only_a, only_b
 
 

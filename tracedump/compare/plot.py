@@ -18,14 +18,25 @@ MISSING_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip insta
 _COLOURS = {"ok": "tab:blue", "diverged": "tab:red", "rank_mismatch": "tab:purple"}
 
 
-def check_available() -> None:
-    """Fail before the diff runs (exit 2), rather than after an hour of reading."""
+def check_available(path: Path | None = None) -> None:
+    """Fail before the diff runs (exit 2), rather than after an hour of reading: matplotlib is
+    missing, or ``path`` names a format it cannot write (``x.txt``)."""
     try:
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError("matplotlib")
         import matplotlib  # noqa: F401  (a broken install fails here, not after the diff)
     except ImportError as e:
         raise UsageError(MISSING_MATPLOTLIB) from e
+    if path is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        suffix = Path(path).suffix.lstrip(".").lower()
+        if suffix not in formats:
+            raise UsageError(
+                f"--plot {path}: cannot write a {suffix or 'suffix-less'!r} file; "
+                f"use one of {', '.join('.' + f for f in sorted(formats))}"
+            )
 
 
 def write_plot(report: DiffReport, path: Path) -> Path:

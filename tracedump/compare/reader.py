@@ -30,6 +30,11 @@ _STORAGE: dict[str, Any] = {
     "bfloat16": np.uint16,
     "float8_e4m3fn": np.uint8,
     "float8_e5m2": np.uint8,
+    "float8_e4m3fnuz": np.uint8,
+    "float8_e5m2fnuz": np.uint8,
+    "float8_e8m0fnu": np.uint8,
+    "float4_e2m1fn_x2": np.uint8,  # compared bitwise: torch cannot widen it
+    "complex64": np.float32,  # as (real, imag) pairs: twice the values, each compared as a float
     "int64": np.int64,
     "int32": np.int32,
     "int16": np.int16,
@@ -45,6 +50,10 @@ _BITS_VIEW = {
     torch.bfloat16: (torch.int16, np.uint16),
     torch.float8_e4m3fn: (torch.int8, np.uint8),
     torch.float8_e5m2: (torch.int8, np.uint8),
+    torch.float8_e4m3fnuz: (torch.int8, np.uint8),
+    torch.float8_e5m2fnuz: (torch.int8, np.uint8),
+    torch.float8_e8m0fnu: (torch.int8, np.uint8),
+    torch.float4_e2m1fn_x2: (torch.int8, np.uint8),
 }
 
 
@@ -63,6 +72,8 @@ class Stored:
         """A torch tensor with the real dtype (a copy: torch wants writable memory)."""
         tensor = torch.from_numpy(np.array(self.array, copy=True))
         real = getattr(torch, self.dtype)
+        if real.is_complex:
+            return torch.view_as_complex(tensor.reshape(*tensor.shape[:-1], -1, 2)).reshape(tensor.shape[:-1])
         return tensor.view(real) if tensor.dtype != real else tensor
 
 
@@ -73,6 +84,8 @@ def stored_from_torch(tensor: torch.Tensor) -> Stored:
     if tensor.dtype in _BITS_VIEW:
         bits, numpy_dtype = _BITS_VIEW[tensor.dtype]
         return Stored(tensor.view(bits).numpy().view(numpy_dtype), dtype)
+    if tensor.dtype == torch.complex64:
+        return Stored(torch.view_as_real(tensor).numpy(), dtype)
     return Stored(tensor.numpy(), dtype)
 
 
@@ -96,6 +109,8 @@ class SafetensorsMap:
         numpy_dtype = _STORAGE.get(dtype)
         if numpy_dtype is None:
             raise ValueError(f"{self.header.path}: tensor {name!r} has dtype {dtype}, which diff cannot read")
+        if dtype == "complex64":
+            shape = (*shape, 2)  # (real, imag) float32 pairs
         count = math.prod(shape)
         if count == 0:
             return Stored(np.empty(shape, numpy_dtype), dtype)

@@ -31,7 +31,7 @@ from torch.nn.modules import module as torch_module
 
 from ..cuda import warn_once
 from ..dumper import Dumper, original_module
-from ..hooks import RootPassHooks, forward_calls_on_stack
+from ..hooks import RootPassHooks, forward_calls_on_stack, traced_by_dynamo
 from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
 
 _installed: AutoAttach | None = None
@@ -119,6 +119,7 @@ class AutoAttach:
 
     def _before(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # a traced forward: stay out of Dynamo's graph
+            traced_by_dynamo()  # ... but say that its calls go undumped
             return
         depth = getattr(self._local, "depth", 0)
         if depth and self._left_behind(module):
@@ -160,14 +161,26 @@ class AutoAttach:
 
     def _on_root_call(self, module: nn.Module, args: Any) -> None:
         target = original_module(module)
-        if self._known(target):
+        if self._known(target) or self._inside_known_root(target):
             return
+        owner = _calling_model(target)
         with self._lock:
-            if self._known(target):  # another thread got here first
+            if self._known(target) or (owner is not None and self._known(owner)):  # another thread
                 return
-            root = self._new_root(module, target)
+            root = self._new_root(owner, owner) if owner is not None else self._new_root(module, target)
         if root.dumper is not None and target is module and not self._late_hooks_fire:
             _replay_pre_hooks(root.dumper, module, args)
+
+    def _inside_known_root(self, target: nn.Module) -> bool:
+        """A part of a root already dumped, called on its own (``generate()`` runs the encoder of an
+        encoder-decoder model by itself): not a new root. The root's dumper, whose hooks are
+        already on it, puts its captures into the pass of the root's next forward, under their
+        full names (``encoder.block.0``)."""
+        for root in list(self._roots.values()):
+            module = root.module()
+            if root.dumper is not None and module is not None and id(target) in self._members(module):
+                return True
+        return False
 
     def _known(self, target: nn.Module) -> bool:
         root = self._roots.get(id(target))
@@ -210,6 +223,33 @@ class AutoAttach:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the parent may have held it while forking
+
+
+_MAX_CALLER_FRAMES = 40
+
+
+def _calling_model(target: nn.Module) -> nn.Module | None:
+    """The model whose own method called ``target`` outside its forward, if any.
+
+    ``generate()`` runs a T5's encoder, ``vae.decode()`` a VAE's ``post_quant_conv`` and
+    ``decoder``, without the model's forward: the root is that model (``AutoencoderKL``, keys
+    ``decoder.up_blocks...``), not each part as a root of its own, which would name them by class
+    (``Decoder``) and split one model over several roots. Found by looking up the stack for the
+    nearest method of a module that holds ``target`` (not its own ``torch.compile`` wrapper);
+    walked only at a new root's first call."""
+    frame = sys._getframe(2)
+    for _ in range(_MAX_CALLER_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, nn.Module) and original_module(owner) is not target and _holds(owner, target):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _holds(owner: nn.Module, target: nn.Module) -> bool:
+    return any(part is target for part in owner.modules())
 
 
 def _attached_explicitly(module: nn.Module) -> bool:

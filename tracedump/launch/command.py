@@ -213,27 +213,39 @@ def _print_summary(dump_dir: Path, before: set[str], status: int) -> None:
 
 def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
     """One line per run dir written since ``before``: root, rank, pid, passes, bytes, completeness."""
-    from ..cli import _human_bytes
     from ..loader import open_dump
+    from ..units import human_bytes
 
     new = _run_dir_names(dump_dir) - before
     if not new:
         return [
             f"tracedump run: nothing written to {dump_dir}: no Python process under COMMAND ran a "
-            "torch module forward (or Python started with -S/-I/-E, which skip the bootstrap)."
+            "torch module forward eagerly (torch.compile'd forwards run no hooks: try --no-compile; "
+            "or Python started with -S/-I/-E, which skip the bootstrap)."
         ]
     runs = [run for run in open_dump(dump_dir).runs if run.path.name in new]
-    total = sum(_passes(run.manifest).get("bytes", 0) for run in runs)
-    lines = [f"tracedump run: {len(runs)} run dir(s) in {dump_dir}, {_human_bytes(total)}"]
+    # What is on disk, not what the manifests say: a process killed (or a Pool worker terminated)
+    # before its last manifest write still wrote pass files.
+    total = sum(run.disk_bytes for run in runs)
+    lines = [f"tracedump run: {len(runs)} run dir(s) in {dump_dir}, {human_bytes(total)}"]
     for run in runs:
-        passes = _passes(run.manifest)
-        state = "complete" if run.complete else f"INCOMPLETE ({run.manifest.get('incomplete_reason')})"
+        indices = _passes(run.manifest).get("indices")
+        count = len(set(run.passes) | set(indices if isinstance(indices, list) else []))
         lines.append(
             f"  {run.name}: root {run.manifest.get('root')}, rank {run.rank}/"
-            f"{run.manifest.get('world_size')}, {passes.get('count', 0)} passes, "
-            f"{_human_bytes(passes.get('bytes', 0))}, {state}"
+            f"{run.manifest.get('world_size')}, {count} passes, "
+            f"{human_bytes(run.disk_bytes)}, {_state(run)}"
         )
     return lines
+
+
+def _state(run: Any) -> str:
+    if run.complete:
+        return "complete"
+    reason = run.manifest.get("incomplete_reason") or (
+        "the process ended without closing its dumper: killed, or a Pool worker terminated"
+    )
+    return f"INCOMPLETE ({reason})"
 
 
 def _passes(manifest: Mapping[str, Any]) -> dict[str, Any]:

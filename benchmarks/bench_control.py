@@ -1,0 +1,107 @@
+"""What an engine pays for being armable: ``CONTROL=1`` attached and disarmed, against untouched.
+
+Two copies of the bench model (same weights) run the same forward inside ``step()``, interleaved
+round by round: one untouched, one attached with ``CONTROL=1`` and never armed (every hook in
+place and returning at once; the order file stat-ed once per step; a heartbeat twice a second).
+Reported: the step ratio (target <= 1.01), and the cost per hook call and per step boundary in ns,
+measured directly on a no-op forward so they are not lost in the forward's noise. Then one armed
+window of 3 steps, for the cost while armed, as the host sees it.
+
+Run alone: ``python benchmarks/bench_control.py [--quick]`` prints the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common
+
+TARGET_IDLE = 1.01
+
+
+def _stepper(model: torch.nn.Module, ids: torch.Tensor, dumper: Any) -> Any:
+    def run() -> dict[str, float]:
+        start = time.perf_counter()
+        with dumper.step() if dumper is not None else contextlib.nullcontext(), torch.no_grad():
+            common.forward(model, ids)
+        return {"step": time.perf_counter() - start}
+
+    return run
+
+
+def _per_call_ns(dumper: Any) -> dict[str, float]:
+    """A disarmed output hook's cost, and a step boundary's (stat of the order file included)."""
+    from tracedump.hooks import OutputHook
+
+    hook = OutputHook(dumper, "probe")
+    tensor = torch.ones(2)
+    hook_s = common.per_call_seconds(lambda: hook(None, (), tensor), calls=20_000)  # type: ignore[arg-type]
+
+    def boundary() -> None:
+        with dumper.step():
+            pass
+
+    boundary_s = common.per_call_seconds(boundary, calls=2_000)
+    return {"hook_ns": hook_s * 1e9, "step_boundary_ns": boundary_s * 1e9}
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    import tracedump
+    from tracedump.control import Order, write_order
+
+    spec = common.QUICK_SPEC if quick else common.FULL_SPEC
+    rounds = rounds or (5 if quick else 15)
+    untouched = common.build_model(spec)
+    armable = copy.deepcopy(untouched)
+    ids = common.make_inputs(spec)
+    with common.scratch_dir("tracedump-bench-control-") as scratch, common.clean_env():
+        dumper = tracedump.attach(armable, {"dir": str(scratch), "control": True})
+        assert dumper is not None
+        samples = common.interleave(
+            {"untouched": _stepper(untouched, ids, None), "idle": _stepper(armable, ids, dumper)}, rounds
+        )
+        blocks = common.best_per_block(samples, 1)
+        idle_ratio = common.paired_ratio(blocks["idle"]["step"], blocks["untouched"]["step"])
+        direct = _per_call_ns(dumper)
+        hooks = sum(len(m._forward_hooks) for m in armable.modules())
+        write_order(scratch, Order(id=1, action="arm", start_step=0, steps=3))
+        armed = [_stepper(armable, ids, dumper)()["step"] for _ in range(3)]
+        dumper.close()
+        passes = len(list(scratch.glob("rank*/pass*.safetensors")))
+    base = common.median(samples["untouched"]["step"])
+    return {
+        "rounds": rounds,
+        "model": spec.kind,
+        "untouched_step_s": base,
+        "idle_ratio": idle_ratio,
+        "idle_target": TARGET_IDLE,
+        "idle_met": idle_ratio <= TARGET_IDLE,
+        "hooks": hooks,
+        "hook_ns": direct["hook_ns"],
+        "step_boundary_ns": direct["step_boundary_ns"],
+        "armed_ratio": common.median(armed) / base,
+        "armed_passes": passes,
+        "machine": common.machine_info(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the small model, 5 rounds (a smoke test)")
+    args = parser.parse_args()
+    print(json.dumps(run(quick=args.quick), indent=2))
+
+
+if __name__ == "__main__":
+    main()
