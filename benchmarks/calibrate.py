@@ -20,16 +20,14 @@ Run: ``python benchmarks/calibrate.py [--families llama,gpt2] [--out calibration
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
-import os
 import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tracedump
+from benchmarks import common
 
 # Weights 5x HF's default init (0.02): attention logits of a few units, as in trained models, so
 # position and scale bugs show in the attention weights instead of averaging out over a flat softmax.
@@ -262,18 +261,7 @@ def qwen2_moe_family() -> Family:
         torch.manual_seed(0)
         return _random_norms(Qwen2MoeForCausalLM(config)).eval().to(dtype)
 
-    layer = lambda m: m.model.layers[2]  # noqa: E731
-    return Family(
-        "qwen2moe",
-        build,
-        _lm_run(48, 128),
-        {
-            "moe_scale": lambda m: _scale_output(layer(m).mlp, 1.02),
-            "norm_eps": lambda m: _set_eps(layer(m).post_attention_layernorm, 0.5),
-        },
-        r"\.layers\.2\.",
-        baseline_bugs=("norm_eps",),
-    )
+    return _moe_family("qwen2moe", build)
 
 
 def olmoe_family() -> Family:
@@ -297,9 +285,14 @@ def olmoe_family() -> Family:
         torch.manual_seed(0)
         return _random_norms(OlmoeForCausalLM(config)).eval().to(dtype)
 
+    return _moe_family("olmoe", build)
+
+
+def _moe_family(name: str, build: Callable[[torch.dtype, str], nn.Module]) -> Family:
+    """An 8-expert MoE: its block scaled, and a norm's eps, in layer 2; 48 tokens so routing flips."""
     layer = lambda m: m.model.layers[2]  # noqa: E731
     return Family(
-        "olmoe",
+        name,
         build,
         _lm_run(48, 128),
         {
@@ -408,15 +401,6 @@ FAMILIES: dict[str, Callable[[], Family]] = {
 # ----------------------------------------------------------------------------------- dumping
 
 
-@contextlib.contextmanager
-def _no_tracedump_env() -> Iterator[None]:
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.upper().startswith("TRACEDUMP_")}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
 def dump_variant(family: Family, variant: str, out: Path) -> Path:
     """Dump one variant: ``<dtype>[-<attention>][+<bug>]``, e.g. ``bf16-eager+rotary``."""
     spec, _, bug = variant.partition("+")
@@ -425,7 +409,7 @@ def dump_variant(family: Family, variant: str, out: Path) -> Path:
     model = family.build(dtype, attention or family.attentions[-1])
     if bug:
         family.bugs[bug](model)
-    with _no_tracedump_env():
+    with common.clean_env():
         dumper = tracedump.attach(model, {"dir": str(out), "modules": "all"})
     assert dumper is not None
     with torch.no_grad():

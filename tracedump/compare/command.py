@@ -110,34 +110,20 @@ def add_diff_parser(sub: Any) -> None:
 
 def run_diff(args: argparse.Namespace) -> int:
     from .diff import run
-    from .options import (
-        DiffOptions,
-        NameMap,
-        UnshardRule,
-        UsageError,
-        compile_regex,
-        parse_passes,
-        parse_tolerances,
-    )
+    from .options import UsageError, parse_options
 
     try:
-        rtol, rtol_rules = parse_tolerances(args.rtol, "--rtol")
-        atol, atol_rules = parse_tolerances(args.atol, "--atol")
-        if args.baseline is not None and not args.baseline.exists():
-            raise UsageError(f"--baseline {args.baseline}: no such file or directory")
-        options = DiffOptions(
-            a=args.a,
-            b=args.b,
-            passes=parse_passes(args.passes),
+        options = parse_options(
+            args.a,
+            args.b,
+            passes=args.passes,
             rank=args.rank,
-            filter=compile_regex(args.filter, "--filter") if args.filter else None,
-            maps=tuple(NameMap.parse(text) for text in args.maps),
-            unshard=tuple(UnshardRule.parse(text) for text in args.unshard),
+            filter=args.filter,
+            maps=args.maps,
+            unshard=args.unshard,
             metric=args.metric,
-            rtol=rtol,
-            atol=atol,
-            rtol_rules=rtol_rules,
-            atol_rules=atol_rules,
+            rtol=args.rtol,
+            atol=args.atol,
             baseline=args.baseline,
             align=args.align,
             json_path=args.json_path,

@@ -15,15 +15,7 @@ from typing import Any
 from .display import print_report, progress_bar
 from .execute import Executor
 from .notes import side_notes
-from .options import (
-    DiffOptions,
-    NameMap,
-    UnshardRule,
-    UsageError,
-    compile_regex,
-    parse_passes,
-    parse_tolerances,
-)
+from .options import DiffOptions, UsageError, parse_options
 from .plan import Plan, build_plan, short_list
 from .plot import check_available, write_plot
 from .results import GROWTH_FACTOR, GROWTH_FLOOR, DiffReport, TensorResult
@@ -213,23 +205,19 @@ def compare(
     """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI.
 
     ``rtol``/``atol`` take a number (every pair) or ``'REGEX=VALUE'`` rules, as ``--rtol``."""
-    rtol_value, rtol_rules = parse_tolerances(_as_list(rtol), "--rtol")
-    atol_value, atol_rules = parse_tolerances(_as_list(atol), "--atol")
-    options = DiffOptions(
-        a=Path(a),
-        b=Path(b),
-        passes=parse_passes(passes),
+    options = parse_options(
+        a,
+        b,
+        passes=passes,
         rank=rank,
-        filter=compile_regex(filter, "--filter") if filter else None,
-        maps=tuple(NameMap.parse(m) for m in maps),
-        unshard=tuple(UnshardRule.parse(u) for u in unshard),
-        metric=metric,  # type: ignore[arg-type]
-        rtol=rtol_value,
-        atol=atol_value,
-        rtol_rules=rtol_rules,
-        atol_rules=atol_rules,
-        baseline=Path(baseline) if baseline is not None else None,
-        align=align,  # type: ignore[arg-type]
+        filter=filter,
+        maps=maps,
+        unshard=unshard,
+        metric=metric,
+        rtol=_as_list(rtol),
+        atol=_as_list(atol),
+        baseline=baseline,
+        align=align,
         progress=False,
     )
     return build_report(options)

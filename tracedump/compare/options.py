@@ -265,3 +265,46 @@ class DiffOptions:
     def selected(self, *names: str) -> bool:
         """``--filter`` keeps a tensor when its regex is found in any of its names (A's or B's)."""
         return self.filter is None or any(self.filter.search(n) for n in names if n is not None)
+
+
+def parse_options(
+    a: str | Path,
+    b: str | Path,
+    *,
+    passes: str | None = None,
+    rank: int | None = None,
+    filter: str | None = None,
+    maps: list[str] | tuple[str, ...] = (),
+    unshard: list[str] | tuple[str, ...] = (),
+    metric: str = "rel_diff",
+    rtol: list[str] | None = None,
+    atol: list[str] | None = None,
+    baseline: str | Path | None = None,
+    align: str = "passes",
+    **output: object,
+) -> DiffOptions:
+    """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
+
+    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``max_rows``,
+    ``progress``."""
+    rtol_value, rtol_rules = parse_tolerances(rtol, "--rtol")
+    atol_value, atol_rules = parse_tolerances(atol, "--atol")
+    if baseline is not None and not Path(baseline).exists():
+        raise UsageError(f"--baseline {baseline}: no such file or directory")
+    return DiffOptions(
+        a=Path(a),
+        b=Path(b),
+        passes=parse_passes(passes),
+        rank=rank,
+        filter=compile_regex(filter, "--filter") if filter else None,
+        maps=tuple(NameMap.parse(text) for text in maps),
+        unshard=tuple(UnshardRule.parse(text) for text in unshard),
+        metric=metric,  # type: ignore[arg-type]
+        rtol=rtol_value,
+        atol=atol_value,
+        rtol_rules=rtol_rules,
+        atol_rules=atol_rules,
+        baseline=Path(baseline) if baseline is not None else None,
+        align=align,  # type: ignore[arg-type]
+        **output,  # type: ignore[arg-type]
+    )
