@@ -108,7 +108,11 @@ def test_the_loader_gathers_a_sequence_in_position_order(dumps: dict[str, Path])
     served = {r.seq_id: r for r in dumps["served"]}  # type: ignore[attr-defined]
     assert tensors["model.embed_tokens"].shape == (len(served[1].tokens) - 1, 32)
     reference = tracedump.open_dump(dumps["reference"]).run().sequence("pass1")
-    torch.testing.assert_close(tensors["model.embed_tokens"], reference["model.embed_tokens"][0])
+    torch.testing.assert_close(
+        tensors["model.embed_tokens"], reference["model.embed_tokens"]
+    )  # [positions, 32]
+    generated = tracedump.open_dump(dumps["generate"]).run().sequence("pass0")
+    assert generated["model.embed_tokens"].shape == (14, 32)  # the prefill's 11 rows, then 3 decode steps
     with pytest.raises(KeyError, match="no sequence 9"):
         run.sequence(9)
 
@@ -153,6 +157,16 @@ def test_sequences_on_one_side_only_are_reported(tmp_path: Path) -> None:
         and alignment["only_in_b"] == [3]
     )
     assert any("only in A: 2" in line for line in report.alignment_lines)
+
+
+def test_a_pair_with_no_common_position_is_said(tmp_path: Path) -> None:
+    a = _dump_steps(tmp_path / "a", [{"seq_ids": [1, 1], "positions": [4, 5]}, {"seq_ids": [2, 2]}], [2, 2])
+    b = _dump_steps(tmp_path / "b", [{"seq_ids": [1, 1]}, {"seq_ids": [2, 2]}], [2, 2])
+    report = compare(a, b, align="tokens")
+    assert any(
+        "sequence 1 (B: 1) shares no position: A holds 4-5, B holds 0-1" in line
+        for line in report.alignment_lines
+    )
 
 
 def test_set_batch_checks_its_rows_at_the_call(tmp_path: Path) -> None:

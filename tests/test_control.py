@@ -15,6 +15,7 @@ import torch
 
 import tracedump
 import tracedump.cli
+import tracedump.compare
 from tracedump.control import ORDER_FILE, Order, watchers, write_order
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +154,112 @@ def test_an_order_file_it_may_not_obey_is_ignored_with_one_warning(tmp_path: Pat
     assert _passes(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"id":1,"action":"arm","filter":5}',
+        '{"id":Infinity,"action":"arm"}',
+        '{"id":1,"action":"arm","start_step":1e400}',
+        '{"id":1,"action":"arm","filter":["a"]}',
+        '{"id":true,"action":"arm"}',
+        "[1]",
+    ],
+)
+def test_a_malformed_order_never_reaches_the_engine(tmp_path: Path, text: str) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    path = tmp_path / ORDER_FILE
+    path.write_text(text)
+    path.chmod(0o600)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 3)
+    dumper.close()
+    assert _passes(tmp_path) == [] and any("ignoring" in str(w.message) for w in caught)
+
+
+def test_an_order_left_by_an_earlier_run_does_not_arm_a_new_engine(tmp_path: Path) -> None:
+    model = _model()
+    first = _attach(tmp_path, model)
+    _steps(first, model, 1)
+    assert _arm(tmp_path) == 0  # until disarmed, and never disarmed
+    _steps(first, model, 60)
+    first.close()
+    assert _passes(tmp_path)
+    for run in tmp_path.glob("rank*"):
+        for name in run.glob("pass*"):
+            name.unlink()
+    second = _attach(tmp_path, model)
+    _steps(second, model, 30)
+    second.close()
+    assert not list(tmp_path.glob("rank*/pass*.safetensors"))
+
+
+def test_a_stats_window_makes_a_stats_run_and_another_mode_is_refused(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert _arm(tmp_path, "--steps", "2", "--mode", "stats") == 0
+    _steps(dumper, model, 60)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _arm(tmp_path, "--steps", "2", "--mode", "full") == 0
+        _steps(dumper, model, 60)
+    dumper.close()
+    run = tracedump.open_dump(tmp_path).run()
+    assert run.manifest["settings"]["mode"] == "stats" and not run.passes
+    assert len({record["pass"] for record in run.stats()}) == 2
+    assert any("refused" in str(w.message) for w in caught)
+    report = tracedump.compare.compare(tmp_path, tmp_path)
+    assert report.exit_code == 0 and report.compared > 0
+
+
+def test_a_nested_root_call_is_no_step_boundary(tmp_path: Path) -> None:
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+            y = self.inner(x)
+            return self(y, again=False) if again else y
+
+    model = Outer()
+    dumper = _attach(tmp_path, model)
+    for _ in range(4):
+        model(torch.ones(1, 4))
+    assert dumper._boundaries == 4
+    dumper.close()
+
+
+def test_a_stale_batch_of_an_idle_step_does_not_hide_the_requested_one(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1, seq_ids=[0, 0])
+    assert _arm(tmp_path, "--steps", "2", "--request", "7") == 0
+    for batch in ([0, 0],) * 60 + ([7, 7], [7, 0], [0, 0]):
+        with dumper.step():
+            dumper.set_batch(seq_ids=batch)
+            model(torch.ones(2, 4))
+    dumper.close()
+    run = tracedump.open_dump(tmp_path).run()
+    assert [b.seq_ids for b in run.batches().values()] == [(7, 7), (7, 0)]
+
+
+def test_an_idle_server_of_this_host_can_be_armed_whatever_its_heartbeat_age(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    state = next(tmp_path.glob("rank*/control.state"))
+    beat = json.loads(state.read_text())
+    state.write_text(json.dumps({**beat, "time": beat["time"] - 3600}))  # an hour without traffic
+    assert _arm(tmp_path, "--steps", "1") == 0
+    _steps(dumper, model, 5)
+    dumper.close()
+    assert len(_passes(tmp_path)) == 1
+
+
 def test_without_control_nothing_changes(tmp_path: Path) -> None:
     model = _model()
     dumper = tracedump.attach(model, {"dir": str(tmp_path)})
@@ -226,3 +333,25 @@ def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank
         off_logits = torch.load(tmp_path / "off" / f"rank{rank}.pt")
         assert len(on_logits) == len(off_logits) == 300
         assert all(torch.equal(a, b) for a, b in zip(on_logits, off_logits, strict=True))
+
+
+def _child_steps(dumper: tracedump.Dumper, model: torch.nn.Module) -> None:
+    _steps(dumper, model, 2)
+    dumper.close()
+
+
+def test_a_forked_worker_watches_with_its_own_heartbeat(tmp_path: Path) -> None:
+    import multiprocessing
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    child = multiprocessing.get_context("fork").Process(target=_child_steps, args=(dumper, model))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    states = {json.loads(p.read_text())["pid"]: p.parent for p in tmp_path.glob("rank*/control.state")}
+    assert os.getpid() in states and child.pid in states  # each process its own heartbeat
+    assert states[os.getpid()] != states[child.pid]
+    assert json.loads((states[os.getpid()] / "control.state").read_text())["state"] != "closed"
+    dumper.close()

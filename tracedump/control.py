@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import socket
 import stat
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,21 +66,20 @@ class Order:
 
     @classmethod
     def from_json(cls, data: Any) -> Order:
+        """Strictly typed: a file is obeyed only when every field is what the CLI writes."""
         if not isinstance(data, dict) or data.get("action") not in ("arm", "disarm"):
             raise OrderError("not an order (expected an object with action arm or disarm)")
-        try:
-            order = cls(
-                id=int(data["id"]),
-                action=str(data["action"]),
-                start_step=int(data.get("start_step", 0)),
-                steps=None if data.get("steps") is None else int(data["steps"]),
-                filter=data.get("filter"),
-                mode=data.get("mode"),
-                inputs=bool(data.get("inputs", False)),
-                request=None if data.get("request") is None else str(data["request"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise OrderError(f"malformed order: {e}") from e
+        fields = {
+            "id": _typed(data, "id", int, required=True),
+            "action": data["action"],
+            "start_step": _typed(data, "start_step", int) or 0,
+            "steps": _typed(data, "steps", int),
+            "filter": _typed(data, "filter", str),
+            "mode": _typed(data, "mode", str),
+            "inputs": bool(_typed(data, "inputs", bool)),
+            "request": _typed(data, "request", str),
+        }
+        order = cls(**fields)
         order.check()
         return order
 
@@ -94,6 +94,19 @@ class Order:
                 re.compile(self.filter)
             except re.error as e:
                 raise OrderError(f"--filter {self.filter!r}: invalid regex: {e}") from e
+
+
+def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -> Any:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise OrderError(f"malformed order: no {key}")
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise OrderError(f"malformed order: {key} is {type(value).__name__}, not {kind.__name__}")
+    if kind is int and not -(2**62) < value < 2**62:
+        raise OrderError(f"malformed order: {key} {value} is out of range")
+    return value
 
 
 def write_order(dump_dir: Path, order: Order) -> Path:
@@ -163,11 +176,31 @@ class Controller:
     _beat_at: float = 0.0
     _beat_step: int = 0
     _rate: float = 0.0
+    _step: int = 0
+    fixed_mode: str | None = None  # the mode of the passes already in the run dir (one mode per run)
+
+    def __post_init__(self) -> None:
+        """An order file already in the dump dir belongs to an earlier run: seen, not obeyed."""
+        path = self.dump_dir / ORDER_FILE
+        try:
+            info = os.stat(path)
+        except OSError:
+            return
+        self._seen = (info.st_mtime_ns, info.st_ino)
+        try:
+            self._last_id = read_order(path).id
+        except Exception:  # whatever it holds, it is not this run's order
+            self._last_id = None
 
     def at_boundary(self, step: int) -> tuple[Window | None, bool]:
         """Poll the order file at step ``step``; the armed window this step belongs to (None: idle),
         and whether the manifest's control record changed."""
-        changed = self._poll(step)
+        self._step = step
+        try:
+            changed = self._poll(step)
+        except Exception as e:  # never into the engine's step: a broken order is ignored
+            self.warn("control_order", f"tracedump: ignoring {self.dump_dir / ORDER_FILE}: {e!r}")
+            changed = False
         if self.window is not None and self.window.finished:
             self._finish(step, "done")
             changed = True
@@ -226,6 +259,14 @@ class Controller:
             else:
                 self._log(order, "disarm (idle already)", step)
             return True
+        if order.mode and self.fixed_mode and order.mode != self.fixed_mode:
+            self._log(order, f"refused: this run dir holds {self.fixed_mode} passes", step)
+            self.warn(
+                "control_mode",
+                f"tracedump: arm --mode {order.mode} refused in {self.run_dir}: its passes are "
+                f"{self.fixed_mode} (one mode per run dir; dump another mode into another DUMP_DIR)",
+            )
+            return True
         if self.window is not None:
             self._finish(step, "replaced")
         self._pending = order
@@ -250,7 +291,13 @@ class Controller:
     def close(self) -> None:
         """The process stops watching: its heartbeat says so at once."""
         self._beat_at = 0.0
-        self._heartbeat(self._beat_step, state="closed")
+        self._heartbeat(self._step, state="closed")
+
+    def forked(self, run_dir: Path) -> Controller:
+        """A forked child's own controller: its run dir, the orders already seen, a fresh history."""
+        child = Controller(self.dump_dir, run_dir, self.warn, fixed_mode=None)
+        child._seen, child._last_id = self._seen, self._last_id
+        return child
 
     def _heartbeat(self, step: int, state: str | None = None) -> None:
         now = time.monotonic()
@@ -267,6 +314,7 @@ class Controller:
             "state": state or ("armed" if window else "idle"),
             "armed_until": window.end if window else None,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
         }
         tmp = self.run_dir / f".{STATE_FILE}.tmp"
         try:
@@ -301,9 +349,26 @@ def watchers(dump_dir: Path) -> list[Watcher]:
             step, rate = int(data["step"]), float(data.get("rate") or 0.0)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if 0 <= age < STALE_SECONDS and data.get("state") != "closed":
-            found.append(Watcher(path.parent, step, rate, age, str(data.get("state", "?"))))
+        if data.get("state") == "closed":
+            continue
+        if 0 <= age < STALE_SECONDS or _alive_here(data):  # an idle server steps no boundary
+            found.append(
+                Watcher(
+                    path.parent, step, rate if age < STALE_SECONDS else 0.0, age, str(data.get("state", "?"))
+                )
+            )
     return found
+
+
+def _alive_here(data: dict[str, Any]) -> bool:
+    """A heartbeat of a process of this host that still runs (a server without traffic)."""
+    if data.get("host") != socket.gethostname() or not isinstance(data.get("pid"), int):
+        return False
+    try:
+        os.kill(data["pid"], 0)
+    except (ProcessLookupError, PermissionError, OverflowError, ValueError):
+        return False
+    return True
 
 
 def start_step(found: list[Watcher], lead: float = LEAD_SECONDS) -> int:

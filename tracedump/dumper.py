@@ -500,6 +500,9 @@ class Dumper:
             self._report_run_error("a forked child's run dir", e)
             return False
         self._writer = self._start_writer()
+        if self._control is not None:
+            self._control = self._control.forked(self.run_dir)
+            self._writer.write_manifest(control=self._control.state())
         self._flush_at_exit()
         return True
 
@@ -534,6 +537,7 @@ class Dumper:
             raise
         finally:
             self._step_depth -= 1
+            self._pending_batch = None  # a set_batch() of this step never outlives it
             if opened:
                 self._close_pass()
 
@@ -660,33 +664,52 @@ class Dumper:
             self._skip_unrequested(self._pass, self._pass.batch)
         return True
 
+    def _count_armed(self, current: _Pass) -> None:
+        """A closed pass of an armed window: it counts towards ``--steps`` and fixes the run's mode."""
+        assert self._control is not None
+        window = self._control.window
+        if window is not None and window.order.request is not None and current.batch is None:
+            self._warn_once(
+                "control_request",
+                "tracedump: an order armed with --request needs the engine to call set_batch() each "
+                "step; this step said nothing of its sequences and is dumped whole",
+            )
+        if current.selected:
+            self._control.counted()
+            self._control.fixed_mode = self._mode
+
     def _warn_once(self, key: str, message: str) -> None:
         warn_once(f"{key}_{self._serial}", message)
 
     def _skip_unrequested(self, current: _Pass, batch: str) -> None:
-        """An order armed for one request: a step without that sequence is no dumped step."""
+        """An order armed for one request: a step without that sequence is no dumped step (decided
+        by the step's latest ``set_batch``)."""
         window = self._control.window if self._control is not None else None
         if window is None or window.order.request is None:
             return
-        if window.order.request not in {str(s) for s in json.loads(batch)["seq_ids"]}:
-            current.selected = False
+        held = {str(s) for s in json.loads(batch)["seq_ids"]}
+        current.selected = current.index in self._steps and window.order.request in held
 
     def _arm(self, step: int) -> bool:
-        """Control mode, at a step boundary: whether this step is armed, with the order's overrides."""
+        """Control mode, at a step boundary: whether this step is armed, with the order's overrides.
+
+        An order's ``--mode`` becomes the run's mode (a run dir holds passes of one mode: the
+        controller refuses another once a pass is written), so it is not reverted at disarm."""
         assert self._control is not None
         window, changed = self._control.at_boundary(step)
         order = window.order if window is not None else None
         self._idle = order is None
-        self._mode = (order.mode if order and order.mode else None) or self.settings.mode
-        self._full = self._mode != "stats"
+        if order is not None and order.mode and order.mode != self._mode:
+            self._mode, self._full = order.mode, order.mode != "stats"
+            settings = {**self._writer.manifest.get("settings", {}), "mode": self._mode}
+            self._writer.write_manifest(settings=settings)
         self._inputs = bool(order and order.inputs) or self.settings.inputs
         self._name_filter = re.compile(order.filter) if order and order.filter else None
         if changed:
-            settings = {**self._writer.manifest.get("settings", {}), "mode": self._mode}
-            self._writer.write_manifest(control=self._control.state(), settings=settings)
+            self._writer.write_manifest(control=self._control.state())
         return order is not None
 
-    def _open_auto_pass(self) -> bool:
+    def _open_auto_pass(self, nested: bool = False) -> bool:
         """Called by the root pre-hook: a pass per root forward when the engine opened none.
 
         The pass belongs to the calling thread. A root forward entering from another thread while
@@ -694,6 +717,8 @@ class Dumper:
         :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
         if self._suspended() or self._step_depth:
             return False
+        if nested and self._control is not None and self._pass is None:
+            return False  # an inner root call is no step boundary, armed or idle
         me = threading.get_ident()
         self._settle_implicit()
         with self._lock:
@@ -803,8 +828,8 @@ class Dumper:
         if current is None or current.is_warmup:
             return
         self._next_index = current.index + 1
-        if self._control is not None and current.selected:
-            self._control.counted()
+        if self._control is not None:
+            self._count_armed(current)
         if truncated and current.selected:
             current.truncated = True
             self._truncated.append(current.index)

@@ -154,7 +154,7 @@ class RootPassHooks:
             opened.clear()
         if not opened:
             self.dumper.keep_hooks_last()
-        opened.append(self.dumper._open_auto_pass())
+        opened.append(self.dumper._open_auto_pass(nested=bool(opened)))
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():

@@ -475,8 +475,9 @@ class Run:
         return sequences(self.batches())
 
     def sequence(self, seq_id: SeqId) -> dict[str, torch.Tensor]:
-        """One sequence's tensors, name by name, its rows gathered over the passes in position order
-        (along each tensor's token dim). Names whose rows cannot be found in every pass that holds
+        """One sequence's tensors, name by name: its rows gathered over the passes in position
+        order, ``[positions, ...]`` (the token dim first, other size-1 dims dropped, as ``diff
+        --align tokens`` compares them). Names whose rows cannot be found in every pass that holds
         the sequence (no token dim, another per-token shape) are left out."""
         found = self.batches()
         sequence = sequences(found).get(seq_id)
@@ -486,22 +487,30 @@ class Run:
         for position in sequence.positions:
             index, row = sequence.rows[position]
             by_pass.setdefault(index, []).append(row)
-        gathered: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        gathered: dict[str, list[torch.Tensor]] = {}
         dropped: set[str] = set()
         for index, rows in by_pass.items():
             pass_file = self.passes[index]
             for name in pass_file.names:
                 dim = token_dim(pass_file.info(name).shape, found[index].tokens, self.token_dim)
-                if dim is None or gathered.get(name, (dim, []))[0] != dim:
+                if dim is None:
                     dropped.add(name)
                     continue
-                part = pass_file[name].index_select(dim, torch.tensor(rows))
-                gathered.setdefault(name, (dim, []))[1].append(part)
+                gathered.setdefault(name, []).append(rows_first(pass_file[name], rows, dim))
         return {
-            name: torch.cat(parts, dim=dim)
-            for name, (dim, parts) in gathered.items()
-            if name not in dropped and len(parts) == len(by_pass)
+            name: torch.cat(parts)
+            for name, parts in gathered.items()
+            if name not in dropped
+            and len(parts) == len(by_pass)
+            and all(p.shape[1:] == parts[0].shape[1:] for p in parts)
         }
+
+
+def rows_first(tensor: torch.Tensor, rows: list[int], dim: int) -> torch.Tensor:
+    """The ``rows`` along ``dim``, as ``[len(rows), ...]`` with the other size-1 dims dropped: a
+    decode step's ``[1, 1, hidden]`` and a prefill's ``[1, seq, hidden]`` line up as rows."""
+    taken = tensor.index_select(dim, torch.tensor(rows)).movedim(dim, 0)
+    return taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
 
 
 def runs_by_rank(runs: Iterable[Run], where: str) -> dict[int, Run]:

@@ -69,19 +69,17 @@ class Alignment:
     only_in_a: tuple[SeqId, ...]
     only_in_b: tuple[SeqId, ...]
     first: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()  # pairs that could not be compared, or look suspicious
 
     def to_json(self) -> dict[str, Any]:
         return {
             "matched_by": self.matched_by,
-            "pairs": [[_json_id(a), _json_id(b)] for a, b in self.pairs],
-            "only_in_a": [_json_id(s) for s in self.only_in_a],
-            "only_in_b": [_json_id(s) for s in self.only_in_b],
+            "pairs": [[a, b] for a, b in self.pairs],
+            "only_in_a": list(self.only_in_a),
+            "only_in_b": list(self.only_in_b),
+            "notes": list(self.notes),
             "first": self.first,
         }
-
-
-def _json_id(seq: SeqId) -> SeqId:
-    return seq
 
 
 def _read_side(side: Side, group: RootGroup) -> _SideSequences:
@@ -132,6 +130,33 @@ def _pair_sequences(a: _SideSequences, b: _SideSequences) -> tuple[str, list[tup
         if pairs:
             return "input_ids", pairs
     return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False))
+
+
+def _pair_notes(
+    a: _SideSequences, b: _SideSequences, pairs: list[tuple[SeqId, SeqId]], matched_by: str
+) -> list[str]:
+    """What the summary must say of the pairs: none shares a position, or (paired by order) their
+    lengths differ, which usually means the order is not the same request order."""
+    notes = []
+    for seq_a, seq_b in pairs:
+        held_a, held_b = a.sequences[seq_a].rows, b.sequences[seq_b].rows
+        if not set(held_a) & set(held_b):
+            notes.append(
+                f"sequence {seq_a} (B: {seq_b}) shares no position: A holds {_span(held_a)}, "
+                f"B holds {_span(held_b)}"
+            )
+        elif matched_by.startswith("order") and len(held_a) != len(held_b):
+            notes.append(
+                f"paired by order, sequence {seq_a} ({len(held_a)} positions) and B's {seq_b} "
+                f"({len(held_b)}) differ in length: are the requests in the same order? "
+                "(set_batch with input_ids on both sides pairs them by tokens)"
+            )
+    return notes
+
+
+def _span(rows: dict[int, Any]) -> str:
+    positions = sorted(rows)
+    return f"{positions[0]}-{positions[-1]}" if positions else "nothing"
 
 
 def _prefix(x: list[int], y: list[int]) -> bool:
@@ -214,6 +239,7 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
                     tuple(pairs),
                     tuple(s for s in seq_a.sequences if s not in paired_a),
                     tuple(s for s in seq_b.sequences if s not in paired_b),
+                    notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by)),
                 )
             )
             for name_a, name_b in pairs:
@@ -367,6 +393,8 @@ def _first_in_time(
 
 def _describe(alignment: Alignment) -> str:
     line = f"sequences matched by {alignment.matched_by}: {len(alignment.pairs)} pairs"
+    for note in alignment.notes:
+        line += f"\nnote: {note}"
     if alignment.only_in_a:
         line += f"; only in A: {', '.join(map(str, alignment.only_in_a))}"
     if alignment.only_in_b:
