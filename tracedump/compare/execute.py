@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ..sequences import token_dim
 from .metrics import TensorMetrics, compare_arrays, per_token_rel_diff
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
@@ -125,19 +126,20 @@ class Executor:
     def _per_token(
         self, a: Stored, b: Stored, metrics: TensorMetrics
     ) -> tuple[int | None, tuple[float, ...] | None]:
-        """rel_diff per token position, along the dim whose size is the unit's token count."""
+        """rel_diff per token position, along the dim whose size is the unit's token count: the
+        second-to-last dim of its first tensor of 2 or 3 dims (``[tokens, hidden]``, ``[batch,
+        seq, hidden]``). Units whose tensors are images (4-D and up) get none: their dims are
+        channels and pixels, not tokens."""
         if not self.per_token:
             return None, None
         shape = a.shape
-        if self._tokens is None:
-            squeezed = [s for s in shape if s != 1]
-            if len(squeezed) >= 2:
-                self._tokens = squeezed[0]
+        if self._tokens is None and 2 <= len(shape) <= 3:
+            self._tokens = shape[-2]
         tokens = self._tokens
-        if not tokens or tokens < 2 or len(shape) < 2 or b.shape != shape:
+        if not tokens or tokens < 2 or b.shape != shape:
             return None, None
-        dim = next((d for d, size in enumerate(shape[:-1]) if size == tokens), None)
-        if dim is None:
+        dim = token_dim(shape, tokens, len(shape))  # no preferred dim: the first of that size
+        if dim is None or len(shape) < 2:
             return None, None
         if metrics.rel_diff == 0 and metrics.nonfinite_mismatch == 0:
             return dim, (0.0,) * tokens
