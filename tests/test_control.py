@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,34 @@ def _arm(dump: Path, *args: str) -> int:
     return tracedump.cli.main(["arm", str(dump), *args])
 
 
+_OPENED: list[tracedump.Dumper] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_every_dumper() -> Iterator[None]:
+    """A failing test must not leave an active dumper behind for the next test file."""
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
 def _attach(dump: Path, model: torch.nn.Module, **settings: object) -> tracedump.Dumper:
     dumper = tracedump.attach(model, {"dir": str(dump), "control": True, **settings})
     assert dumper is not None
+    _OPENED.append(dumper)
     return dumper
+
+
+def _until(dumper: tracedump.Dumper, model: torch.nn.Module, event: str, **batch: object) -> None:
+    """Step until the last order reaches ``event``: its start step is a second of steps ahead, by
+    the heartbeat's step rate, however fast the steps are (bounded: 200k steps)."""
+    assert dumper._control is not None
+    for _ in range(200_000):
+        history = dumper._control.history
+        if history and any(e["event"] == event and e["id"] == history[-1]["id"] for e in history):
+            return
+        _steps(dumper, model, 1, **batch)
+    raise AssertionError(f"the order never reached {event!r}: {dumper._control.history}")
 
 
 def test_control_attaches_disarmed_hooks_in_place_no_pass_file(tmp_path: Path) -> None:
@@ -67,13 +92,15 @@ def test_arm_for_n_steps_then_idle_and_disarm_ends_an_open_order(tmp_path: Path)
     dumper = _attach(tmp_path, model)
     _steps(dumper, model, 2)
     assert _arm(tmp_path, "--steps", "3") == 0
-    _steps(dumper, model, 60)  # the order starts a few steps ahead: by the heartbeat's step rate
+    _until(dumper, model, "done")
+    _steps(dumper, model, 5)
     dumped = _passes(tmp_path)
     assert len(dumped) == 3 and dumped == sorted(dumped)
     first = int(dumped[0][4:9])
     assert [int(n[4:9]) for n in dumped] == [first, first + 1, first + 2]  # named by engine step
     assert _arm(tmp_path) == 0  # until disarmed
-    _steps(dumper, model, 60)
+    _until(dumper, model, "armed")
+    _steps(dumper, model, 4)
     assert tracedump.cli.main(["disarm", str(tmp_path)]) == 0
     _steps(dumper, model, 3)
     dumper.close()
@@ -92,7 +119,7 @@ def test_an_armed_window_honours_filter_mode_and_inputs(tmp_path: Path) -> None:
     dumper = _attach(tmp_path, model)
     _steps(dumper, model, 1)
     assert _arm(tmp_path, "--steps", "1", "--filter", "^2$", "--inputs") == 0
-    _steps(dumper, model, 60)
+    _until(dumper, model, "done")
     dumper.close()
     (name,) = _passes(tmp_path)
     stored = tracedump.load_pass(next(tmp_path.glob("rank*")) / name)
@@ -104,7 +131,7 @@ def test_request_targeted_arming_dumps_only_steps_holding_that_sequence(tmp_path
     dumper = _attach(tmp_path, model)
     _steps(dumper, model, 1, seq_ids=[1, 2])
     assert _arm(tmp_path, "--steps", "2", "--request", "7") == 0
-    _steps(dumper, model, 60, seq_ids=[1, 2])
+    _until(dumper, model, "armed", seq_ids=[1, 2])
     _steps(dumper, model, 1, seq_ids=[7, 2])
     _steps(dumper, model, 2, seq_ids=[1, 1])
     _steps(dumper, model, 3, seq_ids=[7, 7])
@@ -184,7 +211,8 @@ def test_an_order_left_by_an_earlier_run_does_not_arm_a_new_engine(tmp_path: Pat
     first = _attach(tmp_path, model)
     _steps(first, model, 1)
     assert _arm(tmp_path) == 0  # until disarmed, and never disarmed
-    _steps(first, model, 60)
+    _until(first, model, "armed")
+    _steps(first, model, 2)
     first.close()
     assert _passes(tmp_path)
     for run in tmp_path.glob("rank*"):
@@ -201,11 +229,11 @@ def test_a_stats_window_makes_a_stats_run_and_another_mode_is_refused(tmp_path: 
     dumper = _attach(tmp_path, model)
     _steps(dumper, model, 1)
     assert _arm(tmp_path, "--steps", "2", "--mode", "stats") == 0
-    _steps(dumper, model, 60)
+    _until(dumper, model, "done")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert _arm(tmp_path, "--steps", "2", "--mode", "full") == 0
-        _steps(dumper, model, 60)
+        _until(dumper, model, "refused: this run dir holds stats passes")
     dumper.close()
     run = tracedump.open_dump(tmp_path).run()
     assert run.manifest["settings"]["mode"] == "stats" and not run.passes
@@ -238,7 +266,8 @@ def test_a_stale_batch_of_an_idle_step_does_not_hide_the_requested_one(tmp_path:
     dumper = _attach(tmp_path, model)
     _steps(dumper, model, 1, seq_ids=[0, 0])
     assert _arm(tmp_path, "--steps", "2", "--request", "7") == 0
-    for batch in ([0, 0],) * 60 + ([7, 7], [7, 0], [0, 0]):
+    _until(dumper, model, "armed", seq_ids=[0, 0])
+    for batch in ([0, 0], [7, 7], [7, 0], [0, 0]):
         with dumper.step():
             dumper.set_batch(seq_ids=batch)
             model(torch.ones(2, 4))
@@ -255,7 +284,7 @@ def test_an_idle_server_of_this_host_can_be_armed_whatever_its_heartbeat_age(tmp
     beat = json.loads(state.read_text())
     state.write_text(json.dumps({**beat, "time": beat["time"] - 3600}))  # an hour without traffic
     assert _arm(tmp_path, "--steps", "1") == 0
-    _steps(dumper, model, 5)
+    _until(dumper, model, "done")
     dumper.close()
     assert len(_passes(tmp_path)) == 1
 
