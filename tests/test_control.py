@@ -94,6 +94,7 @@ def test_arm_for_n_steps_then_idle_and_disarm_ends_an_open_order(tmp_path: Path)
     assert _arm(tmp_path, "--steps", "3") == 0
     _until(dumper, model, "done")
     _steps(dumper, model, 5)
+    dumper.flush()  # passes are written by the writer thread
     dumped = _passes(tmp_path)
     assert len(dumped) == 3 and dumped == sorted(dumped)
     first = int(dumped[0][4:9])
