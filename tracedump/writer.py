@@ -23,20 +23,22 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from safetensors.torch import save_file
 
 from .buffers import HostBufferPool
 from .cuda import wait_for
+from .layout import (  # noqa: F401 - re-exported: where the rest of tracedump has always found them
+    BATCH_KEY,
+    FORMAT_VERSION,
+    MANIFEST,
+    ORDER_KEY,
+    RECORDS_FILE,
+    SEQ_KEY,
+    STATS_FILE,
+    STATS_PARTIAL,
+    TRUNCATED_KEY,
+)
+from .stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 
-FORMAT_VERSION = "1"
-ORDER_KEY = "tracedump.order"
-BATCH_KEY = "tracedump.batch"
-SEQ_KEY = "tracedump.seq"
-TRUNCATED_KEY = "tracedump.truncated"
-STATS_FILE = "stats.jsonl"
-STATS_PARTIAL = "stats.jsonl.partial"
-MANIFEST = "manifest.json"
-RECORDS_FILE = "records.safetensors"
 _MANIFEST_INTERVAL_S = 1.0
 # Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
 RESERVED_NAMES = frozenset({"__metadata__"})
@@ -103,7 +105,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Save as safetensors (no pickle) with the capture order in the metadata; returns bytes written."""
+    """Save as safetensors (no pickle) with the capture order in the metadata; returns bytes written.
+
+    The tensors' memory goes to the kernel as it is (:mod:`tracedump.stformat`): one copy per byte,
+    into the page cache, and none of a tensor turned into ``bytes`` first."""
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={**metadata, ORDER_KEY: json.dumps(list(tensors))})
         size = tmp.stat().st_size
