@@ -4,6 +4,7 @@ Nothing is opened before it is needed: listing a dump of 3000 passes stats file 
 pass's safetensors header (names, shapes, dtypes, capture order) is read on first use, and a file
 is memory-mapped (safetensors ``safe_open``) only when a tensor is read, so reading one tensor of a
 multi-GB pass touches only that tensor's bytes and a long dump never holds thousands of maps.
+Importing this module does not import torch: ``tracedump ls`` and ``show`` never need it.
 :func:`read_header` is the one parser of the header; the comparator maps files from it too. Part
 files of a pass too large for the memory cap are reassembled transparently.
 """
@@ -21,14 +22,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
-
-from .reduce import NUMERIC_STATS
+from .layout import MANIFEST, NUMERIC_STAT_NAMES, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
 from .sequences import Batch, SeqId, Sequence, batches, sequences, token_dim
-from .writer import MANIFEST, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
+from .stformat import CODES_ON_DISK_ORDER
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
+    import torch
 
 # Capture sequence numbers of a stats-mode pass file's tensors (JSON list aligned with ORDER_KEY): they
 # place records among the stats.jsonl lines of the same pass, whose "seq" counts in the same sequence.
@@ -149,7 +150,7 @@ def _parse_header(path: Path, header: Any, data_start: int, size: int) -> Safete
 
 def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
-    name, width = SAFETENSORS_DTYPES.get(raw, (raw.lower(), 0))
+    name, width = SAFETENSORS_DTYPES.get(raw, (CODES_ON_DISK_ORDER.get(raw, raw.lower()), 0))
     shape = tuple(int(s) for s in spec["shape"])
     begin, end = (int(offset) for offset in spec["data_offsets"])
     if not 0 <= begin <= end or (width and end - begin != math.prod(shape) * width):
@@ -243,6 +244,8 @@ class PassFile:
 
     def _handle(self, position: int) -> Any:
         if position not in self._handles:
+            from safetensors import safe_open
+
             path = self.files[position]
             try:
                 self._handles[position] = safe_open(str(path), framework="pt")
@@ -315,6 +318,8 @@ def load_pass(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _load_pt(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     _open_regular(path).close()  # a FIFO would block torch.load
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -354,7 +359,7 @@ def _stats_problem(record: Any) -> str | None:
     shape = record.get("shape")
     if shape is not None and not (isinstance(shape, list) and all(_is_int(s) for s in shape)):
         return f"'shape' is {shape!r}"
-    for name in NUMERIC_STATS:
+    for name in NUMERIC_STAT_NAMES:
         value = record.get(name)
         if value is not None and not _is_number(value):
             return f"{name!r} is {value!r}"
@@ -456,6 +461,8 @@ class Run:
         """One sequence's tensors, name by name, its rows gathered over the passes in position order
         (along each tensor's token dim). Names whose rows cannot be found in every pass that holds
         the sequence (no token dim, another per-token shape) are left out."""
+        import torch
+
         found = self.batches()
         sequence = sequences(found).get(seq_id)
         if sequence is None:
