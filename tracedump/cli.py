@@ -41,7 +41,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .loader import open_dump
 
     dump = open_dump(args.dir)
-    table = Table(title=escape(f"tracedump {dump.path}"))
+    title = f"tracedump {dump.path}"
+    table = Table(title=escape(title), min_width=len(title))  # a title wrapped to the table splits the path
     for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete"):
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
     for run in dump.runs:
