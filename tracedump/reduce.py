@@ -69,7 +69,9 @@ _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "min": _nan_if_empty(torch.amin),
     "max": _nan_if_empty(torch.amax),
     # min and max together in one pass; the empty tensor has neither
-    "minmax": lambda x: torch.stack(torch.aminmax(x)) if x.numel() else torch.full((2,), float("nan")),
+    "minmax": lambda x: (
+        torch.stack(torch.aminmax(x)) if x.numel() else torch.full((2,), float("nan"), device=x.device)
+    ),
     "std": lambda x: x.to(_accumulator(x)).std(correction=0),  # population std, like numpy's default
     "l2": lambda x: torch.linalg.vector_norm(x, dtype=_accumulator(x)),
     "nan_count": lambda x: torch.isnan(x).sum(),
