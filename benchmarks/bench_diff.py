@@ -12,7 +12,7 @@ alike:
 
 Both read the same page-cache-resident files (written, synced, then read once to warm up), so the
 ratio compares the comparator's work with a read, not one disk state with another. Targets: ratio
->= 0.5, and peak anonymous memory <= 4x the largest tensor, measured in one more, untimed diff
+>= 0.8, and peak anonymous memory <= 4x the largest tensor, measured in one more, untimed diff
 (``RssAnon`` sampled every 5 ms): memory-mapped file pages are page cache, not the diff's own.
 
 Run alone: ``python benchmarks/bench_diff.py [--quick]`` prints the JSON; temp files are deleted.
@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common
 
-TARGET_RATIO = 0.5
+TARGET_RATIO = 0.8  # issue 14 (was 0.5)
 MEMORY_TARGET = 4.0  # "a few times the largest tensor, not the dump"
 GiB = 1 << 30
 

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tracedump
 import tracedump.dumper as tracedump_dumper
+from tracedump.stformat import write_file
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -217,7 +218,7 @@ def run_on(
         stats = DumpedModel(model, ids, {"dir": str(workdir / "stats"), "mode": "stats"})
     naive = NaiveModel(model, ids, workdir / "naive")
     try:
-        copies = PassCopies(list(full.sample_pass().values()))
+        copies = PassCopies(full.sample_pass(), workdir / "copies")
         variants: dict[str, Step] = {
             "untouched": lambda: {"step": common.timed(lambda: common.forward(model, ids))},
             "full": full.step,
@@ -240,20 +241,34 @@ class PassCopies:
     ``memcpy``: one ``copy_`` of all the bytes into a reused buffer: the machine's copy bandwidth.
     ``clone``: ``clone()`` of the pass's tensors one by one (fresh memory each time, like a
     capture): the least any dumper that keeps a private copy must spend in the forward.
+    ``write``: the pass written as one file the way the writer thread writes it
+    (``tracedump.stformat.write_file``: header, then the buffers straight to ``os.writev``): one
+    copy per byte, the kernel's into the page cache. ``save_file``: the same file through
+    safetensors' ``save_file``, the writer before issue 14. Both files are deleted untimed.
     """
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    def __init__(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+        self.tensors = list(tensors.values())
+        self.named = tensors
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.source = torch.ones(max(1, self.nbytes // 4), dtype=torch.float32)
         self.target = torch.zeros_like(self.source)
 
     def step(self) -> dict[str, float]:
+        path = self.directory / "pass.safetensors"
+        write = common.timed(lambda: write_file(self.named, path, {"tracedump.mode": "full"}))
+        path.unlink()
+        save = common.timed(lambda: save_file(self.named, str(path), {"tracedump.mode": "full"}))
+        path.unlink()
         return {
             "memcpy": common.timed(lambda: self.target.copy_(self.source)),
             "clone": common.timed(
                 lambda: [t.clone(memory_format=torch.contiguous_format) for t in self.tensors]
             ),
+            "write": write,
+            "save_file": save,
         }
 
 
@@ -283,7 +298,7 @@ def _summarise_on(
 ) -> dict[str, Any]:
     base = samples["untouched"]["step"]
     full_step, naive_step = samples["full"]["step"], samples["naive"]["step"]
-    memcpy, clone = samples["copies"]["memcpy"], samples["copies"]["clone"]
+    memcpy, clone, write = (samples["copies"][k] for k in ("memcpy", "clone", "write"))
     added = [f - u for f, u in zip(full_step, base, strict=True)]
     added_s = common.median(added)
     ideal = [u + c for u, c in zip(base, clone, strict=True)]  # a dumper whose only cost is the copy
@@ -318,6 +333,13 @@ def _summarise_on(
             "clone_GBps": pass_bytes / common.median(clone) / 1e9,
             "throughput_vs_memcpy": common.paired_ratio(memcpy, added),
             "throughput_vs_clone": common.paired_ratio(clone, added),
+            # The writer: one copy per byte (the kernel's, into the page cache) after the capture's
+            # one, so a pass costs two copies per byte until it is on disk, against memcpy's one.
+            "copies_per_byte": 2,
+            "write_GBps": pass_bytes / common.median(write) / 1e9,
+            "save_file_GBps": pass_bytes / common.median(samples["copies"]["save_file"]) / 1e9,
+            "write_speedup_vs_save_file": common.paired_ratio(samples["copies"]["save_file"], write),
+            "write_cost_in_memcpys": common.paired_ratio(write, memcpy),
             "leaves_hooked": len(full.dumper.modules),
         },
     }

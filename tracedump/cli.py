@@ -1,20 +1,22 @@
 """The ``tracedump`` command: ``ls``, ``show``, ``diff``, ``run``.
 
-Each subcommand imports what it needs when it runs, so ``import tracedump`` stays light.
+Each subcommand imports what it needs when it runs, so ``import tracedump`` stays light: ``--help``,
+``ls`` and ``show`` never import torch (it is most of a 2 s start-up); tests/test_loader_cli.py checks.
 Exit codes: 0 ok, 1 a divergence (``diff``), 2 a usage error or unreadable input.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .compare.display import console
+from .console import console
 from .units import human_bytes
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
@@ -33,7 +35,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .loader import open_dump
 
     dump = open_dump(args.dir)
-    table = Table(title=escape(f"tracedump {dump.path}"))
+    title = f"tracedump {dump.path}"
+    table = Table(title=escape(title), min_width=len(title))  # a title wrapped to the table splits the path
     for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete", "root"):
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
     for run in dump.runs:
@@ -109,43 +112,60 @@ def _print_sequences(run: Any) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """Name, shape, dtype and simple statistics of each tensor of a pass, in capture order."""
-    import torch
+    """Name, shape, dtype and simple statistics of each tensor of a pass, in capture order.
+
+    A pass file is read with numpy from its memory map (bf16 widened from its bits), without torch;
+    only a ``.pt`` file, which torch pickled, needs torch to be read."""
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
+    from .compare.reader import SafetensorsMap, Stored, stored_from_torch
+    from .layout import dtype_name
     from .loader import load_pass, open_pass
-    from .reduce import dtype_name
 
     pattern = re.compile(args.filter) if args.filter else None
-    # A .pt file of {name: tensor} is read as `diff` reads it; a pass file lazily, one tensor at a time.
-    tensors = load_pass(args.passfile) if args.passfile.suffix == ".pt" else open_pass(args.passfile)
+    read: Callable[[str], Stored]
+    describe: Callable[[str], tuple[tuple[int, ...], str]]
+    if args.passfile.suffix == ".pt":  # a {name: tensor} file, read as `diff` reads it
+        loaded = load_pass(args.passfile)
+        names = list(loaded)
+        read = lambda name: stored_from_torch(loaded[name])  # noqa: E731
+        describe = lambda name: (tuple(loaded[name].shape), dtype_name(loaded[name].dtype))  # noqa: E731
+    else:  # a pass file (or its parts), one tensor at a time
+        pass_file = open_pass(args.passfile)
+        names = pass_file.names
+        maps = {id(h): SafetensorsMap(h) for h in pass_file.headers}
+        read = lambda name: maps[id(pass_file.header_of(name))].array(name)  # noqa: E731
+        describe = lambda name: (pass_file.info(name).shape, pass_file.info(name).dtype)  # noqa: E731
     table = Table(title=escape(str(args.passfile)))
     for column in ("name", "shape", "dtype", "min", "max", "mean", "abs_mean"):
         table.add_column(column, justify="left" if column in ("name", "dtype") else "right")
-    for name in list(tensors):
+    for name in names:
         if pattern and not pattern.search(name):
             continue
-        tensor = tensors[name]
-        table.add_row(
-            Text(name),  # not markup: `model[last_hidden_state]` keeps its brackets
-            str(list(tensor.shape)),
-            dtype_name(tensor.dtype),
-            *_summary_cells(tensor, torch),
-        )
+        shape, dtype = describe(name)
+        cells = _summary_cells(functools.partial(read, name))
+        table.add_row(Text(name), str(list(shape)), dtype, *cells)  # Text: `model[x]` keeps its brackets
     console().print(table)
     return EXIT_OK
 
 
-def _summary_cells(tensor: Any, torch: Any) -> list[str]:
-    """min, max, mean, abs_mean as text; ``-`` for a dtype torch cannot widen (float4, bits)."""
+def _summary_cells(read: Callable[[], Any]) -> list[str]:
+    """min, max, mean, abs_mean as text (in float64); ``-`` for a dtype numpy cannot widen (float4)."""
+    import numpy as np
+
+    from .compare.routing import as_float
+
     try:
-        values = tensor.double() if tensor.numel() else torch.zeros(1, dtype=torch.float64)
-        stats = (values.min(), values.max(), values.mean(), values.abs().mean())
-        return [f"{value.item():.4g}" for value in stats]
-    except (NotImplementedError, RuntimeError, TypeError):
+        values = np.asarray(as_float(read()), dtype=np.float64).reshape(-1)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError):
         return ["-"] * 4
+    if not values.size:
+        values = np.zeros(1)
+    with np.errstate(all="ignore"):
+        stats = (values.min(), values.max(), values.mean(), np.abs(values).mean())
+    return [f"{float(value):.4g}" for value in stats]
 
 
 def _watched(directory: Path) -> list[Any]:

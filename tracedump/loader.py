@@ -4,6 +4,7 @@ Nothing is opened before it is needed: listing a dump of 3000 passes stats file 
 pass's safetensors header (names, shapes, dtypes, capture order) is read on first use, and a file
 is memory-mapped (safetensors ``safe_open``) only when a tensor is read, so reading one tensor of a
 multi-GB pass touches only that tensor's bytes and a long dump never holds thousands of maps.
+Importing this module does not import torch: ``tracedump ls`` and ``show`` never need it.
 :func:`read_header` is the one parser of the header; the comparator maps files from it too. Part
 files of a pass too large for the memory cap are reassembled transparently.
 """
@@ -22,17 +23,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
-
-from .reduce import NUMERIC_STATS
+from .layout import MANIFEST, NUMERIC_STAT_NAMES, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
 from .sequences import Batch, SeqId, Sequence, batches, sequences, token_dim
-from .writer import MANIFEST, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
+from .stformat import CODES_ON_DISK_ORDER
 
-# Capture sequence numbers of a stats-mode pass file's tensors (JSON list aligned with ORDER_KEY): they
-# place records among the stats.jsonl lines of the same pass, whose "seq" counts in the same sequence.
+if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
+    import torch
+
 PASS_RE = re.compile(r"^pass(\d+)(?:\.part(\d+))?\.safetensors$")
 _RUN_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:-(\d+))?$")
 # safetensors dtype code -> (torch dtype name, bytes per element)
@@ -155,7 +154,7 @@ def _parse_header(path: Path, header: Any, data_start: int, size: int) -> Safete
 
 def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
-    name, width = SAFETENSORS_DTYPES.get(raw, (raw.lower(), 0))
+    name, width = SAFETENSORS_DTYPES.get(raw, (CODES_ON_DISK_ORDER.get(raw, raw.lower()), 0))
     shape = tuple(int(s) for s in spec["shape"])
     if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
         if not shape or shape[-1] % 2:
@@ -253,6 +252,8 @@ class PassFile:
 
     def _handle(self, position: int) -> Any:
         if position not in self._handles:
+            from safetensors import safe_open
+
             path = self.files[position]
             try:
                 self._handles[position] = safe_open(str(path), framework="pt")
@@ -325,6 +326,8 @@ def load_pass(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _load_pt(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     _open_regular(path).close()  # a FIFO would block torch.load
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -364,7 +367,7 @@ def _stats_problem(record: Any) -> str | None:
     shape = record.get("shape")
     if shape is not None and not (isinstance(shape, list) and all(_is_int(s) for s in shape)):
         return f"'shape' is {shape!r}"
-    for name in NUMERIC_STATS:
+    for name in NUMERIC_STAT_NAMES:
         value = record.get(name)
         if value is not None and not _is_number(value):
             return f"{name!r} is {value!r}"
@@ -479,6 +482,8 @@ class Run:
         order, ``[positions, ...]`` (the token dim first, other size-1 dims dropped, as ``diff
         --align tokens`` compares them). Names whose rows cannot be found in every pass that holds
         the sequence (no token dim, another per-token shape) are left out."""
+        import torch
+
         found = self.batches()
         sequence = sequences(found).get(seq_id)
         if sequence is None:
@@ -509,6 +514,8 @@ class Run:
 def rows_first(tensor: torch.Tensor, rows: list[int], dim: int) -> torch.Tensor:
     """The ``rows`` along ``dim``, as ``[len(rows), ...]`` with the other size-1 dims dropped: a
     decode step's ``[1, 1, hidden]`` and a prefill's ``[1, seq, hidden]`` line up as rows."""
+    import torch
+
     taken = tensor.index_select(dim, torch.tensor(rows)).movedim(dim, 0)
     return taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..console import console
 from .execute import Progress, pair_bytes
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
@@ -34,19 +35,7 @@ _STATUS_STYLE = {
     "routing": "dim",
     "not_aligned": "dim",
 }
-_WIDE = 240  # columns when stdout is not a terminal: names are never cut in logs and pipes
 _LISTED = 10  # names shown per "only in" line
-
-
-def console(stderr: bool = False) -> Any:
-    """The rich console every ``tracedump`` command prints with (stdout, or stderr for ``--json -``).
-
-    When the stream is not a terminal it is 240 columns wide, so long module names stay whole on
-    one greppable line in logs and pipes; rich is imported here, on first output, not at import."""
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=None if stream.isatty() else _WIDE, highlight=False)
 
 
 def _num(value: float | None) -> str:

@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from ..layout import dtype_name
 from ..loader import SafetensorsHeader
-from ..reduce import dtype_name
+
+if TYPE_CHECKING:  # `tracedump show` maps files with this module and never imports torch
+    import torch
 
 # dtype name -> numpy storage dtype (bit patterns for the float types numpy does not have)
 _STORAGE: dict[str, Any] = {
@@ -45,15 +47,15 @@ _STORAGE: dict[str, Any] = {
     "uint8": np.uint8,
     "bool": np.bool_,
 }
-# torch dtypes numpy cannot hold: stored as same-width integer bits.
+# torch dtypes numpy cannot hold: stored as same-width integer bits (torch's bits dtype, numpy's).
 _BITS_VIEW = {
-    torch.bfloat16: (torch.int16, np.uint16),
-    torch.float8_e4m3fn: (torch.int8, np.uint8),
-    torch.float8_e5m2: (torch.int8, np.uint8),
-    torch.float8_e4m3fnuz: (torch.int8, np.uint8),
-    torch.float8_e5m2fnuz: (torch.int8, np.uint8),
-    torch.float8_e8m0fnu: (torch.int8, np.uint8),
-    torch.float4_e2m1fn_x2: (torch.int8, np.uint8),
+    "bfloat16": ("int16", np.uint16),
+    "float8_e4m3fn": ("int8", np.uint8),
+    "float8_e5m2": ("int8", np.uint8),
+    "float8_e4m3fnuz": ("int8", np.uint8),
+    "float8_e5m2fnuz": ("int8", np.uint8),
+    "float8_e8m0fnu": ("int8", np.uint8),
+    "float4_e2m1fn_x2": ("int8", np.uint8),
 }
 
 
@@ -70,6 +72,8 @@ class Stored:
 
     def to_torch(self) -> torch.Tensor:
         """A torch tensor with the real dtype (a copy: torch wants writable memory)."""
+        import torch
+
         tensor = torch.from_numpy(np.array(self.array, copy=True))
         real = getattr(torch, self.dtype)
         if real.is_complex:
@@ -79,11 +83,13 @@ class Stored:
 
 def stored_from_torch(tensor: torch.Tensor) -> Stored:
     """Wrap a torch tensor (``.pt`` inputs, unshard results) without going through Python lists."""
+    import torch
+
     tensor = tensor.detach().cpu().contiguous()
     dtype = dtype_name(tensor.dtype)
-    if tensor.dtype in _BITS_VIEW:
-        bits, numpy_dtype = _BITS_VIEW[tensor.dtype]
-        return Stored(tensor.view(bits).numpy().view(numpy_dtype), dtype)
+    if dtype in _BITS_VIEW:
+        bits, numpy_dtype = _BITS_VIEW[dtype]
+        return Stored(tensor.view(getattr(torch, bits)).numpy().view(numpy_dtype), dtype)
     if tensor.dtype == torch.complex64:
         return Stored(torch.view_as_real(tensor).numpy(), dtype)
     return Stored(tensor.numpy(), dtype)

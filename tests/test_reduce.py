@@ -1,0 +1,82 @@
+"""Stats in one sweep: each reduction once, the same numbers as numpy in float64."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tracedump.reduce import NUMERIC_STATS, compute_stats
+
+_SETS = [
+    ["abs_mean", "sum", "max", "shape"],  # the default
+    list(NUMERIC_STATS),
+    ["min", "max"],
+    ["mean", "sum", "dtype"],
+    ["nan_count", "max", "inf_count"],
+    ["shape"],
+]
+
+
+def _numpy(x: np.ndarray, name: str) -> float:
+    with np.errstate(all="ignore"):
+        if name == "nan_count":
+            return float(np.isnan(x).sum())
+        if name == "inf_count":
+            return float(np.isinf(x).sum())
+        if not x.size:
+            return 0.0 if name in ("sum", "l2") else math.nan
+        values = {
+            "abs_mean": lambda: np.abs(x).mean(),
+            "sum": x.sum,
+            "min": x.min,
+            "max": x.max,
+            "mean": x.mean,
+            "std": x.std,
+            "l2": lambda: np.linalg.norm(x.ravel()),
+        }
+        return float(values[name]())
+
+
+@pytest.mark.parametrize("names", _SETS)
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(5, 7, generator=torch.Generator().manual_seed(1)),
+        torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16(),
+        torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)),
+        torch.arange(-6, 18).reshape(4, 6),
+        torch.tensor([1.0, float("nan"), float("inf"), -2.0]),
+        torch.zeros(0, 3),
+        torch.randn(6, 8)[:, ::2],  # not contiguous
+    ],
+    ids=["fp32", "bf16", "fp64", "int64", "nan_inf", "empty", "strided"],
+)
+def test_every_statistic_matches_numpy(tensor: torch.Tensor, names: list[str]) -> None:
+    numeric, values, extras = compute_stats(tensor, names)
+
+    assert numeric == [n for n in names if n in NUMERIC_STATS]
+    assert values.dtype == torch.float64 and values.shape == (len(numeric),)
+    reference = tensor.double().numpy()
+    for name, value in zip(numeric, values.tolist(), strict=True):
+        expected = _numpy(reference, name)
+        if math.isnan(expected):
+            assert math.isnan(value), name
+        else:
+            assert value == pytest.approx(expected, rel=1e-6, abs=1e-6), name
+    assert extras.get("shape", list(tensor.shape)) == list(tensor.shape)
+
+
+def test_counts_stay_exact_beside_float_statistics() -> None:
+    nans = torch.full(((1 << 24) + 1,), float("nan"))  # 2**24 + 1 is no float32: rounding would show
+    _, values, _ = compute_stats(nans, ["nan_count", "sum"])
+    assert values[0].item() == (1 << 24) + 1
+
+
+def test_the_source_tensor_is_left_untouched() -> None:
+    x = torch.randn(4, 5)
+    before = x.clone()
+    compute_stats(x, list(NUMERIC_STATS))
+    assert torch.equal(x, before)

@@ -1,0 +1,177 @@
+"""The safetensors format, written directly: an 8-byte length, a JSON header, the raw buffers.
+
+Why not ``safetensors.torch.save_file``: a pass is already a set of contiguous host buffers, and the
+only copy a write needs is the kernel's, into the page cache. Here the header is built in Python
+and the tensors' own memory is handed to ``os.writev`` (no ``bytes`` made of any tensor), so a
+captured byte is copied once at capture and once by the kernel. The bytes on disk are the ones
+``save_file`` writes for the same tensors and metadata (tests/test_stformat.py checks it): tensors
+sorted by dtype (safetensors' order, widest first) then name, offsets packed, the JSON compact and
+padded with spaces to a multiple of 8. Only the order of the ``__metadata__`` keys can differ:
+safetensors writes them from a hash map, in an order that changes from process to process; here
+they keep their insertion order.
+
+Importing this module does not import torch (``tracedump ls``/``show`` read headers without it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import json
+import os
+import struct
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype code -> torch dtype name, in the order safetensors lays tensors out on disk
+# (its ``Dtype`` enum, descending; tensors of one dtype by name). Checked against ``save_file``.
+CODES_ON_DISK_ORDER: dict[str, str] = {
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+    "C64": "complex64",
+    "F32": "float32",
+    "U32": "uint32",
+    "I32": "int32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "U16": "uint16",
+    "I16": "int16",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I8": "int8",
+    "U8": "uint8",
+    "F4": "float4_e2m1fn_x2",
+    "BOOL": "bool",
+}
+_CODE_OF = {name: code for code, name in CODES_ON_DISK_ORDER.items()}
+_RANK = {code: rank for rank, code in enumerate(CODES_ON_DISK_ORDER)}
+_PACKED_PAIRS = "float4_e2m1fn_x2"  # one byte holds two elements: safetensors counts the elements
+_IOV_MAX = 1024  # buffers per writev call (Linux's limit)
+_MAX_WRITE = 1 << 30  # bytes per writev call, below the kernel's 2 GiB cap on a single write
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors code of a torch dtype (KeyError for one the format cannot hold)."""
+    return _CODE_OF[str(dtype).removeprefix("torch.")]
+
+
+def layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[str]]:
+    """The file's first bytes (length + padded JSON header) and the names in on-disk order."""
+    specs = {
+        name: (dtype_code(t.dtype), list(t.shape), t.numel() * t.element_size())
+        for name, t in tensors.items()
+    }
+    order = sorted(specs, key=lambda name: (_RANK[specs[name][0]], name))
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        code, shape, nbytes = specs[name]
+        if code == "F4":
+            shape = [*shape[:-1], shape[-1] * 2] if shape else [2]
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's own memory (no copy)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def write_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Write ``tensors`` as a safetensors file at ``path`` (``save_file``'s arguments); returns its size.
+
+    Tensors must be on the CPU; a non-contiguous one is made contiguous first (``save_file`` would
+    refuse it). The buffers go to ``os.writev`` straight from the tensors' memory.
+    """
+    if sys.byteorder != "little":  # the format is little-endian: let safetensors swap the bytes
+        from safetensors.torch import save_file
+
+        save_file(
+            {n: t.contiguous() for n, t in tensors.items()}, str(path), metadata=metadata and dict(metadata)
+        )
+        return os.stat(path).st_size
+    dense = {name: t if t.is_contiguous() else t.contiguous() for name, t in tensors.items()}
+    head, order = layout(dense, metadata)
+    buffers = [memoryview(head), *(_bytes_of(dense[n]) for n in order if dense[n].numel())]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        _preallocate(fd, sum(b.nbytes for b in buffers))
+        return _writev_all(fd, buffers)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``fallocate(2)`` from libc, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the file's blocks in one call before writing it: ext4 then skips the per-page block
+    reservation of delayed allocation, and a pass reaches the page cache at 6.7 GB/s instead of
+    4.8 GB/s (measured here). Not ``os.posix_fallocate``: where the file system cannot preallocate,
+    glibc emulates it by writing zeros, a second write of every byte. A file system that cannot
+    (tmpfs on old kernels, NFS, ...) is simply written without it; a full disk fails here, early."""
+    fallocate = _fallocate()
+    if fallocate is None or nbytes == 0:
+        return
+    if fallocate(fd, 0, 0, nbytes) != 0:
+        code = ctypes.get_errno()
+        if code == errno.ENOSPC:
+            raise OSError(code, os.strerror(code))
+
+
+def _writev_all(fd: int, buffers: list[memoryview]) -> int:
+    """``writev`` until every buffer is written, resuming after short writes."""
+    total = 0
+    pending = [b for b in buffers if b.nbytes]
+    while pending:
+        batch, size = [], 0
+        for buffer in pending[:_IOV_MAX]:
+            if size + buffer.nbytes > _MAX_WRITE and batch:
+                break
+            batch.append(buffer[: _MAX_WRITE - size] if size + buffer.nbytes > _MAX_WRITE else buffer)
+            size += batch[-1].nbytes
+        written = os.writev(fd, batch)
+        if written <= 0:
+            raise OSError(f"writev wrote {written} bytes")
+        total += written
+        while written:
+            head = pending[0]
+            if written >= head.nbytes:
+                written -= head.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = head[written:]
+                written = 0
+    return total
