@@ -130,7 +130,7 @@ def child(quick: bool, passes: int) -> dict[str, Any]:
             dumper.close()
         seconds = time.perf_counter() - start
         dump_peak = _peak_bytes(hwm_reset, sampler)
-    totals = dumper._writer.totals
+    totals = dumper.rundir.writer.totals
     return {
         "rss_before_model_bytes": before_model,
         "untouched_peak_bytes": untouched_peak,

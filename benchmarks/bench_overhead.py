@@ -64,7 +64,7 @@ def run_off(
     before = common.hook_census(model)
     if before.total:
         raise AssertionError(f"the benchmark model already has hooks: {before.as_dict()}")
-    if tracedump_dumper._active:
+    if tracedump_dumper.active_dumper() is not None:
         raise AssertionError("a dumper is still active: record() would not be the no-op path")
     with common.clean_env():
         dumper = tracedump.attach(model)
@@ -144,7 +144,7 @@ class DumpedModel:
     def flush(self) -> None:
         """Wait until every submitted pass is on disk (the writer's own flush; no public one yet)."""
         flush = getattr(self.dumper, "flush", None)
-        (flush or self.dumper._writer.flush)()
+        (flush or self.dumper.rundir.writer.flush)()
 
     def step(self) -> dict[str, float]:
         start = time.perf_counter()

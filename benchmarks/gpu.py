@@ -208,7 +208,7 @@ def _dumped_step(model: nn.Module, dumper: Any, ids: torch.Tensor) -> Callable[[
 def _flush(dumper: Any) -> None:
     """Wait until every submitted pass is on disk: ``Dumper.flush()`` where it exists, else the writer's."""
     flush = getattr(dumper, "flush", None)
-    (flush or dumper._writer.flush)()
+    (flush or dumper.rundir.writer.flush)()
 
 
 def _interleave(

@@ -11,6 +11,7 @@ import torch
 
 import tracedump
 import tracedump.cuda
+import tracedump.runtime
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -72,7 +73,9 @@ def dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``warn_once`` remembers keys for the whole process: start a test as if nothing had warned yet.
     Opt in per file with ``pytestmark = pytest.mark.usefixtures("fresh_warn_once")``."""
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
+    found = tracedump.runtime.existing()  # none yet: nothing has warned
+    if found is not None:
+        monkeypatch.setattr(found.warn, "_seen", set())
 
 
 def read_passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:

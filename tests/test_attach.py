@@ -325,7 +325,7 @@ def test_a_hook_failure_is_reported_once_and_never_raised_into_forward(
     def broken(*_args, **_kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("tracedump.dumper.copy_to_host", broken)
+    monkeypatch.setattr(dumper.sink, "copy", broken)
     with torch.no_grad(), pytest.warns(tracedump.TracedumpWarning, match="boom") as caught:
         expected = tiny_llama(prompt_ids).logits
         again = tiny_llama(prompt_ids).logits
@@ -358,9 +358,9 @@ def test_a_failure_report_never_raises_even_when_warnings_are_errors(tmp_path, m
 
     model = nn.Sequential(nn.Linear(2, 2))
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
+    monkeypatch.setattr(tracedump.runtime.runtime().warn, "_seen", set())
     dumper = tracedump.attach(model)
-    monkeypatch.setattr("tracedump.dumper.copy_to_host", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(dumper.sink, "copy", lambda *a, **k: 1 / 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = model(torch.ones(1, 2))

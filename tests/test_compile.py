@@ -36,7 +36,7 @@ IDS = torch.arange(7).reshape(1, 7)
 def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in [k for k in os.environ if k.startswith("TRACEDUMP_")]:
         monkeypatch.delenv(key)
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
+    monkeypatch.setattr(tracedump.runtime.runtime().warn, "_seen", set())
     yield
     torch._dynamo.reset()
 

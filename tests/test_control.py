@@ -65,13 +65,13 @@ def _attach(dump: Path, model: torch.nn.Module, **settings: object) -> tracedump
 def _until(dumper: tracedump.Dumper, model: torch.nn.Module, event: str, **batch: object) -> None:
     """Step until the last order reaches ``event``: its start step is a second of steps ahead, by
     the heartbeat's step rate, however fast the steps are (bounded: 200k steps)."""
-    assert dumper._control is not None
+    assert dumper.recorder.control is not None
     for _ in range(200_000):
-        history = dumper._control.history
+        history = dumper.recorder.control.history
         if history and any(e["event"] == event and e["id"] == history[-1]["id"] for e in history):
             return
         _steps(dumper, model, 1, **batch)
-    raise AssertionError(f"the order never reached {event!r}: {dumper._control.history}")
+    raise AssertionError(f"the order never reached {event!r}: {dumper.recorder.control.history}")
 
 
 def test_control_attaches_disarmed_hooks_in_place_no_pass_file(tmp_path: Path) -> None:
@@ -258,7 +258,7 @@ def test_a_nested_root_call_is_no_step_boundary(tmp_path: Path) -> None:
     dumper = _attach(tmp_path, model)
     for _ in range(4):
         model(torch.ones(1, 4))
-    assert dumper._boundaries == 4
+    assert dumper.recorder.boundaries == 4
     dumper.close()
 
 

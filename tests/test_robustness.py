@@ -234,18 +234,18 @@ def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
     lost_bytes = skipped["dropped_bytes"] + skipped.get("after_failure_bytes", 0)
     assert lost_bytes == 4 * per_pass + 3 * 4
     written = _manifest(dumper.run_dir)
-    assert len(written["errors"]) == 1 and "No space left on device" in written["errors"][0]
+    assert len(written["errors"]) == 1 and "No space left on device" in written["errors"][0]["message"]
 
 
 def test_every_distinct_capture_error_is_kept_in_the_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.dumper
+    import tracedump.sinks
 
-    def failing_copy(tensor: torch.Tensor, *_: object) -> object:
+    def failing_copy(sink: object, tensor: torch.Tensor, **_: object) -> object:
         raise (ValueError("odd shape") if tensor.shape[-1] == 4 else TypeError("odd type"))
 
-    monkeypatch.setattr(tracedump.dumper, "copy_to_host", failing_copy)
+    monkeypatch.setattr(tracedump.sinks.FileSink, "copy", failing_copy)
     model = _Two()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -255,7 +255,11 @@ def test_every_distinct_capture_error_is_kept_in_the_manifest(
             dumper.record("r", torch.ones(2))
     written = _manifest(dumper.run_dir)
     assert written["skipped"]["errors"] == 7
-    assert written["errors"] == ["ValueError: odd shape", "TypeError: odd type"]
+    assert written["errors"] == [  # each distinct (where, type) once, with its first message and count
+        {"where": "a", "type": "ValueError", "message": "odd shape", "count": 3},
+        {"where": "b", "type": "ValueError", "message": "odd shape", "count": 3},
+        {"where": "record('r')", "type": "TypeError", "message": "odd type", "count": 1},
+    ]
 
 
 # ------------------------------------------------------------------ 2. host hooks added after attach
@@ -394,12 +398,12 @@ def test_a_config_stats_of_the_wrong_type_is_a_config_error(tmp_path: Path) -> N
 def test_a_manifest_that_cannot_be_written_fails_attach_and_removes_its_run_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.dumper
+    import tracedump.rundir
 
     def unwritable(_path: Path, _data: object) -> None:
         raise TypeError("not JSON serializable")
 
-    monkeypatch.setattr(tracedump.dumper, "write_json_atomic", unwritable)
+    monkeypatch.setattr(tracedump.rundir, "write_json_atomic", unwritable)
     (tmp_path / "d").mkdir()
     _attach_fails(_Two(), "cannot write the manifest", {"dir": tmp_path / "d"})
     assert list((tmp_path / "d").iterdir()) == []
@@ -977,16 +981,16 @@ class _WithLogits(nn.Module):
 def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.dumper
+    import tracedump.sinks
 
     copies: list[tuple[int, ...]] = []
-    real_copy = tracedump.dumper.copy_to_host
+    real_copy = tracedump.sinks.FileSink.copy
 
-    def counting_copy(tensor: torch.Tensor, *args: object) -> object:
+    def counting_copy(sink: object, tensor: torch.Tensor, **kwargs: object) -> object:
         copies.append(tuple(tensor.shape))
-        return real_copy(tensor, *args)
+        return real_copy(sink, tensor, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tracedump.dumper, "copy_to_host", counting_copy)
+    monkeypatch.setattr(tracedump.sinks.FileSink, "copy", counting_copy)
     model = _WithLogits()
     with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
         for _ in range(4):
@@ -1000,12 +1004,12 @@ def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards
 def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.dumper
+    import tracedump.recorder
 
     walks: list[int] = []
-    real_walk = tracedump.dumper._outermost_frame_of
-    monkeypatch.setattr(tracedump.dumper, "_ANCHORLESS_LIMIT", 3)
-    monkeypatch.setattr(tracedump.dumper, "_outermost_frame_of", lambda m: walks.append(1) or real_walk(m))
+    real_walk = tracedump.recorder._outermost_frame_of
+    monkeypatch.setattr(tracedump.recorder, "_ANCHORLESS_LIMIT", 3)
+    monkeypatch.setattr(tracedump.recorder, "_outermost_frame_of", lambda m: walks.append(1) or real_walk(m))
     model = _Two()
     with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
         for _ in range(10):

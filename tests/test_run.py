@@ -157,7 +157,7 @@ def no_tracedump_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in [k for k in os.environ if k.startswith("TRACEDUMP_") or k in ("RANK", "WORLD_SIZE")]:
         monkeypatch.delenv(key)
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.setattr(tracedump.cuda, "_warned", set())
+    monkeypatch.setattr(tracedump.runtime.runtime().warn, "_seen", set())
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def test_the_writer_runs_at_the_lowest_priority_and_the_host_keeps_its_own(dump_
     assert dumper is not None
     seen: list[int] = []
 
-    dumper._writer.submit(_Probe(lambda: seen.append(_nice())))  # type: ignore[arg-type]
+    dumper.rundir.writer.submit(_Probe(lambda: seen.append(_nice())))  # type: ignore[arg-type]
     dumper.close()
 
     assert seen == [max(tracedump.writer.WRITER_NICE, host)]

@@ -24,7 +24,7 @@ _EXPORTS = {
     "Capture": "capture",
     "ModuleCapture": "capture",
     "capture": "capture",
-    "TracedumpWarning": "cuda",
+    "TracedumpWarning": "runtime",
     "allow_sync": "cuda",
     "resolve_compile": "cuda",
     "resolve_cuda_graph": "cuda",
@@ -44,9 +44,10 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from .api import profiling, record, record_step
     from .capture import Capture, ModuleCapture, capture
-    from .cuda import TracedumpWarning, allow_sync, resolve_compile, resolve_cuda_graph
+    from .cuda import allow_sync, resolve_compile, resolve_cuda_graph
     from .dumper import Dumper, attach
     from .loader import Dump, DumpReadError, PassFile, Run, load_pass, open_dump
+    from .runtime import TracedumpWarning
     from .settings import ConfigError, DumpConfig, DumpSettings
 
 

@@ -31,11 +31,19 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
+
+from .hooks import MAX_DEPTH as _MAX_DEPTH
+from .hooks import HookSet
+from .recorder import Plan, Recorder
+from .rundir import ErrorLog
+from .runtime import Warner
+from .selection import ROOT_NAME, candidate_modules, display_name
+from .sinks import MemorySink
 
 __all__ = ["Capture", "CaptureSpec", "ModuleCapture", "capture", "parse_spec"]
 
@@ -131,15 +139,37 @@ def parse_spec(spec: str) -> CaptureSpec:
     return result
 
 
-# ------------------------------------------------------------------------------------------ copying
+# ------------------------------------------------------------------------------------------ structure
 
 
-def _copy_tensor(tensor: torch.Tensor, device: Device) -> torch.Tensor:
-    """Detached copy of ``tensor``, on ``device`` when given (``.to(copy=True)`` avoids a double copy)."""
-    tensor = tensor.detach()
-    if device is None:
-        return tensor.clone()
-    return tensor.to(device, copy=True)
+def _rebuild(obj: Any, copies: Iterator[torch.Tensor], depth: int = 0) -> Any:
+    """``obj`` with each tensor leaf replaced by the recorder's copy of it.
+
+    Walks in the order :func:`tracedump.hooks.flatten_tensors` named the leaves (mappings by their
+    items, sequences by index, dataclasses by field), so the n-th copy lands where the n-th leaf
+    was. Tuples, lists, dicts, namedtuples, dataclasses and HF ``ModelOutput`` keep their type;
+    any other leaf (ints, strings, ``None``, cache objects) is kept as the same object.
+    """
+    if isinstance(obj, torch.Tensor):
+        return next(copies)
+    if depth >= _MAX_DEPTH:
+        return obj
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {key: _rebuild(value, copies, depth + 1) for key, value in obj.items()})
+    if isinstance(obj, tuple):
+        items = [_rebuild(item, copies, depth + 1) for item in obj]
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else _rebuild_sequence(obj, items, tuple)
+    if isinstance(obj, list):
+        items = [_rebuild(item, copies, depth + 1) for item in obj]
+        return items if type(obj) is list else _rebuild_sequence(obj, items, list)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(new, field.name, _rebuild(getattr(obj, field.name), copies, depth + 1))
+        return new
+    return obj
 
 
 def _rebuild_mapping(obj: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
@@ -163,37 +193,6 @@ def _rebuild_mapping(obj: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     return dict(items)
 
 
-def _rebuild_dataclass(obj: Any, device: Device) -> Any:
-    """Shallow copy of a dataclass instance whose fields are replaced by copies."""
-    new = copy.copy(obj)
-    for field in dataclasses.fields(obj):
-        object.__setattr__(new, field.name, _copy_tree(getattr(obj, field.name), device))
-    return new
-
-
-def _copy_tree(obj: Any, device: Device) -> Any:
-    """Copy every tensor in a nested structure, keeping containers' shape and (where possible) type.
-
-    Tuples, lists, dicts, namedtuples, dataclasses and HF ``ModelOutput`` are rebuilt; any other
-    leaf (ints, strings, ``None``, cache objects, ...) is kept as the same object.
-    """
-    if isinstance(obj, torch.Tensor):
-        return _copy_tensor(obj, device)
-    if isinstance(obj, tuple):
-        items = [_copy_tree(item, device) for item in obj]
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return tuple(items) if type(obj) is tuple else _rebuild_sequence(obj, items, tuple)
-    if isinstance(obj, list):
-        items = [_copy_tree(item, device) for item in obj]
-        return items if type(obj) is list else _rebuild_sequence(obj, items, list)
-    if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {key: _copy_tree(value, device) for key, value in obj.items()})
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _rebuild_dataclass(obj, device)
-    return obj
-
-
 def _rebuild_sequence(obj: Any, items: list[Any], fallback: type) -> Any:
     """Same sequence subclass when its constructor takes an iterable, else the plain base type."""
     try:
@@ -202,13 +201,20 @@ def _rebuild_sequence(obj: Any, items: list[Any], fallback: type) -> Any:
         return fallback(items)
 
 
-def _copy_captured(obj: Any, device: Device) -> Any:
-    """Copy outside inference mode, so captures taken under ``torch.inference_mode()`` are normal tensors.
+class _MemoryLog:
+    """``capture()``'s run log: no manifest; a failure is warned about once and counted."""
 
-    Inference tensors can not be saved for backward, which would break their use as distillation targets.
-    """
-    with torch.inference_mode(False):
-        return _copy_tree(obj, device)
+    def __init__(self, warn: Warner) -> None:
+        self.manifest: dict[str, Any] = {}
+        self.errors = ErrorLog()
+        self._warn = warn
+
+    def update(self, **fields: Any) -> None:
+        self.manifest.update(fields)
+
+    def report(self, where: str, error: BaseException) -> None:
+        self.errors.add(where, type(error).__name__, str(error))
+        self._warn("capture_error", f"tracedump.capture(): copying at {where} failed: {error!r}")
 
 
 # ------------------------------------------------------------------------------------------ capture
@@ -219,6 +225,8 @@ class Capture:
 
     Inside the ``with`` block every forward of a requested module is recorded, whether it is run via
     :meth:`run` or by calling the model directly.  Early exit applies only within :meth:`run`.
+    Each :meth:`run` is one pass (as one engine step is for ``attach()``); :meth:`save` writes them
+    as a dump that ``tracedump diff`` reads.
 
     Early-exit rule: at the start of each :meth:`run` every requested capture (module name and side)
     is armed; when a capture fires for the first time it is disarmed, and when the last armed one
@@ -250,7 +258,17 @@ class Capture:
         if not self._requests:
             raise ValueError("nothing to capture: pass outputs, inputs, spec or filter")
         self._records = {name: ModuleCapture(name) for name, _ in self._requests}
-        self._handles: list[RemovableHandle] = []
+        self._by_key = {display_name(name): name for name in self._records}  # recorder key -> name
+        self._warn = Warner()
+        self._sink = MemorySink(self.device)
+        self._recorder = Recorder(
+            model,
+            Plan(inputs=True, implicit_passes=False, keep_outside=True),
+            self._sink,
+            _MemoryLog(self._warn),
+            self._warn,
+        )
+        self._hooks: HookSet | None = None
         self._pending: set[tuple[str, Kind]] | None = None
 
     # ------------------------------------------------------------------ names and records
@@ -292,48 +310,45 @@ class Capture:
         """Forget every recorded entry, keeping the requests (and hooks, inside the block)."""
         for record in self._records.values():
             record.clear()
+        self._sink.passes.clear()
+        self._sink.loose.clear()
+        self._recorder.loose.clear()
 
     # ------------------------------------------------------------------ hooks
 
     def __enter__(self) -> Capture:
         """Register the hooks; only requested modules get one."""
-        if self._handles:
+        if self._hooks is not None:
             raise RuntimeError("this Capture is already active; a with-block can not be nested in itself")
-        try:
-            for name, kind in self._requests:
-                self._handles.append(self._register(name, kind))
-        except BaseException:
-            self._remove_hooks()
-            raise
+        sides: dict[Kind, list[tuple[str, nn.Module]]] = {"inputs": [], "outputs": []}
+        for name, kind in self._requests:
+            sides[kind].append((display_name(name), self._modules[name]))
+        self._hooks = HookSet(
+            self.model, self._recorder, sides["outputs"], sides["inputs"], then=self._captured, passes=False
+        )
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         """Remove every hook, also when an exception propagates (it is not suppressed)."""
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._hooks = None
         self._pending = None
 
-    def _register(self, name: str, kind: Kind) -> RemovableHandle:
-        module = self._modules[name]
-        record = self._records[name]
-        key = (name, kind)
-        if kind == "inputs":
-
-            def pre_hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                record.inputs.append(_copy_captured({"args": args, "kwargs": kwargs}, self.device))
-                self._fired(key)
-
-            return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-        def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-            record.outputs.append(_copy_captured(output, self.device))
-            self._fired(key)
-
-        return module.register_forward_hook(hook)
+    def _captured(self, key: str, is_input: bool, value: Any) -> None:
+        """After the recorder kept a capture: the structured view, then early exit."""
+        copies = iter(self._sink.take_recent())
+        name = self._by_key[key]
+        try:
+            if is_input:
+                args, kwargs = value
+                entry = {"args": _rebuild(tuple(args), copies), "kwargs": _rebuild(dict(kwargs), copies)}
+                self._records[name].inputs.append(entry)
+            else:
+                self._records[name].outputs.append(_rebuild(value, copies))
+        except StopIteration:  # the recorder kept nothing (a failure it reported): no entry
+            pass
+        self._fired((name, "inputs" if is_input else "outputs"))
 
     def _fired(self, key: tuple[str, Kind]) -> None:
         """Disarm ``key``; cut the forward once nothing armed is left (only inside an early-exit run)."""
@@ -351,20 +366,56 @@ class Capture:
 
         Must be called inside the ``with`` block, where the hooks live.
         """
-        if not self._handles:
+        if self._hooks is None:
             raise RuntimeError("Capture.run() must be called inside the `with capture(...)` block")
         if self.early_exit:
             self._pending = set(self._requests)
-        try:
-            return self.model(*args, **kwargs)
-        except _EarlyExit:
-            return None
-        finally:
-            self._pending = None
+        with self._recorder.step():
+            try:
+                return self.model(*args, **kwargs)
+            except _EarlyExit:
+                return None
+            finally:
+                self._pending = None
+
+    def save(self, directory: str | Path) -> Path:
+        """Write what :meth:`run` captured as a dump under ``directory`` (one pass per run, calls made
+        outside :meth:`run` in ``records.safetensors``), for ``tracedump diff``. Returns the run dir.
+
+        The keys are the ones ``attach()`` writes, so a capture diffs against an engine's dump."""
+        from .dumper import run_precision
+        from .rundir import RunDir
+        from .settings import DEFAULT_ENV_PREFIX, DumpSettings
+        from .writer import RECORDS_FILE, PassJob
+
+        self._sink.submit(PassJob(-1, None, "records", self._recorder.loose, 0, file_name=RECORDS_FILE))
+        self._recorder.loose = []
+        settings = DumpSettings.model_validate({"dir": str(directory)})  # no env: this is a script's call
+        fields = {
+            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "root": type(self.model).__name__,
+            "modules": list(self._by_key),
+            "precision": run_precision(self.model),
+        }
+        rundir = RunDir(settings, DEFAULT_ENV_PREFIX, fields, self._warn)
+        for index, tensors in sorted(self._sink.passes.items()):
+            rundir.writer.submit(PassJob(index, None, "full", _host_entries(tensors), 0))
+        if self._sink.loose:
+            rundir.writer.submit(
+                PassJob(-1, None, "records", _host_entries(self._sink.loose), 0, RECORDS_FILE)
+            )
+        rundir.writer.close()
+        rundir.finish(self._recorder.skipped, records_file=RECORDS_FILE if self._sink.loose else None)
+        return rundir.path
 
     def __repr__(self) -> str:
-        state = "active" if self._handles else "inactive"
+        state = "active" if self._hooks is not None else "inactive"
         return f"Capture({', '.join(f'{k}[{n}]' for n, k in self._requests)}, {state})"
+
+
+def _host_entries(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, Any]]:
+    """(key, contiguous CPU copy, no event) for a pass file: the writer writes host memory."""
+    return [(key, tensor.detach().to("cpu", copy=True).contiguous(), None) for key, tensor in tensors.items()]
 
 
 def _as_list(value: str | Iterable[str] | None) -> list[str]:
@@ -377,14 +428,15 @@ def _as_list(value: str | Iterable[str] | None) -> list[str]:
 
 
 def _filter_matches(model: nn.Module, patterns: list[str]) -> list[str]:
-    """Names of all (non-root) modules where any pattern ``re.search``-es the full dotted name."""
+    """Names of all (non-root) modules where any pattern ``re.search``-es the full dotted name: the
+    candidates of ``MODULES=all``, narrowed as ``FILTER`` narrows them in ``attach()``."""
     compiled = []
     for pattern in patterns:
         try:
             compiled.append(re.compile(pattern))
         except re.error as err:
             raise ValueError(f"invalid filter pattern {pattern!r}: {err}") from err
-    names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
+    names = [name for name, _ in candidate_modules(model, "all") if name != ROOT_NAME]
     matches = [name for name in names if any(regex.search(name) for regex in compiled)]
     if not matches:
         raise ValueError(f"filter {patterns!r} matches no module of {type(model).__name__}")

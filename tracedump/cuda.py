@@ -7,8 +7,6 @@ up at call time (so tests can fake them) and every probe tolerates a build witho
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -16,26 +14,9 @@ from typing import Any
 import torch
 
 from .buffers import HostBufferPool
+from .runtime import warn_once
 
 SyncEscape = Callable[[], AbstractContextManager[Any]]
-
-
-class TracedumpWarning(UserWarning):
-    """Category of every warning tracedump emits, so a host can filter or escalate them at once."""
-
-
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn loudly, once per process and key: a warning repeated per hook would drown the host's logs."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    try:
-        warnings.warn(message, TracedumpWarning, stacklevel=3)
-    except Exception:  # the host runs with warnings as errors: report anyway, never raise into it
-        print(f"{TracedumpWarning.__name__}: {message}", file=sys.stderr)
 
 
 def stream_is_capturing() -> bool:

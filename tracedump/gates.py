@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
-_suspended_depth = 0
+# Per thread (and per asyncio task): a profile run on one thread must not suspend another's forward.
+_suspension: ContextVar[int] = ContextVar("tracedump_suspension", default=0)
 
 
 @contextlib.contextmanager
@@ -20,16 +22,15 @@ def profiling() -> Iterator[None]:
 
     Wrap an engine's dummy profile forward in it. Works whether or not a dumper exists.
     """
-    global _suspended_depth
-    _suspended_depth += 1
+    token = _suspension.set(_suspension.get() + 1)
     try:
         yield
     finally:
-        _suspended_depth -= 1
+        _suspension.reset(token)
 
 
 def globally_suspended() -> bool:
-    return _suspended_depth > 0
+    return _suspension.get() > 0
 
 
 def token_count(tensor: torch.Tensor, token_dim: int) -> int | None:

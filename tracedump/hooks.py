@@ -10,16 +10,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from .dumper import Dumper
+from .runtime import runtime
 
-_MAX_DEPTH = 8
+MAX_DEPTH = 8  # nesting levels of an output searched for tensors
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
@@ -44,7 +44,7 @@ def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tu
     if isinstance(value, torch.Tensor):
         yield prefix, value
         return
-    if depth >= _MAX_DEPTH:
+    if depth >= MAX_DEPTH:
         return
     if isinstance(value, Mapping):
         items: Any = value.items()
@@ -75,29 +75,42 @@ def traced_by_dynamo() -> bool:
     tracing it, so the first compiled call warns and marks the manifest instead of dumping
     nothing silently. It adds nothing to the graph and breaks no ``fullgraph=True`` compile.
     """
-    from .dumper import note_compiled
-
-    note_compiled()
+    runtime().note_compiled()
     return True
 
 
 traced_by_dynamo._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+class PassTarget(Protocol):
+    """What the hooks need of a recorder (:class:`tracedump.recorder.Recorder`)."""
+
+    def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None: ...
+    def open_auto_pass(self, nested: bool = False) -> bool: ...
+    def close_pass(self, truncated: bool = False) -> None: ...
+
+
+Then = Callable[[str, bool, Any], None]
+
+
 class OutputHook:
-    """Forward hook handing a module's output to its dumper; returns None, so outputs are untouched."""
+    """Forward hook handing a module's output to the recorder; returns None, so outputs are untouched.
+    ``then`` (``capture()``'s structured view and early exit) runs after the recorder."""
 
-    __slots__ = ("dumper", "name")
+    __slots__ = ("name", "target", "then")
 
-    def __init__(self, dumper: Dumper, name: str) -> None:
-        self.dumper = dumper
+    def __init__(self, target: PassTarget, name: str, then: Then | None = None) -> None:
+        self.target = target
         self.name = name
+        self.then = then
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():  # Dynamo traces hooks: a host copy here would break the graph
             traced_by_dynamo()
             return
-        self.dumper._on_module_tensors(self.name, output, is_input=False)
+        self.target.on_module_tensors(self.name, output, is_input=False)
+        if self.then is not None:
+            self.then(self.name, False, output)
 
     def __repr__(self) -> str:
         return f"OutputHook({self.name!r})"
@@ -106,17 +119,20 @@ class OutputHook:
 class InputHook:
     """Forward pre-hook (with kwargs) capturing a module's inputs; returns None."""
 
-    __slots__ = ("dumper", "name")
+    __slots__ = ("name", "target", "then")
 
-    def __init__(self, dumper: Dumper, name: str) -> None:
-        self.dumper = dumper
+    def __init__(self, target: PassTarget, name: str, then: Then | None = None) -> None:
+        self.target = target
         self.name = name
+        self.then = then
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
             traced_by_dynamo()
             return
-        self.dumper._on_module_tensors(self.name, (args, kwargs), is_input=True)
+        self.target.on_module_tensors(self.name, (args, kwargs), is_input=True)
+        if self.then is not None:
+            self.then(self.name, True, (args, kwargs))
 
     def __repr__(self) -> str:
         return f"InputHook({self.name!r})"
@@ -127,10 +143,11 @@ class RootPassHooks:
     opened one with ``dumper.step()``. The post hook is registered with ``always_call=True`` so a
     forward that raises still closes its pass."""
 
-    __slots__ = ("_local", "dumper")
+    __slots__ = ("_local", "hooks", "target")
 
-    def __init__(self, dumper: Dumper) -> None:
-        self.dumper = dumper
+    def __init__(self, target: PassTarget, hooks: HookSet) -> None:
+        self.target = target
+        self.hooks = hooks
         self._local = threading.local()
 
     @property
@@ -150,11 +167,11 @@ class RootPassHooks:
         opened = self.opened
         if opened and forward_calls_on_stack(module) <= 1:  # an earlier call was unwound
             if any(opened):
-                self.dumper._close_pass(truncated=True)
+                self.target.close_pass(truncated=True)
             opened.clear()
         if not opened:
-            self.dumper.keep_hooks_last()
-        opened.append(self.dumper._open_auto_pass(nested=bool(opened)))
+            self.hooks.keep_last()
+        opened.append(self.target.open_auto_pass(nested=bool(opened)))
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -163,7 +180,71 @@ class RootPassHooks:
         if opened and opened.pop():
             # Torch calls an always_call hook with no output from inside its `except Exception:`
             # when the forward raised: that pass holds only what ran before the error.
-            self.dumper._close_pass(truncated=output is None and sys.exc_info()[1] is not None)
+            self.target.close_pass(truncated=output is None and sys.exc_info()[1] is not None)
 
     def __repr__(self) -> str:
         return f"RootPassHooks(depth={len(self.opened)})"  # this thread's depth
+
+
+class HookSet:
+    """Every hook one recorder put on one model: registered together, kept last, removed together."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target: PassTarget,
+        outputs: Iterable[tuple[str, nn.Module]],
+        inputs: Iterable[tuple[str, nn.Module]] = (),
+        then: Then | None = None,
+        passes: bool = True,
+    ) -> None:
+        """``passes``: each outermost root forward is a pass (``attach()``); without, the owner opens
+        them (``capture()``'s ``run()``) and the root gets no hook."""
+        # The pass opens before any capture hook of this call runs (a root that is itself a selected
+        # leaf has its input hook on the same module) and closes after the last one.
+        self.root = RootPassHooks(target, self)
+        self.handles: list[RemovableHandle] = []
+        self._last: list[tuple[dict[int, Any], int]] = []
+        self._epoch = -1
+        try:
+            if passes:
+                self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
+            for name, module in inputs:
+                handle = module.register_forward_pre_hook(InputHook(target, name, then), with_kwargs=True)
+                self._keep(handle, module._forward_pre_hooks)
+            for name, module in outputs:
+                self._keep(
+                    module.register_forward_hook(OutputHook(target, name, then)), module._forward_hooks
+                )
+            if passes:
+                closer = model.register_forward_hook(self.root.after, always_call=True)
+                self._keep(closer, model._forward_hooks)  # the pass closes after all of them
+        except BaseException:
+            self.remove()
+            raise
+
+    def _keep(self, handle: RemovableHandle, hooks: dict[int, Any]) -> None:
+        self.handles.append(handle)
+        self._last.append((hooks, handle.id))
+
+    def keep_last(self) -> None:
+        """Move each capture hook behind any hook the host added after ``attach()``.
+
+        A host hook that replaces a module's input (pre-hook) or output (forward hook) changes what
+        the caller continues with; torch runs hooks in registration order, so a capture hook
+        registered earlier would record the value before the replacement. Called at the start of
+        every outermost root forward, before any selected module's hooks are read for that call:
+        a check per selected module (is ours last?), a move only when a host hook was added.
+        """
+        epoch = RemovableHandle.next_id  # torch numbers every hook it registers, anywhere
+        if epoch == self._epoch:
+            return  # no hook was added since the last check: ours are still last
+        for hooks, hook_id in self._last:
+            if hook_id in hooks and next(reversed(hooks)) != hook_id:
+                hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
+        self._epoch = epoch
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

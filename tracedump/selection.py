@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .cuda import warn_once
+from .runtime import warn_once
 from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, describe_source, load_callable
 
 ROOT_NAME = "root"

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from ..cuda import warn_once
 from ..dumper import Dumper, original_module
 from ..hooks import RootPassHooks, forward_calls_on_stack, traced_by_dynamo
+from ..runtime import runtime, warn_once
 from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
 
 _installed: AutoAttach | None = None
@@ -86,7 +86,7 @@ class AutoAttach:
         # Whether torch runs a pre-hook that a global pre-hook registered on the same call: it does
         # not today (it snapshots the hooks first), so the first call's pre-hooks are replayed.
         self._late_hooks_fire = _late_pre_hooks_fire()
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        runtime().on_fork_in_child(self._after_fork_in_child)
 
     # ------------------------------------------------------------------ public
 
@@ -270,7 +270,7 @@ def _replay_pre_hooks(dumper: Dumper, module: nn.Module, args: Any) -> None:
     """
     hooks = module._forward_pre_hooks
     with_kwargs = module._forward_pre_hooks_with_kwargs
-    for handle in dumper._handles:
+    for handle in dumper.hooks.handles:
         if handle.hooks_dict_ref() is not hooks or handle.id not in hooks:
             continue
         hook = hooks[handle.id]

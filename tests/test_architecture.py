@@ -1,0 +1,195 @@
+"""The dump side's shape (docs/architecture.md): one capture engine for attach() and capture(), one
+process-wide runtime, suspension per thread, every distinct error kept, no import circles."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from torch import nn
+
+import tracedump
+import tracedump.runtime
+
+PACKAGE = Path(tracedump.__file__).parent
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[3, 14, 15, 9, 26, 5]])
+
+
+def test_capture_and_attach_keep_the_same_keys_and_identical_tensors(tmp_path: Path) -> None:
+    model = make_tiny_llama()
+    pattern = r"layers\.1\.(mlp|self_attn)$"
+    with torch.no_grad(), tracedump.capture(model, filter=pattern) as cap:
+        cap.run(_ids())
+        cap.run(_ids()[:, :4])
+    saved = cap.save(tmp_path / "captured")
+
+    config = {"dir": tmp_path / "dumped", "modules": "all", "filter": [pattern]}
+    with torch.no_grad(), tracedump.attach(model, config) as dumper:
+        model(_ids())
+        model(_ids()[:, :4])
+
+    captured, dumped = tracedump.open_dump(saved).run(), tracedump.open_dump(dumper.run_dir).run()
+    assert sorted(captured.passes) == sorted(dumped.passes) == [0, 1]
+    for index in (0, 1):
+        mine, theirs = captured.passes[index].load(), dumped.passes[index].load()
+        assert sorted(mine) == sorted(theirs) == ["model.layers.1.mlp", "model.layers.1.self_attn[0]"]
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), key
+    # the structured view holds the very tensors that were saved
+    attn_out, _ = cap["model.layers.1.self_attn"].outputs[1]
+    assert torch.equal(attn_out, captured.passes[1].load()["model.layers.1.self_attn[0]"])
+
+
+def test_a_saved_capture_is_a_dump_that_diff_reads(tmp_path: Path) -> None:
+    model = make_tiny_llama()
+    with torch.no_grad(), tracedump.capture(model, outputs=["model.layers.0", "model.norm"]) as cap:
+        cap.run(_ids())
+        model(_ids())  # a call outside run(): kept in records.safetensors
+    saved = cap.save(tmp_path / "a")
+    assert (saved / "records.safetensors").exists()
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["modules"] == ["model.layers.0", "model.norm"]
+    with torch.no_grad(), tracedump.capture(model, outputs=["model.layers.0", "model.norm"]) as again:
+        again.run(_ids())
+    other = again.save(tmp_path / "b")
+    result = subprocess.run(
+        [sys.executable, "-m", "tracedump", "diff", str(saved), str(other)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "model.norm" in result.stdout
+
+
+def test_every_distinct_error_is_kept_with_where_type_first_message_and_count(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    dumper = tracedump.attach(model, {"dir": tmp_path})
+    assert dumper is not None
+    calls = iter(range(100))
+
+    def failing(tensor: torch.Tensor, **_: object) -> object:
+        raise RuntimeError(f"copy {next(calls)} failed")
+
+    dumper.sink.copy = failing  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.ones(1, 2))
+        dumper.close()
+    errors = json.loads((dumper.run_dir / "manifest.json").read_text())["errors"]
+    assert errors == [
+        {"where": "0", "type": "RuntimeError", "message": "copy 0 failed", "count": 3},
+        {"where": "1", "type": "RuntimeError", "message": "copy 1 failed", "count": 3},
+    ]
+    assert sum("capture failed" in str(w.message) for w in caught) == 1  # warned once per dumper
+
+
+def test_one_dumpers_warning_never_silences_anothers(tmp_path: Path) -> None:
+    first, second = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dumpers = [tracedump.attach(m, {"dir": tmp_path}) for m in (first, second)]
+        for dumper, model in zip(dumpers, (first, second), strict=True):
+            dumper.sink.copy = lambda *a, **k: 1 / 0  # type: ignore[method-assign, union-attr]
+            model(torch.ones(1, 2))
+        for dumper in dumpers:
+            dumper.close()  # type: ignore[union-attr]
+    assert sum("capture failed" in str(w.message) for w in caught) == 2
+
+
+def test_profiling_on_one_thread_does_not_suspend_another(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    other = nn.Sequential(nn.Linear(2, 2))
+    entered, release = threading.Event(), threading.Event()
+
+    def profile_run() -> None:
+        with tracedump.profiling():
+            entered.set()
+            release.wait(10)
+
+    with tracedump.attach(model, {"dir": tmp_path}) as dumper:
+        thread = threading.Thread(target=profile_run)
+        thread.start()
+        assert entered.wait(10)
+        model(torch.ones(1, 2))  # this thread is not profiling: a real pass
+        with tracedump.profiling():
+            model(torch.ones(1, 2))  # this one is: no pass
+        release.set()
+        thread.join()
+        other(torch.ones(1, 2))
+    assert sorted(tracedump.open_dump(dumper.run_dir).run().passes) == [0]
+
+
+def test_record_goes_to_the_dumper_whose_pass_this_thread_runs(tmp_path: Path) -> None:
+    class Recording(nn.Module):
+        def __init__(self, tag: str) -> None:
+            super().__init__()
+            self.tag = tag
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tracedump.record(self.tag, x * 2)
+            return self.lin(x)
+
+    a, b = Recording("from_a"), Recording("from_b")
+    first = tracedump.attach(a, {"dir": tmp_path / "a"})
+    second = tracedump.attach(b, {"dir": tmp_path / "b"})  # attached last
+    a(torch.ones(1, 2))
+    b(torch.ones(1, 2))
+    first.close()  # type: ignore[union-attr]
+    second.close()  # type: ignore[union-attr]
+    assert set(tracedump.load_pass(first.run_dir / "pass00000.safetensors")) == {"from_a", "lin"}  # type: ignore[union-attr]
+    assert set(tracedump.load_pass(second.run_dir / "pass00000.safetensors")) == {"from_b", "lin"}  # type: ignore[union-attr]
+
+
+def test_the_off_path_creates_no_runtime_and_registers_nothing() -> None:
+    code = (
+        "import os, torch, tracedump, tracedump.runtime as r\n"
+        "os.environ.pop('TRACEDUMP_DUMP_DIR', None)\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "assert tracedump.attach(m) is None\n"
+        "tracedump.record('x', torch.ones(1))\n"
+        "assert r.existing() is None\n"
+        "assert not m._forward_hooks and not m._forward_pre_hooks\n"
+        "print('clean')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "clean", result.stderr
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node.module is not None:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for module, names in _imports(path):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and module != "_version":
+                offenders.append(f"{path.relative_to(PACKAGE)}: from {module} import {private}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("low", "high"), [("hooks", "dumper"), ("hooks", "recorder"), ("runtime", "recorder")]
+)
+def test_lower_layers_never_import_higher_ones(low: str, high: str) -> None:
+    assert all(module.split(".")[-1] != high for module, _ in _imports(PACKAGE / f"{low}.py"))

@@ -1,0 +1,290 @@
+"""The run directory ``<dir>/rank<R>_pid<P>/``: claiming it, its rank, fork, exit, the manifest.
+
+Everything that can fail here at ``attach()`` fails before any hook exists and removes what it
+made, so a bad dump dir leaves the model as it was. Everything that fails later is kept in the
+manifest's error registry (where, type, first message, count) and warned about once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime as dt
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._version import __version__
+from .runtime import Warner
+from .settings import ConfigError, DumpSettings, describe_source
+from .units import human_bytes
+from .writer import MANIFEST, Writer, write_json_atomic
+
+# Skips the settings asked for: reported in the summary, not warned about.
+INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
+MAX_ERRORS_KEPT = 20  # distinct (where, type) pairs kept in the manifest's "errors"
+WORKER_NOT_CLOSED = (
+    "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
+    "listed here was flushed when its forward returned"
+)
+
+
+def rank_and_world() -> tuple[int, int, bool]:
+    """Rank and world size from RANK/WORLD_SIZE, else torch.distributed, else (0, 1).
+
+    The third value says the rank is only a guess (no env var, no process group yet): an engine may
+    attach before ``init_process_group``, so the run dir settles it at the first pass.
+    """
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    provisional = rank is None and not initialised
+    if rank is None:
+        rank = str(dist.get_rank()) if initialised else "0"
+    if world is None:
+        world = str(dist.get_world_size()) if initialised else "1"
+    return int(rank), int(world), provisional
+
+
+class ErrorLog:
+    """Every distinct run-time error: where, type, its first message, how often."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def add(self, where: str, kind: str, message: str) -> None:
+        entry = self._entries.get((where, kind))
+        if entry is not None:
+            entry["count"] += 1
+        elif len(self._entries) < MAX_ERRORS_KEPT:
+            self._entries[(where, kind)] = {"where": where, "type": kind, "message": message, "count": 1}
+
+    def as_list(self) -> list[dict[str, Any]]:
+        return [dict(entry) for entry in self._entries.values()]
+
+
+class RunDir:
+    """One process's run dir and the manifest in it."""
+
+    def __init__(self, settings: DumpSettings, env_prefix: str, fields: dict[str, Any], warn: Warner) -> None:
+        self._settings = settings
+        self._env_prefix = env_prefix
+        self._fields = fields  # what the dumper knows of itself: model class, root, modules, precision
+        self._warn = warn
+        self.rank, self.world_size, self.rank_provisional = rank_and_world()
+        self.pid = os.getpid()
+        self._close: Callable[[], None] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self.failure: str | None = None
+        self.errors = ErrorLog()
+        self.path = self._make()
+        try:
+            self.writer = self._start_writer()
+        except Exception as e:
+            self._remove()
+            where = describe_source("dir", str(self._settings.dir), self._env_prefix)
+            raise ConfigError(
+                f"tracedump: bad setting\n  {where}: cannot write the manifest: {type(e).__name__}: {e}"
+            ) from e
+
+    # ------------------------------------------------------------------ the directory
+
+    def _claim(self, base: Path) -> Path:
+        """Create ``rank<R>_pid<P>``, or ``-2``, ``-3``... if taken. The mkdir is the claim: a second
+        dumper in this process, or a process with the same pid on a shared disk (containers),
+        never writes into a dir another one made."""
+        serial = 1
+        while True:
+            path = base / (f"rank{self.rank}_pid{self.pid}" + (f"-{serial}" if serial > 1 else ""))
+            try:
+                path.mkdir(mode=0o700)
+            except FileExistsError:
+                serial += 1
+                continue
+            os.chmod(path, 0o700)
+            return path
+
+    def _make(self) -> Path:
+        base = Path(self._settings.dir).expanduser()  # type: ignore[arg-type]
+        self._made_base = not base.exists()
+        try:
+            if not base.exists():
+                with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
+                    base.mkdir(parents=True, mode=0o700)
+                    os.chmod(base, 0o700)
+            path = self._claim(base)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            where = describe_source("dir", str(self._settings.dir), self._env_prefix)
+            raise ConfigError(
+                f"tracedump: bad setting\n  {where}: cannot create or write the dump "
+                f"directory: {type(e).__name__}: {e}"
+            ) from e
+        return path
+
+    def _remove(self) -> None:
+        """Undo :meth:`_make` after a failed attach: an empty run dir would be listed (and picked by
+        ``open_dump().run()``) ahead of the real one."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._made_base:
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()  # only if still empty: another rank may be using it
+
+    def abandon(self) -> None:
+        """A failed attach after the dir was made: stop the writer, remove what was made."""
+        self.writer.close()
+        self._remove()
+
+    def settle_rank(self) -> None:
+        """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
+        before the first pass, so that every rank does not write a ``rank0`` dir."""
+        self.rank_provisional = False
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank != self.rank:
+            previous, self.rank = self.rank, rank
+            try:
+                moved = self._claim(self.path.parent)
+                os.rename(self.path, moved)  # replaces the empty dir just claimed
+            except OSError as e:
+                self.rank = previous
+                self.report("moving the run dir to its rank", e)
+                return
+            self.path = self.writer.run_dir = moved
+        self.world_size = world
+        self.update(rank=self.rank, world_size=world)
+
+    def rebind_after_fork(self) -> None:
+        """A forked child inherits the hooks but not the writer thread: it gets its own dir and
+        writer. Raises :class:`ConfigError` when it cannot (the dump dir is gone, say)."""
+        self.pid = os.getpid()
+        self._start()
+        if self._close is not None:
+            self.close_at_exit(self._close)
+
+    # ------------------------------------------------------------------ exit
+
+    def close_at_exit(self, close: Callable[[], None]) -> None:
+        """Close at interpreter exit. Forked multiprocessing workers leave through ``os._exit``,
+        which skips atexit but runs multiprocessing's finalizers, so register there too."""
+        self._close = close
+        atexit.register(close)
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util.Finalize(self, close, exitpriority=10)
+
+    def forget_exit(self) -> None:
+        if self._close is not None:
+            atexit.unregister(self._close)
+
+    # ------------------------------------------------------------------ the manifest
+
+    def _start_writer(self) -> Writer:
+        manifest = {
+            "format": 1,
+            "tracedump_version": __version__,
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "settings": self._settings.summary(),
+            "env_prefix": self._env_prefix,
+            **self._fields,
+            "pid": self.pid,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "hostname": socket.gethostname(),
+            "argv": list(sys.argv),
+            "start_time": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "complete": False,
+            "incomplete_reason": None,
+            "skipped": {},
+            "truncated_passes": [],
+            "errors": [],
+            "anomalies": {},
+        }
+        writer = Writer(self.path, self._settings.max_pending_bytes, manifest, self._on_write_error)
+        try:
+            write_json_atomic(self.path / MANIFEST, manifest)  # raises, unlike write_manifest()
+        except BaseException:
+            writer.close()
+            raise
+        writer.write_manifest()
+        return writer
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.writer.manifest
+
+    def update(self, **fields: Any) -> None:
+        """Change manifest fields (written atomically, at most about once a second while busy)."""
+        self.writer.write_manifest(**fields)
+
+    def report(self, where: str, error: BaseException) -> None:
+        """A run-time failure: kept in the manifest's registry, warned about once per dumper."""
+        kind, message = type(error).__name__, str(error)
+        self.errors.add(where, kind, message)
+        self._warn(
+            "run_error",
+            f"tracedump: capture failed at {where}: {kind}: {message}. The model continues; every "
+            "distinct failure is kept in the manifest's 'errors', with its count.",
+        )
+
+    def _on_write_error(self, failure: str) -> None:
+        self.failure = failure
+        self.errors.add("writer", "WriteError", failure)
+        self._warn(
+            "write_error",
+            f"tracedump: {failure}. Dumping stopped; the model "
+            f"continues. {self.path / MANIFEST} is marked incomplete.",
+        )
+        self.update(complete=False, incomplete_reason=failure, errors=self.errors.as_list())
+
+    def flush_for_termination(self, skipped: Mapping[str, int]) -> None:
+        """In a multiprocessing worker, write the pass before its forward returns.
+
+        ``with Pool(...)`` ends with ``terminate()``: SIGTERM to every worker, which skips atexit
+        and multiprocessing's finalizers, so a pass still queued for the writer thread would be
+        lost and the manifest would list none. Here the pass is on disk, and listed, when the
+        task's forward returns; the manifest says why it may stay unclosed."""
+        self.writer.flush()
+        if self.failure is None:
+            self.update(incomplete_reason=WORKER_NOT_CLOSED, skipped=dict(skipped))
+
+    def finish(self, skipped: Mapping[str, int], *, records_file: str | None) -> None:
+        """The closing manifest and the one-line summary on stderr (the writer is closed)."""
+        totals = self.writer.totals
+        skipped = dict(skipped)
+        if totals.dropped_jobs:
+            skipped["dropped_files"] = totals.dropped_jobs
+            skipped["dropped_captures"] = totals.dropped_captures
+            skipped["dropped_bytes"] = totals.dropped_bytes
+        self.update(
+            complete=self.failure is None,
+            incomplete_reason=self.failure,
+            skipped=skipped,
+            errors=self.errors.as_list(),
+            end_time=dt.datetime.now(dt.timezone.utc).isoformat(),
+            records_file=records_file,
+        )
+        print(
+            f"tracedump: {self.path}: {len(totals.passes)} passes, {human_bytes(totals.bytes)}"
+            + (f"; skipped {skipped}" if skipped else ""),
+            file=sys.stderr,
+        )
+        losses = {k: v for k, v in skipped.items() if k not in INTENDED_SKIPS}
+        if losses and self.failure is None:
+            self._warn(
+                "skipped", f"tracedump: {self.path}: captures lost: {losses} (see manifest.json 'skipped')"
+            )

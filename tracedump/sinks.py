@@ -1,0 +1,137 @@
+"""Where the recorder's copies go: files on disk (``attach()``) or memory (``capture()``).
+
+The recorder decides *whether* and *under which key* a tensor is kept; a sink decides *how it is
+copied* and *where it ends up*. Tests inject failures by handing the recorder a sink of their own.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from .cuda import SyncEscape, copy_to_host
+from .writer import STORABLE_DTYPES, Job, PassJob
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .rundir import RunDir
+
+
+class Sink(Protocol):
+    """What the recorder needs of a destination."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why nothing more can be kept (a write error), or None."""
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` can be kept; one that cannot is skipped and counted."""
+
+    def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
+        """A private copy of ``tensor`` (engines reuse buffers), and an event marking it done."""
+
+    def submit(self, job: Job) -> None:
+        """A closed pass (or part of one, or the records kept outside every pass)."""
+
+    def make_room(self, held: int) -> bool:
+        """Back-pressure with ``held`` bytes gathered in the open pass: True means spill them now."""
+
+    def pass_closed(self, skipped: Mapping[str, int]) -> None:
+        """A pass was submitted (a worker process writes it before its forward returns)."""
+
+
+class FileSink:
+    """Copies into recycled (pinned) host buffers; a writer thread writes the pass files."""
+
+    def __init__(self, rundir: RunDir, sync_escape: SyncEscape | None, max_pending_bytes: int) -> None:
+        self._rundir = rundir
+        self._sync_escape = sync_escape
+        self._cap = max_pending_bytes
+
+    @property
+    def failure(self) -> str | None:
+        return self._rundir.failure
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """One unwritable tensor (``complex128``, quantized) would make the whole file unwritable."""
+        return (
+            tensor.layout == torch.strided
+            and not tensor.is_quantized
+            and tensor.device.type != "meta"
+            and tensor.dtype in STORABLE_DTYPES
+        )
+
+    def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
+        pool = self._rundir.writer.buffers if pooled else None
+        return copy_to_host(tensor, self._sync_escape, pool)
+
+    def submit(self, job: Job) -> None:
+        self._rundir.writer.submit(job)
+
+    def make_room(self, held: int) -> bool:
+        """Hold host memory under the cap: wait for the writer; spill a pass too big for the cap.
+
+        Free pooled buffers count too; over the cap they are released first, since waiting for the
+        writer cannot shrink them."""
+        writer = self._rundir.writer
+        if held + writer.pending_bytes + writer.buffers.free_bytes <= self._cap:
+            return False
+        writer.buffers.clear()
+        writer.wait_below(self._cap - held)
+        return held > self._cap or held + writer.pending_bytes > self._cap
+
+    def pass_closed(self, skipped: Mapping[str, int]) -> None:
+        if _in_worker_process():
+            self._rundir.flush_for_termination(skipped)
+
+
+class MemorySink:
+    """Keeps every copy in memory, on ``device`` (default: where it was produced)."""
+
+    failure = None
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self.passes: dict[int, dict[str, torch.Tensor]] = {}
+        self.loose: dict[str, torch.Tensor] = {}
+        self.recent: list[torch.Tensor] = []  # copies since the caller last took them (capture's view)
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
+        # Outside inference mode: an inference tensor cannot be saved for backward (distillation).
+        with torch.inference_mode(False):
+            source = tensor.detach()
+            copied = source.clone() if self.device is None else source.to(self.device, copy=True)
+        self.recent.append(copied)
+        return copied, None
+
+    def submit(self, job: Job) -> None:
+        if not isinstance(job, PassJob):
+            return
+        kept = {key: tensor for key, tensor, _ in job.entries}
+        if job.file_name is not None:
+            self.loose.update(kept)
+        else:
+            self.passes.setdefault(job.index, {}).update(kept)
+
+    def make_room(self, held: int) -> bool:
+        return False
+
+    def pass_closed(self, skipped: Mapping[str, int]) -> None:
+        pass
+
+    def take_recent(self) -> list[torch.Tensor]:
+        recent, self.recent = self.recent, []
+        return recent
+
+
+def _in_worker_process() -> bool:
+    """A multiprocessing child (Pool worker, Process): it may be terminated without any exit hook.
+    Only looked at when multiprocessing is already imported; importing it here would cost the host."""
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and mp.parent_process() is not None
