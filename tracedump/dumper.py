@@ -43,6 +43,7 @@ from . import gates
 from ._version import __version__
 from .control import Controller
 from .cuda import SyncEscape, copy_to_host, stream_is_capturing, warn_once
+from .format import FORMAT_VERSION, MANIFEST, RECORDS_FILE, run_dir_name
 from .hooks import InputHook, OutputHook, RootPassHooks, flatten_inputs, flatten_tensors
 from .reduce import compute_stats, last_row
 from .selection import select_modules
@@ -58,8 +59,6 @@ from .settings import (
 )
 from .units import human_bytes
 from .writer import (
-    MANIFEST,
-    RECORDS_FILE,
     RESERVED_NAMES,
     STORABLE_DTYPES,
     PassJob,
@@ -318,7 +317,7 @@ class Dumper:
         never writes into a dir another one made."""
         serial = 1
         while True:
-            run_dir = base / (f"rank{self.rank}_pid{self._pid}" + (f"-{serial}" if serial > 1 else ""))
+            run_dir = base / run_dir_name(self.rank, self._pid, serial)
             try:
                 run_dir.mkdir(mode=0o700)
             except FileExistsError:
@@ -386,7 +385,7 @@ class Dumper:
 
     def _start_writer(self) -> Writer:
         manifest = {
-            "format": 1,
+            "format": FORMAT_VERSION,
             "tracedump_version": __version__,
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),
