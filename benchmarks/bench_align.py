@@ -47,7 +47,8 @@ def _values(seq: int, k: int, positions: range, hidden: int) -> torch.Tensor:
 
 
 def _write(root: Path, passes: int, tensors: int, rows: int, hidden: int) -> tuple[int, int]:
-    from tracedump.writer import BATCH_KEY, pass_file_name, save_tensors_atomic
+    from tracedump.format import BATCH_KEY, MODE_KEY, pass_file_name
+    from tracedump.writer import save_tensors_atomic
 
     engine, reference = root / "a" / "rank0_pid1", root / "b" / "rank0_pid1"
     engine.mkdir(parents=True)
@@ -60,7 +61,7 @@ def _write(root: Path, passes: int, tensors: int, rows: int, hidden: int) -> tup
             for k in range(tensors)
         }
         batch = {"seq_ids": [s for s in range(SEQUENCES) for _ in span], "positions": list(span) * SEQUENCES}
-        meta = {"tracedump.mode": "full", BATCH_KEY: json.dumps(batch)}
+        meta = {MODE_KEY: "full", BATCH_KEY: json.dumps(batch)}
         written_a += save_tensors_atomic(engine / pass_file_name(index), data, meta)
     for seq in range(SEQUENCES):
         span = range(passes * rows)
@@ -70,7 +71,7 @@ def _write(root: Path, passes: int, tensors: int, rows: int, hidden: int) -> tup
             for k in range(tensors)
         }
         batch = {"seq_ids": [seq] * len(span)}
-        meta = {"tracedump.mode": "full", BATCH_KEY: json.dumps(batch)}
+        meta = {MODE_KEY: "full", BATCH_KEY: json.dumps(batch)}
         written_b += save_tensors_atomic(reference / pass_file_name(seq), data, meta)
     _manifest(engine)
     _manifest(reference)

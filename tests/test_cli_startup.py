@@ -1,7 +1,9 @@
-"""``tracedump --help``, ``ls`` and ``show`` start without importing torch (most of a 2 s start-up)."""
+"""``tracedump --help``, ``ls`` and ``show`` start without importing torch (most of a 2 s start-up);
+``--help`` and ``ls`` without numpy or the comparator either."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +13,21 @@ import torch
 
 import tracedump
 
-# Runs the CLI as the console script does, then fails if torch (or anything below it) was imported.
+# Runs the CLI as the console script does, then fails if torch (or anything below it) was imported;
+# with PROBE_LIGHT set, also numpy or a module of the comparator (its argparse front aside).
 _PROBE = """
-import sys
+import os, sys
 from tracedump.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
 heavy = sorted(m for m in ("torch", "safetensors.torch", "tracedump.dumper") if m in sys.modules)
+if os.environ.get("PROBE_LIGHT"):
+    heavy += sorted(
+        m for m in sys.modules
+        if m == "numpy" or m.startswith("tracedump.compare.") and m != "tracedump.compare.command"
+    )
 assert not heavy, f"imported {heavy}"
 sys.exit(code)
 """
@@ -43,8 +51,13 @@ def test_help_ls_and_show_never_import_torch(bf16_dump: Path, command: list[str]
     (run_dir,) = bf16_dump.iterdir()
     argv = [a.format(dump=bf16_dump, **{"pass": run_dir / "pass00000.safetensors"}) for a in command]
 
+    light = {"PROBE_LIGHT": "1"} if command[0] in ("--help", "ls") else {}
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _PROBE, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **light},
     )
 
     assert result.returncode == 0, result.stderr[-2000:]

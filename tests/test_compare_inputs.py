@@ -20,8 +20,8 @@ from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare.display import summary_lines
 from tracedump.compare.options import UsageError
+from tracedump.format import MANIFEST, ORDER_KEY, STATS_FILE, pass_file_name
 from tracedump.loader import SEQ_KEY, DumpReadError
-from tracedump.writer import MANIFEST, ORDER_KEY, STATS_FILE, pass_file_name
 
 
 def write_run(

@@ -384,9 +384,10 @@ class Capture:
 
         The keys are the ones ``attach()`` writes, so a capture diffs against an engine's dump."""
         from .dumper import run_precision
+        from .format import RECORDS_FILE
         from .rundir import RunDir
         from .settings import DEFAULT_ENV_PREFIX, DumpSettings
-        from .writer import RECORDS_FILE, PassJob
+        from .writer import PassJob
 
         self._sink.submit(PassJob(-1, None, "records", self._recorder.loose, 0, file_name=RECORDS_FILE))
         self._recorder.loose = []

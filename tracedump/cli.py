@@ -121,7 +121,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from .compare.reader import SafetensorsMap, Stored, stored_from_torch
-    from .layout import dtype_name
+    from .format import dtype_name
     from .loader import load_pass, open_pass
 
     pattern = re.compile(args.filter) if args.filter else None

@@ -31,6 +31,7 @@ from torch import nn
 
 from .control import Controller
 from .cuda import SyncEscape
+from .format import RECORDS_FILE
 from .hooks import HookSet
 from .recorder import Plan, Recorder, check_tag
 from .rundir import RunDir
@@ -46,7 +47,6 @@ from .settings import (
     load_settings,
 )
 from .sinks import FileSink
-from .writer import RECORDS_FILE
 
 
 def attach(

@@ -6,7 +6,9 @@ is memory-mapped (safetensors ``safe_open``) only when a tensor is read, so read
 multi-GB pass touches only that tensor's bytes and a long dump never holds thousands of maps.
 Importing this module does not import torch: ``tracedump ls`` and ``show`` never need it.
 :func:`read_header` is the one parser of the header; the comparator maps files from it too. Part
-files of a pass too large for the memory cap are reassembled transparently.
+files of a pass too large for the memory cap are reassembled transparently. Names, keys and the
+version check come from :mod:`tracedump.format`: a manifest or pass file written in a format major
+this tracedump cannot read raises :class:`~tracedump.format.FormatVersionError`, a DumpReadError.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import stat
 import struct
 import warnings
@@ -25,15 +26,29 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .layout import MANIFEST, NUMERIC_STAT_NAMES, ORDER_KEY, RECORDS_FILE, SEQ_KEY, STATS_FILE, STATS_PARTIAL
+from .format import (
+    FORMAT_KEY,
+    MANIFEST,
+    ORDER_KEY,
+    PASS_FILE_RE,
+    RECORDS_FILE,
+    SEQ_KEY,
+    STATS_FILE,
+    STATS_PARTIAL,
+    DumpReadError,  # defined with the format it guards; tracedump.DumpReadError is found here
+    Manifest,
+    check_format,
+    check_manifest,
+    parse_pass_file_name,
+    parse_run_dir_name,
+    stats_record_problem,
+)
 from .sequences import Batch, SeqId, Sequence, batches, sequences, token_dim
 from .stformat import CODES_ON_DISK_ORDER
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
     import torch
 
-PASS_RE = re.compile(r"^pass(\d+)(?:\.part(\d+))?\.safetensors$")
-_RUN_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:-(\d+))?$")
 # safetensors dtype code -> (torch dtype name, bytes per element)
 SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("float64", 8),
@@ -59,11 +74,6 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "C64": ("complex64", 8),
 }
 _MAX_HEADER = 1 << 28  # bytes; a real header is names and offsets, far below this
-_TEXT_NUMBERS = frozenset({"nan", "inf", "-inf"})  # how stats.jsonl spells non-finite values
-
-
-class DumpReadError(ValueError):
-    """A path is not a readable dump, run dir or pass file."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,9 @@ def _parse_header(path: Path, header: Any, data_start: int, size: int) -> Safete
     if not isinstance(header, dict):
         raise _unreadable(path, "header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise _unreadable(path, "__metadata__ is not a JSON object")
+    check_format(metadata.get(FORMAT_KEY), path)
     tensors: dict[str, StoredTensor] = {}
     for name, spec in header.items():
         try:
@@ -283,8 +296,8 @@ class PassFile:
 
 def pass_index(path: Path) -> int | None:
     """``pass00003.safetensors`` (or a part of it) is pass 3; None for any other file name."""
-    match = PASS_RE.match(path.name)
-    return int(match.group(1)) if match else None
+    name = parse_pass_file_name(path.name)
+    return name.index if name else None
 
 
 def _listing(path: Path) -> list[Path]:
@@ -306,10 +319,9 @@ def _read_text(path: Path) -> str:
 def _group_pass_files(run_dir: Path) -> dict[int, list[Path]]:
     groups: dict[int, list[tuple[int, Path]]] = {}
     for path in _listing(run_dir):
-        match = PASS_RE.match(path.name)
-        if match:
-            part = int(match.group(2)) if match.group(2) is not None else 0
-            groups.setdefault(int(match.group(1)), []).append((part, path))
+        name = parse_pass_file_name(path.name)
+        if name:
+            groups.setdefault(name.index, []).append((name.part or 0, path))
     return {index: [p for _, p in sorted(parts)] for index, parts in sorted(groups.items())}
 
 
@@ -353,33 +365,6 @@ def open_pass(path: str | Path) -> PassFile:
     return pass_file
 
 
-def _stats_problem(record: Any) -> str | None:
-    """Why a parsed ``stats.jsonl`` line is not a stats record; None when it is one."""
-    if not isinstance(record, dict):
-        return "not a JSON object"
-    if not isinstance(record.get("module"), str):
-        return 'no "module" name'
-    if not _is_int(record.get("pass")):
-        return 'no integer "pass"'
-    for key, check in (("call", _is_int), ("seq", _is_int), ("tensor", lambda v: isinstance(v, str))):
-        if key in record and not check(record[key]):
-            return f"{key!r} is {record[key]!r}"
-    shape = record.get("shape")
-    if shape is not None and not (isinstance(shape, list) and all(_is_int(s) for s in shape)):
-        return f"'shape' is {shape!r}"
-    for name in NUMERIC_STAT_NAMES:
-        value = record.get(name)
-        if value is not None and not _is_number(value):
-            return f"{name!r} is {value!r}"
-    return None
-
-
-def _is_number(value: object) -> bool:
-    if isinstance(value, str):
-        return value in _TEXT_NUMBERS
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _parse_stats(path: Path) -> list[dict[str, Any]]:
     records = []
     for number, line in enumerate(_read_text(path).splitlines(), 1):
@@ -390,7 +375,7 @@ def _parse_stats(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             warnings.warn(f"{path}:{number}: torn line skipped (the run did not close cleanly)", stacklevel=3)
             continue
-        problem = _stats_problem(record)
+        problem = stats_record_problem(record)
         if problem is not None:
             raise DumpReadError(f"{path}:{number}: not a stats record: {problem}")
         records.append(record)
@@ -404,7 +389,7 @@ class Run:
     path: Path
     rank: int
     pid: int
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest = field(default_factory=Manifest)
 
     @cached_property
     def passes(self) -> dict[int, PassFile]:
@@ -427,7 +412,7 @@ class Run:
         ``stats.jsonl``), whatever the manifest last said."""
         total = 0
         for path in _listing(self.path):
-            if PASS_RE.match(path.name) or path.name in (RECORDS_FILE, STATS_FILE, STATS_PARTIAL):
+            if PASS_FILE_RE.match(path.name) or path.name in (RECORDS_FILE, STATS_FILE, STATS_PARTIAL):
                 with contextlib.suppress(OSError):
                     info = path.stat()
                     total += info.st_size if stat.S_ISREG(info.st_mode) else 0
@@ -441,8 +426,8 @@ class Run:
     @property
     def serial(self) -> int:
         """2, 3, ... for the second, third root of one process (``rank0_pid7-2``); 1 otherwise."""
-        match = _RUN_RE.match(self.path.name)
-        return int(match.group(3)) if match and match.group(3) else 1
+        name = parse_run_dir_name(self.path.name)
+        return name.serial if name else 1
 
     def stats(self) -> list[dict[str, Any]]:
         """Stats-mode records (one per tensor), from ``stats.jsonl`` or a crashed run's partial file.
@@ -572,8 +557,10 @@ class Dump:
         return groups
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    """A run dir's ``manifest.json`` ({} when there is none); DumpReadError when it is not readable."""
+def read_manifest(run_dir: Path) -> Manifest:
+    """A run dir's ``manifest.json`` ({} when there is none); DumpReadError when it is not readable,
+    FormatVersionError (a DumpReadError) when it was written in a format major this tracedump
+    cannot read."""
     path = run_dir / MANIFEST
     if not path.is_file():
         return {}
@@ -581,24 +568,22 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         manifest = json.loads(_read_text(path))
     except (json.JSONDecodeError, RecursionError) as e:
         raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
-    if not isinstance(manifest, dict):
-        raise DumpReadError(f"{path}: not a JSON object")
-    return manifest
+    return check_manifest(manifest, path)
 
 
 def _read_run(path: Path) -> Run:
     manifest = read_manifest(path)
-    match = _RUN_RE.match(path.name)
+    name = parse_run_dir_name(path.name)
     try:
-        rank = int(manifest.get("rank", match.group(1) if match else 0))
-        pid = int(manifest.get("pid", match.group(2) if match else 0))
+        rank = int(manifest.get("rank", name.rank if name else 0))
+        pid = int(manifest.get("pid", name.pid if name else 0))
     except (TypeError, ValueError, OverflowError) as e:  # "rank": 1e400 is inf
         raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
     return Run(path, rank, pid, manifest)
 
 
 def _is_run_dir(path: Path) -> bool:
-    return (path / MANIFEST).is_file() or any(PASS_RE.match(p.name) for p in _listing(path))
+    return (path / MANIFEST).is_file() or any(PASS_FILE_RE.match(p.name) for p in _listing(path))
 
 
 def open_dump(path: str | Path) -> Dump:
@@ -609,7 +594,7 @@ def open_dump(path: str | Path) -> Dump:
     if _is_run_dir(path):
         return Dump(path, [_read_run(path)])
     children = [p for p in _listing(path) if p.is_dir()]
-    runs = [_read_run(p) for p in children if _RUN_RE.match(p.name)]
+    runs = [_read_run(p) for p in children if parse_run_dir_name(p.name)]
     if not runs:
         runs = [_read_run(p) for p in children if _is_run_dir(p)]
     if not runs:

@@ -30,11 +30,12 @@ from torch import nn
 from . import gates
 from .control import Controller
 from .cuda import stream_is_capturing
+from .format import RECORDS_FILE, Key, stats_record
 from .hooks import flatten_inputs, flatten_tensors
 from .reduce import compute_stats, last_row
 from .runtime import COMPILED_WARNING
 from .sinks import Sink
-from .writer import RECORDS_FILE, RESERVED_NAMES, PassJob, StatsJob
+from .writer import RESERVED_NAMES, PassJob, StatsJob
 
 _ANCHORLESS_LIMIT = 1000
 
@@ -80,9 +81,9 @@ class Plan:
         )
 
 
-def key_name(name: str, suffix: str = "", call: int = 0) -> str:
-    """``<module><path>`` and ``::callN`` for the N-th repeat call in one pass (see hooks.py)."""
-    return f"{name}{suffix}::call{call}" if call else f"{name}{suffix}"
+def _key(name: str, suffix: str, is_input: bool, call: int = 0) -> Key:
+    """The key of a leaf ``suffix`` (``[0]``, or ``@in[0]`` for an input) of module ``name``."""
+    return Key(name, suffix.removeprefix("@in") if is_input else suffix, is_input, call)
 
 
 class Pass:
@@ -534,7 +535,7 @@ class Recorder:
         try:
             for suffix, tensor in _leaves(value, is_input):
                 host, event = self.sink.copy(tensor, pooled=False)
-                self.loose.append((key_name(name, suffix), host, event))
+                self.loose.append((_key(name, suffix, is_input).format(), host, event))
         except Exception as e:
             self.report(name, e)
 
@@ -583,7 +584,7 @@ class Recorder:
                 continue
             kept = last_row(tensor, self.plan.token_dim) if self.mode == "last_row" else tensor
             host, event = self.sink.copy(kept)
-            current.add(key_name(name, suffix, call), host, event)
+            current.add(_key(name, suffix, is_input, call).format(), host, event)
             self._make_room(current)
 
     def _keep_stats(
@@ -591,15 +592,8 @@ class Recorder:
     ) -> None:
         numeric, values, extras = compute_stats(tensor, self.plan.stats)
         host, event = self.sink.copy(values, pooled=False)
-        label = "in" + suffix.removeprefix("@in") if is_input else "out" + suffix
-        base = {
-            "module": name,
-            "tensor": label,
-            "pass": current.index,
-            "call": call,
-            "seq": current.next_seq(),
-        }
-        current.stats.append(({**base, **extras}, numeric, host, event))
+        record = stats_record(_key(name, suffix, is_input, call), current.index, current.next_seq(), extras)
+        current.stats.append((record, numeric, host, event))
         current.kept += 1
 
     def _make_room(self, current: Pass) -> None:
@@ -635,7 +629,7 @@ class Recorder:
         if current is None:
             self.loose.append((tag, host, event))
         else:
-            current.add(key_name(tag, call=current.next_call(tag)), host, event)
+            current.add(Key(tag, call=current.next_call(tag)).format(), host, event)
             self._make_room(current)
         if once:
             self._once_tags.add(tag)

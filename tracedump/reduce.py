@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import NUMERIC_STAT_NAMES, dtype_name
+from .format import NUMERIC_STAT_NAMES, dtype_name
 
 __all__ = ["NUMERIC_STATS", "compute_stats", "dtype_name", "last_row", "last_row_dim"]
 

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from ._version import __version__
+from .format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
 from .runtime import Warner
 from .settings import ConfigError, DumpSettings, describe_source
 from .units import human_bytes
-from .writer import MANIFEST, Writer, write_json_atomic
+from .writer import Writer, write_json_atomic
 
 # Skips the settings asked for: reported in the summary, not warned about.
 INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
@@ -58,7 +59,7 @@ class ErrorLog:
     """Every distinct run-time error: where, type, its first message, how often."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, str], dict[str, Any]] = {}
+        self._entries: dict[tuple[str, str], ErrorEntry] = {}
 
     def add(self, where: str, kind: str, message: str) -> None:
         entry = self._entries.get((where, kind))
@@ -67,8 +68,8 @@ class ErrorLog:
         elif len(self._entries) < MAX_ERRORS_KEPT:
             self._entries[(where, kind)] = {"where": where, "type": kind, "message": message, "count": 1}
 
-    def as_list(self) -> list[dict[str, Any]]:
-        return [dict(entry) for entry in self._entries.values()]
+    def as_list(self) -> list[ErrorEntry]:
+        return [ErrorEntry(**entry) for entry in self._entries.values()]
 
 
 class RunDir:
@@ -105,7 +106,7 @@ class RunDir:
         never writes into a dir another one made."""
         serial = 1
         while True:
-            path = base / (f"rank{self.rank}_pid{self.pid}" + (f"-{serial}" if serial > 1 else ""))
+            path = base / run_dir_name(self.rank, self.pid, serial)
             try:
                 path.mkdir(mode=0o700)
             except FileExistsError:
@@ -194,7 +195,7 @@ class RunDir:
 
     def _start_writer(self) -> Writer:
         manifest = {
-            "format": 1,
+            "format": FORMAT_VERSION,
             "tracedump_version": __version__,
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-BATCH_KEY = "tracedump.batch"
+from .format import BATCH_KEY
+
 SeqId = int | str
 
 

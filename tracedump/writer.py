@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -27,16 +26,16 @@ import torch
 
 from .buffers import HostBufferPool
 from .cuda import wait_for
-from .layout import (  # noqa: F401 - re-exported: where the rest of tracedump has always found them
-    BATCH_KEY,
-    FORMAT_VERSION,
+from .format import (
     MANIFEST,
     ORDER_KEY,
-    RECORDS_FILE,
-    SEQ_KEY,
     STATS_FILE,
     STATS_PARTIAL,
-    TRUNCATED_KEY,
+    Manifest,
+    StatsRecord,
+    pass_file_name,
+    pass_metadata,
+    with_numbers,
 )
 from .stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 
@@ -76,11 +75,6 @@ _WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
 STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 
-def pass_file_name(index: int, part: int | None = None) -> str:
-    """``pass00003.safetensors``, or ``pass00003.part1.safetensors`` for a pass split into parts."""
-    return f"pass{index:05d}.safetensors" if part is None else f"pass{index:05d}.part{part}.safetensors"
-
-
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """A temp path beside ``final``, renamed onto it only when the block succeeds.
@@ -116,19 +110,6 @@ def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     return size
 
 
-_COUNT_STATS = frozenset({"nan_count", "inf_count"})
-
-
-def json_number(value: float, name: str = "") -> float | int | str:
-    """NaN and infinities become the strings ``"nan"``, ``"inf"``, ``"-inf"``: strict JSON stays valid.
-    Counts are written as integers."""
-    if name in _COUNT_STATS:
-        return int(value)
-    if math.isfinite(value):
-        return value
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-
-
 @dataclass
 class PassJob:
     """One pass file (or one part of a pass too large for the memory cap)."""
@@ -147,19 +128,9 @@ class PassJob:
         for _, _, event in self.entries:
             wait_for(event)
         name = self.file_name or pass_file_name(self.index, self.part)
-        metadata = {
-            "tracedump.format": FORMAT_VERSION,
-            "tracedump.pass": str(self.index),
-            "tracedump.mode": self.mode,
-        }
-        if self.part is not None:
-            metadata["tracedump.part"] = str(self.part)
-        if self.seqs is not None:
-            metadata[SEQ_KEY] = json.dumps(self.seqs)
-        if self.truncated:
-            metadata[TRUNCATED_KEY] = "true"
-        if self.batch is not None:
-            metadata[BATCH_KEY] = self.batch
+        metadata = pass_metadata(
+            self.index, self.mode, part=self.part, seqs=self.seqs, truncated=self.truncated, batch=self.batch
+        )
         size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)
@@ -167,19 +138,20 @@ class PassJob:
 
 @dataclass
 class StatsJob:
-    """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor."""
+    """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor.
+
+    Each record arrives as its fields but the numbers (a :func:`tracedump.format.stats_record`), the
+    names of its numeric statistics and their values, still on their way to the host."""
 
     index: int
-    records: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]]
+    records: list[tuple[StatsRecord, list[str], torch.Tensor, Any]]
     nbytes: int = 0
 
     def run(self, writer: Writer) -> None:
         lines = []
         for base, names, values, event in self.records:
             wait_for(event)
-            record = dict(base)
-            record.update({n: json_number(v, n) for n, v in zip(names, values.tolist(), strict=True)})
-            lines.append(json.dumps(record, allow_nan=False))
+            lines.append(json.dumps(with_numbers(base, names, values.tolist()), allow_nan=False))
         writer.append_stats(lines)
         writer.note_file(self.index, 0, is_pass=True)
 
@@ -222,7 +194,7 @@ class Writer:
     """Background writer with a byte-bounded queue. Start it only when dumping is on."""
 
     def __init__(
-        self, run_dir: Path, max_pending_bytes: int, manifest: dict[str, Any], on_error: Callable[[str], None]
+        self, run_dir: Path, max_pending_bytes: int, manifest: Manifest, on_error: Callable[[str], None]
     ) -> None:
         self.run_dir = run_dir
         self.max_pending_bytes = max_pending_bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..writer import TRUNCATED_KEY
+from ..format import TRUNCATED_KEY
 from .sources import RunSource, Side
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..layout import dtype_name
+from ..format import dtype_name
 from ..loader import SafetensorsHeader
 
 if TYPE_CHECKING:  # `tracedump show` maps files with this module and never imports torch

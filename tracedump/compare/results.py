@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..writer import json_number
+from ..format import json_number
 from .metrics import TensorMetrics
 from .plan import Plan
 from .stats import StatDelta

@@ -18,20 +18,19 @@ that cannot line up are skipped (``routing``), and the whole error joins the run
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..format import Key
 from .reader import Stored
 
 TIE_FACTOR = 4.0  # a flip whose top-k margin is within this many x the scores' RMS noise is a tie
-_SUFFIX = re.compile(r"(?:@in)?(?:\[[^\]]*\])*(?:::call\d+)?$")
 
 
 def module_of(name: str) -> str:
     """The module a tensor name belongs to: ``a.gate[2]::call1`` -> ``a.gate``."""
-    return _SUFFIX.sub("", name)
+    return Key.parse(name).module
 
 
 def as_float(stored: Stored) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key
 from ..loader import (
     DumpReadError,
     PassFile,
@@ -34,7 +35,6 @@ from ..loader import (
     runs_by_rank,
 )
 from ..reduce import dtype_name
-from ..writer import STATS_FILE, STATS_PARTIAL
 from .options import DiffOptions, UsageError
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
@@ -49,15 +49,6 @@ class EntryMeta:
     kind: Kind
     shape: tuple[int, ...] | None
     dtype: str | None
-
-
-def stats_key(record: dict[str, Any]) -> str:
-    """The full-mode name of a stats record: ``{"module": m, "tensor": "in[0]", "call": 2}`` is
-    ``m@in[0]::call2``, so stats and full dumps align by the same names."""
-    label = str(record.get("tensor", "out"))
-    suffix = "@in" + label[2:] if label.startswith("in") else label[3:]
-    call = int(record.get("call", 0) or 0)
-    return f"{record['module']}{suffix}" + (f"::call{call}" if call else "")
 
 
 def _stats_meta(record: dict[str, Any]) -> EntryMeta:
@@ -106,7 +97,7 @@ class PassView:
                 for name, t in self._dict.items()
             )
         for record in stats or []:
-            name = stats_key(record)
+            name = Key.from_stats(record).format()  # its full-mode name: stats and full dumps align
             self._stats[name] = record
             found.append((record.get("seq"), name, _stats_meta(record)))
         self.entries = _in_capture_order(found)
@@ -257,7 +248,7 @@ def _pass_file_side(which: str, path: Path) -> Side:
     manifest = _manifest_beside(path)
     mode, token_dim = _mode_of(manifest, None)
     if path.suffix != ".pt":
-        mode = open_pass(path).metadata.get("tracedump.mode", mode)
+        mode = open_pass(path).metadata.get(MODE_KEY, mode)
     if mode in ("stats", "records"):
         mode = "full"  # a pass file holds whole tensors even in a stats-mode run (records)
     source = RunSource(

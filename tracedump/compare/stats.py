@@ -36,7 +36,7 @@ class StatDelta:
     rel_err: float
 
     def to_json(self) -> dict[str, Any]:
-        from ..writer import json_number
+        from ..format import json_number
 
         return {"a": json_number(self.a), "b": json_number(self.b), "rel_err": json_number(self.rel_err)}
 
