@@ -4,8 +4,10 @@ The settings reference is the page people read most and the one that drifts firs
 written by hand. Here the field list, types, defaults and descriptions all come from the code, and
 ``tests/test_docs.py`` fails when the committed page differs from what this module renders.
 
-    python -m tracedump.docs_gen            # rewrite docs/settings.md
-    python -m tracedump.docs_gen --check    # exit 1 (and say so) when docs/settings.md is stale
+A developer tool, not part of the installed package:
+
+    python tools/docs_gen.py            # rewrite docs/settings.md (or: make docs)
+    python tools/docs_gen.py --check    # exit 1 (and say so) when docs/settings.md is stale
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic.fields import FieldInfo
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: document this checkout's tracedump
+    sys.path.insert(0, str(ROOT))
 
-from .settings import DEFAULT_ENV_PREFIX, DumpSettings, env_name
+from pydantic.fields import FieldInfo  # noqa: E402
 
-SETTINGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
-REGENERATE = "python -m tracedump.docs_gen"
+from tracedump.settings import DEFAULT_ENV_PREFIX, DumpSettings, env_name  # noqa: E402
+
+SETTINGS_DOC = ROOT / "docs" / "settings.md"
+REGENERATE = "python tools/docs_gen.py"
 _SIMPLE_TYPES = {bool: "bool", int: "int", str: "str", float: "float", Path: "path"}
 
 HEADER = f"""\
@@ -161,7 +167,7 @@ def check(path: Path = SETTINGS_DOC) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tracedump.docs_gen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tools/docs_gen.py", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the file is stale; write nothing")
     parser.add_argument("--output", type=Path, default=SETTINGS_DOC, help="default: %(default)s")
     args = parser.parse_args(argv)
