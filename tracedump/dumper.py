@@ -51,9 +51,7 @@ from .settings import (
     ConfigError,
     DumpConfig,
     DumpSettings,
-    describe_source,
-    dump_dir_requested,
-    load_callable,
+    is_enabled,
     load_settings,
 )
 from .units import human_bytes
@@ -129,7 +127,7 @@ def attach(
     :class:`~tracedump.ConfigError` here, naming the env var and the value, rather than after an
     hour-long run.
     """
-    if not dump_dir_requested(config, env_prefix):
+    if not is_enabled(config, env_prefix):
         return None
     settings = load_settings(config, env_prefix)
     if not settings.enabled:
@@ -269,9 +267,8 @@ class Dumper:
         self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"
         # Which root this dumper follows; `tracedump run` pairs runs of several roots by it.
         self.root_label = root_label or type(model).__name__
-        if sync_escape is None and settings.sync_escape:
-            sync_escape = load_callable(settings.sync_escape)
-        self._sync_escape = sync_escape
+        callables = settings.resolve_callables()  # FILTER_FN, SYNC_ESCAPE: imported here, once per settings
+        self._sync_escape = sync_escape if sync_escape is not None else callables.sync_escape
         self._steps = settings.step_selection
         self._mode = settings.mode
         self._full = settings.mode != "stats"
@@ -297,7 +294,7 @@ class Dumper:
             self._writer = self._start_writer()
         except Exception as e:
             self._remove_run_dir()
-            where = describe_source("dir", str(settings.dir), env_prefix)
+            where = settings.describe("dir")
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot write the manifest: {type(e).__name__}: {e}"
             ) from e
@@ -339,7 +336,7 @@ class Dumper:
             with tempfile.TemporaryFile(dir=run_dir):
                 pass
         except OSError as e:
-            where = describe_source("dir", str(self.settings.dir), self.env_prefix)
+            where = self.settings.describe("dir")
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot create or write the dump "
                 f"directory: {type(e).__name__}: {e}"
