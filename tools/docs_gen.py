@@ -61,6 +61,16 @@ engine's config.
 the predicate about every module and writes the manifest before it registers the first hook. Any
 failure there (a predicate that raises or takes other arguments, a filter file that calls
 `sys.exit()`, a dump dir it cannot write) is a `ConfigError`, and leaves no hook and no run dir.
+
+User code runs in `attach()` only. Building a `DumpConfig` or `DumpSettings` checks that `FILTER_FN`
+and `SYNC_ESCAPE` have the form `module:func` but imports neither; `attach()` imports each once
+(`DumpSettings.resolve_callables()`) before the first hook. `tracedump run` imports them as well, to
+refuse a bad one before it starts COMMAND.
+
+The settings in effect record where each value came from: `dumper.settings.origin("mode")` is
+the env var and its text (`TRACEDUMP_DUMP_MODE='stats'`), the config field and the value given
+(`DumpConfig.mode='stats'`), or the default; `dumper.settings.origins` has every field. Error
+messages name the same place.
 """
 
 FOOTER = """\
