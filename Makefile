@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench calibrate lint clean
+.PHONY: install test demo bench calibrate docs lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,14 @@ bench: $(STAMP)
 calibrate: $(STAMP)
 	$(BIN)/python benchmarks/calibrate.py --markdown --out benchmarks/calibration.json
 
+# docs/settings.md is generated from tracedump.settings.DumpSettings (tests/test_docs.py checks it).
+docs: $(STAMP)
+	$(BIN)/python tools/docs_gen.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check tracedump tests benchmarks examples
-	$(BIN)/ruff format --check tracedump tests benchmarks examples
+	$(BIN)/python tools/docs_gen.py --check
+	$(BIN)/ruff check tracedump tests benchmarks examples tools
+	$(BIN)/ruff format --check tracedump tests benchmarks examples tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info

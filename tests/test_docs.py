@@ -12,14 +12,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
+import types
 from pathlib import Path
 
 import pytest
 from pydantic import Field, create_model
 
-from tracedump import docs_gen
 from tracedump.cli import build_parser
 from tracedump.settings import DumpSettings
 
@@ -32,6 +33,18 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 # Guides whose every backquoted flag belongs to one subcommand.
 GUIDE_SUBCOMMAND = {"run.md": "run", "comparator.md": "diff"}
+
+
+def _load_docs_gen() -> types.ModuleType:
+    """``tools/docs_gen.py``: a developer tool outside the package, loaded from its file."""
+    spec = importlib.util.spec_from_file_location("docs_gen", ROOT / "tools" / "docs_gen.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+docs_gen = _load_docs_gen()
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -55,6 +68,11 @@ def test_docs_exist() -> None:
     for required in ("README.md", "overview.md", "quickstart.md", "settings.md", "file-format.md"):
         assert required in names
     assert (ROOT / "docs" / "README.md").is_file()
+
+
+def test_the_docs_generator_is_a_tool_outside_the_installed_package() -> None:
+    assert not (ROOT / "tracedump" / "docs_gen.py").exists()
+    assert docs_gen.REGENERATE == "python tools/docs_gen.py"
 
 
 def test_settings_doc_is_current() -> None:

@@ -42,8 +42,7 @@ from .settings import (
     ConfigError,
     DumpConfig,
     DumpSettings,
-    dump_dir_requested,
-    load_callable,
+    is_enabled,
     load_settings,
 )
 from .sinks import FileSink
@@ -62,7 +61,7 @@ def attach(
     :class:`~tracedump.ConfigError` here, naming the env var and the value, rather than after an
     hour-long run.
     """
-    if not dump_dir_requested(config, env_prefix):
+    if not is_enabled(config, env_prefix):
         return None
     settings = load_settings(config, env_prefix)
     if not settings.enabled:
@@ -116,8 +115,9 @@ class Dumper:
         self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"
         # Which root this dumper follows; `tracedump run` pairs runs of several roots by it.
         self.root_label = root_label or type(model).__name__
-        if sync_escape is None and settings.sync_escape:
-            sync_escape = load_callable(settings.sync_escape)
+        callables = settings.resolve_callables()  # FILTER_FN, SYNC_ESCAPE: imported here, once per settings
+        if sync_escape is None:
+            sync_escape = callables.sync_escape
         self.warn = Warner()  # this dumper's one-time warnings: another dumper's never silence them
         self._closed = False
         # All or nothing: everything that can fail runs before the first hook is registered, and a

@@ -25,7 +25,7 @@ import torch
 from ._version import __version__
 from .format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
 from .runtime import Warner
-from .settings import ConfigError, DumpSettings, describe_source
+from .settings import ConfigError, DumpSettings
 from .units import human_bytes
 from .writer import Writer, write_json_atomic
 
@@ -93,7 +93,7 @@ class RunDir:
             self.writer = self._start_writer()
         except Exception as e:
             self._remove()
-            where = describe_source("dir", str(self._settings.dir), self._env_prefix)
+            where = self._settings.describe("dir")
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot write the manifest: {type(e).__name__}: {e}"
             ) from e
@@ -127,7 +127,7 @@ class RunDir:
             with tempfile.TemporaryFile(dir=path):
                 pass
         except OSError as e:
-            where = describe_source("dir", str(self._settings.dir), self._env_prefix)
+            where = self._settings.describe("dir")
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot create or write the dump "
                 f"directory: {type(e).__name__}: {e}"

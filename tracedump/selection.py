@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .runtime import warn_once
-from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, describe_source, load_callable
+from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings
 
 ROOT_NAME = "root"
 Predicate = Callable[[str, nn.Module], bool]
@@ -34,19 +34,17 @@ def build_predicate(settings: DumpSettings) -> Predicate | None:
     if settings.filter is not None:
         patterns = [re.compile(p) for p in settings.filter]
         return lambda name, _module: any(p.search(name) for p in patterns)
-    if settings.filter_fn is not None:
-        return load_callable(settings.filter_fn)
-    return None
+    return settings.resolve_callables().filter_fn  # imported once per settings, at attach()
 
 
-def _ask(predicate: Predicate, name: str, module: nn.Module, settings: DumpSettings, env_prefix: str) -> bool:
+def _ask(predicate: Predicate, name: str, module: nn.Module, settings: DumpSettings) -> bool:
     """Call the user's predicate; one that raises (or takes other arguments) is a bad setting,
     reported at ``attach()`` with the value that named it, before any hook exists."""
     try:
         return bool(predicate(name, module))
     except Exception as e:
         field = "filter_fn" if settings.filter_fn is not None else "filter"
-        where = describe_source(field, getattr(settings, field), env_prefix)
+        where = settings.describe(field)
         raise ConfigError(
             f"tracedump: bad setting\n  {where}: the predicate failed on module {name!r}: "
             f"{type(e).__name__}: {e} (it must take (name, module) and return a bool)"
@@ -61,7 +59,7 @@ def select_modules(
     predicate = build_predicate(settings)
     if predicate is None:
         return candidates
-    selected = [(n, m) for n, m in candidates if _ask(predicate, n, m, settings, env_prefix)]
+    selected = [(n, m) for n, m in candidates if _ask(predicate, n, m, settings)]
     if not selected:
         sample = ", ".join(n for n, _ in candidates[:12])
         warn_once(

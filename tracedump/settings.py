@@ -5,8 +5,21 @@ operator can overlay an env var on a config that the engine built itself, withou
 The env name of a field is ``<prefix>DUMP_<FIELD>`` (``TRACEDUMP_DUMP_DIR`` for the default prefix;
 an engine picks its own prefix, e.g. ``PHYAI_DEBUG_TENSOR_`` gives ``PHYAI_DEBUG_TENSOR_DUMP_DIR``).
 
-Parsing lives in validators, never in scattered ``os.getenv`` calls, and a bad value fails at
-``attach()`` with a :class:`ConfigError` that names the env var (or config field) and the value.
+One place reads each thing:
+
+- :class:`EnvSource` is the only reader of the environment for settings (exact upper-case names,
+  blank = unset, any other ``<prefix>DUMP_*`` spelling refused); :func:`is_enabled`, the off path,
+  looks up one variable by the same name and the same blank rule.
+- :class:`ConfigSource` takes the engine's explicit config; the order of the two sources is the
+  precedence, and ``FILTER``/``FILTER_FN`` count as one choice there.
+- The validators parse each value once into its typed field (``steps`` is a
+  :class:`StepSelection`); every settings object records where each value came from
+  (:meth:`DumpSettings.origin`: env, config or default), and errors name that place.
+- User code (``FILTER_FN``, ``SYNC_ESCAPE``) is imported by :meth:`DumpSettings.resolve_callables`,
+  which ``attach()`` calls, never by building a :class:`DumpConfig` or :class:`DumpSettings`.
+
+A bad value fails at ``attach()`` with a :class:`ConfigError` that names the env var (or config
+field) and the value.
 """
 
 from __future__ import annotations
@@ -18,13 +31,27 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 DEFAULT_ENV_PREFIX = "TRACEDUMP_"
 STAT_NAMES = (
@@ -164,6 +191,10 @@ class StepSelection:
     def __contains__(self, index: int) -> bool:
         return not self.ranges or any(lo <= index <= hi for lo, hi in self.ranges)
 
+    def __str__(self) -> str:
+        """The selection as one would write it: ``0,3,10-20`` (the manifest keeps this text)."""
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.ranges)
+
     @classmethod
     def parse(cls, text: str | None) -> StepSelection:
         if text is None or not str(text).strip():
@@ -186,11 +217,17 @@ class StepSelection:
         return cls(tuple(ranges))
 
 
-def load_callable(spec: str) -> Callable[..., Any]:
-    """Import ``"pkg.module:func"`` or ``"/path/file.py:func"`` and return the callable."""
-    module_part, sep, attr = spec.rpartition(":")
+def split_callable_spec(spec: str) -> tuple[str, str]:
+    """``"pkg.module:func"`` -> ``("pkg.module", "func")``: the spec's shape, checked without importing."""
+    module_part, sep, attr = spec.strip().rpartition(":")
     if not sep or not module_part or not attr:
         raise ValueError("expected 'pkg.module:func' or '/path/file.py:func'")
+    return module_part, attr
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """Import ``"pkg.module:func"`` or ``"/path/file.py:func"`` and return the callable."""
+    module_part, attr = split_callable_spec(spec)
     module = _import_file(module_part) if module_part.endswith(".py") else _import_module(module_part)
     obj: Any = module
     for part in attr.split("."):
@@ -229,14 +266,103 @@ def _import_file(path: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# What "set" means, and where a value came from: one rule each, used by the sources, the off path
+# and the error messages.
+
+FILTER_CHOICE = ("filter", "filter_fn")  # one choice: a source that sets either replaces both
+
+
+def is_set(value: Any) -> bool:
+    """The one rule for "unset": None, or a blank value. It holds for env vars and config values
+    alike, so a blank neither clears a value nor lifts a gate."""
+    return value is not None and not _blank(value)
+
+
+def _blank(value: Any) -> bool:
+    """An empty or whitespace-only string (or path)."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    return isinstance(text, str) and not text.strip()
+
+
+def env_name(field: str, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
+    """The env var that sets ``field``: ``env_name("dir") == "TRACEDUMP_DUMP_DIR"``."""
+    return f"{env_prefix}DUMP_{field.upper()}"
+
+
+def is_enabled(config: Any = None, env_prefix: str | None = DEFAULT_ENV_PREFIX) -> bool:
+    """Is dumping on, i.e. is ``DIR`` set? The off path's whole cost: one env lookup (the exact name
+    :class:`EnvSource` reads) and one attribute read, no validation, no import.
+
+    ``env_prefix=None`` asks ``config`` alone: that is :attr:`DumpSettings.enabled`, whose env was
+    read when it was built."""
+    if env_prefix is not None and is_set(os.environ.get(env_name("dir", env_prefix))):
+        return True
+    value = config.get("dir") if isinstance(config, dict) else getattr(config, "dir", None)
+    return is_set(value)
+
+
+class EnvValue(str):
+    """A value read from the environment: the text as set, and the variable that set it. It keeps its
+    name through pydantic-settings' merge of the sources, so DumpSettings can record its origin."""
+
+    name: str
+
+    def __new__(cls, name: str, text: str) -> EnvValue:
+        value = super().__new__(cls, text)
+        value.name = name
+        return value
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a setting's value came from: ``env`` (``name`` is the variable, ``raw`` its text),
+    ``config`` (``name`` is ``DumpConfig.<field>``, ``raw`` the value given) or ``default``."""
+
+    kind: Literal["env", "config", "default"]
+    name: str
+    raw: Any = None
+
+    def __str__(self) -> str:
+        return f"{self.name} (default)" if self.kind == "default" else f"{self.name}={self.raw!r}"
+
+
+def _origin(field: str, data: dict[str, Any]) -> Origin:
+    """Where ``field`` came from, given the merged values of the sources (absent or blank: default)."""
+    value = data.get(field)
+    if field not in data or _blank(value):
+        return Origin("default", f"DumpConfig.{field}")
+    if isinstance(value, EnvValue):
+        return Origin("env", value.name, str(value))
+    return Origin("config", f"DumpConfig.{field}", value)
+
+
+@dataclass(frozen=True)
+class UserCallables:
+    """``FILTER_FN`` and ``SYNC_ESCAPE`` imported: see :meth:`DumpSettings.resolve_callables`."""
+
+    filter_fn: Callable[[str, Any], Any] | None = None
+    sync_escape: Callable[[], AbstractContextManager[Any]] | None = None
+
+
+def _steps_text(value: StepSelection | None) -> str | None:
+    return None if value is None else str(value)
+
+
+# ``steps`` is written (env, config, JSON, manifest) as text and held parsed, as a StepSelection.
+_STEPS_SCHEMA = {"anyOf": [{"type": "string", "examples": ["0,3,10-20"]}, {"type": "null"}]}
+
+
+# ---------------------------------------------------------------------------------------------
 # The fields, defined once and shared by DumpConfig (code) and DumpSettings (env overlay).
 
 
 class _DumpFields(BaseModel):
-    """Field definitions and validators. The descriptions feed the generated settings reference."""
+    """Field definitions and validators. The descriptions feed the generated settings reference.
+
+    Validators parse and check; none imports user code (see :meth:`DumpSettings.resolve_callables`)."""
 
     dir: Path | None = Field(None, description="Output directory; setting it (non-empty) turns dumping on.")
-    filter: Annotated[list[str] | None, NoDecode] = Field(
+    filter: list[str] | None = Field(
         None,
         description="A JSON array of regexes, or one bare pattern; `re.search` on the full dotted "
         "module name; any match selects. Mutually exclusive with FILTER_FN.",
@@ -264,10 +390,12 @@ class _DumpFields(BaseModel):
         description="Row-count gate: while the rows last reported with `dumper.set_rows(n)` exceed "
         "N, nothing is captured.",
     )
-    steps: str | None = Field(
-        None,
-        description="Pass indices to keep, e.g. `0,3,10-20`; empty = all. Numbering continues "
-        "over skipped passes.",
+    steps: Annotated[StepSelection | None, PlainSerializer(_steps_text), WithJsonSchema(_STEPS_SCHEMA)] = (
+        Field(
+            None,
+            description="Pass indices to keep, e.g. `0,3,10-20`; empty = all. Numbering continues "
+            "over skipped passes.",
+        )
     )
     sync_escape: str | None = Field(
         None,
@@ -279,7 +407,7 @@ class _DumpFields(BaseModel):
         description="`full`: whole tensors; `last_row`: only the last index along the token "
         "dimension of tensors with >= 2 dims; `stats`: statistics only, in `stats.jsonl`.",
     )
-    stats: Annotated[list[str], NoDecode] = Field(
+    stats: list[str] = Field(
         list(DEFAULT_STATS), description="For `stats` mode: comma list from " + ", ".join(STAT_NAMES) + "."
     )
     inputs: bool = Field(
@@ -309,11 +437,14 @@ class _DumpFields(BaseModel):
 
     @field_validator("filter_fn", "sync_escape", mode="before")
     @classmethod
-    def _check_callable(cls, value: Any) -> str | None:
+    def _check_callable_spec(cls, value: Any) -> str | None:
+        """The spec's shape only: importing it runs user code, which waits for ``attach()``."""
         if value is None:
             return None
-        load_callable(str(value).strip())
-        return str(value).strip()
+        if not isinstance(value, str):
+            raise ValueError(f"expected a 'pkg.module:func' string, not {type(value).__name__}")
+        split_callable_spec(value)
+        return value.strip()
 
     @field_validator("tokens", "max_rows", mode="before")
     @classmethod
@@ -345,15 +476,21 @@ class _DumpFields(BaseModel):
 
     @field_validator("steps", mode="before")
     @classmethod
-    def _parse_steps(cls, value: Any) -> str | None:
+    def _parse_steps(cls, value: Any) -> StepSelection | None:
+        """Parsed here, once: the text, an int, a list of ints, or a StepSelection. All = None."""
         if value is None:
             return None
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)
-        elif not isinstance(value, str):
-            value = ",".join(str(v) for v in value)
-        StepSelection.parse(value)
-        return value.strip() or None
+        if isinstance(value, StepSelection):
+            selection = value
+        else:
+            if isinstance(value, int) and not isinstance(value, bool):
+                value = str(value)
+            elif not isinstance(value, str):
+                if not isinstance(value, Iterable):
+                    raise ValueError(f"expected text such as '0,3,10-20' or a list of ints, not {value!r}")
+                value = ",".join(str(v) for v in value)
+            selection = StepSelection.parse(value)
+        return selection if selection.ranges else None
 
     @field_validator("stats", mode="before")
     @classmethod
@@ -390,9 +527,9 @@ class _DumpFields(BaseModel):
     @classmethod
     def _blank_is_unset(cls, data: Any) -> Any:
         """A blank string means unset for every field (the default applies), as a blank env var
-        does: one rule, rather than unset for some fields and an error for others."""
+        does: one rule (:func:`is_set`), rather than unset for some fields and an error for others."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (isinstance(v, str) and not v.strip())}
+            return {k: v for k, v in data.items() if not _blank(v)}
         return data
 
     @model_validator(mode="after")
@@ -403,11 +540,13 @@ class _DumpFields(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return self.dir is not None
+        """Dumping is on: ``DIR`` is set (the rule of :func:`is_enabled`)."""
+        return is_enabled(self, env_prefix=None)
 
     @property
     def step_selection(self) -> StepSelection:
-        return StepSelection.parse(self.steps)
+        """The passes to keep; every pass when ``steps`` is unset."""
+        return self.steps if self.steps is not None else StepSelection()
 
 
 class DumpConfig(_DumpFields):
@@ -424,100 +563,160 @@ class DumpConfig(_DumpFields):
     model_config = ConfigDict(extra="forbid")
 
 
+# ---------------------------------------------------------------------------------------------
+# The two sources. Their order in DumpSettings.settings_customise_sources is the precedence.
+
+
+class EnvSource(PydanticBaseSettingsSource):
+    """The one reader of the environment for settings, and the one place that decides case.
+
+    ``<prefix>DUMP_<FIELD>`` with ``FIELD`` exactly upper-case is read; a blank value is unset. Any
+    other variable starting with ``<prefix>DUMP_`` in any case (a misspelt ``..._FILTERS``, a
+    ``tracedump_dump_mode``) is kept in :attr:`unknown` and refused by :class:`ConfigSource`: a name
+    in another case is never read, so it cannot silently win or lose against the upper-case one.
+    Each value is an :class:`EnvValue`, which carries the variable's name."""
+
+    def __init__(self, settings_cls: type[BaseSettings], prefix: str) -> None:
+        super().__init__(settings_cls)
+        self.prefix = prefix  # with DUMP_: "TRACEDUMP_DUMP_"
+        names = {prefix + field.upper(): field for field in settings_cls.model_fields}
+        self.values: dict[str, EnvValue] = {}
+        self.unknown: list[str] = []
+        for key, text in os.environ.items():
+            if key in names:
+                if is_set(text):
+                    self.values[names[key]] = EnvValue(key, text)
+            elif key.upper().startswith(prefix.upper()):
+                field = key[len(prefix) :].lower()
+                # names are exactly upper-case; say so when only the case is wrong
+                hint = f" (names are upper-case: {prefix}{field.upper()})" if field in names.values() else ""
+                self.unknown.append(key + hint)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self.values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+class ConfigSource(PydanticBaseSettingsSource):
+    """The engine's explicit config (the ``DumpSettings(...)`` keywords), below the env.
+
+    It refuses unknown names, its own and the env's, in one message: a misspelt setting would
+    otherwise be ignored and the run would dump something else than asked, silently. And it yields
+    the filter choice: an env var for either ``FILTER`` or ``FILTER_FN`` replaces a config filter
+    of either kind, so the operator overlays a choice rather than colliding with the engine's."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init: PydanticBaseSettingsSource, env: EnvSource):
+        super().__init__(settings_cls)
+        self.init = init
+        self.env = env
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values = self.init()
+        fields = self.settings_cls.model_fields
+        unknown = [f"DumpConfig.{key}" for key in values if key not in fields] + self.env.unknown
+        if unknown:
+            names = ", ".join(self.env.prefix + field.upper() for field in fields)
+            raise ConfigError(
+                f"tracedump: bad setting\n  unknown setting(s): {', '.join(sorted(unknown))}; known: {names}"
+            )
+        if any(field in self.env.values for field in FILTER_CHOICE):
+            values = {key: value for key, value in values.items() if key not in FILTER_CHOICE}
+        return values
+
+
 class DumpSettings(BaseSettings, _DumpFields):
     """The settings in effect: env > explicit config > defaults, validated once.
 
     ``DumpSettings()`` reads ``TRACEDUMP_DUMP_*``; :func:`load_settings` picks another prefix and
-    turns validation errors into a :class:`ConfigError` that names the env var.
+    turns validation errors into a :class:`ConfigError` that names the env var. Building one never
+    imports user code: :meth:`resolve_callables` does, at ``attach()``.
     """
 
-    # An empty env var means "unset": it neither clears a config value nor lifts a gate.
     model_config = SettingsConfigDict(
-        env_prefix=DEFAULT_ENV_PREFIX + "DUMP_", extra="ignore", case_sensitive=False, env_ignore_empty=True
+        env_prefix=DEFAULT_ENV_PREFIX + "DUMP_", extra="forbid", case_sensitive=True
     )
+    _origins: dict[str, Origin] = PrivateAttr(default_factory=dict)
+    _callables: UserCallables | None = PrivateAttr(None)
 
     @classmethod
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ):  # type: ignore[no-untyped-def]
-        """Env first: an operator's env var overlays whatever config the engine passed in.
+        """Env first, then the config: an operator's env var overlays the engine's choice. No other
+        source (.env files, secrets dirs) is read."""
+        env = EnvSource(settings_cls, env_settings.env_prefix)
+        return (env, ConfigSource(settings_cls, init_settings, env))
 
-        A whitespace-only env value means unset, like an empty one, for every field."""
-        env_vars = getattr(env_settings, "env_vars", None)
-        if isinstance(env_vars, dict):
-            env_settings.env_vars = {k: v for k, v in env_vars.items() if v is None or v.strip()}
-        return (env_settings, init_settings)
+    @model_validator(mode="wrap")
+    @classmethod
+    def _validate_with_origins(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> DumpSettings:
+        """Note where each value came from before the validators turn it into a plain value, and
+        name that place (env var or config field, and the value as given) in every error."""
+        if not isinstance(data, dict):
+            return handler(data)
+        origins = {field: _origin(field, data) for field in cls.model_fields}
+        try:
+            settings = handler(data)
+        except ValidationError as e:
+            raise PydanticCustomError("bad_setting", "{message}", {"message": _describe(e, origins)}) from e
+        settings._origins = origins
+        return settings
+
+    def origin(self, field: str) -> Origin:
+        """Where ``field``'s value came from: env (which variable, what text), config, or default."""
+        if field not in type(self).model_fields:
+            raise KeyError(field)
+        return self._origins.get(field) or Origin("default", f"DumpConfig.{field}")
+
+    @property
+    def origins(self) -> dict[str, Origin]:
+        """:meth:`origin` of every field, in field order."""
+        return {field: self.origin(field) for field in type(self).model_fields}
+
+    def describe(self, field: str) -> str:
+        """``TRACEDUMP_DUMP_DIR='/x'`` when the env var set it, else ``DumpConfig.dir='/x'``: errors
+        say where a value came from, so the person reading them knows what to change."""
+        origin = self.origin(field)
+        if origin.kind == "env":
+            return str(origin)
+        return f"DumpConfig.{field}={self.model_dump(mode='json', include={field})[field]!r}"
+
+    def resolve_callables(self) -> UserCallables:
+        """Import ``FILTER_FN`` and ``SYNC_ESCAPE``, once per settings object (``attach()`` calls it,
+        before the first hook). A failure is a :class:`ConfigError` naming where the spec came from."""
+        if self._callables is None:
+            resolved: dict[str, Any] = {}
+            for field in ("filter_fn", "sync_escape"):
+                spec = getattr(self, field)
+                try:
+                    resolved[field] = load_callable(spec) if spec is not None else None
+                except ValueError as e:
+                    raise ConfigError(f"tracedump: bad setting\n  {self.describe(field)}: {e}") from e
+            self._callables = UserCallables(**resolved)
+        return self._callables
 
     def summary(self) -> dict[str, Any]:
         """JSON-safe view of the settings in effect, for the manifest."""
         return json.loads(self.model_dump_json())
 
 
-def env_name(field: str, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
-    """The env var that sets ``field``: ``env_name("dir") == "TRACEDUMP_DUMP_DIR"``."""
-    return f"{env_prefix}DUMP_{field.upper()}"
-
-
-def _env_value(field: str, env_prefix: str) -> str | None:
-    """The env var's value as pydantic-settings reads it: any case, and empty meaning unset."""
-    wanted = env_name(field, env_prefix).lower()
-    return next((v for k, v in os.environ.items() if k.lower() == wanted and v.strip()), None)
-
-
-def describe_source(field: str, value: Any, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
-    """``TRACEDUMP_DUMP_DIR='/x'`` when the env var set it, else ``DumpConfig.dir='/x'``: errors say
-    where a value came from, so the person reading them knows what to change."""
-    env_value = _env_value(field, env_prefix)
-    if env_value is not None:
-        return f"{env_name(field, env_prefix)}={env_value!r}"
-    return f"DumpConfig.{field}={value!r}"
-
-
-def dump_dir_requested(config: Any, env_prefix: str = DEFAULT_ENV_PREFIX) -> bool:
-    """The off-path check: one env lookup and one attribute read, no validation, no import."""
-    env_value = os.environ.get(env_name("dir", env_prefix), "")
-    if env_value.strip():
-        return True
-    value = config.get("dir") if isinstance(config, dict) else getattr(config, "dir", None)
-    return value is not None and bool(str(value).strip())
-
-
 def load_settings(
     config: DumpConfig | _DumpFields | dict[str, Any] | None = None, env_prefix: str = DEFAULT_ENV_PREFIX
 ) -> DumpSettings:
-    """Read the settings once: env > ``config`` > defaults. Raises :class:`ConfigError`."""
+    """Read the settings once: env > ``config`` > defaults. Raises :class:`ConfigError`.
+
+    Imports no user code; call :meth:`DumpSettings.resolve_callables` for that."""
     explicit = _explicit_values(config)
-    _reject_unknown_names(explicit, env_prefix)
-    # An env var for either filter kind replaces the config's filter of either kind: the operator
-    # overlays a choice, rather than colliding with the engine's default.
-    if _env_value("filter", env_prefix) or _env_value("filter_fn", env_prefix):
-        explicit.pop("filter", None)
-        explicit.pop("filter_fn", None)
     try:
         return DumpSettings(**explicit, _env_prefix=env_prefix + "DUMP_")
     except ValidationError as e:
-        raise ConfigError(_describe(e, env_prefix, explicit)) from e
-
-
-def _reject_unknown_names(explicit: dict[str, Any], env_prefix: str) -> None:
-    """A misspelt setting (``TRACEDUMP_DUMP_FILTERS``, ``{"mdoe": ...}``) would otherwise be ignored
-    and the run would dump something else than asked, silently."""
-    known = set(_DumpFields.model_fields)
-    prefix = (env_prefix + "DUMP_").upper()
-    exact = {env_name(field, env_prefix): field for field in known}
-    unknown = [f"DumpConfig.{key}" for key in explicit if key not in known]
-    for key in os.environ:
-        if key.upper().startswith(prefix) and key not in exact:
-            field = key[len(prefix) :].lower()
-            # A name in another case would otherwise be read or ignored depending on the order of
-            # os.environ: names are exactly upper-case, and any other spelling is refused.
-            hint = f" (names are upper-case: {env_name(field, env_prefix)})" if field in known else ""
-            unknown.append(key + hint)
-    if unknown:
-        names = ", ".join(env_name(field, env_prefix) for field in _DumpFields.model_fields)
-        raise ConfigError(
-            f"tracedump: bad setting\n  unknown setting(s): {', '.join(sorted(unknown))}; known: {names}"
-        )
+        messages = [str(item["ctx"]["message"]) for item in e.errors() if item["type"] == "bad_setting"]
+        raise ConfigError("\n".join(messages) or str(e)) from e
 
 
 def _explicit_values(config: DumpConfig | _DumpFields | dict[str, Any] | None) -> dict[str, Any]:
@@ -534,16 +733,14 @@ def _explicit_values(config: DumpConfig | _DumpFields | dict[str, Any] | None) -
     raise ConfigError(f"config must be a tracedump.DumpConfig, a dict or None, not {type(config).__name__}")
 
 
-def _describe(error: ValidationError, env_prefix: str, explicit: dict[str, Any]) -> str:
+def _describe(error: ValidationError, origins: dict[str, Origin]) -> str:
+    """One line per error, each naming where the value came from (env var or config field) and the
+    value as given there."""
     lines = []
     for item in error.errors():
-        field = str(item["loc"][0]) if item["loc"] else ""
         message = str(item.get("ctx", {}).get("error", "")) or item["msg"]
         message = message.removeprefix("Value error, ")
-        if not field:  # a model-level rule (filter vs filter_fn)
-            lines.append(f"{env_name('filter', env_prefix)} / {env_name('filter_fn', env_prefix)}: {message}")
-            continue
-        lines.append(
-            f"{describe_source(field, explicit.get(field, item.get('input')), env_prefix)}: {message}"
-        )
+        fields = [str(item["loc"][0])] if item["loc"] else list(FILTER_CHOICE)  # else: FILTER vs FILTER_FN
+        where = " / ".join(str(origins[field]) if field in origins else field for field in fields)
+        lines.append(f"{where}: {message}")
     return "tracedump: bad setting\n  " + "\n  ".join(lines)

@@ -32,7 +32,7 @@ from torch.nn.modules import module as torch_module
 from ..dumper import Dumper, original_module
 from ..hooks import RootPassHooks, forward_calls_on_stack, traced_by_dynamo
 from ..runtime import runtime, warn_once
-from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, dump_dir_requested, load_settings
+from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, is_enabled, load_settings
 
 _installed: AutoAttach | None = None
 
@@ -52,10 +52,12 @@ def install(env_prefix: str = DEFAULT_ENV_PREFIX) -> AutoAttach | None:
     global _installed
     if _installed is not None:
         return _installed
-    if not dump_dir_requested(None, env_prefix):
+    if not is_enabled(None, env_prefix):
         return None
     try:
         settings = load_settings(None, env_prefix)
+        if settings.enabled:
+            settings.resolve_callables()  # FILTER_FN, SYNC_ESCAPE: imported once, for every root
     except ConfigError as error:
         print(f"{error}\ntracedump: nothing is dumped in pid {os.getpid()}.", file=sys.stderr)
         return None

@@ -135,7 +135,8 @@ def validate_settings(env: Mapping[str, str]) -> str | None:
 
     with _environ(env):
         try:
-            load_settings(None)
+            settings = load_settings(None)
+            settings.resolve_callables()  # a FILTER_FN that cannot be imported stops COMMAND too
         except ConfigError as error:
             return str(error)
     return None
