@@ -44,7 +44,7 @@ def _per_call_ns(dumper: Any) -> dict[str, float]:
     """A disarmed output hook's cost, and a step boundary's (stat of the order file included)."""
     from tracedump.hooks import OutputHook
 
-    hook = OutputHook(dumper, "probe")
+    hook = OutputHook(dumper.recorder, "probe")
     tensor = torch.ones(2)
     hook_s = common.per_call_seconds(lambda: hook(None, (), tensor), calls=20_000)  # type: ignore[arg-type]
 

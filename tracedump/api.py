@@ -1,31 +1,31 @@
 """Module-level entry points that work whether or not a dumper is attached.
 
-``tracedump.record()`` in engine code costs one check when no dumper was ever attached, so it can
-stay in the code permanently. It goes to the dumper whose pass the calling thread runs, else to
-the one attached last.
+``tracedump.record()`` in engine code costs one list check when no dumper is open, so it can stay
+in the code permanently. It goes to the dumper whose pass the calling thread runs, else to the one
+attached last.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import runtime
 from .gates import profiling
+from .runtime import open_dumpers, runtime
 
 __all__ = ["profiling", "record", "record_step"]
 
 
 def record(tag: str, tensor: Any, once: bool = False) -> None:
     """Record ``tensor`` under ``tag`` in the active dumper; a no-op when none is active."""
-    found = runtime.existing()
-    target = found.record_target() if found is not None else None
-    if target is not None:
-        target.record(tag, tensor, once)
+    if open_dumpers:
+        target = runtime().record_target()
+        if target is not None:
+            target.record(tag, tensor, once)
 
 
 def record_step(tag: str, tensor: Any) -> None:
     """``tag_<n>`` per call in the active dumper; a no-op when none is active."""
-    found = runtime.existing()
-    target = found.record_target() if found is not None else None
-    if target is not None:
-        target.record_step(tag, tensor)
+    if open_dumpers:
+        target = runtime().record_target()
+        if target is not None:
+            target.record_step(tag, tensor)

@@ -1,26 +1,14 @@
-"""In-memory capture of module inputs and outputs for scripts and notebooks.
+"""In-memory capture of module inputs and outputs for scripts and notebooks (docs/capture.md)::
 
-The env-gated dumper writes activations to disk from inside an engine; parity tests and distillation
-scripts instead want the activations of a few named modules as Python objects, right now, without
-paying for the rest of the model.  :func:`capture` covers that case::
-
-    with tracedump.capture(model, outputs=["model.layers.0"], inputs=["model.layers.0"],
-                           early_exit=True, device="cpu") as cap:
-        for batch in loader:
-            cap.run(**batch)              # model output, or None when cut short
+    with tracedump.capture(model, outputs=["model.layers.0"], early_exit=True, device="cpu") as cap:
+        cap.run(**batch)                  # model output, or None when cut short
     cap["model.layers.0"].outputs         # one entry per forward
-    cap["model.layers.0"].inputs          # [{"args": (...), "kwargs": {...}}, ...]
+    cap.save("/tmp/ref")                  # a dump `tracedump diff` reads
 
-Design constraints, each for a reason:
-
-* Hooks are registered only on the requested modules and only while the ``with`` block is active, so
-  the rest of the model runs at full speed and nothing is left behind, even after an exception.
-* Hooks never return a value, so the model computes exactly the numbers it computes without them.
-* Captured tensors are detached copies (optionally moved to ``device``): later in-place updates,
-  buffer reuse or autograd can not change what was recorded, and inference-mode forwards still
-  yield ordinary tensors that can serve as training targets.
-* Early exit raises a private exception from the last hook that still had to fire and catches it in
-  :meth:`Capture.run`; that is the only way to stop an arbitrary ``forward`` without touching its code.
+It runs the recorder ``attach()`` runs, with a memory sink: same hooks, same keys, same copies.
+Hooks live only on the requested modules and only inside the ``with`` block. Early exit raises a
+private ``BaseException`` from the last hook that still had to fire and catches it in
+:meth:`Capture.run`: the only way to stop an arbitrary ``forward`` without touching its code.
 """
 
 from __future__ import annotations

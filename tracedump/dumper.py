@@ -183,12 +183,9 @@ class Dumper:
 
     # ---------------------------------------------------------------- engine API
 
-    def step(self) -> contextlib.AbstractContextManager[Any]:
-        """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
-        return self._step()
-
     @contextlib.contextmanager
-    def _step(self) -> Iterator[Dumper]:
+    def step(self) -> Iterator[Dumper]:
+        """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
         with self.recorder.step():
             yield self
 

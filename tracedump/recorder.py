@@ -3,7 +3,7 @@ is kept.
 
 One pass is one engine step (``step()``) or, when the engine opens none, one outermost root
 forward. The hot path (a selected module's forward hook) runs the gates (profiling, rows, tokens,
-STEPS, CUDA-graph capture, control), names the tensor (:func:`key_name`), reduces it
+STEPS, CUDA-graph capture, control), names the tensor (:class:`~tracedump.format.Key`), reduces it
 (full / last_row / stats), asks the sink for a copy, and keeps host memory under the cap. Where the
 copies go is the sink's business (:mod:`tracedump.sinks`); what happened around the run goes to a
 :class:`RunLog` (the run dir's manifest, or nothing for ``capture()``).
@@ -86,45 +86,26 @@ def _key(name: str, suffix: str, is_input: bool, call: int = 0) -> Key:
     return Key(name, suffix.removeprefix("@in") if is_input else suffix, is_input, call)
 
 
+@dataclass(slots=True)
 class Pass:
     """What one open pass has gathered so far."""
 
-    __slots__ = (
-        "anchor",
-        "batch",
-        "calls",
-        "entries",
-        "gated",
-        "implicit",
-        "index",
-        "kept",
-        "nbytes",
-        "order",
-        "owner",
-        "parts",
-        "selected",
-        "seqs",
-        "stats",
-        "truncated",
-    )
-
-    def __init__(self, index: int, selected: bool) -> None:
-        self.index = index
-        self.selected = selected
-        self.entries: list[tuple[str, torch.Tensor, Any]] = []
-        self.seqs: list[int] = []  # each entry's place in the pass's capture order
-        self.order = 0
-        self.stats: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]] = []
-        self.calls: collections.Counter[str] = collections.Counter()
-        self.nbytes = 0
-        self.parts = 0
-        self.gated = 0
-        self.kept = 0
-        self.truncated = False  # the forward (or step) that owned it ended by an exception
-        self.owner: int | None = None  # the thread whose root forward opened it (None: a step())
-        self.batch: str | None = None  # set_batch(): what each token row of this step belongs to
-        self.implicit = False  # opened by a capture outside every pass, for the next root forward
-        self.anchor: Any = None  # an implicit pass's anchor: the root model's method frame
+    index: int
+    selected: bool
+    entries: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)  # each entry's place in the pass's capture order
+    order: int = 0
+    stats: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]] = field(default_factory=list)
+    calls: collections.Counter[str] = field(default_factory=collections.Counter)
+    nbytes: int = 0
+    parts: int = 0
+    gated: int = 0
+    kept: int = 0
+    truncated: bool = False  # the forward (or step) that owned it ended by an exception
+    owner: int | None = None  # the thread whose root forward opened it (None: a step())
+    batch: str | None = None  # set_batch(): what each token row of this step belongs to
+    implicit: bool = False  # opened by a capture outside every pass, for the next root forward
+    anchor: Any = None  # an implicit pass's anchor: the root model's method frame
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
@@ -140,18 +121,9 @@ class Pass:
 
     def take_job(self, part: int | None, mode: str) -> PassJob:
         """The entries gathered so far as one file's job; the pass starts gathering afresh."""
-        job = PassJob(
-            self.index,
-            part,
-            mode,
-            self.entries,
-            self.nbytes,
-            seqs=self.seqs if mode == "stats" else None,
-            truncated=self.truncated,
-            batch=self.batch,
-        )
-        self.entries, self.seqs, self.nbytes = [], [], 0
-        return job
+        seqs = self.seqs if mode == "stats" else None
+        entries, self.entries, self.seqs, nbytes, self.nbytes = self.entries, [], [], self.nbytes, 0
+        return PassJob(self.index, part, mode, entries, nbytes, None, seqs, self.truncated, self.batch)
 
     def next_call(self, key: str) -> int:
         call = self.calls[key]

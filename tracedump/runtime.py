@@ -53,11 +53,16 @@ class Attached(Protocol):
     def note_compiled(self) -> None: ...
 
 
+# The open dumpers, oldest first. A module-level list so that ``tracedump.record()`` with none open
+# costs one truthiness check; only :class:`Runtime` changes it.
+open_dumpers: list[Attached] = []
+
+
 class Runtime:
     """Open dumpers and fork handling, for the whole process."""
 
     def __init__(self) -> None:
-        self.dumpers: list[Attached] = []
+        self.dumpers = open_dumpers
         self.warn = Warner()
         self._child_callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -127,7 +132,7 @@ def runtime() -> Runtime:
 
 
 def existing() -> Runtime | None:
-    """The runtime if one was created: module-level ``record()`` costs one check without it."""
+    """The runtime if one was created (none on the off path)."""
     return _instance
 
 
