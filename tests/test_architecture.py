@@ -193,3 +193,46 @@ def test_no_private_name_is_imported_across_modules() -> None:
 )
 def test_lower_layers_never_import_higher_ones(low: str, high: str) -> None:
     assert all(module.split(".")[-1] != high for module, _ in _imports(PACKAGE / f"{low}.py"))
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The tracedump modules ``path`` imports when it is imported (not inside functions or
+    ``if TYPE_CHECKING:``), as dotted names relative to the package."""
+    package = path.relative_to(PACKAGE).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[: len(package) - node.level + 1])
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            for alias in node.names:
+                candidate = [*module, alias.name]
+                is_module = (PACKAGE.joinpath(*candidate).with_suffix(".py")).exists()
+                found.add(".".join(candidate if is_module else module))
+    return {name for name in found if name}
+
+
+def test_the_package_imports_form_no_circle() -> None:
+    graph = {
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts): _module_level_imports(p)
+        for p in PACKAGE.rglob("*.py")
+    }
+    graph = {name.removesuffix(".__init__"): deps for name, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, trail: list[str]) -> bool:
+        if state.get(node) == 1:
+            cycle.extend([*trail[trail.index(node) :], node])
+            return True
+        if state.get(node) == 2:
+            return False
+        state[node] = 1
+        if any(visit(dep, [*trail, node]) for dep in sorted(graph.get(node, ())) if dep in graph):
+            return True
+        state[node] = 2
+        return False
+
+    for name in sorted(graph):
+        if name and visit(name, []):
+            break
+    assert cycle == []

@@ -371,21 +371,15 @@ class Capture:
         outside :meth:`run` in ``records.safetensors``), for ``tracedump diff``. Returns the run dir.
 
         The keys are the ones ``attach()`` writes, so a capture diffs against an engine's dump."""
-        from .dumper import run_precision
         from .format import RECORDS_FILE
-        from .rundir import RunDir
+        from .rundir import RunDir, model_fields
         from .settings import DEFAULT_ENV_PREFIX, DumpSettings
         from .writer import PassJob
 
         self._sink.submit(PassJob(-1, None, "records", self._recorder.loose, 0, file_name=RECORDS_FILE))
         self._recorder.loose = []
         settings = DumpSettings.model_validate({"dir": str(directory)})  # no env: this is a script's call
-        fields = {
-            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
-            "root": type(self.model).__name__,
-            "modules": list(self._by_key),
-            "precision": run_precision(self.model),
-        }
+        fields = model_fields(self.model, type(self.model).__name__, list(self._by_key))
         rundir = RunDir(settings, DEFAULT_ENV_PREFIX, fields, self._warn)
         for index, tensors in sorted(self._sink.passes.items()):
             rundir.writer.submit(PassJob(index, None, "full", _host_entries(tensors), 0))

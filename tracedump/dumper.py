@@ -20,7 +20,6 @@ reported once and never raised into the model's forward.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,9 +33,10 @@ from .cuda import SyncEscape
 from .format import RECORDS_FILE
 from .hooks import HookSet
 from .recorder import Plan, Recorder, check_tag
-from .rundir import RunDir
+from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
 from .selection import select_modules
+from .sequences import batch_metadata
 from .settings import (
     DEFAULT_ENV_PREFIX,
     ConfigError,
@@ -123,12 +123,7 @@ class Dumper:
         # All or nothing: everything that can fail runs before the first hook is registered, and a
         # failure removes the run dir it made, so a bad setting leaves the model as it was.
         self.modules = select_modules(model, settings, env_prefix)
-        fields = {
-            "model_class": self.model_class,
-            "root": self.root_label,
-            "modules": [name for name, _ in self.modules],
-            "precision": run_precision(model),
-        }
+        fields = model_fields(model, self.root_label, [name for name, _ in self.modules])
         self.rundir = RunDir(settings, env_prefix, fields, self.warn)
         control = None
         if settings.control:
@@ -310,53 +305,3 @@ class Dumper:
             self.recorder.control = control.forked(self.rundir.path)
             self.rundir.update(control=self.recorder.control.state())
         return True
-
-
-def run_precision(model: nn.Module) -> dict[str, Any]:
-    """What the comparator needs to judge this run's numbers: the dtypes its parameters hold, and
-    whether fp32 matmuls on CUDA may run in TF32 (a 10-bit mantissa in an fp32 run)."""
-    counts: dict[str, int] = {}
-    devices: set[str] = set()
-    for param in model.parameters():
-        name = str(param.dtype).removeprefix("torch.")
-        counts[name] = counts.get(name, 0) + param.numel()
-        devices.add(param.device.type)
-    on_cuda = "cuda" in devices
-    tf32 = on_cuda and (
-        torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
-    )
-    return {
-        "parameters": counts,
-        "devices": sorted(devices),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "tf32": tf32,
-    }
-
-
-def _as_list(values: Sequence[Any] | torch.Tensor | None) -> list[Any] | None:
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        return values.detach().reshape(-1).cpu().tolist()
-    return list(values)
-
-
-def batch_metadata(
-    seq_ids: Sequence[int | str] | torch.Tensor,
-    positions: Sequence[int] | torch.Tensor | None,
-    input_ids: Sequence[int] | torch.Tensor | None,
-) -> str:
-    """The ``tracedump.batch`` JSON of one step, checked: one entry per token row in every list."""
-    rows = _as_list(seq_ids) or []
-    batch: dict[str, list[Any]] = {"seq_ids": [s if isinstance(s, str) else int(s) for s in rows]}
-    for name, values in (("positions", positions), ("input_ids", input_ids)):
-        listed = _as_list(values)
-        if listed is None:
-            continue
-        if len(listed) != len(rows):
-            raise ValueError(
-                f"tracedump set_batch(): {len(listed)} {name} for {len(rows)} seq_ids; "
-                "give one entry per token row"
-            )
-        batch[name] = [int(v) for v in listed]
-    return json.dumps(batch, separators=(",", ":"))

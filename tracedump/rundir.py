@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._version import __version__
 from .format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
@@ -53,6 +54,37 @@ def rank_and_world() -> tuple[int, int, bool]:
     if world is None:
         world = str(dist.get_world_size()) if initialised else "1"
     return int(rank), int(world), provisional
+
+
+def run_precision(model: nn.Module) -> dict[str, Any]:
+    """What the comparator needs to judge this run's numbers: the dtypes its parameters hold, and
+    whether fp32 matmuls on CUDA may run in TF32 (a 10-bit mantissa in an fp32 run)."""
+    counts: dict[str, int] = {}
+    devices: set[str] = set()
+    for param in model.parameters():
+        name = str(param.dtype).removeprefix("torch.")
+        counts[name] = counts.get(name, 0) + param.numel()
+        devices.add(param.device.type)
+    on_cuda = "cuda" in devices
+    tf32 = on_cuda and (
+        torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
+    )
+    return {
+        "parameters": counts,
+        "devices": sorted(devices),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32": tf32,
+    }
+
+
+def model_fields(model: nn.Module, root: str, modules: list[str]) -> dict[str, Any]:
+    """The manifest's description of what was dumped: ``attach()`` and ``capture().save()`` alike."""
+    return {
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "root": root,
+        "modules": modules,
+        "precision": run_precision(model),
+    }
 
 
 class ErrorLog:

@@ -199,3 +199,33 @@ def sequences(found: dict[int, Batch]) -> dict[SeqId, Sequence]:
 
 def _span(positions: list[int]) -> str:
     return ",".join(map(str, positions[:12])) + (" ..." if len(positions) > 12 else "")
+
+
+# ------------------------------------------------------------------ the writing side: set_batch()
+
+
+def _as_list(values: Any) -> list[Any] | None:
+    """A host list of ``values``: a sequence, or a tensor (flattened; a CUDA one costs a sync)."""
+    if values is None:
+        return None
+    if hasattr(values, "detach"):
+        return values.detach().reshape(-1).cpu().tolist()
+    return list(values)
+
+
+def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
+    """The ``tracedump.batch`` JSON of one step (lists or tensors in), checked: one entry per token
+    row in every list."""
+    rows = _as_list(seq_ids) or []
+    batch: dict[str, list[Any]] = {"seq_ids": [s if isinstance(s, str) else int(s) for s in rows]}
+    for name, values in (("positions", positions), ("input_ids", input_ids)):
+        listed = _as_list(values)
+        if listed is None:
+            continue
+        if len(listed) != len(rows):
+            raise ValueError(
+                f"tracedump set_batch(): {len(listed)} {name} for {len(rows)} seq_ids; "
+                "give one entry per token row"
+            )
+        batch[name] = [int(v) for v in listed]
+    return json.dumps(batch, separators=(",", ":"))
