@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import json
+import types
+import typing
 from pathlib import Path
+from typing import Any, Union
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from safetensors.torch import save_file
 import tracedump
 from tracedump import format as fmt
 from tracedump.cli import main
-from tracedump.format import FormatVersionError, Key
+from tracedump.format import FormatVersionError, Key, Manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,13 +141,69 @@ def test_real_files_carry_only_the_formats_metadata_keys(full_run: Path) -> None
 
 # ------------------------------------------------------------------ manifest
 
+MANIFEST_KEYS = tuple(Manifest.__annotations__)  # in the order the dumper writes them
+AT_CLOSE = {"end_time", "records_file"}  # written at close; control and manifest_error only sometimes
+MANIFEST_AT_START = frozenset(MANIFEST_KEYS) - AT_CLOSE - {"control", "manifest_error"}
+
+
+def manifest_problems(data: Any, *, closed: bool = False) -> list[str]:
+    """Each way ``data`` is not a manifest as this version writes one: a key missing (those written
+    at start; with ``closed``, also those written at close), a key it does not know, a value of
+    another type. [] for a valid manifest."""
+    if not isinstance(data, dict):
+        return ["not a JSON object"]
+    required = MANIFEST_AT_START | (AT_CLOSE if closed else set())
+    problems = [f"'{key}' missing" for key in MANIFEST_KEYS if key in required and key not in data]
+    return problems + _typed_dict_problems(data, Manifest, "")
+
+
+def _typed_dict_problems(data: dict[str, Any], schema: Any, prefix: str) -> list[str]:
+    hints = typing.get_type_hints(schema)
+    problems = [f"unknown key '{prefix}{key}'" for key in data if key not in hints]
+    for key, hint in hints.items():
+        if key not in data:
+            if key in schema.__required_keys__:
+                problems.append(f"'{prefix}{key}' missing")
+            continue
+        if typing.is_typeddict(hint):
+            if isinstance(data[key], dict):
+                problems += _typed_dict_problems(data[key], hint, f"{prefix}{key}.")
+                continue
+        elif _conforms(data[key], hint):
+            continue
+        name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        problems.append(f"'{prefix}{key}' is {data[key]!r}, not {name}")
+    return problems
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a type hint of the manifest's (no more than those need)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if typing.is_typeddict(hint):
+        return isinstance(value, dict) and not _typed_dict_problems(value, hint, "")
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _conforms(v, args[1]) for k, v in value.items()
+        )
+    if hint is int:
+        return type(value) is int
+    return isinstance(value, hint)
+
 
 def test_a_real_manifest_validates_as_manifest(full_run: Path, stats_run: Path) -> None:
     for run_dir in (full_run, stats_run):
         data = json.loads((run_dir / fmt.MANIFEST).read_text())
-        assert fmt.manifest_problems(data, closed=True) == []
+        assert manifest_problems(data, closed=True) == []
         assert data["format"] == fmt.FORMAT_VERSION == "1"
-        assert list(data) == [k for k in fmt.MANIFEST_KEYS if k in data]  # written in the contract's order
+        assert list(data) == [k for k in MANIFEST_KEYS if k in data]  # written in the contract's order
         assert tracedump.open_dump(run_dir).run().manifest == data
 
 
@@ -154,8 +213,8 @@ def test_a_manifest_mid_run_validates_too(tmp_path: Path) -> None:
     assert dumper is not None
     try:
         data = json.loads((dumper.run_dir / fmt.MANIFEST).read_text())
-        assert fmt.manifest_problems(data) == []
-        assert fmt.manifest_problems(data, closed=True) == ["'end_time' missing", "'records_file' missing"]
+        assert manifest_problems(data) == []
+        assert manifest_problems(data, closed=True) == ["'end_time' missing", "'records_file' missing"]
     finally:
         dumper.close()
 
@@ -163,8 +222,9 @@ def test_a_manifest_mid_run_validates_too(tmp_path: Path) -> None:
 def test_manifest_problems_name_what_is_wrong(full_run: Path) -> None:
     data = json.loads((full_run / fmt.MANIFEST).read_text())
     data.update(rank="0", surprise=1, passes={**data["passes"], "count": True})
+    data["errors"] = [{"where": "writer", "type": "OSError", "message": "disk full", "count": 1}]  # valid
     del data["hostname"]
-    assert fmt.manifest_problems(data, closed=True) == [
+    assert manifest_problems(data, closed=True) == [
         "'hostname' missing",
         "unknown key 'surprise'",
         "'rank' is '0', not int",

@@ -38,7 +38,6 @@ from .format import (
     DumpReadError,  # defined with the format it guards; tracedump.DumpReadError is found here
     Manifest,
     check_format,
-    check_manifest,
     parse_pass_file_name,
     parse_run_dir_name,
     stats_record_problem,
@@ -49,30 +48,10 @@ from .stformat import CODES_ON_DISK_ORDER
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
     import torch
 
-# safetensors dtype code -> (torch dtype name, bytes per element)
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
-    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
-    "F8_E8M0": ("float8_e8m0fnu", 1),
-    # two 4-bit values a byte; the header counts values, torch's float4_e2m1fn_x2 counts bytes
-    "F4": ("float4_e2m1fn_x2", 1),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U64": ("uint64", 8),
-    "U32": ("uint32", 4),
-    "U16": ("uint16", 2),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
-    "C64": ("complex64", 8),
-}
+# Bytes per element of each safetensors dtype code; the others of CODES_ON_DISK_ORDER take one byte
+# (F4 too, as torch shapes it: float4_e2m1fn_x2 holds a pair of values a byte).
+_WIDTHS = {**dict.fromkeys(("F64", "I64", "U64", "C64"), 8), **dict.fromkeys(("F32", "I32", "U32"), 4)}
+_WIDTHS |= dict.fromkeys(("BF16", "F16", "I16", "U16"), 2)
 _MAX_HEADER = 1 << 28  # bytes; a real header is names and offsets, far below this
 
 
@@ -167,7 +146,8 @@ def _parse_header(path: Path, header: Any, data_start: int, size: int) -> Safete
 
 def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
-    name, width = SAFETENSORS_DTYPES.get(raw, (CODES_ON_DISK_ORDER.get(raw, raw.lower()), 0))
+    name = CODES_ON_DISK_ORDER.get(raw, raw.lower())
+    width = _WIDTHS.get(raw, 1 if raw in CODES_ON_DISK_ORDER else 0)  # 0: a code we do not know
     shape = tuple(int(s) for s in spec["shape"])
     if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
         if not shape or shape[-1] % 2:
@@ -195,13 +175,9 @@ def _capture_order(metadata: dict[str, str], tensors: dict[str, StoredTensor]) -
 
 def _seq(metadata: dict[str, str], order: list[str]) -> dict[str, int] | None:
     seq = _json_list(metadata, SEQ_KEY)
-    if seq is None or len(seq) != len(order) or not all(_is_int(s) for s in seq):
+    if seq is None or len(seq) != len(order) or not all(type(s) is int for s in seq):
         return None
     return dict(zip(order, seq, strict=True))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class PassFile:
@@ -297,7 +273,7 @@ class PassFile:
 def pass_index(path: Path) -> int | None:
     """``pass00003.safetensors`` (or a part of it) is pass 3; None for any other file name."""
     name = parse_pass_file_name(path.name)
-    return name.index if name else None
+    return name[0] if name else None
 
 
 def _listing(path: Path) -> list[Path]:
@@ -321,7 +297,7 @@ def _group_pass_files(run_dir: Path) -> dict[int, list[Path]]:
     for path in _listing(run_dir):
         name = parse_pass_file_name(path.name)
         if name:
-            groups.setdefault(name.index, []).append((name.part or 0, path))
+            groups.setdefault(name[0], []).append((name[1] or 0, path))
     return {index: [p for _, p in sorted(parts)] for index, parts in sorted(groups.items())}
 
 
@@ -427,7 +403,7 @@ class Run:
     def serial(self) -> int:
         """2, 3, ... for the second, third root of one process (``rank0_pid7-2``); 1 otherwise."""
         name = parse_run_dir_name(self.path.name)
-        return name.serial if name else 1
+        return name[2] if name else 1
 
     def stats(self) -> list[dict[str, Any]]:
         """Stats-mode records (one per tensor), from ``stats.jsonl`` or a crashed run's partial file.
@@ -486,7 +462,12 @@ class Run:
                 if dim is None:
                     dropped.add(name)
                     continue
-                gathered.setdefault(name, []).append(rows_first(pass_file[name], rows, dim))
+                # [len(rows), ...], other size-1 dims dropped: a decode step's [1, 1, hidden] and a
+                # prefill's [1, seq, hidden] line up as rows
+                taken = pass_file[name].index_select(dim, torch.tensor(rows)).movedim(dim, 0)
+                gathered.setdefault(name, []).append(
+                    taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
+                )
         return {
             name: torch.cat(parts)
             for name, parts in gathered.items()
@@ -494,15 +475,6 @@ class Run:
             and len(parts) == len(by_pass)
             and all(p.shape[1:] == parts[0].shape[1:] for p in parts)
         }
-
-
-def rows_first(tensor: torch.Tensor, rows: list[int], dim: int) -> torch.Tensor:
-    """The ``rows`` along ``dim``, as ``[len(rows), ...]`` with the other size-1 dims dropped: a
-    decode step's ``[1, 1, hidden]`` and a prefill's ``[1, seq, hidden]`` line up as rows."""
-    import torch
-
-    taken = tensor.index_select(dim, torch.tensor(rows)).movedim(dim, 0)
-    return taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
 
 
 def runs_by_rank(runs: Iterable[Run], where: str) -> dict[int, Run]:
@@ -568,15 +540,18 @@ def read_manifest(run_dir: Path) -> Manifest:
         manifest = json.loads(_read_text(path))
     except (json.JSONDecodeError, RecursionError) as e:
         raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
-    return check_manifest(manifest, path)
+    if not isinstance(manifest, dict):
+        raise DumpReadError(f"{path}: not a JSON object")
+    check_format(manifest.get("format"), path)  # nothing else is required: older manifests lack keys
+    return manifest  # type: ignore[return-value]
 
 
 def _read_run(path: Path) -> Run:
     manifest = read_manifest(path)
-    name = parse_run_dir_name(path.name)
+    rank, pid, _ = parse_run_dir_name(path.name) or (0, 0, 1)
     try:
-        rank = int(manifest.get("rank", name.rank if name else 0))
-        pid = int(manifest.get("pid", name.pid if name else 0))
+        rank = int(manifest.get("rank", rank))
+        pid = int(manifest.get("pid", pid))
     except (TypeError, ValueError, OverflowError) as e:  # "rank": 1e400 is inf
         raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
     return Run(path, rank, pid, manifest)

@@ -37,6 +37,7 @@ from .format import (
     pass_metadata,
     with_numbers,
 )
+from .stformat import CODES_ON_DISK_ORDER
 from .stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 
 _MANIFEST_INTERVAL_S = 1.0
@@ -44,32 +45,7 @@ _MANIFEST_INTERVAL_S = 1.0
 RESERVED_NAMES = frozenset({"__metadata__"})
 # The dtypes a pass file holds (what safetensors writes and reads back); any other dtype is skipped
 # and counted as ``unsupported_tensor``, since one such tensor would make the whole file unwritable.
-_OUR_DTYPES = frozenset(
-    getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint64",
-        "uint32",
-        "uint16",
-        "uint8",
-        "bool",
-        "complex64",
-    )
-    if hasattr(torch, name)
-)
+_OUR_DTYPES = frozenset(getattr(torch, name) for name in CODES_ON_DISK_ORDER.values() if hasattr(torch, name))
 # An older safetensors writes fewer of them: it lists what it can write in a private table.
 _WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
 STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE

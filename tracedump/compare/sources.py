@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key
+from ..format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key, dtype_name
 from ..loader import (
     DumpReadError,
     PassFile,
@@ -34,7 +34,6 @@ from ..loader import (
     read_manifest,
     runs_by_rank,
 )
-from ..reduce import dtype_name
 from .options import DiffOptions, UsageError
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
