@@ -236,3 +236,20 @@ def test_the_package_imports_form_no_circle() -> None:
         if name and visit(name, []):
             break
     assert cycle == []
+
+
+def test_capture_copies_like_attach_lifting_a_sync_debug_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    modes: list[int] = []
+    state = {"mode": 2}  # set_sync_debug_mode("error"): an engine that forbids stray syncs
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: state["mode"])
+
+    def set_mode(mode: int) -> None:
+        state["mode"] = mode
+        modes.append(mode)
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with torch.no_grad(), tracedump.capture(model, outputs=["0", "1"], device="cpu") as cap:
+        cap.run(torch.ones(1, 2))
+    assert modes == [0, 2, 0, 2]  # lifted for each copy, and put back
+    assert torch.equal(cap["1"].outputs[0], model(torch.ones(1, 2)))

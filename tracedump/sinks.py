@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .cuda import SyncEscape, copy_to_host
+from .cuda import SyncEscape, allow_sync, copy_to_host
 from .writer import STORABLE_DTYPES, Job, PassJob
 
 if TYPE_CHECKING:
@@ -104,7 +104,8 @@ class MemorySink:
 
     def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
         # Outside inference mode: an inference tensor cannot be saved for backward (distillation).
-        with torch.inference_mode(False):
+        # A copy to another device syncs: deliberate, so let through a sync debug mode (as FileSink).
+        with torch.inference_mode(False), allow_sync():
             source = tensor.detach()
             copied = source.clone() if self.device is None else source.to(self.device, copy=True)
         self.recent.append(copied)
