@@ -233,3 +233,12 @@ def test_an_empty_env_var_means_unset_and_keeps_the_config_value(monkeypatch, tm
     monkeypatch.setenv("TRACEDUMP_DUMP_MAX_ROWS", "")
     settings = load_settings(tracedump.DumpConfig(dir=tmp_path, filter=["lm_head"], max_rows=1))
     assert settings.filter == ["lm_head"] and settings.max_rows == 1
+
+
+@pytest.mark.parametrize("name", ["TRACEDUMP_DUMP_INPUTS", "TRACEDUMP_DUMP_CONTROL"])
+@pytest.mark.parametrize("text", ["t", "y", "2", "enabled"])
+def test_every_boolean_refuses_words_outside_the_documented_ones(monkeypatch, tmp_path, name, text):
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv(name, text)
+    with pytest.raises(tracedump.ConfigError, match=name):
+        tracedump.settings.load_settings()

@@ -374,7 +374,7 @@ class _DumpFields(BaseModel):
         False,
         description="`1` also captures each selected module's inputs, keyed `name@in[0]`, `name@in[kw]`.",
     )
-    control: bool = Field(
+    control: Annotated[bool, BeforeValidator(parse_bool)] = Field(
         False,
         description="`1` attaches disarmed (hooks in place, nothing captured) until `tracedump arm DIR` "
         "orders steps; `tracedump disarm DIR` ends them (see docs/operations.md).",
