@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,11 +178,9 @@ class Dumper:
 
     # ---------------------------------------------------------------- engine API
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[Dumper]:
+    def step(self) -> contextlib.AbstractContextManager[Dumper]:
         """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
-        with self.recorder.step():
-            yield self
+        return self.recorder.step(self)
 
     def profiling(self) -> contextlib.AbstractContextManager[None]:
         """Suspend this dumper: no capture, and no pass index is used (the engine's profile run)."""

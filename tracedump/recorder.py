@@ -200,8 +200,9 @@ class Recorder:
     # ---------------------------------------------------------------- engine API
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """One engine step = one pass. Nested ``step()`` blocks belong to the outer pass."""
+    def step(self, owner: Any = None) -> Iterator[Any]:
+        """One engine step = one pass (the block gets ``owner``). Nested ``step()`` blocks belong
+        to the outer pass."""
         self.settle_implicit()
         opened = self._open_pass() if self.current is None and not self.suspended() else False
         if opened:
@@ -210,7 +211,7 @@ class Recorder:
             opened = True
         self.step_depth += 1  # root forwards inside belong to this step, armed or not
         try:
-            yield
+            yield owner
         except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
             if opened:
                 opened = False
