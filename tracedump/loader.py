@@ -449,10 +449,7 @@ class Run:
         sequence = sequences(found).get(seq_id)
         if sequence is None:
             raise KeyError(f"{self.path}: no sequence {seq_id!r} (sequences: {list(sequences(found))})")
-        by_pass: dict[int, list[int]] = {}
-        for position in sequence.positions:
-            index, row = sequence.rows[position]
-            by_pass.setdefault(index, []).append(row)
+        by_pass = sequence.rows_by_pass(sequence.positions)
         gathered: dict[str, list[torch.Tensor]] = {}
         dropped: set[str] = set()
         for index, rows in by_pass.items():

@@ -75,6 +75,14 @@ class Sequence:
     def positions(self) -> list[int]:
         return sorted(self.rows)
 
+    def rows_by_pass(self, positions: list[int]) -> dict[int, list[int]]:
+        """The rows of ``positions`` grouped by the pass that holds them, in position order."""
+        by_pass: dict[int, list[int]] = {}
+        for position in positions:
+            index, row = self.rows[position]
+            by_pass.setdefault(index, []).append(row)
+        return by_pass
+
     def tokens(self) -> list[int] | None:
         """Token ids in position order from 0, when every position has one."""
         positions = self.positions

@@ -22,14 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ..sequences import Batch, SeqId, Sequence, SequenceError, batches, sequences, token_dim
+from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences, token_dim
 from .metrics import compare_arrays, per_token_rel_diff
 from .options import DiffOptions, UsageError
-from .plan import Plan, Unit, Unmatched, pair_roots, run_precision, side_entries
+from .plan import Plan, Unit, Unmatched, match_names, pair_roots, pair_tolerance, run_precision, side_entries
 from .reader import Stored
 from .results import DiffReport, TensorResult
 from .sources import PassView, RootGroup, Side, open_side
-from .tolerance import pair_precision, resolve
 from .unshard import SideEntry, assemble
 from .verdict import judge_all
 
@@ -92,13 +91,8 @@ def _read_side(side: Side, group: RootGroup) -> _SideSequences:
         raise UsageError(f"--align tokens reads whole runs: give {side.which} as a dump or run dir")
     run = group.runs[0].run
     assert run is not None
-    passes = run.passes
     try:
-        found = batches(
-            list(passes),
-            lambda index: passes[index].metadata,
-            lambda index: [passes[index].info(name).shape for name in passes[index].names],
-        )
+        found = run.batches()
         return _SideSequences(group, found, sequences(found))
     except SequenceError as e:
         raise UsageError(f"{side.which} {side.path}: {e}") from e
@@ -117,12 +111,7 @@ def _pair_sequences(a: _SideSequences, b: _SideSequences) -> tuple[str, list[tup
         taken: set[SeqId] = set()
         for seq_a, ids_a in tokens_a.items():
             match = next(
-                (
-                    s
-                    for s, ids_b in tokens_b.items()
-                    if ids_a and ids_b and s not in taken and _prefix(ids_a, ids_b)
-                ),
-                None,
+                (s for s, ids_b in tokens_b.items() if s not in taken and _prefix(ids_a, ids_b)), None
             )
             if match is not None:
                 pairs.append((seq_a, match))
@@ -159,9 +148,11 @@ def _span(rows: dict[int, Any]) -> str:
     return f"{positions[0]}-{positions[-1]}" if positions else "nothing"
 
 
-def _prefix(x: list[int], y: list[int]) -> bool:
-    n = min(len(x), len(y))
-    return n > 0 and x[:n] == y[:n]
+def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
+    """Both known, and one a prefix of the other."""
+    if not x or not y:
+        return False
+    return x[: len(y)] == y[: len(x)]
 
 
 def _rows(
@@ -169,13 +160,9 @@ def _rows(
 ) -> tuple[Stored | None, str | None, str | None]:
     """The rows of ``name`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
     why they cannot be gathered."""
-    by_pass: dict[int, list[int]] = {}
-    for position in positions:
-        index, row = sequence.rows[position]
-        by_pass.setdefault(index, []).append(row)
     pieces: list[np.ndarray] = []
     dtype = None
-    for index, rows in by_pass.items():
+    for index, rows in sequence.rows_by_pass(positions).items():
         views, entries = side.view(index, options)
         entry = entries.get(name)
         if entry is None:
@@ -203,9 +190,7 @@ def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
     """The rows along ``dim``: a view when they are one contiguous run (a sequence's rows in a step
     usually are), else a copy."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
-        index = [slice(None)] * array.ndim
-        index[dim] = slice(rows[0], rows[0] + len(rows))
-        return array[tuple(index)]
+        return array[(slice(None),) * dim + (slice(rows[0], rows[0] + len(rows)),)]
     return np.take(array, rows, axis=dim)
 
 
@@ -219,12 +204,8 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     root_pairs, roots_only_a, roots_only_b = pair_roots(side_a, side_b)
-    results: list[TensorResult] = []
-    units: list[Unit] = []
-    only_a: list[Unmatched] = []
-    only_b: list[Unmatched] = []
+    found = _Found()
     alignments: list[Alignment] = []
-    steps_of: dict[int, tuple[int, ...]] = {}
     opened: list[_SideSequences] = []
     try:
         for group_a, group_b in root_pairs:
@@ -243,23 +224,28 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
                 )
             )
             for name_a, name_b in pairs:
-                _compare_sequence(
-                    options, seq_a, seq_b, name_a, name_b, results, units, only_a, only_b, steps_of
-                )
+                _compare_sequence(options, found, seq_a, seq_b, name_a, name_b)
     finally:
         for side in opened:
             side.close()
-    if not results:
+    if not found.results:
         why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
         raise UsageError(f"nothing to compare with --align tokens: {why}")
     plan = Plan(
-        tuple(units), (), tuple(only_a), tuple(only_b), (), (), tuple(roots_only_a), tuple(roots_only_b)
+        tuple(found.units),
+        (),
+        tuple(found.only_a),
+        tuple(found.only_b),
+        (),
+        (),
+        tuple(roots_only_a),
+        tuple(roots_only_b),
     )
     from .diff import report_settings
 
     report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
-    report.results = judge_all(results)
-    first = _first_in_time(report.results, steps_of)
+    report.results = judge_all(found.results)
+    first = _first_in_time(report.results, found.steps_of)
     if first is not None:
         report.first_override = first[0]
         alignments[0] = replace(alignments[0], first=first[1])
@@ -268,100 +254,78 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
     return report
 
 
+@dataclass
+class _Found:
+    """What the sequence pairs of every root pair gave, in order."""
+
+    results: list[TensorResult] = field(default_factory=list)
+    steps_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # result index -> A's step of each row
+    units: list[Unit] = field(default_factory=list)
+    only_a: list[Unmatched] = field(default_factory=list)
+    only_b: list[Unmatched] = field(default_factory=list)
+
+
 def _compare_sequence(
     options: DiffOptions,
+    found: _Found,
     side_a: _SideSequences,
     side_b: _SideSequences,
     seq_a: SeqId,
     seq_b: SeqId,
-    results: list[TensorResult],
-    units: list[Unit],
-    only_a: list[Unmatched],
-    only_b: list[Unmatched],
-    steps_of: dict[int, tuple[int, ...]],
 ) -> None:
     sequence_a, sequence_b = side_a.sequences[seq_a], side_b.sequences[seq_b]
     positions = [p for p in sequence_a.positions if p in sequence_b.rows]
     if not positions:
         return
     label = f"seq {seq_a}" if seq_a == seq_b else f"seq {seq_a} (B: {seq_b})"
-    first_step = sequence_a.rows[positions[0]][0]
-    units.append(Unit(label, first_step, sequence_b.rows[positions[0]][0]))
-    names_b = set(_names_in_order(side_b, sequence_b, options))
-    steps = tuple(sequence_a.rows[p][0] for p in positions)
-    views_a = side_a.view(first_step, options)[0]
-    views_b = side_b.view(sequence_b.rows[positions[0]][0], options)[0]
+    first_step, step_b = sequence_a.rows[positions[0]][0], sequence_b.rows[positions[0]][0]
+    found.units.append(Unit(label, first_step, step_b))
     precisions = (
-        run_precision(views_a, side_a.group.declared_precision),
-        run_precision(views_b, side_b.group.declared_precision),
+        run_precision(side_a.view(first_step, options)[0], side_a.group.declared_precision),
+        run_precision(side_b.view(step_b, options)[0], side_b.group.declared_precision),
     )
-    matched: set[str] = set()
-    for name in _names_in_order(side_a, sequence_a, options):
-        mapped = options.map_name(name)
-        if not options.selected(name, mapped):
-            continue
-        if mapped not in names_b:
-            only_a.append(Unmatched(first_step, label, name, mapped))
-            continue
-        matched.add(mapped)
-        result = _compare_rows(options, side_a, side_b, sequence_a, sequence_b, name, mapped, positions)
-        result = replace(result, index=len(results), root=label, pass_index=first_step)
-        steps_of[result.index] = steps
-        results.append(_with_tolerance(result, precisions, options))
-    for name in names_b - matched:
-        if options.selected(name):
-            only_b.append(Unmatched(first_step, label, name))
-
-
-def _with_tolerance(
-    result: TensorResult, precisions: tuple[str | None, str | None], options: DiffOptions
-) -> TensorResult:
-    rtol, atol = options.tolerances_for(result.name, result.name_b)
-    precision = pair_precision(*precisions, result.dtype_a, result.dtype_b)
-    tolerance = resolve(options.metric, result.dtype_a, result.dtype_b, rtol, atol, precision)
-    if None not in precisions and precisions[0] != precisions[1]:
-        tolerance = replace(tolerance, mixed=True)
-    return replace(result, tolerance=tolerance, metric=tolerance.metric)
-
-
-def _compare_rows(
-    options: DiffOptions,
-    side_a: _SideSequences,
-    side_b: _SideSequences,
-    sequence_a: Sequence,
-    sequence_b: Sequence,
-    name: str,
-    name_b: str,
-    positions: list[int],
-) -> TensorResult:
-    rows_a, dtype_a, why_a = _rows(side_a, sequence_a, name, positions, options)
-    rows_b, dtype_b, why_b = _rows(side_b, sequence_b, name_b, positions, options)
-    placeholder = resolve(options.metric, dtype_a, dtype_b, None, None)
-    base: dict[str, Any] = {
-        "index": 0,
-        "pass_index": 0,
-        "root": None,
-        "name": name,
-        "name_b": name_b,
-        "kind": "tensor",
-        "shape_a": rows_a.shape if rows_a is not None else None,
-        "shape_b": rows_b.shape if rows_b is not None else None,
-        "dtype_a": dtype_a,
-        "dtype_b": dtype_b,
-        "tolerance": placeholder,
-        "metric": placeholder.metric,
-        "token_dim": 0,
-        "positions": tuple(positions),
-    }
-    if rows_a is None or rows_b is None:
-        why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
-        return TensorResult(**base, status="not_aligned", message=f"rows not compared: {why}")
-    if rows_a.shape != rows_b.shape:
-        message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
-        return TensorResult(**base, status="shape_mismatch", message=message)
-    metrics = compare_arrays(rows_a, rows_b)
-    per_token = per_token_rel_diff(rows_a, rows_b, 0) if metrics.rel_diff > 0 else (0.0,) * len(positions)
-    return TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
+    steps = tuple(sequence_a.rows[p][0] for p in positions)
+    names_a, names_b = (
+        _names_in_order(side_a, sequence_a, options),
+        _names_in_order(side_b, sequence_b, options),
+    )
+    pairs, only_a, only_b = match_names(names_a, names_b, options, first_step, label)
+    found.only_a += only_a
+    found.only_b += only_b
+    for name, name_b in pairs:
+        rows_a, dtype_a, why_a = _rows(side_a, sequence_a, name, positions, options)
+        rows_b, dtype_b, why_b = _rows(side_b, sequence_b, name_b, positions, options)
+        tolerance = pair_tolerance(options, (name, name_b), (dtype_a, dtype_b), precisions)
+        base: dict[str, Any] = {
+            "index": len(found.results),
+            "pass_index": first_step,
+            "root": label,
+            "name": name,
+            "name_b": name_b,
+            "kind": "tensor",
+            "shape_a": rows_a.shape if rows_a is not None else None,
+            "shape_b": rows_b.shape if rows_b is not None else None,
+            "dtype_a": dtype_a,
+            "dtype_b": dtype_b,
+            "tolerance": tolerance,
+            "metric": tolerance.metric,
+            "token_dim": 0,
+            "positions": tuple(positions),
+        }
+        found.steps_of[len(found.results)] = steps
+        if rows_a is None or rows_b is None:
+            why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
+            result = TensorResult(**base, status="not_aligned", message=f"rows not compared: {why}")
+        elif rows_a.shape != rows_b.shape:
+            message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
+            result = TensorResult(**base, status="shape_mismatch", message=message)
+        else:
+            metrics = compare_arrays(rows_a, rows_b)
+            per_token = (
+                per_token_rel_diff(rows_a, rows_b, 0) if metrics.rel_diff > 0 else (0.0,) * len(positions)
+            )
+            result = TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
+        found.results.append(result)
 
 
 def _first_in_time(

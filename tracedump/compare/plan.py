@@ -12,6 +12,7 @@ The result is a frozen :class:`Plan`; the open :class:`PassView`\\ s it refers t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ..reduce import last_row_dim
@@ -155,22 +156,6 @@ def short_list(indices: list[int] | tuple[int, ...]) -> str:
     return ",".join(map(str, indices[:20])) + (" ..." if len(indices) > 20 else "")
 
 
-@dataclass(frozen=True)
-class LastRowCut:
-    """A full side paired with a ``last_row`` side: its tensors are cut as the dumper would have."""
-
-    full_side: str  # "A" or "B"
-    token_dim: int  # the last_row side's TOKEN_DIM
-
-
-def _last_row_cut(a: RootGroup, b: RootGroup) -> LastRowCut | None:
-    if a.mode == "last_row" and b.mode == "full":
-        return LastRowCut("B", a.token_dim)
-    if b.mode == "last_row" and a.mode == "full":
-        return LastRowCut("A", b.token_dim)
-    return None
-
-
 def _cut_shape(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
     return shape if dim is None else (*shape[:dim], 1, *shape[dim + 1 :])
 
@@ -194,24 +179,66 @@ def cut_to_last_row(full: SideEntry, kept: SideEntry, token_dim: int) -> SideEnt
     return replace(full, meta=replace(full.meta, shape=_cut_shape(shape, dim)), cut=dim)
 
 
-def _apply_cut(a: SideEntry, b: SideEntry, cut: LastRowCut | None) -> tuple[SideEntry, SideEntry]:
-    if cut is None:
-        return a, b
-    if cut.full_side == "A":
-        return cut_to_last_row(a, b, cut.token_dim), b
-    return a, cut_to_last_row(b, a, cut.token_dim)
+def _apply_cut(
+    a: SideEntry, b: SideEntry, group_a: RootGroup, group_b: RootGroup
+) -> tuple[SideEntry, SideEntry]:
+    """A full side paired with a ``last_row`` side: its tensors cut as the dumper would have."""
+    if group_a.mode == "last_row" and group_b.mode == "full":
+        return a, cut_to_last_row(b, a, group_a.token_dim)
+    if group_b.mode == "last_row" and group_a.mode == "full":
+        return cut_to_last_row(a, b, group_b.token_dim), b
+    return a, b
 
 
 def side_entries(views: list[PassView], options: DiffOptions) -> dict[str, SideEntry]:
     """Entries of one side for one pass, in rank 0's capture order, unsharded when several ranks."""
-    order = list(views[0].entries)
-    seen = set(order)
-    for view in views[1:]:
-        order.extend(n for n in view.entries if n not in seen and not seen.add(n))  # type: ignore[func-returns-value]
-    rules = options.unshard if len(views) > 1 else ()
+    order = dict.fromkeys(name for view in views for name in view.entries)
     return {
-        name: plan_entry(name, views, next((r for r in rules if r.matches(name)), None)) for name in order
+        name: plan_entry(name, views, options.unshard_rule(name) if len(views) > 1 else None)
+        for name in order
     }
+
+
+def pair_tolerance(
+    options: DiffOptions,
+    names: tuple[str, str],
+    dtypes: tuple[str | None, str | None],
+    precisions: tuple[str | None, str | None],
+    stats: bool = False,
+) -> Tolerance:
+    """The tolerance of one pair: the user's rules for its names, else the defaults of its run
+    precision; ``mixed`` when the two runs computed at different precisions."""
+    rtol, atol = options.tolerances_for(*names)
+    precision = pair_precision(*precisions, *dtypes)
+    if stats:
+        tolerance = resolve_stats(*dtypes, rtol, atol, precision)
+    else:
+        tolerance = resolve(options.metric, *dtypes, rtol, atol, precision)
+    if None not in precisions and precisions[0] != precisions[1]:
+        tolerance = replace(tolerance, mixed=True)
+    return tolerance
+
+
+def match_names(
+    names_a: Iterable[str], names_b: Iterable[str], options: DiffOptions, pass_index: int, root: str | None
+) -> tuple[list[tuple[str, str]], list[Unmatched], list[Unmatched]]:
+    """(A's name, B's name) pairs in A's order (A's names through ``--map``, both through
+    ``--filter``), and the names left on each side."""
+    names_b = list(names_b)
+    in_b = set(names_b)
+    pairs: list[tuple[str, str]] = []
+    only_a: list[Unmatched] = []
+    for name in names_a:
+        mapped = options.map_name(name)
+        if not options.selected(name, mapped):
+            continue
+        if mapped in in_b:
+            pairs.append((name, mapped))
+        else:
+            only_a.append(Unmatched(pass_index, root, name, mapped))
+    matched = {mapped for _, mapped in pairs}
+    only_b = [Unmatched(pass_index, root, n) for n in names_b if n not in matched and options.selected(n)]
+    return pairs, only_a, only_b
 
 
 def _pair(
@@ -219,16 +246,10 @@ def _pair(
     a: SideEntry,
     b: SideEntry,
     options: DiffOptions,
-    precisions: tuple[str | None, str | None] = (None, None),
+    precisions: tuple[str | None, str | None],
 ) -> PairPlan:
-    rtol, atol = options.tolerances_for(a.name, b.name)
-    precision = pair_precision(*precisions, a.meta.dtype, b.meta.dtype)
-    if a.meta.kind == "stats" or b.meta.kind == "stats":
-        tolerance = resolve_stats(a.meta.dtype, b.meta.dtype, rtol, atol, precision)
-    else:
-        tolerance = resolve(options.metric, a.meta.dtype, b.meta.dtype, rtol, atol, precision)
-    if None not in precisions and precisions[0] != precisions[1]:
-        tolerance = replace(tolerance, mixed=True)
+    stats = a.meta.kind == "stats" or b.meta.kind == "stats"
+    tolerance = pair_tolerance(options, (a.name, b.name), (a.meta.dtype, b.meta.dtype), precisions, stats)
     for side, entry in (("A", a), ("B", b)):
         if entry.problem is not None:
             return PairPlan(
@@ -267,15 +288,17 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
         unit = len(units)
         units.append(Unit(root, pass_a, pass_b))
         workspace.views.append((views_a, views_b))
-        cut = _last_row_cut(group_a, group_b)
         precisions = (
             run_precision(views_a, group_a.declared_precision),
             run_precision(views_b, group_b.declared_precision),
         )
-        matched = _match_unit(unit, pass_a, root, views_a, views_b, options, cut, precisions)
-        pairs.extend(matched[0])
-        only_in_a.extend(matched[1])
-        only_in_b.extend(matched[2])
+        entries_a, entries_b = side_entries(views_a, options), side_entries(views_b, options)
+        names, unmatched_a, unmatched_b = match_names(entries_a, entries_b, options, pass_a, root)
+        for name_a, name_b in names:
+            entry_a, entry_b = _apply_cut(entries_a[name_a], entries_b[name_b], group_a, group_b)
+            pairs.append(_pair(unit, entry_a, entry_b, options, precisions))
+        only_in_a.extend(unmatched_a)
+        only_in_b.extend(unmatched_b)
     plan = Plan(
         tuple(units),
         tuple(pairs),
@@ -308,35 +331,3 @@ def _float_dtypes(views: list[PassView], kind: str) -> set[str]:
         for entry in view.entries.values()
         if entry.kind == kind and entry.dtype is not None and not is_integer(entry.dtype)
     }
-
-
-def _match_unit(
-    unit: int,
-    pass_index: int,
-    root: str | None,
-    views_a: list[PassView],
-    views_b: list[PassView],
-    options: DiffOptions,
-    cut: LastRowCut | None,
-    precisions: tuple[str | None, str | None],
-) -> tuple[list[PairPlan], list[Unmatched], list[Unmatched]]:
-    pairs: list[PairPlan] = []
-    only_in_a: list[Unmatched] = []
-    only_in_b: list[Unmatched] = []
-    entries_a = side_entries(views_a, options)
-    entries_b = side_entries(views_b, options)
-    matched: set[str] = set()
-    for name, entry_a in entries_a.items():
-        mapped = options.map_name(name)
-        if not options.selected(name, mapped):
-            continue
-        entry_b = entries_b.get(mapped)
-        if entry_b is None:
-            only_in_a.append(Unmatched(pass_index, root, name, mapped))
-            continue
-        matched.add(mapped)
-        pairs.append(_pair(unit, *_apply_cut(entry_a, entry_b, cut), options, precisions))
-    for name in entries_b:
-        if name not in matched and options.selected(name):
-            only_in_b.append(Unmatched(pass_index, root, name))
-    return pairs, only_in_a, only_in_b
