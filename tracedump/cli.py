@@ -22,10 +22,6 @@ from .units import human_bytes
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits with 2 on usage errors, which is the exit code we document for them too."""
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     """Runs, passes, tensors and bytes of a dump."""
     from rich.markup import escape
@@ -169,24 +165,20 @@ def _summary_cells(read: Callable[[], Any]) -> list[str]:
 
 
 def _watched(directory: Path) -> list[Any]:
-    """The engines watching ``directory`` (raises ControlRefused with a clear message)."""
-    from .control import STALE_SECONDS, watchers
+    """The engines watching ``directory`` (raises OrderError with a clear message)."""
+    from .control import STALE_SECONDS, OrderError, watchers
 
     if not directory.is_dir():
-        raise _Refused(f"{directory}: no such directory")
+        raise OrderError(f"{directory}: no such directory")
     if directory.stat().st_uid != os.getuid():
-        raise _Refused(f"{directory}: owned by another user; only the dump dir's owner may arm")
+        raise OrderError(f"{directory}: owned by another user; only the dump dir's owner may arm")
     found = watchers(directory)
     if not found:
-        raise _Refused(
+        raise OrderError(
             f"{directory}: no engine watches it (no run dir with TRACEDUMP_DUMP_CONTROL=1 and a "
             f"heartbeat in the last {STALE_SECONDS:.0f} s)"
         )
     return found
-
-
-class _Refused(Exception):
-    pass
 
 
 def cmd_arm(args: argparse.Namespace) -> int:
@@ -208,7 +200,7 @@ def cmd_arm(args: argparse.Namespace) -> int:
             request=args.request,
         )
         order.check()
-    except (_Refused, OrderError) as e:
+    except OrderError as e:
         print(f"tracedump arm: {e}", file=sys.stderr)
         return EXIT_USAGE
     write_order(args.dir, order)
@@ -221,11 +213,11 @@ def cmd_disarm(args: argparse.Namespace) -> int:
     """Write a disarm order: each watching process goes idle at its next step boundary."""
     import time
 
-    from .control import Order, write_order
+    from .control import Order, OrderError, write_order
 
     try:
         found = _watched(args.dir)
-    except _Refused as e:
+    except OrderError as e:
         print(f"tracedump disarm: {e}", file=sys.stderr)
         return EXIT_USAGE
     write_order(args.dir, Order(id=time.time_ns(), action="disarm"))
@@ -234,7 +226,10 @@ def cmd_disarm(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tracedump", description="Find the first layer where two runs of a model diverge.")
+    # argparse exits with 2 on usage errors, which is the exit code we document for them too
+    parser = argparse.ArgumentParser(
+        prog="tracedump", description="Find the first layer where two runs of a model diverge."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list the runs and passes of a dump")
     ls.add_argument("dir", type=Path)

@@ -112,26 +112,10 @@ def run_diff(args: argparse.Namespace) -> int:
     from .diff import run
     from .options import UsageError, parse_options
 
+    # every dest of the diff parser but these is an argument of parse_options, by the same name
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "no_progress")}
     try:
-        options = parse_options(
-            args.a,
-            args.b,
-            passes=args.passes,
-            rank=args.rank,
-            filter=args.filter,
-            maps=args.maps,
-            unshard=args.unshard,
-            metric=args.metric,
-            rtol=args.rtol,
-            atol=args.atol,
-            baseline=args.baseline,
-            align=args.align,
-            json_path=args.json_path,
-            plot_path=args.plot_path,
-            max_rows=args.max_rows,
-            progress=False if args.no_progress else None,
-        )
-        return run(options)
+        return run(parse_options(**given, progress=False if args.no_progress else None))
     except UsageError as e:
         print(f"tracedump diff: {e}", file=sys.stderr)
         return EXIT_USAGE

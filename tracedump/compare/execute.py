@@ -23,6 +23,7 @@ from .unshard import SideEntry, assemble
 from .verdict import fixed_rule
 
 Progress = Callable[[int], None]  # called with the bytes just compared
+_WIDTHS = {"float64": 8, "int64": 8, "bfloat16": 2, "float16": 2}  # bytes per element; others count 4
 
 
 def _numel(shape: tuple[int, ...] | None) -> int | None:
@@ -163,21 +164,16 @@ class Executor:
         if flip is None:
             return None
         self.flips.append(flip)
-        if not flip.near_tie:
-            return TensorResult(
-                **base,
-                status="diverged",
-                error=metrics.max_abs,
-                threshold=0.0,
-                metrics=metrics,
-                message=flip.message(),
-                basis="routing",
-            )
-        self._unit_flips.append(flip)
+        if flip.near_tie:  # not a divergence: the block's tensors are compared on the kept tokens
+            self._unit_flips.append(flip)
+            status, error, threshold = "routing_flip", float(len(flip.flipped)), None
+        else:
+            status, error, threshold = "diverged", metrics.max_abs, 0.0
         return TensorResult(
             **base,
-            status="routing_flip",
-            error=float(len(flip.flipped)),
+            status=status,
+            error=error,
+            threshold=threshold,
             metrics=metrics,
             message=flip.message(),
             basis="routing",
@@ -288,15 +284,4 @@ def _rank_disagreement(entry: SideEntry, views: list[PassView], tolerance: Toler
 
 def pair_bytes(pair: PairPlan) -> int:
     """Bytes a pair reads (for the progress bar): element counts times a typical 2-4 byte width."""
-    total = 0
-    for entry in (pair.a, pair.b):
-        numel = _numel(entry.meta.shape) or 0
-        width = (
-            8
-            if entry.meta.dtype in ("float64", "int64")
-            else 2
-            if entry.meta.dtype in ("bfloat16", "float16")
-            else 4
-        )
-        total += numel * width
-    return total
+    return sum((_numel(e.meta.shape) or 0) * _WIDTHS.get(e.meta.dtype or "", 4) for e in (pair.a, pair.b))
