@@ -24,6 +24,7 @@ Each order and what the process made of it goes into the manifest (``control``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -141,6 +142,15 @@ def read_order(path: Path) -> Order:
         raise OrderError(f"not valid JSON: {e}") from e
 
 
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What tells a rewritten order file from the one seen before (None: there is none)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_ino
+
+
 @dataclass
 class Window:
     """The armed steps of one order in one process."""
@@ -182,15 +192,10 @@ class Controller:
     def __post_init__(self) -> None:
         """An order file already in the dump dir belongs to an earlier run: seen, not obeyed."""
         path = self.dump_dir / ORDER_FILE
-        try:
-            info = os.stat(path)
-        except OSError:
-            return
-        self._seen = (info.st_mtime_ns, info.st_ino)
-        try:
-            self._last_id = read_order(path).id
-        except Exception:  # whatever it holds, it is not this run's order
-            self._last_id = None
+        self._seen = _stamp(path)
+        if self._seen is not None:
+            with contextlib.suppress(Exception):  # whatever it holds, it is not this run's order
+                self._last_id = read_order(path).id
 
     def at_boundary(self, step: int) -> tuple[Window | None, bool]:
         """Poll the order file at step ``step``; the armed window this step belongs to (None: idle),
@@ -236,12 +241,8 @@ class Controller:
 
     def _poll(self, step: int) -> bool:
         path = self.dump_dir / ORDER_FILE
-        try:
-            info = os.stat(path)
-        except OSError:
-            return False
-        seen = (info.st_mtime_ns, info.st_ino)
-        if seen == self._seen:
+        seen = _stamp(path)
+        if seen is None or seen == self._seen:
             return False
         self._seen = seen
         try:

@@ -145,6 +145,7 @@ def batches(
     out: dict[int, Batch] = {}
     for index in sorted(pass_indices):
         raw = parse_batch(index, metadata_of(index))
+        tokens = token_count(shapes_of(index))
         if raw is not None:
             seq_ids = tuple(raw["seq_ids"])
             positions = raw.get("positions")
@@ -155,18 +156,16 @@ def batches(
                     next_position[seq] = positions[-1] + 1
             for seq, position in zip(seq_ids, positions, strict=True):
                 next_position[seq] = max(next_position.get(seq, 0), position + 1)
-            rows = token_count(shapes_of(index))
-            if rows is not None and rows != len(seq_ids):
+            if tokens is not None and tokens != len(seq_ids):
                 raise SequenceError(
                     f"pass {index}: set_batch() declared {len(seq_ids)} rows (sequences "
-                    f"{', '.join(map(str, dict.fromkeys(seq_ids)))}) but the pass's tensors hold {rows}"
+                    f"{', '.join(map(str, dict.fromkeys(seq_ids)))}) but the pass's tensors hold {tokens}"
                 )
             input_ids = raw.get("input_ids")
             out[index] = Batch(
                 index, seq_ids, tuple(positions), tuple(input_ids) if input_ids else None, True
             )
             continue
-        tokens = token_count(shapes_of(index))
         if tokens is None:
             continue
         if tokens > 1 or last_inferred is None:

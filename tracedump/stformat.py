@@ -54,7 +54,6 @@ CODES_ON_DISK_ORDER: dict[str, str] = {
 }
 _CODE_OF = {name: code for code, name in CODES_ON_DISK_ORDER.items()}
 _RANK = {code: rank for rank, code in enumerate(CODES_ON_DISK_ORDER)}
-_PACKED_PAIRS = "float4_e2m1fn_x2"  # one byte holds two elements: safetensors counts the elements
 _IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 _MAX_WRITE = 1 << 30  # bytes per writev call, below the kernel's 2 GiB cap on a single write
 

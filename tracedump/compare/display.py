@@ -13,6 +13,7 @@ from .execute import Progress, pair_bytes
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
+from .verdict import times_noise
 
 _SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _STATUS_TEXT = {
@@ -58,8 +59,6 @@ def _cosine(result: TensorResult) -> str:
 
 
 def _times_noise(result: TensorResult) -> str:
-    from .verdict import times_noise
-
     ratio = times_noise(result)
     return "-" if ratio is None else f"{ratio:.3g}x"
 
@@ -111,13 +110,7 @@ def _rows_to_show(report: DiffReport, max_rows: int) -> list[int]:
     wanted.extend(r.index for r in results if r.status != "ok")
     by_error = sorted((r for r in results if r.error is not None), key=lambda r: -(r.error or 0.0))
     wanted.extend(r.index for r in by_error)
-    chosen: list[int] = []
-    for index in wanted:
-        if index not in chosen:
-            chosen.append(index)
-        if len(chosen) == max_rows:
-            break
-    return sorted(chosen)
+    return sorted(list(dict.fromkeys(wanted))[:max_rows])
 
 
 def table(report: DiffReport, max_rows: int) -> Any:
@@ -252,10 +245,9 @@ def summary_lines(report: DiffReport) -> list[str]:
             lines.append(f"{_STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
             break
     plan: Plan = report.plan
-    if plan.only_in_a:
-        lines.append(f"only in A ({len(plan.only_in_a)}): {_names(plan.only_in_a)}")
-    if plan.only_in_b:
-        lines.append(f"only in B ({len(plan.only_in_b)}): {_names(plan.only_in_b)}")
+    for which, unmatched in (("A", plan.only_in_a), ("B", plan.only_in_b)):
+        if unmatched:
+            lines.append(f"only in {which} ({len(unmatched)}): {_names(unmatched)}")
     for which, passes_only in (("A", plan.passes_only_in_a), ("B", plan.passes_only_in_b)):
         if passes_only:
             lines.append(f"passes only in {which}: {', '.join(map(str, passes_only))}")
@@ -277,8 +269,6 @@ def _basis(result: TensorResult) -> str:
     """Why the threshold is what it is, in a few words."""
     precision = result.tolerance.precision or "?"
     if result.basis == "baseline":
-        from .verdict import times_noise
-
         return f"{_num(times_noise(result))}x the baseline's noise {_num(result.noise)}, {precision} run"
     if result.basis == "upstream":
         return f"what the error upstream explains at {precision} run precision"

@@ -47,16 +47,8 @@ _STORAGE: dict[str, Any] = {
     "uint8": np.uint8,
     "bool": np.bool_,
 }
-# torch dtypes numpy cannot hold: stored as same-width integer bits (torch's bits dtype, numpy's).
-_BITS_VIEW = {
-    "bfloat16": ("int16", np.uint16),
-    "float8_e4m3fn": ("int8", np.uint8),
-    "float8_e5m2": ("int8", np.uint8),
-    "float8_e4m3fnuz": ("int8", np.uint8),
-    "float8_e5m2fnuz": ("int8", np.uint8),
-    "float8_e8m0fnu": ("int8", np.uint8),
-    "float4_e2m1fn_x2": ("int8", np.uint8),
-}
+# torch dtypes numpy cannot hold: stored as their bits, in the same-width unsigned ints of _STORAGE.
+_BITS_VIEW = frozenset(name for name in _STORAGE if name.startswith(("bfloat", "float8", "float4")))
 
 
 @dataclass(frozen=True)
@@ -88,8 +80,8 @@ def stored_from_torch(tensor: torch.Tensor) -> Stored:
     tensor = tensor.detach().cpu().contiguous()
     dtype = dtype_name(tensor.dtype)
     if dtype in _BITS_VIEW:
-        bits, numpy_dtype = _BITS_VIEW[dtype]
-        return Stored(tensor.view(getattr(torch, bits)).numpy().view(numpy_dtype), dtype)
+        bits = torch.int16 if tensor.element_size() == 2 else torch.int8
+        return Stored(tensor.view(bits).numpy().view(_STORAGE[dtype]), dtype)
     if tensor.dtype == torch.complex64:
         return Stored(torch.view_as_real(tensor).numpy(), dtype)
     return Stored(tensor.numpy(), dtype)
@@ -97,9 +89,7 @@ def stored_from_torch(tensor: torch.Tensor) -> Stored:
 
 def last_row_cut(stored: Stored, dim: int) -> Stored:
     """The last index along ``dim``, kept as a size-1 dim (a view): what ``last_row`` stores."""
-    index = [slice(None)] * stored.array.ndim
-    index[dim] = slice(-1, None)
-    return Stored(stored.array[tuple(index)], stored.dtype)
+    return Stored(stored.array[(slice(None),) * dim + (slice(-1, None),)], stored.dtype)
 
 
 class SafetensorsMap:

@@ -34,7 +34,6 @@ from .stats import StatDelta
 from .tolerance import Tolerance
 
 FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
-PASSING = ("ok", "routing_flip", "routing", "not_aligned")
 NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")
 EXIT_OK, EXIT_DIVERGED = 0, 1
 

@@ -15,7 +15,8 @@ Run selection per side, per root label (``manifest.json`` "root"; several roots 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,20 +51,12 @@ class EntryMeta:
     dtype: str | None
 
 
-def _stats_meta(record: dict[str, Any]) -> EntryMeta:
-    shape = tuple(record["shape"]) if isinstance(record.get("shape"), list) else None
-    return EntryMeta("stats", shape, infer_dtype(record))
-
-
 def _in_capture_order(found: list[tuple[int | None, str, EntryMeta]]) -> dict[str, EntryMeta]:
     """Entries by capture sequence number when every one has it; else as found (pass file, then
     stats lines: dumps written before ``seq`` existed)."""
     if all(seq is not None for seq, _, _ in found):
         found = sorted(found, key=lambda item: item[0] or 0)
-    entries: dict[str, EntryMeta] = {}
-    for _, name, meta in found:
-        entries[name] = meta
-    return entries
+    return {name: meta for _, name, meta in found}
 
 
 class PassView:
@@ -98,7 +91,8 @@ class PassView:
         for record in stats or []:
             name = Key.from_stats(record).format()  # its full-mode name: stats and full dumps align
             self._stats[name] = record
-            found.append((record.get("seq"), name, _stats_meta(record)))
+            shape = tuple(record["shape"]) if isinstance(record.get("shape"), list) else None
+            found.append((record.get("seq"), name, EntryMeta("stats", shape, infer_dtype(record))))
         self.entries = _in_capture_order(found)
 
     def _index_pass_file(self, pass_file: PassFile) -> list[tuple[int | None, str, EntryMeta]]:
@@ -135,7 +129,6 @@ class RunSource:
     run: Run | None = None
     pass_file: Path | None = None
     declared_precision: str | None = None  # from the manifest's "precision" (parameters, TF32)
-    _stats_by_pass: dict[int, list[dict[str, Any]]] | None = field(default=None, repr=False)
 
     @property
     def is_pass_file(self) -> bool:
@@ -146,22 +139,23 @@ class RunSource:
             index = pass_index(self.pass_file)
             return [-1 if index is None else index]
         assert self.run is not None
-        return sorted(set(self.run.passes) | set(self._stats()))
+        return sorted(set(self.run.passes) | set(self._stats))
 
+    @cached_property
     def _stats(self) -> dict[int, list[dict[str, Any]]]:
-        if self._stats_by_pass is None:
-            self._stats_by_pass = {}
-            if self.run is not None and self.mode == "stats":
-                for record in self.run.stats():
-                    self._stats_by_pass.setdefault(record["pass"], []).append(record)
-        return self._stats_by_pass
+        by_pass: dict[int, list[dict[str, Any]]] = {}
+        if self.run is not None and self.mode == "stats":
+            for record in self.run.stats():
+                by_pass.setdefault(record["pass"], []).append(record)
+        return by_pass
 
     def open_pass(self, index: int) -> PassView:
         """The pass's entries (headers and stats lines are read now; tensor data when asked)."""
         if self.pass_file is not None:
-            return PassView(index, self.rank, _open_pass_file(self.pass_file))
+            path = self.pass_file
+            return PassView(index, self.rank, load_pass(path) if path.suffix == ".pt" else open_pass(path))
         assert self.run is not None
-        return PassView(index, self.rank, self.run.passes.get(index), self._stats().get(index))
+        return PassView(index, self.rank, self.run.passes.get(index), self._stats.get(index))
 
 
 @dataclass
@@ -209,14 +203,6 @@ class Side:
         }
 
 
-def _open_pass_file(path: Path) -> PassFile | dict[str, torch.Tensor]:
-    return load_pass(path) if path.suffix == ".pt" else open_pass(path)
-
-
-def _manifest_beside(path: Path) -> dict[str, Any]:
-    return read_manifest(path.parent) if path.parent.is_dir() else {}
-
-
 def _mode_of(manifest: dict[str, Any], run: Run | None) -> tuple[str, int]:
     settings = manifest.get("settings")
     settings = settings if isinstance(settings, dict) else {}
@@ -244,7 +230,7 @@ def declared_precision(manifest: dict[str, Any]) -> str | None:
 
 
 def _pass_file_side(which: str, path: Path) -> Side:
-    manifest = _manifest_beside(path)
+    manifest = read_manifest(path.parent) if path.parent.is_dir() else {}
     mode, token_dim = _mode_of(manifest, None)
     if path.suffix != ".pt":
         mode = open_pass(path).metadata.get(MODE_KEY, mode)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .options import UnshardRule
 from .reader import Stored, last_row_cut
+from .routing import as_float
 from .sources import EntryMeta, PassView
 
 
@@ -104,8 +105,6 @@ def _join(entry: SideEntry, views: list[PassView]) -> Stored:
 
 
 def _as_float64(stored: Stored) -> np.ndarray:
-    if stored.dtype == "bfloat16":
-        return (stored.array.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    if stored.dtype.startswith("float8"):
-        return stored.to_torch().double().numpy()
-    return stored.array.astype(np.float64)
+    """Exactly: bf16 and fp8 widened from their bits, other dtypes converted directly."""
+    narrow = stored.dtype == "bfloat16" or stored.dtype.startswith("float8")
+    return (as_float(stored) if narrow else stored.array).astype(np.float64)

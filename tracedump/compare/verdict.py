@@ -144,26 +144,28 @@ def _judge(result: TensorResult, level: _Level, noise: dict[int, float] | None) 
     if result.status == "routing_flip" and result.tolerance.metric == "exact":
         return result  # the router's own indices: judged by their margins (routing.py)
     tolerance, metrics = result.tolerance, result.metrics
-    if tolerance.metric not in NOISE_MODEL or tolerance.fixed:
-        return _fixed(result)
-    error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
-    if result.status == "routing_flip":  # error on the tokens that kept their experts
-        error = result.error if result.error is not None else error
-    floor = rounding_floor(tolerance.precision, _last_dim(result))
     measured_noise = None
-    if noise is not None and result.index in noise:
-        measured_noise = noise[result.index]
-        threshold = min(BASELINE_FACTOR * measured_noise + floor, level.cap(result.name, tolerance.rtol))
-        if level.flipped:  # a near-tie flip upstream in this pass: its effect, under the ceiling
-            threshold = max(threshold, min(GROWTH * level.flipped + floor, tolerance.rtol))
-        basis = "baseline"
+    if tolerance.metric not in NOISE_MODEL or tolerance.fixed:
+        error, threshold, ok = fixed_rule(metrics, tolerance)
+        status, basis = ("ok" if ok else "diverged"), "fixed"
     else:
-        inputs = input_rounding(tolerance.precision) if tolerance.mixed else 0.0
-        threshold = explained(level, result.name, floor, tolerance.rtol, inputs)
-        basis = "upstream"
-    ok = error <= threshold or metrics.max_abs <= tolerance.atol
-    ok = ok and metrics.nonfinite_mismatch == 0
-    status = result.status if result.status == "routing_flip" and ok else ("ok" if ok else "diverged")
+        error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
+        if result.status == "routing_flip":  # error on the tokens that kept their experts
+            error = result.error if result.error is not None else error
+        floor = rounding_floor(tolerance.precision, _last_dim(result))
+        if noise is not None and result.index in noise:
+            measured_noise = noise[result.index]
+            threshold = min(BASELINE_FACTOR * measured_noise + floor, level.cap(result.name, tolerance.rtol))
+            if level.flipped:  # a near-tie flip upstream in this pass: its effect, under the ceiling
+                threshold = max(threshold, min(GROWTH * level.flipped + floor, tolerance.rtol))
+            basis = "baseline"
+        else:
+            inputs = input_rounding(tolerance.precision) if tolerance.mixed else 0.0
+            threshold = explained(level, result.name, floor, tolerance.rtol, inputs)
+            basis = "upstream"
+        ok = error <= threshold or metrics.max_abs <= tolerance.atol
+        ok = ok and metrics.nonfinite_mismatch == 0
+        status = result.status if result.status == "routing_flip" and ok else ("ok" if ok else "diverged")
     return replace(
         result,
         status=status,
@@ -189,19 +191,6 @@ def fixed_rule(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, flo
         threshold = tolerance.rtol
         ok = error <= threshold or metrics.max_abs <= tolerance.atol
     return error, threshold, ok and metrics.nonfinite_mismatch == 0
-
-
-def _fixed(result: TensorResult) -> TensorResult:
-    assert result.metrics is not None
-    error, threshold, ok = fixed_rule(result.metrics, result.tolerance)
-    return replace(
-        result,
-        status="ok" if ok else "diverged",
-        error=error,
-        threshold=threshold,
-        basis="fixed",
-        message=result.message or _nonfinite_message(result),
-    )
 
 
 def _nonfinite_message(result: TensorResult) -> str | None:

@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,11 +255,8 @@ def _holds(owner: nn.Module, target: nn.Module) -> bool:
 
 def _attached_explicitly(module: nn.Module) -> bool:
     """An integrated engine already called ``attach()`` on this module: leave it to that dumper."""
-    return any(isinstance(getattr(hook, "__self__", None), RootPassHooks) for hook in _pre_hooks(module))
-
-
-def _pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
-    return list(getattr(module, "_forward_pre_hooks", {}).values())
+    hooks = getattr(module, "_forward_pre_hooks", {}).values()
+    return any(isinstance(getattr(hook, "__self__", None), RootPassHooks) for hook in hooks)
 
 
 def _replay_pre_hooks(dumper: Dumper, module: nn.Module, args: Any) -> None:

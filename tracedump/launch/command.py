@@ -131,28 +131,17 @@ def _with_bootstrap_first(pythonpath: str) -> str:
 
 def validate_settings(env: Mapping[str, str]) -> str | None:
     """The error message for a bad setting (as the children would meet it), or None."""
+    from unittest import mock  # patch.dict: ``env`` is os.environ for the block, then the caller's again
+
     from ..settings import ConfigError, load_settings
 
-    with _environ(env):
+    with mock.patch.dict(os.environ, env, clear=True):  # pydantic-settings reads os.environ
         try:
             settings = load_settings(None)
             settings.resolve_callables()  # a FILTER_FN that cannot be imported stops COMMAND too
         except ConfigError as error:
             return str(error)
     return None
-
-
-@contextlib.contextmanager
-def _environ(env: Mapping[str, str]) -> Iterator[None]:
-    """Make ``env`` the process environment for the block (pydantic-settings reads os.environ)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def launch(command: Sequence[str], env: Mapping[str, str]) -> int:
@@ -230,7 +219,8 @@ def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
     total = sum(run.disk_bytes for run in runs)
     lines = [f"tracedump run: {len(runs)} run dir(s) in {dump_dir}, {human_bytes(total)}"]
     for run in runs:
-        indices = _passes(run.manifest).get("indices")
+        passes = run.manifest.get("passes")
+        indices = passes.get("indices") if isinstance(passes, dict) else None
         count = len(set(run.passes) | set(indices if isinstance(indices, list) else []))
         lines.append(
             f"  {run.name}: root {run.manifest.get('root')}, rank {run.rank}/"
@@ -247,8 +237,3 @@ def _state(run: Any) -> str:
         "the process ended without closing its dumper: killed, or a Pool worker terminated"
     )
     return f"INCOMPLETE ({reason})"
-
-
-def _passes(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    passes = manifest.get("passes")
-    return passes if isinstance(passes, dict) else {}
