@@ -50,14 +50,11 @@ class Batch:
     def tokens(self) -> int:
         return len(self.seq_ids)
 
-    def rows_of(self, seq: SeqId) -> list[int]:
-        return [row for row, s in enumerate(self.seq_ids) if s == seq]
-
     def summary(self) -> str:
         """For ``tracedump ls``: ``seq 0: 0-5, seq 1: 3`` (positions held per sequence)."""
         parts = []
         for seq in dict.fromkeys(self.seq_ids):
-            held = [self.positions[r] for r in self.rows_of(seq)]
+            held = [position for s, position in zip(self.seq_ids, self.positions, strict=True) if s == seq]
             span = f"{min(held)}-{max(held)}" if len(held) > 1 else str(held[0])
             parts.append(f"{seq}: {span}")
         return ", ".join(parts)

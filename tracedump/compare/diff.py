@@ -205,22 +205,8 @@ def compare(
     """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI.
 
     ``rtol``/``atol`` take a number (every pair) or ``'REGEX=VALUE'`` rules, as ``--rtol``."""
-    options = parse_options(
-        a,
-        b,
-        passes=passes,
-        rank=rank,
-        filter=filter,
-        maps=maps,
-        unshard=unshard,
-        metric=metric,
-        rtol=_as_list(rtol),
-        atol=_as_list(atol),
-        baseline=baseline,
-        align=align,
-        progress=False,
-    )
-    return build_report(options)
+    given = {**locals(), "rtol": _as_list(rtol), "atol": _as_list(atol)}  # the arguments, by name
+    return build_report(parse_options(**given, progress=False))
 
 
 def _as_list(value: float | str | list[str] | None) -> list[str]:

@@ -26,8 +26,7 @@ _STATUS_TEXT = {
     "routing": "routing differs",
     "not_aligned": "no token rows",
 }
-_STATUS_STYLE = {
-    "ok": "green",
+_STATUS_STYLE = {  # ok rows keep the table's style
     "diverged": "red",
     "shape_mismatch": "yellow",
     "rank_mismatch": "magenta",
@@ -154,13 +153,7 @@ def table(report: DiffReport, max_rows: int) -> Any:
             *([_worst_token(result)] if with_tokens else []),
             _status(result, first, growth),
         ]
-        style = (
-            "bold red reverse"
-            if is_first
-            else _STATUS_STYLE.get(result.status)
-            if result.status != "ok"
-            else None
-        )
+        style = "bold red reverse" if is_first else _STATUS_STYLE.get(result.status)
         # Text, not str: rich would read `model[last_hidden_state]` as markup and drop the brackets.
         grid.add_row(*([str(result.pass_index)] if show_pass else []), *map(Text, cells), style=style)
     hidden = len(report.results) - 1 - previous

@@ -50,16 +50,11 @@ class NameMap:
     def parse(cls, text: str) -> NameMap:
         pattern, replacement = split_rule(text, "--map")
         rule = cls(compile_regex(pattern, "--map"), replacement)
-        rule._check_replacement()
-        return rule
-
-    def _check_replacement(self) -> None:
-        """Catch a bad group reference (``\\3`` with two groups) now: ``re`` checks the template even
-        when nothing matches."""
-        try:
-            self.pattern.sub(self.replacement, "")
+        try:  # a bad group reference (\3 with two groups) fails now: re checks it even when nothing matches
+            rule.apply("")
         except (re.error, IndexError) as e:
-            raise UsageError(f"--map {self}: bad replacement: {e}") from e
+            raise UsageError(f"--map {rule}: bad replacement: {e}") from e
+        return rule
 
     def apply(self, name: str) -> str:
         return self.pattern.sub(self.replacement, name)
@@ -143,18 +138,13 @@ _LISTED_PASSES = 10_000  # a selection up to this size is written to the JSON re
 @dataclass(frozen=True)
 class PassSelection:
     """``--pass 0,2,5-7`` as merged ranges, never expanded: ``0-99999999999`` costs two ints, not
-    a 1.5 GB set. Supports what the planner asks: membership, the first index, the asked passes a
-    dump holds, and a short text of those it does not."""
+    a 1.5 GB set. Supports what the planner asks: membership, the asked passes a dump holds, and a
+    short text of those it does not (``ranges[0][0]`` is the first)."""
 
     ranges: tuple[tuple[int, int], ...]
 
     def __contains__(self, index: object) -> bool:
         return isinstance(index, int) and any(lo <= index <= hi for lo, hi in self.ranges)
-
-    def __getitem__(self, position: int) -> int:
-        if position != 0:
-            raise IndexError("only the first pass of a selection is looked up")
-        return self.ranges[0][0]
 
     def __len__(self) -> int:
         return sum(hi - lo + 1 for lo, hi in self.ranges)

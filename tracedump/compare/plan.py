@@ -124,9 +124,9 @@ def pair_passes(
         fixed, other, fixed_is_a = (
             (passes_a[0], passes_b, True) if a.is_pass_file else (passes_b[0], passes_a, False)
         )
-        wanted = (
-            options.passes[0] if options.passes else (fixed if fixed >= 0 or len(other) != 1 else other[0])
-        )
+        wanted = fixed if fixed >= 0 or len(other) != 1 else other[0]
+        if options.passes:
+            wanted = options.passes.ranges[0][0]  # the first pass asked for
         if wanted not in other:
             side = "B" if fixed_is_a else "A"
             raise UsageError(

@@ -66,19 +66,10 @@ STATS_DEFAULTS: dict[str, float] = {
     "float8_e5m2": 5e-1,
     "float8_e5m2fnuz": 5e-1,
 }
-# Most precise first; anything not listed that is not an integer is treated as float32.
-# "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32 (recorded in the manifest).
-PRECISION_ORDER = (
-    "float64",
-    "float32",
-    "tfloat32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-)
+# Most precise first, as the tables above list them; anything not listed that is not an integer is
+# treated as float32. "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32 (recorded
+# in the manifest).
+PRECISION_ORDER = tuple(REL_DIFF_DEFAULTS)
 INTEGER_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64"})
 # A stats record without a `dtype` stat has its dtype guessed from its max/min (stats.infer_dtype);
 # with neither, assume the common engine dtype, so two bf16 runs are not flagged for bf16 noise.

@@ -67,11 +67,6 @@ def install(env_prefix: str = DEFAULT_ENV_PREFIX) -> AutoAttach | None:
     return _installed
 
 
-def installed() -> AutoAttach | None:
-    """The process's :class:`AutoAttach`, if :func:`install` registered one."""
-    return _installed
-
-
 class AutoAttach:
     """Global module hooks that find roots and give each one a dumper at its first call."""
 
