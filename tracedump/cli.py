@@ -181,47 +181,30 @@ def _watched(directory: Path) -> list[Any]:
     return found
 
 
-def cmd_arm(args: argparse.Namespace) -> int:
-    """Write an arm order: every watching process dumps from a common start step."""
+def cmd_order(args: argparse.Namespace) -> int:
+    """Write an arm order (every watching process dumps from a common start step) or a disarm order
+    (each goes idle at its next step boundary)."""
     import time
 
     from .control import Order, OrderError, start_step, write_order
 
+    arm = args.command == "arm"
     try:
         found = _watched(args.dir)
-        order = Order(
-            id=time.time_ns(),
-            action="arm",
-            start_step=start_step(found),
-            steps=args.steps,
-            filter=args.filter,
-            mode=args.mode,
-            inputs=args.inputs,
-            request=args.request,
-        )
-        order.check()
+        order = Order(id=time.time_ns(), action=args.command)
+        if arm:  # the arm flags, by the names of Order's fields
+            what = {name: getattr(args, name) for name in ("steps", "filter", "mode", "inputs", "request")}
+            order = Order(id=order.id, action="arm", start_step=start_step(found), **what)
+            order.check()
     except OrderError as e:
-        print(f"tracedump arm: {e}", file=sys.stderr)
+        print(f"tracedump {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     write_order(args.dir, order)
-    steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
-    print(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}")
-    return EXIT_OK
-
-
-def cmd_disarm(args: argparse.Namespace) -> int:
-    """Write a disarm order: each watching process goes idle at its next step boundary."""
-    import time
-
-    from .control import Order, OrderError, write_order
-
-    try:
-        found = _watched(args.dir)
-    except OrderError as e:
-        print(f"tracedump disarm: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    write_order(args.dir, Order(id=time.time_ns(), action="disarm"))
-    print(f"disarmed {len(found)} runs under {args.dir} (from their next step)")
+    if arm:
+        steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
+        print(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}")
+    else:
+        print(f"disarmed {len(found)} runs under {args.dir} (from their next step)")
     return EXIT_OK
 
 
@@ -248,10 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     arm.add_argument("--mode", choices=("full", "last_row", "stats"), help="the mode of the armed steps")
     arm.add_argument("--inputs", action="store_true", help="capture module inputs too")
     arm.add_argument("--request", help="only steps whose set_batch() holds this sequence id")
-    arm.set_defaults(func=cmd_arm)
+    arm.set_defaults(func=cmd_order)
     disarm = sub.add_parser("disarm", help="stop the dumping ordered by tracedump arm at the next step")
     disarm.add_argument("dir", type=Path)
-    disarm.set_defaults(func=cmd_disarm)
+    disarm.set_defaults(func=cmd_order)
     from .compare.command import add_diff_parser
     from .launch.command import add_run_parser
 

@@ -117,19 +117,16 @@ class _Buffers:
         self.ones = np.ones(CHUNK, work)
 
 
-@functools.cache
-def _thread_state() -> threading.local:
-    return threading.local()
+_THREAD = threading.local()  # each thread's scratch buffers
 
 
 def _buffers(work: type) -> _Buffers:
     """This thread's buffers for ``work``, allocated once: fresh pages cost page faults per tensor."""
-    state = _thread_state()
     key = f"buffers_{np.dtype(work).name}"
-    buffers = getattr(state, key, None)
+    buffers = getattr(_THREAD, key, None)
     if buffers is None or buffers.d.shape[0] != CHUNK:
         buffers = _Buffers(work)
-        setattr(state, key, buffers)
+        setattr(_THREAD, key, buffers)
     return buffers
 
 
