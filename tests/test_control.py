@@ -300,11 +300,13 @@ def test_without_control_nothing_changes(tmp_path: Path) -> None:
     assert "control" not in json.loads((next(tmp_path.glob("rank*")) / "manifest.json").read_text())
 
 
-def _server(out: Path, steps: int, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+def _server(
+    out: Path, steps: int, env: dict[str, str], port: int, pause: float = 0.02
+) -> subprocess.Popen[str]:
     clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRACEDUMP_")}
     return subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "server.py"), "--steps", str(steps), "--out", str(out),
-         "--port", str(port), "--pause", "0.02"],
+         "--port", str(port), "--pause", str(pause)],
         env={**clean, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -356,7 +358,7 @@ def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank
     dumped = [sorted(p.name for p in run.glob("pass*.safetensors")) for run in runs]
     assert len(dumped[0]) == 3 and dumped[0] == dumped[1]  # the same steps on both ranks
     assert tracedump.cli.main(["disarm", str(dump)]) == 2  # the engine is gone: nobody watches
-    off = _server(tmp_path / "off", 300, {}, 29542)
+    off = _server(tmp_path / "off", 300, {}, 29542, pause=0)  # no traffic to wait for: same logits
     assert off.wait(timeout=240) == 0
     for rank in (0, 1):
         on_logits = torch.load(tmp_path / "on" / f"rank{rank}.pt")

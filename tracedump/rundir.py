@@ -174,11 +174,6 @@ class RunDir:
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()  # only if still empty: another rank may be using it
 
-    def abandon(self) -> None:
-        """A failed attach after the dir was made: stop the writer, remove what was made."""
-        self.writer.close()
-        self._remove()
-
     def settle_rank(self) -> None:
         """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
         before the first pass, so that every rank does not write a ``rank0`` dir."""
