@@ -30,7 +30,7 @@ from .hooks import HookSet
 from .recorder import Plan, Recorder
 from .rundir import ErrorLog
 from .runtime import Warner
-from .selection import ROOT_NAME, candidate_modules, display_name
+from .selection import ROOT_NAME, candidate_modules, display_name, regex_predicate
 from .sinks import MemorySink
 
 __all__ = ["Capture", "CaptureSpec", "ModuleCapture", "capture", "parse_spec"]
@@ -413,14 +413,12 @@ def _as_list(value: str | Iterable[str] | None) -> list[str]:
 def _filter_matches(model: nn.Module, patterns: list[str]) -> list[str]:
     """Names of all (non-root) modules where any pattern ``re.search``-es the full dotted name: the
     candidates of ``MODULES=all``, narrowed as ``FILTER`` narrows them in ``attach()``."""
-    compiled = []
-    for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as err:
-            raise ValueError(f"invalid filter pattern {pattern!r}: {err}") from err
-    names = [name for name, _ in candidate_modules(model, "all") if name != ROOT_NAME]
-    matches = [name for name in names if any(regex.search(name) for regex in compiled)]
+    try:
+        chosen = regex_predicate(patterns)
+    except re.error as err:
+        raise ValueError(f"invalid filter pattern {err.pattern!r}: {err}") from err
+    matches = [name for name, module in candidate_modules(model, "all") if chosen(name, module)]
+    matches = [name for name in matches if name != ROOT_NAME]
     if not matches:
         raise ValueError(f"filter {patterns!r} matches no module of {type(model).__name__}")
     return matches

@@ -93,9 +93,10 @@ class PassTarget(Protocol):
 Then = Callable[[str, bool, Any], None]
 
 
-class OutputHook:
-    """Forward hook handing a module's output to the recorder; returns None, so outputs are untouched.
-    ``then`` (``capture()``'s structured view and early exit) runs after the recorder."""
+class _ModuleHook:
+    """A capture hook on one selected module: hands what it sees to the recorder and returns None,
+    so the module's inputs and outputs are untouched. ``then`` (``capture()``'s structured view and
+    early exit) runs after the recorder."""
 
     __slots__ = ("name", "target", "then")
 
@@ -103,6 +104,15 @@ class OutputHook:
         self.target = target
         self.name = name
         self.then = then
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class OutputHook(_ModuleHook):
+    """Forward hook on a module's output."""
+
+    __slots__ = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():  # Dynamo traces hooks: a host copy here would break the graph
@@ -112,19 +122,11 @@ class OutputHook:
         if self.then is not None:
             self.then(self.name, False, output)
 
-    def __repr__(self) -> str:
-        return f"OutputHook({self.name!r})"
 
+class InputHook(_ModuleHook):
+    """Forward pre-hook (with kwargs) on a module's inputs."""
 
-class InputHook:
-    """Forward pre-hook (with kwargs) capturing a module's inputs; returns None."""
-
-    __slots__ = ("name", "target", "then")
-
-    def __init__(self, target: PassTarget, name: str, then: Then | None = None) -> None:
-        self.target = target
-        self.name = name
-        self.then = then
+    __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
@@ -133,9 +135,6 @@ class InputHook:
         self.target.on_module_tensors(self.name, (args, kwargs), is_input=True)
         if self.then is not None:
             self.then(self.name, True, (args, kwargs))
-
-    def __repr__(self) -> str:
-        return f"InputHook({self.name!r})"
 
 
 class RootPassHooks:

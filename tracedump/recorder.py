@@ -70,15 +70,8 @@ class Plan:
 
     @classmethod
     def from_settings(cls, settings: Any) -> Plan:
-        return cls(
-            mode=settings.mode,
-            inputs=settings.inputs,
-            stats=settings.stats,
-            tokens=settings.tokens,
-            token_dim=settings.token_dim,
-            max_rows=settings.max_rows,
-            steps=settings.step_selection,
-        )
+        fields = ("mode", "inputs", "stats", "tokens", "token_dim", "max_rows")
+        return cls(steps=settings.step_selection, **{name: getattr(settings, name) for name in fields})
 
 
 def _key(name: str, suffix: str, is_input: bool, call: int = 0) -> Key:

@@ -29,11 +29,17 @@ def candidate_modules(model: nn.Module, modules: str) -> list[tuple[str, nn.Modu
     return [(display_name(n), m) for n, m in chosen]
 
 
+def regex_predicate(patterns: list[str]) -> Predicate:
+    """A module is selected when any pattern ``re.search``-es its dotted name (FILTER, capture's
+    ``filter``). Raises ``re.error`` for a bad pattern."""
+    compiled = [re.compile(p) for p in patterns]
+    return lambda name, _module: any(p.search(name) for p in compiled)
+
+
 def build_predicate(settings: DumpSettings) -> Predicate | None:
-    """One predicate from FILTER (any regex matches, ``re.search``) or FILTER_FN."""
+    """One predicate from FILTER or FILTER_FN."""
     if settings.filter is not None:
-        patterns = [re.compile(p) for p in settings.filter]
-        return lambda name, _module: any(p.search(name) for p in patterns)
+        return regex_predicate(settings.filter)
     return settings.resolve_callables().filter_fn  # imported once per settings, at attach()
 
 
