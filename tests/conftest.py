@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from pathlib import Path
 
@@ -87,3 +88,10 @@ def read_passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
 def tracedump_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     """The messages of the ``TracedumpWarning``s among ``caught``."""
     return [str(w.message) for w in caught if issubclass(w.category, tracedump.TracedumpWarning)]
+
+
+def free_port() -> int:
+    """A TCP port free now, for a gloo group's rendezvous (tests may run side by side)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 import tracedump
 import tracedump.cli
@@ -339,7 +340,7 @@ def _wait_until_done(dump: Path, server: subprocess.Popen[str]) -> None:
 def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank(tmp_path: Path) -> None:
     dump = tmp_path / "live"
     env = {"TRACEDUMP_DUMP_DIR": str(dump), "TRACEDUMP_DUMP_CONTROL": "1"}
-    server = _server(tmp_path / "on", 300, env, 29541)
+    server = _server(tmp_path / "on", 300, env, free_port())
     try:
         _wait_for_heartbeats(dump, 2, server)
         armed = subprocess.run(
@@ -358,7 +359,7 @@ def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank
     dumped = [sorted(p.name for p in run.glob("pass*.safetensors")) for run in runs]
     assert len(dumped[0]) == 3 and dumped[0] == dumped[1]  # the same steps on both ranks
     assert tracedump.cli.main(["disarm", str(dump)]) == 2  # the engine is gone: nobody watches
-    off = _server(tmp_path / "off", 300, {}, 29542, pause=0)  # no traffic to wait for: same logits
+    off = _server(tmp_path / "off", 300, {}, free_port(), pause=0)  # no traffic to wait for: same logits
     assert off.wait(timeout=240) == 0
     for rank in (0, 1):
         on_logits = torch.load(tmp_path / "on" / f"rank{rank}.pt")

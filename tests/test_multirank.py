@@ -12,13 +12,13 @@ import contextlib
 import io
 import os
 import re
-import socket
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 import tracedump
 from tracedump.cli import main
@@ -75,12 +75,6 @@ if __name__ == "__main__":
     torch_mp.start_processes(group_worker, nprocs=2, start_method="fork")
     torch_mp.start_processes(data_parallel_worker, nprocs=2, start_method="fork")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from tracedump.cli import main
 
@@ -101,12 +101,6 @@ if __name__ == "__main__":
 """
 
 UNSHARD = ["--unshard", r"mlp\.(up|act)$=cat:-1", "--unshard", r"mlp\.down$=sum"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
