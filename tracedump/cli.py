@@ -37,17 +37,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
     for run in dump.runs:
         passes = run.passes
-        tensors = sum(len(p) for p in passes.values())
-        size = run.disk_bytes  # pass files, records and stats.jsonl: a stats dump is not 0 B
         stats = run.stats()  # stats mode: one record per tensor, beside any whole-stored records
-        tensors += len(stats)
         table.add_row(
             Text(run.name),
             str(run.rank),
             str(run.pid),
             str(len(set(passes) | {s.get("pass") for s in stats})),
-            str(tensors),
-            human_bytes(size),
+            str(sum(len(p) for p in passes.values()) + len(stats)),
+            human_bytes(run.disk_bytes),  # pass files, records and stats.jsonl: a stats dump is not 0 B
             "yes" if run.complete else "no",
             Text(run.root),  # the model this run followed: tells several roots of one process apart
         )

@@ -70,17 +70,16 @@ class Order:
         """Strictly typed: a file is obeyed only when every field is what the CLI writes."""
         if not isinstance(data, dict) or data.get("action") not in ("arm", "disarm"):
             raise OrderError("not an order (expected an object with action arm or disarm)")
-        fields = {
-            "id": _typed(data, "id", int, required=True),
-            "action": data["action"],
-            "start_step": _typed(data, "start_step", int) or 0,
-            "steps": _typed(data, "steps", int),
-            "filter": _typed(data, "filter", str),
-            "mode": _typed(data, "mode", str),
-            "inputs": bool(_typed(data, "inputs", bool)),
-            "request": _typed(data, "request", str),
-        }
-        order = cls(**fields)
+        order = cls(
+            id=_typed(data, "id", int, required=True),
+            action=data["action"],
+            start_step=_typed(data, "start_step", int) or 0,
+            steps=_typed(data, "steps", int),
+            filter=_typed(data, "filter", str),
+            mode=_typed(data, "mode", str),
+            inputs=bool(_typed(data, "inputs", bool)),
+            request=_typed(data, "request", str),
+        )
         order.check()
         return order
 
@@ -210,13 +209,8 @@ class Controller:
             self._finish(step, "done")
             changed = True
         self._heartbeat(step)
-        pending = self._pending
-        if (
-            self.window is None
-            and pending is not None
-            and pending.action == "arm"
-            and step >= pending.start_step
-        ):
+        pending = self._pending  # only an arm order waits: a disarm acts when it is read
+        if self.window is None and pending is not None and step >= pending.start_step:
             self.window = Window(pending, step)
             self._pending = None
             self._log(pending, "armed", step)
@@ -230,10 +224,9 @@ class Controller:
 
     def state(self) -> dict[str, Any]:
         window = self.window
-        armed = window is not None
         return {
             "enabled": True,
-            "state": "armed" if armed else ("pending" if self._pending is not None else "idle"),
+            "state": "armed" if window else ("pending" if self._pending is not None else "idle"),
             "armed_from": window.start if window else None,
             "armed_until": window.end if window else None,
             "orders": self.history,
@@ -285,9 +278,7 @@ class Controller:
 
     def _log(self, order: Order, what: str, step: int, **extra: Any) -> None:
         entry = {"id": order.id, "action": order.action, "event": what, "step": step, "time": time.time()}
-        entry.update(order.to_json())
-        entry.update(extra)
-        self.history.append(entry)
+        self.history.append({**entry, **order.to_json(), **extra})
 
     def close(self) -> None:
         """The process stops watching: its heartbeat says so at once."""

@@ -308,12 +308,8 @@ def load_pass(path: str | Path) -> dict[str, torch.Tensor]:
     parts) and ``.pt`` files holding ``{name: tensor}`` (loaded with ``weights_only=True``).
     """
     path = Path(path)
-    if path.suffix == ".pt":
-        return _load_pt(path)
-    return open_pass(path).load()
-
-
-def _load_pt(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix != ".pt":
+        return open_pass(path).load()
     import torch
 
     _open_regular(path).close()  # a FIFO would block torch.load

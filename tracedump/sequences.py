@@ -83,11 +83,9 @@ class Sequence:
     def tokens(self) -> list[int] | None:
         """Token ids in position order from 0, when every position has one."""
         positions = self.positions
-        if not positions or positions != list(range(len(positions))):
-            return None
-        if any(p not in self.input_ids for p in positions):
-            return None
-        return [self.input_ids[p] for p in positions]
+        if positions and positions == list(range(len(positions))) and set(positions) <= self.input_ids.keys():
+            return [self.input_ids[p] for p in positions]
+        return None
 
 
 def parse_batch(pass_index: int, metadata: dict[str, str]) -> dict[str, list[Any]] | None:
@@ -144,15 +142,10 @@ def batches(
         raw = parse_batch(index, metadata_of(index))
         tokens = token_count(shapes_of(index))
         if raw is not None:
-            seq_ids = tuple(raw["seq_ids"])
-            positions = raw.get("positions")
-            if positions is None:
-                positions = []
-                for seq in seq_ids:
-                    positions.append(next_position.get(seq, 0))
-                    next_position[seq] = positions[-1] + 1
-            for seq, position in zip(seq_ids, positions, strict=True):
-                next_position[seq] = max(next_position.get(seq, 0), position + 1)
+            seq_ids, given, positions = tuple(raw["seq_ids"]), raw.get("positions"), []
+            for row, seq in enumerate(seq_ids):  # without given positions, each sequence continues
+                positions.append(next_position.get(seq, 0) if given is None else given[row])
+                next_position[seq] = max(next_position.get(seq, 0), positions[-1] + 1)
             if tokens is not None and tokens != len(seq_ids):
                 raise SequenceError(
                     f"pass {index}: set_batch() declared {len(seq_ids)} rows (sequences "

@@ -82,8 +82,7 @@ def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     into the page cache, and none of a tensor turned into ``bytes`` first."""
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={**metadata, ORDER_KEY: json.dumps(list(tensors))})
-        size = tmp.stat().st_size
-    return size
+        return tmp.stat().st_size  # the rename still happens, on leaving the block
 
 
 @dataclass
@@ -315,11 +314,8 @@ class Writer:
                     self._cond.notify_all()
 
     def _fail(self, job: Job, error: Exception) -> None:
-        target = self.run_dir / (
-            pass_file_name(job.index, getattr(job, "part", None))
-            if isinstance(job, PassJob)
-            else STATS_PARTIAL
-        )
+        name = pass_file_name(job.index, job.part) if isinstance(job, PassJob) else STATS_PARTIAL
+        target = self.run_dir / name
         self.failure = f"writing {target} failed: {type(error).__name__}: {error}"
         self._drop(job)
         with self._cond:
