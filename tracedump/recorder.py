@@ -30,7 +30,7 @@ from torch import nn
 from . import gates
 from .control import Controller
 from .cuda import stream_is_capturing
-from .format import RECORDS_FILE, Key, stats_record
+from .format import RECORDS_FILE, Key, key_text, stats_record
 from .hooks import flatten_inputs, flatten_tensors
 from .reduce import compute_stats, last_row
 from .runtime import COMPILED_WARNING
@@ -550,7 +550,11 @@ class Recorder:
                 continue
             kept = last_row(tensor, self.plan.token_dim) if self.mode == "last_row" else tensor
             host, event = self.sink.copy(kept)
-            current.add(_key(name, suffix, is_input, call).format(), host, event)
+            current.add(
+                key_text(name, suffix.removeprefix("@in") if is_input else suffix, is_input, call),
+                host,
+                event,
+            )
             self._make_room(current)
 
     def _keep_stats(
@@ -595,7 +599,7 @@ class Recorder:
         if current is None:
             self.loose.append((tag, host, event))
         else:
-            current.add(Key(tag, call=current.next_call(tag)).format(), host, event)
+            current.add(key_text(tag, call=current.next_call(tag)), host, event)
             self._make_room(current)
         if once:
             self._once_tags.add(tag)
