@@ -112,7 +112,6 @@ class Dumper:
     ) -> None:
         self.settings = settings
         self.env_prefix = env_prefix
-        self.model_class = f"{type(model).__module__}.{type(model).__qualname__}"
         # Which root this dumper follows; `tracedump run` pairs runs of several roots by it.
         self.root_label = root_label or type(model).__name__
         callables = settings.resolve_callables()  # FILTER_FN, SYNC_ESCAPE: imported here, once per settings
@@ -124,6 +123,7 @@ class Dumper:
         # failure removes the run dir it made, so a bad setting leaves the model as it was.
         self.modules = select_modules(model, settings, env_prefix)
         fields = model_fields(model, self.root_label, [name for name, _ in self.modules])
+        self.model_class = str(fields["model_class"])  # one spelling, the manifest's
         self.rundir = RunDir(settings, env_prefix, fields, self.warn)
         control = None
         if settings.control:
