@@ -46,8 +46,22 @@ Step = Callable[[], dict[str, float]]
 def settings_for(quick: bool) -> dict[str, int]:
     """Rounds per phase. Full mode keeps the whole `make bench` well under five minutes."""
     if quick:
-        return {"off_rounds": 4, "on_rounds": 3, "burst_rounds": 1, "burst_steps": 3, "warmup": 1}
-    return {"off_rounds": 20, "on_rounds": 12, "burst_rounds": 5, "burst_steps": 6, "warmup": 2}
+        return {
+            "off_rounds": 4,
+            "on_rounds": 3,
+            "burst_rounds": 1,
+            "burst_steps": 3,
+            "warmup": 1,
+            "cold_idle_s": 0,
+        }
+    return {
+        "off_rounds": 20,
+        "on_rounds": 12,
+        "burst_rounds": 8,
+        "burst_steps": 6,
+        "warmup": 2,
+        "cold_idle_s": 3,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- off
@@ -156,14 +170,15 @@ class DumpedModel:
         return {"step": returned - start, "e2e": done - start}
 
     def burst(self, steps: int) -> float:
-        """Back-to-back steps, then wait for the disk: seconds per step in steady state."""
+        """Back-to-back steps, then wait for the disk: seconds per step in steady state.
+
+        The previous burst's files are deleted just before, untimed (see :func:`_bursts`)."""
+        common.remove_files(self.dir)
         start = time.perf_counter()
         for _ in range(steps):
             common.forward(self.model, self.ids)
         self.flush()
-        seconds = (time.perf_counter() - start) / steps
-        common.remove_files(self.dir)
-        return seconds
+        return (time.perf_counter() - start) / steps
 
     def sample_pass(self) -> dict[str, torch.Tensor]:
         """One dumped pass read back from disk (for the sizes of what a pass captures)."""
@@ -195,12 +210,11 @@ class NaiveModel:
         return {"step": seconds, "e2e": seconds}
 
     def burst(self, steps: int) -> float:
+        common.remove_files(self.dir, "*.pt")  # untimed, just before (see _bursts)
         start = time.perf_counter()
         for _ in range(steps):
             common.forward(self.model, self.ids)
-        seconds = (time.perf_counter() - start) / steps
-        common.remove_files(self.dir, "*.pt")
-        return seconds
+        return (time.perf_counter() - start) / steps
 
     def close(self) -> None:
         self.naive.close()
@@ -229,10 +243,13 @@ def run_on(
         }
         samples = common.interleave(variants, rounds["on_rounds"], rounds["warmup"])
         burst = _bursts(model, ids, full, naive, rounds["burst_rounds"], rounds["burst_steps"])
+        page_cache = page_cache_rates(
+            copies.named, workdir / "page-cache", rounds["burst_steps"], rounds["cold_idle_s"]
+        )
     finally:
         for closable in (full, last_row, stats, naive):
             closable.close()
-    return _summarise_on(samples, burst, copies.nbytes, full)
+    return _summarise_on(samples, burst, copies.nbytes, full) | {"page_cache": page_cache}
 
 
 class PassCopies:
@@ -272,9 +289,48 @@ class PassCopies:
         }
 
 
+def page_cache_rates(
+    tensors: dict[str, torch.Tensor], directory: Path, passes: int, idle_s: float
+) -> dict[str, float]:
+    """A burst's files written twice as the writer writes them: into memory freed a moment before
+    (*warm*), then into memory left free for ``idle_s`` (*cold*).
+
+    Why: on a VM whose hypervisor takes back free guest memory (virtio-balloon free page reporting,
+    as on the machine these figures come from), memory free for about 2 s goes back to the host and
+    the next touch of each page faults into it: writing a burst's page cache into such memory ran
+    at 0.5-1.2 GB/s here, against 8 GB/s warm. A steady-state burst that needs more fresh pages than
+    recently freed ones pays that, whatever writes them; these two figures show how much."""
+    directory.mkdir(parents=True, exist_ok=True)
+    nbytes = passes * sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def write_all() -> float:
+        start = time.perf_counter()
+        for index in range(passes):
+            write_file(tensors, directory / f"pass{index}.safetensors", {"tracedump.mode": "full"})
+        return time.perf_counter() - start
+
+    write_all()
+    common.remove_files(directory)
+    warm = write_all()
+    common.remove_files(directory)
+    time.sleep(idle_s)
+    cold = write_all()
+    common.remove_files(directory)
+    return {"warm_GBps": nbytes / warm / 1e9, "cold_GBps": nbytes / cold / 1e9, "burst_MB": nbytes / 1e6}
+
+
 def _bursts(
     model: nn.Module, ids: torch.Tensor, full: DumpedModel, naive: NaiveModel, rounds: int, steps: int
 ) -> dict[str, list[float]]:
+    """Back-to-back steps of untouched, full and naive, interleaved, after one warm-up round.
+
+    Each dumping variant deletes its previous burst's files just before its next (untimed): their
+    pages, freed a moment before, are what the new files reuse, as on a machine whose page cache is
+    full and recycles its pages. Deleted right after a burst instead, they sat free through the
+    other variants' bursts and went back to this VM's hypervisor (see :func:`page_cache_rates`), so
+    the next burst faulted in fresh memory at 0.5-1.2 GB/s: a figure of the VM, not of the dumper.
+    """
+
     def untouched() -> float:
         start = time.perf_counter()
         for _ in range(steps):
@@ -286,7 +342,7 @@ def _bursts(
         "full": lambda: full.burst(steps),
         "naive": lambda: naive.burst(steps),
     }
-    samples = common.interleave({k: (lambda f=f: {"step": f()}) for k, f in runs.items()}, rounds, 0)
+    samples = common.interleave({k: (lambda f=f: {"step": f()}) for k, f in runs.items()}, rounds, 1)
     return {k: v["step"] for k, v in samples.items()}
 
 

@@ -177,6 +177,8 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("full", "save_file_GBps", "GB/s"),
         ("full", "write_speedup_vs_save_file", "x"),
         ("full", "write_cost_in_memcpys", "x"),
+        ("page_cache", "warm_GBps", "GB/s"),
+        ("page_cache", "cold_GBps", "GB/s"),
         ("last_row", "ratio", "x"),
         ("stats", "ratio", "x"),
         ("stats", "ratio_e2e", "x"),

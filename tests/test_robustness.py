@@ -9,6 +9,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -211,11 +212,11 @@ def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
     original = tracedump.writer.save_tensors_atomic
     calls: list[str] = []
 
-    def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any) -> int:
         calls.append(path.name)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return original(path, tensors, metadata)
+        return original(path, tensors, metadata, **options)
 
     monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
     model = _Two()

@@ -96,10 +96,12 @@ def slow_saves(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[str]:
     original = tracedump.writer.save_tensors_atomic
     saved: list[str] = []
 
-    def slow_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def slow_save(
+        path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any
+    ) -> int:
         time.sleep(delay_s)
         saved.append(path.name)
-        return original(path, tensors, metadata)
+        return original(path, tensors, metadata, **options)
 
     monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", slow_save)
     return saved
@@ -122,11 +124,11 @@ def test_a_slow_writer_under_a_tiny_cap_makes_the_forward_wait_and_drops_nothing
     original_wait, original_submit = Writer.wait_below, Writer.submit
 
     def save_once_the_forward_waits(
-        path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+        path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any
     ) -> int:
         # The writer has fallen behind for as long as the forward keeps going: deterministic, no sleeps.
         forward_is_waiting.wait(timeout=30)
-        return original_save(path, tensors, metadata)
+        return original_save(path, tensors, metadata, **options)
 
     def counting_wait(self: Writer, limit: int) -> None:
         if self.pending_bytes > limit:
@@ -238,7 +240,9 @@ def test_a_closed_run_leaves_no_temp_files_and_private_permissions(
 def test_a_write_that_fails_halfway_leaves_no_file_under_the_final_name(
     dump_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def half_then_fail(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    def half_then_fail(
+        tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str], **options: Any
+    ) -> None:
         Path(path).write_bytes(b"\0" * 4096)  # half a file
         raise OSError(errno.EIO, "Input/output error")
 
@@ -257,7 +261,7 @@ CRASH_SCRIPT = """
 import os, torch
 import tracedump, tracedump.writer
 
-def half_then_die(tensors, path, metadata):
+def half_then_die(tensors, path, metadata, **options):
     with open(path, "wb") as f:
         f.write(b"\\0" * 4096)
         f.flush()
@@ -301,11 +305,11 @@ def enospc_on_write(monkeypatch: pytest.MonkeyPatch, failing_call: int) -> list[
     original = tracedump.writer.save_tensors_atomic
     attempts: list[str] = []
 
-    def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any) -> int:
         attempts.append(path.name)
         if len(attempts) == failing_call:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return original(path, tensors, metadata)
+        return original(path, tensors, metadata, **options)
 
     monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
     return attempts
@@ -378,9 +382,9 @@ def test_a_write_error_while_the_forward_waits_for_the_writer_releases_the_wait(
     enospc_on_write(monkeypatch, failing_call=2)
     original = tracedump.writer.save_tensors_atomic
 
-    def slow(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def slow(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any) -> int:
         time.sleep(0.02)
-        return original(path, tensors, metadata)
+        return original(path, tensors, metadata, **options)
 
     monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", slow)
     model = make_tiny_llama()

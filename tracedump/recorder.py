@@ -265,6 +265,7 @@ class Recorder:
                 return False
         # After a write error a pass still counts as selected: its captures are counted as lost.
         self.current = Pass(index, selected=index in self.plan.steps)
+        self.sink.host_busy(True)
         self.current.batch, self._pending_batch = self._pending_batch, None
         if self.current.batch is not None:
             self._skip_unrequested(self.current, self.current.batch)
@@ -302,7 +303,10 @@ class Recorder:
         exception, Ctrl-C), so the pass holds only the captures made before that; it is written,
         marked in its file's metadata and in the manifest's ``truncated_passes``."""
         current, self.current = self.current, None
-        if current is None or current.is_warmup:
+        if current is None:
+            return
+        self.sink.host_busy(False)
+        if current.is_warmup:
             return
         self.next_index = current.index + 1
         if self.control is not None:
@@ -371,6 +375,7 @@ class Recorder:
             return
         if self._explicit_passes and not current.parts:
             self.current = None
+            self.sink.host_busy(False)
             self.skipped["outside_pass"] += current.kept
             self._implicit_off = True
             return

@@ -6,6 +6,7 @@ copied* and *where it ends up*. Tests inject failures by handing the recorder a 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +43,9 @@ class Sink(Protocol):
     def pass_closed(self, skipped: Mapping[str, int]) -> None:
         """A pass was submitted (a worker process writes it before its forward returns)."""
 
+    def host_busy(self, busy: bool) -> None:
+        """A pass opened (True: its forward runs now) or closed (False)."""
+
 
 class FileSink:
     """Copies into recycled (pinned) host buffers; a writer thread writes the pass files."""
@@ -50,6 +54,7 @@ class FileSink:
         self._rundir = rundir
         self._sync_escape = sync_escape
         self._cap = max_pending_bytes
+        self._cores = _usable_cores()
 
     @property
     def failure(self) -> str | None:
@@ -86,6 +91,13 @@ class FileSink:
     def pass_closed(self, skipped: Mapping[str, int]) -> None:
         if _in_worker_process():
             self._rundir.flush_for_termination(skipped)
+
+    def host_busy(self, busy: bool) -> None:
+        """The writer holds back while a forward that takes every core runs (Writer.host_busy):
+        one on the CPU (CUDA not in use) with an intra-op thread per usable core."""
+        if busy and (torch.cuda.is_initialized() or torch.get_num_threads() < self._cores):
+            return
+        self._rundir.writer.host_busy(busy)
 
 
 class MemorySink:
@@ -126,9 +138,18 @@ class MemorySink:
     def pass_closed(self, skipped: Mapping[str, int]) -> None:
         pass
 
+    def host_busy(self, busy: bool) -> None:
+        pass
+
     def take_recent(self) -> list[torch.Tensor]:
         recent, self.recent = self.recent, []
         return recent
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _in_worker_process() -> bool:

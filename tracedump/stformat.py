@@ -56,6 +56,7 @@ _CODE_OF = {name: code for code, name in CODES_ON_DISK_ORDER.items()}
 _RANK = {code: rank for rank, code in enumerate(CODES_ON_DISK_ORDER)}
 _IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 _MAX_WRITE = 1 << 30  # bytes per writev call, below the kernel's 2 GiB cap on a single write
+PAUSABLE_CHUNK = 8 << 20  # bytes per writev call when the caller may pause between calls (~1 ms)
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -97,11 +98,15 @@ def write_file(
     tensors: Mapping[str, torch.Tensor],
     path: str | os.PathLike[str],
     metadata: Mapping[str, str] | None = None,
+    *,
+    pause: Callable[[], None] | None = None,
 ) -> int:
     """Write ``tensors`` as a safetensors file at ``path`` (``save_file``'s arguments); returns its size.
 
     Tensors must be on the CPU; a non-contiguous one is made contiguous first (``save_file`` would
-    refuse it). The buffers go to ``os.writev`` straight from the tensors' memory.
+    refuse it). The buffers go to ``os.writev`` straight from the tensors' memory. ``pause`` is
+    called before each ``writev`` of at most :data:`PAUSABLE_CHUNK` bytes: the writer thread waits
+    there while the host computes (see :meth:`tracedump.writer.Writer.wait_for_idle_host`).
     """
     if sys.byteorder != "little":  # the format is little-endian: let safetensors swap the bytes
         from safetensors.torch import save_file
@@ -116,7 +121,7 @@ def write_file(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         _preallocate(fd, sum(b.nbytes for b in buffers))
-        return _writev_all(fd, buffers)
+        return _writev_all(fd, buffers, pause)
     finally:
         os.close(fd)
 
@@ -150,17 +155,20 @@ def _preallocate(fd: int, nbytes: int) -> None:
             raise OSError(code, os.strerror(code))
 
 
-def _writev_all(fd: int, buffers: list[memoryview]) -> int:
+def _writev_all(fd: int, buffers: list[memoryview], pause: Callable[[], None] | None = None) -> int:
     """``writev`` until every buffer is written, resuming after short writes."""
     total = 0
     pending = [b for b in buffers if b.nbytes]
+    limit = _MAX_WRITE if pause is None else PAUSABLE_CHUNK
     while pending:
         batch, size = [], 0
         for buffer in pending[:_IOV_MAX]:
-            if size + buffer.nbytes > _MAX_WRITE and batch:
+            if size + buffer.nbytes > limit and batch:
                 break
-            batch.append(buffer[: _MAX_WRITE - size] if size + buffer.nbytes > _MAX_WRITE else buffer)
+            batch.append(buffer[: limit - size] if size + buffer.nbytes > limit else buffer)
             size += batch[-1].nbytes
+        if pause is not None:
+            pause()
         written = os.writev(fd, batch)
         if written <= 0:
             raise OSError(f"writev wrote {written} bytes")

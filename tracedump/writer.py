@@ -75,13 +75,21 @@ def write_json_atomic(path: Path, data: Any) -> None:
         tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+def save_tensors_atomic(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    *,
+    pause: Callable[[], None] | None = None,
+) -> int:
     """Save as safetensors (no pickle) with the capture order in the metadata; returns bytes written.
 
     The tensors' memory goes to the kernel as it is (:mod:`tracedump.stformat`): one copy per byte,
-    into the page cache, and none of a tensor turned into ``bytes`` first."""
+    into the page cache, and none of a tensor turned into ``bytes`` first. ``pause`` runs between
+    the file's chunks."""
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={**metadata, ORDER_KEY: json.dumps(list(tensors))})
+        order = json.dumps(list(tensors))
+        save_file(tensors, str(tmp), metadata={**metadata, ORDER_KEY: order}, pause=pause)
         return tmp.stat().st_size  # the rename still happens, on leaving the block
 
 
@@ -106,7 +114,8 @@ class PassJob:
         metadata = pass_metadata(
             self.index, self.mode, part=self.part, seqs=self.seqs, truncated=self.truncated, batch=self.batch
         )
-        size = save_tensors_atomic(writer.run_dir / name, {k: t for k, t, _ in self.entries}, metadata)
+        tensors = {k: t for k, t, _ in self.entries}
+        size = save_tensors_atomic(writer.run_dir / name, tensors, metadata, pause=writer.wait_for_idle_host)
         writer.note_file(self.index, size, is_pass=self.file_name is None)
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)
 
@@ -145,6 +154,10 @@ class WriterTotals:
 
 
 WRITER_NICE = 19  # the lowest CPU priority: the writer runs in the host's idle time
+# How long the writer holds back for one open pass whose forward takes every core (see
+# Writer.host_busy): a forward longer than this (a large model on CPU) has its earlier passes
+# written beside it, as before, rather than waiting for its end.
+MAX_HOLD_BACK_S = 1.0
 
 
 def _yield_cpu_to_host() -> None:
@@ -180,6 +193,8 @@ class Writer:
         self._queue: collections.deque[Job] = collections.deque()
         self._pending = 0
         self._busy = False
+        self._host_busy_since: float | None = None  # a pass is open and its forward takes every core
+        self._host_waits = 0  # host threads waiting on the writer (cap, flush): it must not hold back
         self._cond = threading.Condition()
         self._closing = False
         self._last_manifest = 0.0
@@ -195,12 +210,13 @@ class Writer:
     def submit(self, job: Job) -> None:
         """Queue a job; waits while the cap would be exceeded (a lone oversized job still goes)."""
         with self._cond:
-            while (
-                self.failure is None
-                and self._pending > 0
-                and self._pending + job.nbytes > self.max_pending_bytes
-            ):
-                self._cond.wait()
+            self._wait_as_host(
+                lambda: (
+                    self.failure is not None
+                    or self._pending == 0
+                    or self._pending + job.nbytes <= self.max_pending_bytes
+                )
+            )
             if self.failure is not None:
                 self._drop(job)
                 return
@@ -211,13 +227,52 @@ class Writer:
     def wait_below(self, limit: int) -> None:
         """Back-pressure inside a pass: wait until queued bytes are at most ``limit`` (or none)."""
         with self._cond:
-            while self.failure is None and self._pending > 0 and self._pending > limit:
-                self._cond.wait()
+            self._wait_as_host(lambda: self.failure is not None or self._pending <= max(limit, 0))
 
     def flush(self) -> None:
         with self._cond:
-            while self._queue or self._busy:
+            self._wait_as_host(lambda: not self._queue and not self._busy)
+
+    def host_busy(self, busy: bool) -> None:
+        """A pass opened (True) whose forward takes every core, or the open pass closed (False).
+
+        Why the writer holds back then: torch's intra-op threads meet at a barrier after each
+        parallel op, and a writer that takes a core from one of them stalls them all; at nice 19
+        it still got that core often enough that six back-to-back steps of the bench model took
+        1.5-1.9x the untouched time. Written between forwards instead, the same bytes cost what
+        they cost on their own. The host never waits for this: a pass waits in the queue (within
+        the memory cap), and the writer goes on at once when the host waits on it (the cap, a
+        flush, exit) or the pass has been open for :data:`MAX_HOLD_BACK_S`."""
+        if busy:
+            self._host_busy_since = time.monotonic()
+        elif self._host_busy_since is not None:
+            with self._cond:
+                self._host_busy_since = None
+                self._cond.notify_all()
+
+    def wait_for_idle_host(self) -> None:
+        """Called by the writer thread before each chunk of a pass file (see :meth:`host_busy`)."""
+        if self._host_busy_since is None:
+            return
+        with self._cond:
+            while self._host_busy_since is not None and not self._host_waits and not self._closing:
+                left = self._host_busy_since + MAX_HOLD_BACK_S - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+    def _wait_as_host(self, done: Callable[[], bool]) -> None:
+        """Wait (the lock held) until ``done()``; while a host thread waits, the writer does not
+        hold back for an open pass."""
+        if done():
+            return
+        self._host_waits += 1
+        self._cond.notify_all()
+        try:
+            while not done():
                 self._cond.wait()
+        finally:
+            self._host_waits -= 1
 
     def close(self) -> None:
         """Write everything queued, stop the thread, seal ``stats.jsonl``, write the manifest."""
