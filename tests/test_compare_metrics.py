@@ -99,6 +99,28 @@ def test_chunks_do_not_change_the_answer() -> None:
     assert m.numel == n
 
 
+@pytest.mark.parametrize("extra", [0, 123])  # Σ|d| by rows of ones, and the ragged last chunk
+def test_split_across_threads_the_largest_error_is_found_where_it_is(extra: int) -> None:
+    """Enough chunks to split over the worker threads (the calling thread takes the first block);
+    the largest error is in a later block, tied with a later element, next to a NaN in its chunk."""
+    generator = torch.Generator().manual_seed(5)
+    n = 10 * CHUNK + extra
+    a = torch.randn(n, generator=generator)
+    b = a + 1e-4 * torch.randn(n, generator=generator)
+    where = 7 * CHUNK + 11
+    a[where], b[where] = 0.0, 3.0
+    a[where + 2], b[where + 2] = 1.0, 4.0  # the same |d|: the first one wins, as argmax finds it
+    a[where - 1] = float("nan")  # its chunk takes the careful float64 path
+    m = metrics_of(a, b)
+    finite = ~a.isnan()
+    ref = reference(a[finite], b[finite])
+    assert m.argmax == where and m.max_abs == ref["max_abs"]
+    assert (m.a_at_argmax, m.b_at_argmax) == (float(a[where]), float(b[where]))
+    assert m.mean_abs == pytest.approx(ref["mean_abs"], rel=1e-5)
+    assert m.rel_diff == pytest.approx(ref["rel_diff_direct"], rel=1e-5)
+    assert m.nan_a == 1 and m.numel == n
+
+
 def test_nan_and_inf_are_counted_and_only_mismatches_diverge() -> None:
     a = torch.randn(100)
     b = a.clone()
