@@ -9,8 +9,8 @@ Two phases, each interleaved round by round (medians of per-round paired ratios)
   of the model (identical weights), against the untouched model. A dumped step reports ``step`` (the
   forward as the host sees it: hooks + copies; disk writes happen on the writer thread) and ``e2e``
   (the same step plus waiting for the writer to put it on disk, so background work is not hidden).
-  A **burst** of back-to-back steps ending with a flush gives the steady-state cost, where the
-  writer's work overlaps (and competes with) the next forwards.
+  A **burst** of back-to-back steps ending with a flush gives the steady-state cost: the writer's
+  work overlaps the next forwards, or (a CPU forward on every core) waits for the flush.
 
 Run alone: ``python benchmarks/bench_overhead.py [--quick]`` prints the JSON.
 """

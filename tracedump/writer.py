@@ -167,9 +167,10 @@ def _yield_cpu_to_host() -> None:
     Why: torch keeps every core busy during a forward, and its intra-op threads meet at a barrier
     after each parallel op, so a writer thread that takes a core from one of them stalls them all.
     At the host's priority, six back-to-back steps of the bench model took 1.4-2.4x the untouched
-    time while the writer worked beside them; at nice 19 the writer waits for idle time (between
-    steps, or while the host waits on the memory cap or a flush, when it runs at full speed) and
-    the same burst measured 1.15x. Nothing is dropped: the memory cap still bounds what waits.
+    time while the writer worked beside them; at nice 19 it mostly waits for idle time (between
+    steps, or while the host waits on the memory cap or a flush, when it runs at full speed), and
+    :meth:`Writer.host_busy` makes it wait outright while such a forward runs. Nothing is dropped:
+    the memory cap still bounds what waits.
     Unprivileged, so it cannot fail for lack of rights; any error leaves the priority as it was."""
     if not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
         return
