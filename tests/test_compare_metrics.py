@@ -6,6 +6,7 @@ boundaries; tolerances by dtype; option parsing; the "largest growth" finding; s
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tracedump.compare import metrics
 from tracedump.compare.metrics import CHUNK, compare_arrays
 from tracedump.compare.options import NameMap, UnshardRule, UsageError, parse_passes
 from tracedump.compare.reader import stored_from_torch
@@ -99,26 +101,33 @@ def test_chunks_do_not_change_the_answer() -> None:
     assert m.numel == n
 
 
+@pytest.mark.parametrize("nan", [False, True])  # the winning chunk on the fast or the careful path
 @pytest.mark.parametrize("extra", [0, 123])  # Σ|d| by rows of ones, and the ragged last chunk
-def test_split_across_threads_the_largest_error_is_found_where_it_is(extra: int) -> None:
-    """Enough chunks to split over the worker threads (the calling thread takes the first block);
-    the largest error is in a later block, tied with a later element, next to a NaN in its chunk."""
+def test_split_across_threads_the_largest_error_is_found_where_it_is(
+    monkeypatch: pytest.MonkeyPatch, extra: int, nan: bool
+) -> None:
+    """Four blocks of chunks over the worker threads (the calling thread takes the first); the
+    largest error is in the second block and tied by an element of the third: the first wins."""
+    monkeypatch.setattr(metrics, "_cores", lambda: 4)
+    metrics._pool.cache_clear()
+    monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
     generator = torch.Generator().manual_seed(5)
-    n = 10 * CHUNK + extra
+    n = 10 * CHUNK + extra  # blocks of 3 chunks: [0-2] [3-5] [6-8] [9-10]
     a = torch.randn(n, generator=generator)
     b = a + 1e-4 * torch.randn(n, generator=generator)
-    where = 7 * CHUNK + 11
+    where, tie = 4 * CHUNK + 11, 7 * CHUNK + 5
     a[where], b[where] = 0.0, 3.0
-    a[where + 2], b[where + 2] = 1.0, 4.0  # the same |d|: the first one wins, as argmax finds it
-    a[where - 1] = float("nan")  # its chunk takes the careful float64 path
+    a[tie], b[tie] = 1.0, 4.0  # the same |d|, exactly
+    if nan:
+        a[where - 1] = float("nan")  # the chunk takes the careful float64 path
     m = metrics_of(a, b)
     finite = ~a.isnan()
     ref = reference(a[finite], b[finite])
-    assert m.argmax == where and m.max_abs == ref["max_abs"]
-    assert (m.a_at_argmax, m.b_at_argmax) == (float(a[where]), float(b[where]))
+    assert m.argmax == where and m.max_abs == ref["max_abs"] == 3.0
+    assert (m.a_at_argmax, m.b_at_argmax) == (0.0, 3.0)
     assert m.mean_abs == pytest.approx(ref["mean_abs"], rel=1e-5)
     assert m.rel_diff == pytest.approx(ref["rel_diff_direct"], rel=1e-5)
-    assert m.nan_a == 1 and m.numel == n
+    assert m.nan_a == int(nan) and m.numel == n
 
 
 def test_nan_and_inf_are_counted_and_only_mismatches_diverge() -> None:

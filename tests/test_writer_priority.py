@@ -3,6 +3,7 @@ writing while a forward that takes every core runs, unless the host waits on it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -17,6 +18,7 @@ import torch
 import tracedump
 import tracedump.sinks
 import tracedump.writer
+from tracedump.writer import Writer
 
 
 @dataclass
@@ -54,8 +56,26 @@ def test_the_writer_runs_at_the_lowest_priority_and_the_host_keeps_its_own(dump_
 
 @pytest.fixture
 def every_core_busy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A host whose forward takes every core: one usable core, and torch has at least one thread."""
+    """A host whose forward takes every core: one usable core (torch has at least one thread) and
+    no CUDA in use, whatever earlier tests initialised."""
     monkeypatch.setattr(tracedump.sinks, "_usable_cores", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set when the writer thread reaches a chunk while a pass is open and no host thread waits
+    on it: from then on it holds back (with MAX_HOLD_BACK_S patched long, until released)."""
+    reached = threading.Event()
+    original = Writer.wait_for_idle_host
+
+    def noting(self: Writer) -> None:
+        if self._host_busy and not self._host_waits:
+            reached.set()
+        original(self)
+
+    monkeypatch.setattr(Writer, "wait_for_idle_host", noting)
+    return reached
 
 
 def _held_writer(dumper: tracedump.Dumper) -> threading.Event:
@@ -82,41 +102,51 @@ def _two_passes_with_the_first_queued_while_the_second_runs(
         model(torch.ones(2, 4))
 
 
-def test_while_a_forward_takes_every_core_the_writer_writes_after_it(
-    dump_dir: Path, every_core_busy: None
-) -> None:
+def _attached() -> tuple[tracedump.Dumper, torch.nn.Module]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     dumper = tracedump.attach(model)
     assert dumper is not None
+    return dumper, model
+
+
+def test_while_a_forward_takes_every_core_the_writer_writes_after_it(
+    dump_dir: Path, every_core_busy: None, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 600.0)
+    dumper, model = _attached()
     during: list[list[str]] = []
 
     def look() -> None:
-        time.sleep(0.3)  # well inside MAX_HOLD_BACK_S: the writer may only be waiting
+        assert held.wait(30), "the writer never held back for the open pass"
         during.append(_written(dumper.run_dir))
 
     _two_passes_with_the_first_queued_while_the_second_runs(dumper, model, look)
     dumper.flush()
 
-    assert tracedump.writer.MAX_HOLD_BACK_S >= 1.0
     assert during == [[]]  # pass 0 was not written while pass 1 ran
     assert _written(dumper.run_dir) == ["pass00000.safetensors", "pass00001.safetensors"]
     dumper.close()
 
 
-def test_a_forward_with_a_spare_core_or_on_the_gpu_is_written_beside(
-    dump_dir: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_forward_with_a_spare_cpu_or_on_an_accelerator_is_written_beside(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     told: list[bool] = []
+    writer = type("W", (), {"host_busy": staticmethod(told.append)})()
     sink = tracedump.sinks.FileSink.__new__(tracedump.sinks.FileSink)
-    sink._rundir = type("RunDir", (), {"writer": type("W", (), {"host_busy": staticmethod(told.append)})})()  # type: ignore[assignment]
+    sink._rundir = type("RunDir", (), {"writer": writer})()  # type: ignore[assignment]
+    sink._off_cpu = False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
 
-    sink._cores = torch.get_num_threads() + 1  # a spare core
+    sink._cores = torch.get_num_threads() + 1  # a free CPU (an SMT sibling, say)
     sink.host_busy(True)
     sink._cores = torch.get_num_threads()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the forward runs on the GPU
     sink.host_busy(True)
     sink.host_busy(False)  # the end of a pass always reaches the writer
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    sink.host_busy(True)  # every CPU taken, nothing on an accelerator: hold back
+    sink._off_cpu = True  # a capture came from an accelerator (MPS, XPU, ...)
     sink.host_busy(True)
 
     assert told == [False, True]
@@ -124,20 +154,24 @@ def test_a_forward_with_a_spare_core_or_on_the_gpu_is_written_beside(
 
 @pytest.mark.parametrize("wait", ["flush", "cap"])
 def test_a_host_that_waits_on_the_writer_is_never_held_back(
-    dump_dir: Path, every_core_busy: None, monkeypatch: pytest.MonkeyPatch, wait: str
+    dump_dir: Path,
+    every_core_busy: None,
+    held: threading.Event,
+    monkeypatch: pytest.MonkeyPatch,
+    wait: str,
 ) -> None:
     monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 600.0)  # only the host's wait can release it
-    if wait == "cap":
-        monkeypatch.setenv("TRACEDUMP_DUMP_MAX_PENDING_BYTES", "64")  # each capture waits for the writer
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    dumper = tracedump.attach(model)
-    assert dumper is not None
+    if wait == "cap":  # one pass (two [2, 4] float32 outputs) fits; pass 1's first capture waits
+        monkeypatch.setenv("TRACEDUMP_DUMP_MAX_PENDING_BYTES", "64")
+    dumper, model = _attached()
     during: list[list[str]] = []
 
     def wait_on_the_writer() -> None:
+        assert held.wait(30), "the writer never held back for the open pass"
         if wait == "flush":
             dumper.flush()
-        during.append(_written(dumper.run_dir))
+            during.append(_written(dumper.run_dir))
+        # "cap": the forward that follows waits for room, with the writer already held
 
     done = threading.Thread(
         target=_two_passes_with_the_first_queued_while_the_second_runs,
@@ -148,19 +182,17 @@ def test_a_host_that_waits_on_the_writer_is_never_held_back(
     done.join(timeout=60)
 
     assert not done.is_alive(), "the host waited on a writer that held back for it: a deadlock"
-    if wait == "flush":
-        assert during == [["pass00000.safetensors"]]
+    assert during == ([["pass00000.safetensors"]] if wait == "flush" else [])
     dumper.close()
     assert _written(dumper.run_dir)[:1] == ["pass00000.safetensors"]
 
 
-def test_the_writer_holds_back_for_one_pass_at_most_max_hold_back_s(
-    dump_dir: Path, every_core_busy: None, monkeypatch: pytest.MonkeyPatch
+def test_a_queued_pass_waits_at_most_max_hold_back_s(
+    dump_dir: Path, every_core_busy: None, held: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A host that never pauses (here: one long pass) still gets its earlier passes written."""
     monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 0.05)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    dumper = tracedump.attach(model)
-    assert dumper is not None
+    dumper, model = _attached()
     during: list[list[str]] = []
 
     def a_long_forward() -> None:
@@ -172,4 +204,93 @@ def test_the_writer_holds_back_for_one_pass_at_most_max_hold_back_s(
     _two_passes_with_the_first_queued_while_the_second_runs(dumper, model, a_long_forward)
     dumper.close()
 
-    assert during == [["pass00000.safetensors"]]
+    assert held.is_set() and during == [["pass00000.safetensors"]]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _raising_forward(model: torch.nn.Module) -> None:
+    with contextlib.suppress(_Boom):
+        model(torch.ones(2, 4), boom=True)
+
+
+@pytest.mark.parametrize(
+    "ending", ["root forward", "error in the forward", "error in step()", "warm-up", "close"]
+)
+def test_every_end_of_a_pass_releases_the_writer(
+    dump_dir: Path, every_core_busy: None, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, boom: bool = False) -> torch.Tensor:
+            y = self.linear(x)
+            if boom:
+                raise _Boom
+            return y
+
+    if ending == "warm-up":
+        monkeypatch.setenv("TRACEDUMP_DUMP_TOKENS", "100")  # a 2-row input is refused: warm-up
+    model = Model()
+    dumper = tracedump.attach(model)
+    assert dumper is not None
+    writer = dumper.rundir.writer
+    seen: list[bool] = []
+    original = writer.host_busy
+    monkeypatch.setattr(writer, "host_busy", lambda busy: (seen.append(busy), original(busy)))
+
+    if ending in ("root forward", "warm-up"):
+        model(torch.ones(2, 4))
+    elif ending == "error in the forward":
+        _raising_forward(model)
+    elif ending == "error in step()":
+        with contextlib.suppress(_Boom), dumper.step():
+            model(torch.ones(2, 4))
+            raise _Boom
+    else:
+        with dumper.step():
+            model(torch.ones(2, 4))
+            dumper.close()
+
+    if ending == "warm-up":
+        assert dumper.skipped["token_gate"] == 1 and dumper.pass_index == 0  # it was one
+    dumper.close()
+    assert seen[:1] == [True] and writer._host_busy is False
+
+
+def test_once_a_pass_waited_too_long_the_writer_catches_up_before_holding_back_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that never pauses: the writer gives up holding back for the whole backlog (at nice 19
+    it would otherwise fall further behind with every pass), and holds back again once caught up."""
+    monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 0.05)
+    writer = Writer(tmp_path, 1 << 30, {}, lambda message: None)
+    writer.host_busy(True)  # a forward that takes every core, from here on
+    released: dict[str, threading.Event] = {name: threading.Event() for name in "ABC"}
+
+    def holding(name: str) -> Callable[[], None]:
+        def run() -> None:
+            writer.wait_for_idle_host()
+            if name == "A":  # from now on only the catching-up rule can let B through
+                monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 600.0)
+            released[name].set()
+
+        return run
+
+    gate = threading.Event()
+    writer.submit(_Probe(lambda: gate.wait(30)))  # type: ignore[arg-type]
+    writer.submit(_Probe(holding("A")))  # type: ignore[arg-type]
+    writer.submit(_Probe(holding("B")))  # type: ignore[arg-type]  # queued behind A: the backlog
+    gate.set()
+    assert released["A"].wait(30) and released["B"].wait(30)  # A waited 0.05 s, B not at all
+
+    writer.flush()  # the backlog is written: the next pass is held back again
+    writer.submit(_Probe(holding("C")))  # type: ignore[arg-type]
+    held_back = not released["C"].wait(0.2)
+    writer.host_busy(False)
+    assert held_back and released["C"].wait(30)
+    writer.close()

@@ -54,7 +54,8 @@ class FileSink:
         self._rundir = rundir
         self._sync_escape = sync_escape
         self._cap = max_pending_bytes
-        self._cores = _usable_cores()
+        self._cores = _usable_cores()  # read once: an engine sets its affinity before it attaches
+        self._off_cpu = False  # a capture came from an accelerator: its forwards leave the CPU free
 
     @property
     def failure(self) -> str | None:
@@ -70,6 +71,8 @@ class FileSink:
         )
 
     def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
+        if not tensor.is_cpu:
+            self._off_cpu = True
         pool = self._rundir.writer.buffers if pooled else None
         return copy_to_host(tensor, self._sync_escape, pool)
 
@@ -94,8 +97,11 @@ class FileSink:
 
     def host_busy(self, busy: bool) -> None:
         """The writer holds back while a forward that takes every core runs (Writer.host_busy):
-        one on the CPU (CUDA not in use) with an intra-op thread per usable core."""
-        if busy and (torch.cuda.is_initialized() or torch.get_num_threads() < self._cores):
+        one on the CPU (no capture from an accelerator, CUDA not in use) with an intra-op thread
+        for every CPU this process may run on. Where torch leaves CPUs free (its default is one
+        thread per physical core, so on SMT machines the siblings are free), the writer runs on
+        one of them without taking a core from torch's threads, and writes beside the forward."""
+        if busy and (self._off_cpu or torch.cuda.is_initialized() or torch.get_num_threads() < self._cores):
             return
         self._rundir.writer.host_busy(busy)
 

@@ -154,9 +154,10 @@ class WriterTotals:
 
 
 WRITER_NICE = 19  # the lowest CPU priority: the writer runs in the host's idle time
-# How long the writer holds back for one open pass whose forward takes every core (see
-# Writer.host_busy): a forward longer than this (a large model on CPU) has its earlier passes
-# written beside it, as before, rather than waiting for its end.
+# How long a queued pass may wait for the host to pause while forwards that take every core run
+# (see Writer.host_busy). After that the writer writes beside the forwards, as before, until it has
+# caught up with the queue: a host that never pauses (back-to-back steps, one long forward) still
+# has its passes written, and does not fill the memory cap with them.
 MAX_HOLD_BACK_S = 1.0
 
 
@@ -191,10 +192,12 @@ class Writer:
         self.totals = WriterTotals()
         self.failure: str | None = None
         self._on_error = on_error
-        self._queue: collections.deque[Job] = collections.deque()
+        self._queue: collections.deque[tuple[Job, float]] = collections.deque()  # with when queued
         self._pending = 0
         self._busy = False
-        self._host_busy_since: float | None = None  # a pass is open and its forward takes every core
+        self._host_busy = False  # a pass is open and its forward takes every core
+        self._job_queued_at = 0.0  # when the job being written was queued
+        self._behind = False  # a job waited MAX_HOLD_BACK_S: no holding back until the queue is empty
         self._host_waits = 0  # host threads waiting on the writer (cap, flush): it must not hold back
         self._cond = threading.Condition()
         self._closing = False
@@ -221,7 +224,7 @@ class Writer:
             if self.failure is not None:
                 self._drop(job)
                 return
-            self._queue.append(job)
+            self._queue.append((job, time.monotonic()))
             self._pending += job.nbytes
             self._cond.notify_all()
 
@@ -241,24 +244,27 @@ class Writer:
         parallel op, and a writer that takes a core from one of them stalls them all; at nice 19
         it still got that core often enough that six back-to-back steps of the bench model took
         1.5-1.9x the untouched time. Written between forwards instead, the same bytes cost what
-        they cost on their own. The host never waits for this: a pass waits in the queue (within
-        the memory cap), and the writer goes on at once when the host waits on it (the cap, a
-        flush, exit) or the pass has been open for :data:`MAX_HOLD_BACK_S`."""
+        they cost on their own. The host never waits for this: a pass waits in the queue, and the
+        writer goes on at once when the host waits on it (the cap, a flush, exit), and once a pass
+        has waited :data:`MAX_HOLD_BACK_S` since it was queued it writes beside the forwards until
+        the queue is empty (at nice 19 it gets little CPU then; holding back again for each of the
+        passes behind, it fell further behind with every one)."""
         if busy:
-            self._host_busy_since = time.monotonic()
-        elif self._host_busy_since is not None:
+            self._host_busy = True
+        elif self._host_busy:
             with self._cond:
-                self._host_busy_since = None
+                self._host_busy = False
                 self._cond.notify_all()
 
     def wait_for_idle_host(self) -> None:
         """Called by the writer thread before each chunk of a pass file (see :meth:`host_busy`)."""
-        if self._host_busy_since is None:
+        if not self._host_busy or self._behind:
             return
         with self._cond:
-            while self._host_busy_since is not None and not self._host_waits and not self._closing:
-                left = self._host_busy_since + MAX_HOLD_BACK_S - time.monotonic()
+            while self._host_busy and not self._host_waits and not self._closing:
+                left = self._job_queued_at + MAX_HOLD_BACK_S - time.monotonic()
                 if left <= 0:
+                    self._behind = True
                     return
                 self._cond.wait(left)
 
@@ -352,7 +358,7 @@ class Writer:
                     self._cond.wait()
                 if not self._queue:
                     return
-                job = self._queue.popleft()
+                job, self._job_queued_at = self._queue.popleft()
                 self._busy = True
             try:
                 if self.failure is None:
@@ -367,6 +373,7 @@ class Writer:
                 with self._cond:
                     self._busy = False
                     self._pending -= nbytes
+                    self._behind = self._behind and bool(self._queue)
                     self._cond.notify_all()
 
     def _fail(self, job: Job, error: Exception) -> None:
@@ -376,7 +383,7 @@ class Writer:
         self._drop(job)
         with self._cond:
             while self._queue:
-                dropped = self._queue.popleft()
+                dropped, _ = self._queue.popleft()
                 self._pending -= dropped.nbytes
                 self._drop(dropped)
             self._cond.notify_all()

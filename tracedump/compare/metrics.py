@@ -178,7 +178,14 @@ def compare_arrays(a: Stored, b: Stored, *, want_max_b: bool = False) -> TensorM
         step = -(-len(starts) // workers)
         blocks = [starts[i : i + step] for i in range(0, len(starts), step)]
         others = [pool.submit(run, block) for block in blocks[1:]]
-        sums = _merge([run(blocks[0]), *(future.result() for future in others)])
+        try:
+            first = run(blocks[0])
+        except BaseException:  # an error (or Ctrl-C) here must not leave the workers reading on
+            for future in others:
+                future.cancel()
+            concurrent.futures.wait(others)
+            raise
+        sums = _merge([first, *(future.result() for future in others)])
     return _finish(sums, total)
 
 
