@@ -10,6 +10,10 @@ alike:
 - **diff**: ``tracedump.compare.compare(A, B)``, the pipeline behind ``tracedump diff`` (load,
   plan, read every tensor pair, all metrics, verdicts), in process so start-up is not counted.
 
+The tensors are flat, as when the benchmark was written; the same bytes shaped as activations
+(``[1, tokens, hidden]``, which adds the per-token error to every tensor's work) are measured
+too, under ``activations``, without a target.
+
 Both read the same page-cache-resident files (written, synced, then read once to warm up), so the
 ratio compares the comparator's work with a read, not one disk state with another. Targets: ratio
 >= 0.8, and peak anonymous memory <= 4x the largest tensor, measured in one more, untimed diff
@@ -40,7 +44,9 @@ MEMORY_TARGET = 4.0  # "a few times the largest tensor, not the dump"
 GiB = 1 << 30
 
 
-def _write_dump(root: Path, passes: int, tensors: int, numel: int, under_test: bool) -> int:
+def _write_dump(
+    root: Path, passes: int, tensors: int, numel: int, under_test: bool, shape: tuple[int, ...] | None = None
+) -> int:
     """One run dir of fp32 pass files, generated tensor by tensor from seeds shared by both sides.
 
     The reference carries 1e-7 relative noise everywhere (another kernel order: rel_diff ~1e-14,
@@ -64,7 +70,7 @@ def _write_dump(root: Path, passes: int, tensors: int, numel: int, under_test: b
                     numel, generator=torch.Generator().manual_seed(10_000 + index * tensors + k)
                 )
                 tensor.mul_(noise.mul_(scale).add_(1))
-            data[f"model.layers.{index}.t{k}"] = tensor
+            data[f"model.layers.{index}.t{k}"] = tensor if shape is None else tensor.reshape(shape)
         total += save_tensors_atomic(run_dir / pass_file_name(index), data, {"tracedump.mode": "full"})
     manifest = {"rank": 0, "pid": 1, "root": "Bench", "settings": {"mode": "full"}, "complete": True}
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -104,6 +110,38 @@ class _AnonPeak:
         self._thread.join()
 
 
+def _activations(
+    scratch: Path, passes: int, tensors: int, numel: int, rounds: int, buffer: bytearray
+) -> dict[str, Any]:
+    """The same bytes shaped as activations, ``[1, tokens, hidden]``: the diff then also measures
+    every token's error (``per_token``), as it does on real dumps. Not a target; it shows what
+    the per-token figures cost on top of the metrics."""
+    from tracedump.compare import compare
+
+    hidden = next((h for h in (2176, 2048, 1024) if numel % h == 0), numel)
+    shape = (1, numel // hidden, hidden)
+    total = _write_dump(scratch / "a3", passes, tensors, numel, under_test=True, shape=shape)
+    total += _write_dump(scratch / "b3", passes, tensors, numel, under_test=False, shape=shape)
+    paths = sorted((scratch / "a3").rglob("*.safetensors")) + sorted((scratch / "b3").rglob("*.safetensors"))
+    os.sync()
+    _raw_read(paths, buffer)
+    raw_seconds, diff_seconds = [], []
+    for _ in range(rounds):
+        raw_seconds.append(_raw_read(paths, buffer))
+        start = time.perf_counter()
+        report = compare(scratch / "a3", scratch / "b3")
+        diff_seconds.append(time.perf_counter() - start)
+    first = report.first_divergence
+    return {
+        "shape": list(shape),
+        "raw_read_GBps": total / common.median(raw_seconds) / 1e9,
+        "diff_GBps": total / common.median(diff_seconds) / 1e9,
+        "ratio": common.median(raw_seconds) / common.median(diff_seconds),
+        "first_divergence": first.name if first else None,
+        "per_token": first is not None and first.per_token is not None,
+    }
+
+
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     """Write the dumps, measure both sides interleaved, delete everything; return the figures."""
     from tracedump.compare import compare
@@ -132,6 +170,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         with _AnonPeak() as peak:  # a separate run: the sampling thread must not slow the timed ones
             report = compare(scratch / "a", scratch / "b")
         anon_peak = max(peak.peak_kib - baseline, 0) * 1024
+        activations = _activations(scratch, passes, tensors, numel, rounds, buffer)
     total = bytes_a + bytes_b
     raw_bw = total / common.median(raw_seconds)
     diff_bw = total / common.median(diff_seconds)
@@ -166,6 +205,8 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         "diff_peak_anon_bytes": anon_peak,
         "diff_peak_anon_over_largest_tensor": memory_ratio,
         "targets": targets,
+        "activations": activations,
+        "activations_ratio": activations["ratio"],
         "first_divergence": first.name if first else None,
         "exit_code": report.exit_code,
         "machine": common.machine_info(),

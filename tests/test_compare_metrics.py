@@ -130,6 +130,46 @@ def test_split_across_threads_the_largest_error_is_found_where_it_is(
     assert m.nan_a == int(nan) and m.numel == n
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((1, 40, 3000), torch.float32), ((3, 700, 1024), torch.bfloat16), ((300, 1024), torch.float32)],
+)
+def test_per_token_error_comes_from_the_metrics_own_pass(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """Row sums kept by the chunk loop (split over threads for the 2M-element case, a NaN row on
+    the careful path) give the per-token figures and metrics a separate pass would."""
+    monkeypatch.setattr(metrics, "_cores", lambda: 4)
+    metrics._pool.cache_clear()
+    monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
+    generator = torch.Generator().manual_seed(7)
+    a = torch.randn(shape, generator=generator)
+    b = (a + 1e-3 * torch.randn(shape, generator=generator)).to(dtype)
+    a = a.to(dtype)
+    a.view(-1)[5 * shape[-1] + 3] = float("nan")
+    sa, sb = stored_from_torch(a), stored_from_torch(b)
+    m, rows = metrics.compare_by_row(sa, sb)
+    assert rows is not None
+    x, y = a.double().reshape(-1, shape[-1]), b.double().reshape(-1, shape[-1])
+    both = x.isfinite() & y.isfinite()
+    xz, yz = torch.where(both, x, 0.0), torch.where(both, y, 0.0)
+    assert np.allclose(rows.dd, ((xz - yz) ** 2).sum(1).numpy(), rtol=1e-5, atol=0)
+    assert np.allclose(rows.norm, (xz**2 + yz**2).sum(1).numpy(), rtol=1e-5, atol=0)
+    whole = compare_arrays(sa, sb)
+    assert (m.argmax, m.max_abs, m.nan_a) == (whole.argmax, whole.max_abs, 1)
+    assert m.rel_diff == pytest.approx(whole.rel_diff, rel=1e-5)  # fp32 sums in another order
+    assert m.mean_abs == pytest.approx(whole.mean_abs, rel=1e-6)
+    dim = len(shape) - 2
+    expected = metrics.per_token_rel_diff(sa, sb, dim)
+    assert metrics.per_token_from_rows(rows, shape, dim) == pytest.approx(expected, rel=1e-5)
+
+
+def test_rows_longer_than_a_chunk_are_left_to_the_separate_pass() -> None:
+    a = torch.randn(2, CHUNK + 8)
+    m, rows = metrics.compare_by_row(stored_from_torch(a), stored_from_torch(a + 1))
+    assert rows is None and m.max_abs == pytest.approx(1.0)
+
+
 def test_nan_and_inf_are_counted_and_only_mismatches_diverge() -> None:
     a = torch.randn(100)
     b = a.clone()

@@ -11,7 +11,14 @@ import math
 from collections.abc import Callable
 
 from ..sequences import token_dim
-from .metrics import TensorMetrics, compare_arrays, per_token_rel_diff
+from .metrics import (
+    RowSums,
+    TensorMetrics,
+    compare_arrays,
+    compare_by_row,
+    per_token_from_rows,
+    per_token_rel_diff,
+)
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
 from .results import TensorResult
@@ -99,7 +106,13 @@ class Executor:
         self, base: dict, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
     ) -> TensorResult:
         stored_a, stored_b = assemble(pair.a, views_a), assemble(pair.b, views_b)
-        metrics = compare_arrays(stored_a, stored_b, want_max_b=pair.tolerance.metric == "max_abs")
+        want_max_b = pair.tolerance.metric == "max_abs"
+        dim = self._token_dim(stored_a.shape, stored_b.shape)
+        rows = None
+        if dim is None:
+            metrics = compare_arrays(stored_a, stored_b, want_max_b=want_max_b)
+        else:  # the per-token sums come from the same pass
+            metrics, rows = compare_by_row(stored_a, stored_b, want_max_b=want_max_b)
         for side, entry, views in (("A", pair.a, views_a), ("B", pair.b, views_b)):
             disagreement = _rank_disagreement(entry, views, pair.tolerance)
             if disagreement is not None:
@@ -119,32 +132,34 @@ class Executor:
         covering = next((f for f in self._unit_flips if f.covers(pair.a.name)), None)
         if covering is not None:
             return self._inside_flipped_block(base, covering, (stored_a, stored_b), metrics)
-        token_dim, per_token = self._per_token(stored_a, stored_b, metrics)
-        return TensorResult(
-            **base, status="measured", metrics=metrics, token_dim=token_dim, per_token=per_token
-        )
+        if self.per_token and self._tokens is None and 2 <= len(stored_a.shape) <= 3:
+            self._tokens = stored_a.shape[-2]  # the unit's token count, from its first measured tensor
+        per_token = None if dim is None else self._per_token(stored_a, stored_b, metrics, dim, rows)
+        return TensorResult(**base, status="measured", metrics=metrics, token_dim=dim, per_token=per_token)
+
+    def _token_dim(self, shape: tuple[int, ...], shape_b: tuple[int, ...]) -> int | None:
+        """The dim whose size is the unit's token count: the second-to-last dim of its first
+        tensor of 2 or 3 dims (``[tokens, hidden]``, ``[batch, seq, hidden]``), which this pair
+        is when none was measured before it. Units whose tensors are images (4-D and up) get none:
+        their dims are channels and pixels, not tokens."""
+        if not self.per_token:
+            return None
+        tokens = self._tokens
+        if tokens is None and 2 <= len(shape) <= 3:
+            tokens = shape[-2]
+        if not tokens or tokens < 2 or shape_b != shape or len(shape) < 2:
+            return None
+        return token_dim(shape, tokens, len(shape))  # no preferred dim: the first of that size
 
     def _per_token(
-        self, a: Stored, b: Stored, metrics: TensorMetrics
-    ) -> tuple[int | None, tuple[float, ...] | None]:
-        """rel_diff per token position, along the dim whose size is the unit's token count: the
-        second-to-last dim of its first tensor of 2 or 3 dims (``[tokens, hidden]``, ``[batch,
-        seq, hidden]``). Units whose tensors are images (4-D and up) get none: their dims are
-        channels and pixels, not tokens."""
-        if not self.per_token:
-            return None, None
-        shape = a.shape
-        if self._tokens is None and 2 <= len(shape) <= 3:
-            self._tokens = shape[-2]
-        tokens = self._tokens
-        if not tokens or tokens < 2 or b.shape != shape:
-            return None, None
-        dim = token_dim(shape, tokens, len(shape))  # no preferred dim: the first of that size
-        if dim is None or len(shape) < 2:
-            return None, None
+        self, a: Stored, b: Stored, metrics: TensorMetrics, dim: int, rows: RowSums | None
+    ) -> tuple[float, ...]:
+        """rel_diff per token position along ``dim``: summed from the rows' sums of the metrics'
+        own pass, or measured again where those were not kept (rows longer than a chunk)."""
+        tokens = a.shape[dim]
         if metrics.rel_diff == 0 and metrics.nonfinite_mismatch == 0:
-            return dim, (0.0,) * tokens
-        return dim, per_token_rel_diff(a, b, dim)
+            return (0.0,) * tokens
+        return per_token_rel_diff(a, b, dim) if rows is None else per_token_from_rows(rows, a.shape, dim)
 
     def _router_flip(
         self,
