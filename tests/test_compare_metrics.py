@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,7 +133,12 @@ def test_split_across_threads_the_largest_error_is_found_where_it_is(
 
 @pytest.mark.parametrize(
     ("shape", "dtype"),
-    [((1, 40, 3000), torch.float32), ((3, 700, 1024), torch.bfloat16), ((300, 1024), torch.float32)],
+    [
+        ((1, 40, 3000), torch.float32),  # one chunk, the careful path (it holds the NaN)
+        ((3, 700, 1024), torch.bfloat16),  # split over threads
+        ((2, 1200, 1100), torch.float32),  # rows that do not divide CHUNK: chunks of whole rows
+        ((300, 1024), torch.float32),
+    ],
 )
 def test_per_token_error_comes_from_the_metrics_own_pass(
     monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], dtype: torch.dtype
@@ -164,10 +170,30 @@ def test_per_token_error_comes_from_the_metrics_own_pass(
     assert metrics.per_token_from_rows(rows, shape, dim) == pytest.approx(expected, rel=1e-5)
 
 
-def test_rows_longer_than_a_chunk_are_left_to_the_separate_pass() -> None:
-    a = torch.randn(2, CHUNK + 8)
-    m, rows = metrics.compare_by_row(stored_from_torch(a), stored_from_torch(a + 1))
-    assert rows is None and m.max_abs == pytest.approx(1.0)
+@pytest.mark.parametrize("row", [CHUNK + 8, 1])
+def test_rows_too_long_or_too_short_for_the_metrics_pass_are_measured_apart(tmp_path: Path, row: int) -> None:
+    """Rows longer than a chunk, or too short to pay for a product per chunk (``[tokens, 1]``):
+    no row sums from the metrics' pass, and the per-token figures still come, from their own pass."""
+    from tracedump.compare import compare
+    from tracedump.format import pass_file_name
+    from tracedump.writer import save_tensors_atomic
+
+    tokens = 3 if row > 1 else 5000
+    a = torch.randn(tokens, row, generator=torch.Generator().manual_seed(1))
+    b = a.clone()
+    b[-1] += 0.5  # only the last token is off
+    m, rows = metrics.compare_by_row(stored_from_torch(b), stored_from_torch(a))
+    assert rows is None and m.max_abs == pytest.approx(0.5)
+    for side, tensor in (("a", b), ("b", a)):
+        run_dir = tmp_path / side / "rank0_pid1"
+        run_dir.mkdir(parents=True)
+        save_tensors_atomic(run_dir / pass_file_name(0), {"x": tensor}, {"tracedump.mode": "full"})
+        (run_dir / "manifest.json").write_text(
+            '{"rank": 0, "pid": 1, "root": "T", "settings": {"mode": "full"}}'
+        )
+    (result,) = compare(tmp_path / "a", tmp_path / "b").results
+    assert result.token_dim == 0 and result.per_token is not None and len(result.per_token) == tokens
+    assert all(v == 0 for v in result.per_token[:-1]) and result.per_token[-1] > 0
 
 
 def test_nan_and_inf_are_counted_and_only_mismatches_diverge() -> None:

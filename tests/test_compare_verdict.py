@@ -147,7 +147,15 @@ def test_per_token_error_names_the_position_a_bug_starts(tmp_path: Path) -> None
         dumper.close()
         return out
 
-    report = compare(dump(tmp_path / "bug", True), dump(tmp_path / "ref", False))
+    import tracedump.compare.execute
+
+    separate: list[tuple[int, ...]] = []  # tensors measured per token in a pass of their own
+    original = tracedump.compare.execute.per_token_rel_diff
+    spy = lambda a, b, dim: separate.append(a.shape) or original(a, b, dim)  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tracedump.compare.execute, "per_token_rel_diff", spy)
+        report = compare(dump(tmp_path / "bug", True), dump(tmp_path / "ref", False))
+    assert all(shape[-1] < 32 for shape in separate)  # the hidden-size ones came with the metrics
     first = report.first_divergence
     assert first is not None and first.name == "model.layers.1.mlp"
     assert first.per_token is not None and len(first.per_token) == 16 and first.token_dim == 1

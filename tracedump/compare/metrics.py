@@ -35,6 +35,7 @@ from .reader import Stored
 
 CHUNK = 1 << 18  # elements: 1 MiB of fp32: a chunk and its temporaries stay in L2 + L3
 _ROW = 1 << 10  # Σ|d| as a matrix-vector product of the chunk's rows with a ones vector this long
+_MIN_ROW = 32  # shorter rows are summed by per_token_rel_diff, not by the metrics' pass
 _PARALLEL_CHUNKS = 8  # tensors of at least this many chunks are split across worker threads
 _MAX_WORKERS = 4  # the arithmetic is memory-bound: more threads than this buy nothing
 _UNDERFLOW = 1e-30  # fp32 squares below this lose digits: redo the chunk in float64
@@ -192,11 +193,13 @@ def compare_by_row(a: Stored, b: Stored, *, want_max_b: bool = False) -> tuple[T
 
     Why: per-token error was a second widened pass over every tensor, which made a diff of real
     ``[tokens, hidden]`` activations 3-4x slower than the metrics alone. The row sums come from
-    the chunks the metrics read, with BLAS row dots instead of whole-chunk dots (as fast), so the
-    per-token figures cost almost nothing. None when a row is longer than a chunk."""
+    the chunks the metrics read (about half the metrics' time on top, where the separate pass cost
+    three times it). None when a row is longer than a chunk, or too short for a matrix-vector
+    product per chunk to pay (``[tokens, 1]`` scales, top-1 router outputs): the caller then
+    measures the rows in a pass of their own, as before."""
     shape = a.shape
     row_len = shape[-1] if shape else 0
-    if not 0 < row_len <= CHUNK or math.prod(shape) == 0:
+    if not _MIN_ROW <= row_len <= CHUNK or math.prod(shape) == 0:
         return compare_arrays(a, b, want_max_b=want_max_b), None
     return _compare(a, b, want_max_b, by_row=True)
 
@@ -451,8 +454,9 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int) -> tuple[float, ...]:
             x = as_float(Stored(moved_a[start : start + step], a.dtype)).reshape(-1, per_row)
             y = as_float(Stored(moved_b[start : start + step], b.dtype)).reshape(-1, per_row)
             d = x - y
-            rows_dd = np.einsum("ij,ij->i", d, d)
-            rows_norm = np.einsum("ij,ij->i", x, x) + np.einsum("ij,ij->i", y, y)
+            # float64 for the rows redone below: their sums can exceed float32 (values ~1e20)
+            rows_dd = np.einsum("ij,ij->i", d, d).astype(np.float64)
+            rows_norm = (np.einsum("ij,ij->i", x, x) + np.einsum("ij,ij->i", y, y)).astype(np.float64)
             bad = ~(np.isfinite(rows_dd) & np.isfinite(rows_norm))
             for row in np.nonzero(bad)[0]:
                 rows_dd[row], rows_norm[row] = _finite_row_sums(x[row], y[row])
@@ -474,7 +478,8 @@ def per_token_from_rows(rows: RowSums, shape: tuple[int, ...], dim: int) -> tupl
 def token_rel_diff(dd: np.ndarray, norm: np.ndarray) -> tuple[float, ...]:
     """rel_diff of each token from its Σd² and Σ(a² + b²): 1 where only the error is nonzero."""
     empty = np.where(dd > 0, 1.0, 0.0)
-    rel = np.divide(dd, norm, out=empty, where=norm > 0)
+    with np.errstate(all="ignore"):  # an infinite sum gives inf or NaN for its token, not a warning
+        rel = np.divide(dd, norm, out=empty, where=norm > 0)
     return tuple(rel.tolist())
 
 
