@@ -197,3 +197,22 @@ def test_the_batching_demo_names_the_decode_bug(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "position 11 (its first decoded token), step 3, model.layers.1.self_attn.o_proj" in done.stdout
     assert (tmp_path / "demo_out" / "batching" / "report.json").is_file()
+
+
+@pytest.mark.parametrize("shape", [(40, 64), (40, 3, 64), (40,)])
+def test_a_sequences_rows_are_measured_per_token_in_the_metrics_pass(shape: tuple[int, ...]) -> None:
+    """Gathered rows (tokens along dim 0) get the per-token figures a separate pass gives."""
+    from tracedump.compare.align import _measure_rows
+    from tracedump.compare.metrics import compare_arrays, per_token_rel_diff
+    from tracedump.compare.reader import stored_from_torch
+
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(shape, generator=generator)
+    b = a.clone()
+    b[30:] += 1e-2 * torch.randn(b[30:].shape, generator=generator)  # tokens 30 on diverge
+    rows_a, rows_b = stored_from_torch(a), stored_from_torch(b)
+    metrics, per_token = _measure_rows(rows_a, rows_b, shape[0])
+    assert metrics.rel_diff == pytest.approx(compare_arrays(rows_a, rows_b).rel_diff, rel=1e-5)
+    assert per_token == pytest.approx(per_token_rel_diff(rows_a, rows_b, 0), rel=1e-5)
+    assert all(v == 0 for v in per_token[:30]) and all(v > 0 for v in per_token[30:])
+    assert _measure_rows(rows_a, rows_a, shape[0])[1] == (0.0,) * shape[0]
