@@ -109,7 +109,7 @@ def test_split_across_threads_the_largest_error_is_found_where_it_is(
 ) -> None:
     """Four blocks of chunks over the worker threads (the calling thread takes the first); the
     largest error is in the second block and tied by an element of the third: the first wins."""
-    monkeypatch.setattr(metrics, "_cores", lambda: 4)
+    monkeypatch.setattr(metrics, "usable_cpus", lambda: 4)
     metrics._pool.cache_clear()
     monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
     generator = torch.Generator().manual_seed(5)
@@ -145,7 +145,7 @@ def test_per_token_error_comes_from_the_metrics_own_pass(
 ) -> None:
     """Row sums kept by the chunk loop (split over threads for the 2M-element case, a NaN row on
     the careful path) give the per-token figures and metrics a separate pass would."""
-    monkeypatch.setattr(metrics, "_cores", lambda: 4)
+    monkeypatch.setattr(metrics, "usable_cpus", lambda: 4)
     metrics._pool.cache_clear()
     monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
     generator = torch.Generator().manual_seed(7)

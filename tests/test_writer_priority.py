@@ -58,7 +58,7 @@ def test_the_writer_runs_at_the_lowest_priority_and_the_host_keeps_its_own(dump_
 def every_core_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host whose forward takes every core: one usable core (torch has at least one thread) and
     no CUDA in use, whatever earlier tests initialised."""
-    monkeypatch.setattr(tracedump.sinks, "_usable_cores", lambda: 1)
+    monkeypatch.setattr(tracedump.sinks, "usable_cpus", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
 
 

@@ -6,12 +6,12 @@ copied* and *where it ends up*. Tests inject failures by handing the recorder a 
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .cpus import usable_cpus
 from .cuda import SyncEscape, allow_sync, copy_to_host
 from .writer import STORABLE_DTYPES, Job, PassJob
 
@@ -54,7 +54,7 @@ class FileSink:
         self._rundir = rundir
         self._sync_escape = sync_escape
         self._cap = max_pending_bytes
-        self._cores = _usable_cores()  # read once: an engine sets its affinity before it attaches
+        self._cores = usable_cpus()  # read once: an engine sets its affinity before it attaches
         self._off_cpu = False  # a capture came from an accelerator: its forwards leave the CPU free
 
     @property
@@ -150,12 +150,6 @@ class MemorySink:
     def take_recent(self) -> list[torch.Tensor]:
         recent, self.recent = self.recent, []
         return recent
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _in_worker_process() -> bool:

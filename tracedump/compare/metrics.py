@@ -24,13 +24,13 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-import os
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..cpus import usable_cpus
 from .reader import Stored
 
 CHUNK = 1 << 18  # elements: 1 MiB of fp32: a chunk and its temporaries stay in L2 + L3
@@ -136,14 +136,10 @@ def _buffers(work: type) -> _Buffers:
     return buffers
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 @functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor | None:
     """Worker threads for large tensors (numpy and BLAS release the GIL); made on first use."""
-    workers = min(_MAX_WORKERS, _cores())
+    workers = min(_MAX_WORKERS, usable_cpus())
     if workers < 2:
         return None
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tracedump-diff")
@@ -156,7 +152,7 @@ def _workers() -> int:
     computes on it, so reading and computing overlap across the cores. Counting the load average
     out of it (it once used only the "idle" cores) left one thread on any shared machine: with
     another job running, ``bench_diff`` measured 0.48x of the raw read with one thread."""
-    return max(1, min(_MAX_WORKERS, _cores()))
+    return max(1, min(_MAX_WORKERS, usable_cpus()))
 
 
 @dataclass(frozen=True)
