@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences, token_dim
-from .metrics import TensorMetrics, compare_arrays, compare_by_row, per_token_from_rows, per_token_rel_diff
+from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
 from .options import DiffOptions, UsageError
 from .plan import Plan, Unit, Unmatched, match_names, pair_roots, pair_tolerance, run_precision, side_entries
 from .reader import Stored
@@ -328,15 +328,10 @@ def _compare_sequence(
 def _measure_rows(rows_a: Stored, rows_b: Stored, tokens: int) -> tuple[TensorMetrics, tuple[float, ...]]:
     """Metrics and per-token error of one sequence's gathered rows (tokens along dim 0), the
     per-token sums from the metrics' own pass where the rows allow (see ``compare_by_row``)."""
-    if len(rows_a.shape) >= 2:
-        metrics, sums = compare_by_row(rows_a, rows_b)
-    else:
-        metrics, sums = compare_arrays(rows_a, rows_b), None
+    metrics, sums = compare_by_row(rows_a, rows_b)
     if metrics.rel_diff == 0:
         return metrics, (0.0,) * tokens
-    if sums is None:
-        return metrics, per_token_rel_diff(rows_a, rows_b, 0)
-    return metrics, per_token_from_rows(sums, rows_a.shape, 0)
+    return metrics, per_token_rel_diff(rows_a, rows_b, 0, sums)
 
 
 def _first_in_time(

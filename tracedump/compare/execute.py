@@ -16,7 +16,6 @@ from .metrics import (
     TensorMetrics,
     compare_arrays,
     compare_by_row,
-    per_token_from_rows,
     per_token_rel_diff,
 )
 from .plan import PairPlan, Plan, Workspace
@@ -132,21 +131,25 @@ class Executor:
         covering = next((f for f in self._unit_flips if f.covers(pair.a.name)), None)
         if covering is not None:
             return self._inside_flipped_block(base, covering, (stored_a, stored_b), metrics)
-        if self.per_token and self._tokens is None and 2 <= len(stored_a.shape) <= 3:
-            self._tokens = stored_a.shape[-2]  # the unit's token count, from its first measured tensor
+        if self.per_token and self._tokens is None:
+            self._tokens = self._unit_tokens(stored_a.shape)  # from the unit's first measured tensor
         per_token = None if dim is None else self._per_token(stored_a, stored_b, metrics, dim, rows)
         return TensorResult(**base, status="measured", metrics=metrics, token_dim=dim, per_token=per_token)
 
+    def _unit_tokens(self, shape: tuple[int, ...]) -> int | None:
+        """The unit's token count: the second-to-last dim of its first measured tensor of 2 or 3
+        dims (``[tokens, hidden]``, ``[batch, seq, hidden]``), or this tensor's when none was
+        measured before it. Units whose tensors are images (4-D and up) get none: their dims are
+        channels and pixels, not tokens."""
+        if self._tokens is not None:
+            return self._tokens
+        return shape[-2] if 2 <= len(shape) <= 3 else None
+
     def _token_dim(self, shape: tuple[int, ...], shape_b: tuple[int, ...]) -> int | None:
-        """The dim whose size is the unit's token count: the second-to-last dim of its first
-        tensor of 2 or 3 dims (``[tokens, hidden]``, ``[batch, seq, hidden]``), which this pair
-        is when none was measured before it. Units whose tensors are images (4-D and up) get none:
-        their dims are channels and pixels, not tokens."""
+        """The dim whose size is the unit's token count (:meth:`_unit_tokens`), if any."""
         if not self.per_token:
             return None
-        tokens = self._tokens
-        if tokens is None and 2 <= len(shape) <= 3:
-            tokens = shape[-2]
+        tokens = self._unit_tokens(shape)
         if not tokens or tokens < 2 or shape_b != shape or len(shape) < 2:
             return None
         return token_dim(shape, tokens, len(shape))  # no preferred dim: the first of that size
@@ -159,7 +162,7 @@ class Executor:
         tokens = a.shape[dim]
         if metrics.rel_diff == 0 and metrics.nonfinite_mismatch == 0:
             return (0.0,) * tokens
-        return per_token_rel_diff(a, b, dim) if rows is None else per_token_from_rows(rows, a.shape, dim)
+        return per_token_rel_diff(a, b, dim, rows)
 
     def _router_flip(
         self,

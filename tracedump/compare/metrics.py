@@ -190,11 +190,12 @@ def compare_by_row(a: Stored, b: Stored, *, want_max_b: bool = False) -> tuple[T
     Why: per-token error was a second widened pass over every tensor, which made a diff of real
     ``[tokens, hidden]`` activations 3-4x slower than the metrics alone. The row sums come from
     the chunks the metrics read (about half the metrics' time on top, where the separate pass cost
-    three times it). None when a row is longer than a chunk, or too short for a matrix-vector
-    product per chunk to pay (``[tokens, 1]`` scales, top-1 router outputs): the caller then
-    measures the rows in a pass of their own, as before."""
+    three times it). None for fewer than 2 dims (no row holds a token's values), and when a row is
+    longer than a chunk or too short for a matrix-vector product per chunk to pay (``[tokens, 1]``
+    scales, top-1 router outputs): :func:`per_token_rel_diff` then measures them in a pass of
+    their own, as before."""
     shape = a.shape
-    row_len = shape[-1] if shape else 0
+    row_len = shape[-1] if len(shape) >= 2 else 0
     if not _MIN_ROW <= row_len <= CHUNK or math.prod(shape) == 0:
         return compare_arrays(a, b, want_max_b=want_max_b), None
     return _compare(a, b, want_max_b, by_row=True)
@@ -431,13 +432,16 @@ def _finish(sums: _Sums, total: int) -> TensorMetrics:
     )
 
 
-def per_token_rel_diff(a: Stored, b: Stored, dim: int) -> tuple[float, ...]:
-    """rel_diff of each index along ``dim`` (the token positions), a slab of tokens at a time.
+def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = None) -> tuple[float, ...]:
+    """rel_diff of each index along ``dim`` (the token positions): from ``rows``, the row sums
+    :func:`compare_by_row` kept, where there are some; else a slab of tokens at a time.
 
     Position bugs (rotary, masks, KV cache, padding) show as a pattern over tokens that one number
     per tensor hides. Row sums are fp32 dots (float64 for wide dtypes): a per-token figure is for
     reading, not judging, so fp32's 1e-7 relative error on it is immaterial; rows holding NaN/Inf
     are redone over their finite positions in float64."""
+    if rows is not None:
+        return _per_token_from_rows(rows, a.shape, dim)
     from .routing import as_float
 
     tokens = a.shape[dim]
@@ -461,9 +465,8 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int) -> tuple[float, ...]:
     return token_rel_diff(dd, norm)
 
 
-def per_token_from_rows(rows: RowSums, shape: tuple[int, ...], dim: int) -> tuple[float, ...]:
-    """:func:`per_token_rel_diff` from the row sums of :func:`compare_by_row` (``dim`` is not the
-    last dim): each token's rows added up, over every other dim."""
+def _per_token_from_rows(rows: RowSums, shape: tuple[int, ...], dim: int) -> tuple[float, ...]:
+    """Each token's rows added up, over every other dim (``dim`` is not the last dim)."""
     per_row = shape[:-1]
     others = tuple(axis for axis in range(len(per_row)) if axis != dim)
     return token_rel_diff(
