@@ -358,3 +358,15 @@ def test_numpy_storage_of_bf16_keeps_the_bits() -> None:
     assert stored.dtype == "bfloat16" and stored.array.dtype == np.uint16
     assert torch.equal(stored.to_torch(), tensor)
     assert re.fullmatch(r"bfloat16", stored.dtype)
+
+
+@pytest.mark.parametrize("row", [CHUNK + 8, 1024])  # the separate pass, and the metrics' own
+def test_per_token_sums_beyond_float32_range_are_redone_in_float64(row: int) -> None:
+    """Values ~1e20: their squares overflow float32, so those rows are summed again in float64
+    (the separate pass once stored those sums back in float32: NaN per token)."""
+    a = torch.full((3, row), 1e20)
+    b = a * (1 + 1e-3)
+    sa, sb = stored_from_torch(a), stored_from_torch(b)
+    _, rows = metrics.compare_by_row(sa, sb)
+    expected = (1e-3) ** 2 / (1 + (1 + 1e-3) ** 2)
+    assert metrics.per_token_rel_diff(sa, sb, 0, rows) == pytest.approx((expected,) * 3, rel=1e-3)

@@ -386,11 +386,10 @@ def _careful_rows(x64: np.ndarray, y64: np.ndarray, both: np.ndarray, start: int
     rows, length = pair.rows, pair.row_len
     assert rows is not None
     shape = (x64.shape[0] // length, length)
-    xz, yz = np.where(both, x64, 0.0).reshape(shape), np.where(both, y64, 0.0).reshape(shape)
-    dz = xz - yz
     first = start // length
-    rows.dd[first : first + shape[0]] = np.einsum("ij,ij->i", dz, dz)
-    rows.norm[first : first + shape[0]] = np.einsum("ij,ij->i", xz, xz) + np.einsum("ij,ij->i", yz, yz)
+    rows.dd[first : first + shape[0]], rows.norm[first : first + shape[0]] = _finite_rows(
+        x64.reshape(shape), y64.reshape(shape), both.reshape(shape)
+    )
 
 
 def _sqnr_db(signal: float, noise: float) -> float:
@@ -458,8 +457,8 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = No
             rows_dd = np.einsum("ij,ij->i", d, d).astype(np.float64)
             rows_norm = (np.einsum("ij,ij->i", x, x) + np.einsum("ij,ij->i", y, y)).astype(np.float64)
             bad = ~(np.isfinite(rows_dd) & np.isfinite(rows_norm))
-            for row in np.nonzero(bad)[0]:
-                rows_dd[row], rows_norm[row] = _finite_row_sums(x[row], y[row])
+            if bad.any():
+                rows_dd[bad], rows_norm[bad] = _finite_rows(x[bad], y[bad])
             dd[start : start + len(rows_dd)] = rows_dd
             norm[start : start + len(rows_dd)] = rows_norm
     return token_rel_diff(dd, norm)
@@ -482,8 +481,14 @@ def token_rel_diff(dd: np.ndarray, norm: np.ndarray) -> tuple[float, ...]:
     return tuple(rel.tolist())
 
 
-def _finite_row_sums(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    both = np.isfinite(x) & np.isfinite(y)
-    x64, y64 = x[both].astype(np.float64), y[both].astype(np.float64)
-    d = x64 - y64
-    return float(d @ d), float(x64 @ x64 + y64 @ y64)
+def _finite_rows(
+    x: np.ndarray, y: np.ndarray, both: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's Σd² and Σ(a² + b²) in float64 over its positions finite on both sides (``both``,
+    when the caller has it): NaN/Inf rows, and rows whose fp32 sums overflowed or underflowed."""
+    if both is None:
+        both = np.isfinite(x) & np.isfinite(y)
+    xz = np.where(both, np.asarray(x, dtype=np.float64), 0.0)
+    yz = np.where(both, np.asarray(y, dtype=np.float64), 0.0)
+    dz = xz - yz
+    return np.einsum("ij,ij->i", dz, dz), np.einsum("ij,ij->i", xz, xz) + np.einsum("ij,ij->i", yz, yz)
