@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -80,3 +81,14 @@ def test_the_source_tensor_is_left_untouched() -> None:
     before = x.clone()
     compute_stats(x, list(NUMERIC_STATS))
     assert torch.equal(x, before)
+
+
+def test_an_empty_tensor_warns_nothing_into_the_host_log() -> None:
+    """An engine step with no tokens gives empty activations: every statistic is NaN or 0, and no
+    torch UserWarning (std's "degrees of freedom") reaches the host's log."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, values, _ = compute_stats(torch.zeros(0, 8), list(NUMERIC_STATS))
+    by_name = dict(zip(NUMERIC_STATS, values.tolist(), strict=True))
+    assert math.isnan(by_name["std"]) and math.isnan(by_name["min"])
+    assert by_name["nan_count"] == 0 and by_name["sum"] == 0

@@ -72,7 +72,9 @@ _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "minmax": lambda x: (
         torch.stack(torch.aminmax(x)) if x.numel() else torch.full((2,), float("nan"), device=x.device)
     ),
-    "std": lambda x: x.to(_accumulator(x)).std(correction=0),  # population std, like numpy's default
+    # population std, like numpy's default; NaN for the empty tensor without torch's UserWarning,
+    # which would otherwise reach the host's log whenever an engine step has no tokens
+    "std": _nan_if_empty(lambda x: x.to(_accumulator(x)).std(correction=0)),
     "l2": lambda x: torch.linalg.vector_norm(x, dtype=_accumulator(x)),
     "nan_count": lambda x: torch.isnan(x).sum(),
     "inf_count": lambda x: torch.isinf(x).sum(),
