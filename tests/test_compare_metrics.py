@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,13 @@ def test_a_scale_error_moves_rel_diff_but_not_cosine() -> None:
     assert m.one_minus_cosine < 1e-6 * m.rel_diff  # zero, up to fp32 rounding of the error terms
 
 
+def use_threads(monkeypatch: pytest.MonkeyPatch, cpus: int) -> None:
+    """The diff as on a machine with ``cpus`` usable CPUs: a fresh worker pool of that size."""
+    monkeypatch.setattr(metrics, "usable_cpus", lambda: cpus)
+    metrics._pool.cache_clear()
+    monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
+
+
 def test_chunks_do_not_change_the_answer() -> None:
     """A tensor over several chunks, with its largest error in the last chunk."""
     generator = torch.Generator().manual_seed(3)
@@ -107,13 +115,11 @@ def test_chunks_do_not_change_the_answer() -> None:
 def test_split_across_threads_the_largest_error_is_found_where_it_is(
     monkeypatch: pytest.MonkeyPatch, extra: int, nan: bool
 ) -> None:
-    """Four blocks of chunks over the worker threads (the calling thread takes the first); the
-    largest error is in the second block and tied by an element of the third: the first wins."""
-    monkeypatch.setattr(metrics, "usable_cpus", lambda: 4)
-    metrics._pool.cache_clear()
-    monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
+    """Chunks claimed by four threads (the calling thread is one); the largest error is tied by an
+    element three chunks later: the first wins, whichever thread took either chunk."""
+    use_threads(monkeypatch, 4)
     generator = torch.Generator().manual_seed(5)
-    n = 10 * CHUNK + extra  # blocks of 3 chunks: [0-2] [3-5] [6-8] [9-10]
+    n = 10 * CHUNK + extra
     a = torch.randn(n, generator=generator)
     b = a + 1e-4 * torch.randn(n, generator=generator)
     where, tie = 4 * CHUNK + 11, 7 * CHUNK + 5
@@ -134,6 +140,79 @@ def test_split_across_threads_the_largest_error_is_found_where_it_is(
 @pytest.mark.parametrize(
     ("shape", "dtype"),
     [
+        ((10 * CHUNK + 123,), torch.float32),
+        ((10 * CHUNK + 123,), torch.float64),  # float64 chunk sums: their order shows in the total
+        ((2400, 1100), torch.float32),  # rows kept
+    ],
+)
+def test_threads_do_not_change_a_single_bit(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """Which thread claims which chunk is chance; the figures must not be: each chunk's sums are
+    added in chunk order, so one thread and four give equal floats, not close ones."""
+    generator = torch.Generator().manual_seed(11)
+    a = torch.randn(shape, generator=generator, dtype=dtype)
+    b = (
+        a
+        + 1e-3
+        * torch.randn(shape, generator=generator, dtype=dtype)
+        * torch.rand(shape, generator=generator, dtype=dtype)
+        * 100
+    )
+    sa, sb = stored_from_torch(a), stored_from_torch(b)
+    results = []
+    for cpus in (1, 4, 4):
+        use_threads(monkeypatch, cpus)
+        m, rows = metrics.compare_by_row(sa, sb)
+        results.append((m, None if rows is None else (rows.dd.tolist(), rows.norm.tolist())))
+    assert results[0] == results[1] == results[2]
+    assert (results[0][1] is None) == (len(shape) == 1)
+
+
+def test_merge_keeps_the_lowest_index_among_equal_maxima() -> None:
+    """Two threads' parts, the one holding the later position merged first."""
+    later, earlier = metrics._Sums(), metrics._Sums()
+    for part, index, count in ((later, 900, 3), (earlier, 40, 5)):
+        part.max_abs, part.argmax, part.a_at, part.b_at, part.count = 2.0, index, 0.0, 2.0, count
+    merged = metrics._merge([later, earlier])
+    assert (merged.max_abs, merged.argmax, merged.count) == (2.0, 40, 8)
+    merged = metrics._merge([earlier, later])
+    assert merged.argmax == 40
+
+
+def test_an_error_in_the_calling_thread_stops_the_workers_claiming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers finish the chunk they hold and claim no other: an error (or Ctrl-C) must not
+    leave them reading the rest of a large tensor after the diff has given up."""
+    use_threads(monkeypatch, 4)
+    stopped = threading.Event()
+    calls: list[str] = []
+    real = metrics._fast_chunk
+
+    class Claims(metrics._Claims):
+        def stop(self) -> None:
+            super().stop()
+            stopped.set()
+
+    def fast_chunk(*args: object) -> object:
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("planted")
+        calls.append(threading.current_thread().name)
+        stopped.wait(2)  # hold each worker in its chunk until the claims are stopped
+        return real(*args)
+
+    monkeypatch.setattr(metrics, "_Claims", Claims)
+    monkeypatch.setattr(metrics, "_fast_chunk", fast_chunk)
+    n = 64 * CHUNK
+    sa, sb = (stored_from_torch(torch.zeros(n)) for _ in range(2))
+    with pytest.raises(RuntimeError, match="planted"):
+        compare_arrays(sa, sb)
+    assert stopped.is_set()
+    assert len(calls) <= 3  # at most the one chunk each worker held, of 64
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
         ((1, 40, 3000), torch.float32),  # one chunk, the careful path (it holds the NaN)
         ((3, 700, 1024), torch.bfloat16),  # split over threads
         ((2, 1200, 1100), torch.float32),  # rows that do not divide CHUNK: chunks of whole rows
@@ -145,9 +224,7 @@ def test_per_token_error_comes_from_the_metrics_own_pass(
 ) -> None:
     """Row sums kept by the chunk loop (split over threads for the 2M-element case, a NaN row on
     the careful path) give the per-token figures and metrics a separate pass would."""
-    monkeypatch.setattr(metrics, "usable_cpus", lambda: 4)
-    metrics._pool.cache_clear()
-    monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
+    use_threads(monkeypatch, 4)
     generator = torch.Generator().manual_seed(7)
     a = torch.randn(shape, generator=generator)
     b = (a + 1e-3 * torch.randn(shape, generator=generator)).to(dtype)
