@@ -92,3 +92,31 @@ def test_an_empty_tensor_warns_nothing_into_the_host_log() -> None:
     by_name = dict(zip(NUMERIC_STATS, values.tolist(), strict=True))
     assert math.isnan(by_name["std"]) and math.isnan(by_name["min"])
     assert by_name["nan_count"] == 0 and by_name["sum"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_abs_sum_on_an_accelerator_is_one_fused_reduction(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Off the CPU, Σ|x| is ``vector_norm(x, 1)``: |x| is never written out. Checked on a ``meta``
+    tensor (any non-CPU device takes that path) with a spy, and the fused kernel's value, run on
+    the CPU, against the one the CPU path gives, in the same accumulator dtype."""
+    from tracedump import reduce
+
+    calls: list[tuple[torch.device, torch.dtype, torch.dtype | None]] = []
+    real = torch.linalg.vector_norm
+
+    def spy(x: torch.Tensor, ord: float = 2, *args: object, dtype: torch.dtype | None = None) -> torch.Tensor:
+        calls.append((x.device, x.dtype, dtype))
+        return real(x, ord, *args, dtype=dtype)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", spy)
+    out = reduce._abs_sum(torch.empty(64, 32, dtype=dtype, device="meta"))
+    accumulator = torch.float64 if dtype == torch.float64 else torch.float32
+    assert calls == [(torch.device("meta"), dtype, accumulator)] and out.dtype == accumulator
+    x = torch.randn(256, 1376, generator=torch.Generator().manual_seed(4)).to(dtype)
+    on_cpu = reduce._abs_sum(x)
+    assert len(calls) == 1  # the CPU path makes |x| and sums it
+    fused = real(x, 1, dtype=accumulator)
+    assert fused.item() == pytest.approx(on_cpu.item(), rel=1e-5)
+    assert on_cpu.item() == pytest.approx(x.double().abs().sum().item(), rel=1e-5)
