@@ -180,12 +180,17 @@ def test_merge_keeps_the_lowest_index_among_equal_maxima() -> None:
     assert merged.argmax == 40
 
 
-def test_an_error_in_the_calling_thread_stops_the_workers_claiming(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The workers finish the chunk they hold and claim no other: an error (or Ctrl-C) must not
-    leave them reading the rest of a large tensor after the diff has given up."""
+@pytest.mark.parametrize("failing", ["calling thread", "worker"])
+def test_an_error_in_any_thread_stops_every_thread_claiming(
+    monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """The other threads finish the chunk they hold and claim no other: an error (or Ctrl-C) must
+    not leave them reading the rest of a large tensor after the comparison has failed, and the
+    error reaches the caller."""
     use_threads(monkeypatch, 4)
     stopped = threading.Event()
     calls: list[str] = []
+    lock = threading.Lock()
     real = metrics._fast_chunk
 
     class Claims(metrics._Claims):
@@ -194,10 +199,13 @@ def test_an_error_in_the_calling_thread_stops_the_workers_claiming(monkeypatch: 
             stopped.set()
 
     def fast_chunk(*args: object) -> object:
-        if threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        with lock:
+            fails = main if failing == "calling thread" else not main and "failed" not in calls
+            calls.append("failed" if fails else threading.current_thread().name)
+        if fails:
             raise RuntimeError("planted")
-        calls.append(threading.current_thread().name)
-        stopped.wait(2)  # hold each worker in its chunk until the claims are stopped
+        stopped.wait(2)  # hold each thread in its chunk until the claims are stopped
         return real(*args)
 
     monkeypatch.setattr(metrics, "_Claims", Claims)
@@ -207,7 +215,8 @@ def test_an_error_in_the_calling_thread_stops_the_workers_claiming(monkeypatch: 
     with pytest.raises(RuntimeError, match="planted"):
         compare_arrays(sa, sb)
     assert stopped.is_set()
-    assert len(calls) <= 3  # at most the one chunk each worker held, of 64
+    assert calls.count("failed") == 1
+    assert len(calls) <= 4  # the failed chunk, and at most one held by each other thread, of 64
 
 
 @pytest.mark.parametrize(

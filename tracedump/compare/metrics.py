@@ -7,7 +7,7 @@ per op, no temporaries). Precision stays where it matters:
 - ``a - b`` of two fp32 numbers is exact or nearly so (Sterbenz), so the error terms are accurate
   even when the error is 1e-12 of the values;
 - each chunk's sums come from BLAS dots (fp32, relative error ~1e-7..1e-6 on a 256K chunk) and are
-  added up in Python floats (float64): a 1e-6 relative error *on a metric* never moves a verdict;
+  added up in float64, in chunk order: a 1e-6 relative error *on a metric* never moves a verdict;
 - ``1 - cosine`` is computed as ``(Σd² - (|a|-|b|)²) / (2|a||b|)`` with
   ``|a|-|b| = (Σa² - Σb²) / (|a|+|b|)``, so near cosine = 1 it is as accurate as Σd² itself rather
   than lost in ``1 - Σab/(|a||b|)`` (its floor is ~1e-13, from the fp32 sums of squares);
@@ -255,16 +255,28 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
         sums = _sum_chunks(pair, range(chunks), table)
     else:  # the calling thread claims chunks too: one hand-off fewer, no idle core
         claims = _Claims(chunks)
-        others = [pool.submit(_sum_chunks, pair, claims, table) for _ in range(workers - 1)]
+        others: list[concurrent.futures.Future[_Sums]] = []
         try:
-            first = _sum_chunks(pair, claims, table)
-        except BaseException:  # an error (or Ctrl-C) here must not leave the workers reading on
+            others += [pool.submit(_claimed_sums, pair, claims, table) for _ in range(workers - 1)]
+            first = _claimed_sums(pair, claims, table)
+        except BaseException:  # an error (or Ctrl-C): the workers finish the chunk they hold
             claims.stop()
-            concurrent.futures.wait(others)
             raise
+        finally:
+            concurrent.futures.wait(others)
         sums = _merge([first, *(future.result() for future in others)])
     sums.dd, sums.aa, sums.bb, sums.abs_d = (float(total_sum) for total_sum in table.sum(axis=0))
     return _finish(sums, total), rows
+
+
+def _claimed_sums(pair: _Pair, claims: _Claims, table: np.ndarray) -> _Sums:
+    """:func:`_sum_chunks` over shared claims: an error in any thread stops them for every thread,
+    so none reads on through a tensor whose comparison has already failed."""
+    try:
+        return _sum_chunks(pair, claims, table)
+    except BaseException:
+        claims.stop()
+        raise
 
 
 def _sum_chunks(pair: _Pair, claims: Iterable[int], table: np.ndarray) -> _Sums:
