@@ -74,3 +74,42 @@ def test_show_widens_bf16_from_its_bits_to_the_values_torch_reads(bf16_dump: Pat
     row = next(line for line in result.stdout.splitlines() if line.startswith("│ 1 "))
     expected = [f"{v:.4g}" for v in (relu.min(), relu.max(), relu.mean(), relu.abs().mean())]
     assert [cell.strip() for cell in row.split("│")[4:8]] == expected
+
+
+@pytest.fixture(scope="module")
+def diff_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Full bf16 and stats dumps of a reference and of a port whose last layer is 1.5x too large."""
+    base = tmp_path_factory.mktemp("pair")
+    out = {}
+    for mode in ("full", "stats"):
+        for side, scale in (("port", 1.5), ("ref", 1.0)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+            model = model.to(torch.bfloat16)
+            with torch.no_grad():
+                model[2].weight.mul_(scale)
+            dumper = tracedump.attach(model, {"dir": str(base / mode / side), "mode": mode})
+            with torch.no_grad():
+                model(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).bfloat16())
+            dumper.close()
+            out[f"{mode}/{side}"] = base / mode / side
+    return out
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_diff_of_pass_files_never_imports_torch(diff_pair: dict[str, Path], mode: str) -> None:
+    """`tracedump diff` reads pass files with numpy (bf16 widened from its bits): torch, most of its
+    start-up, is imported only for fp8, .pt inputs and a full side against a stats side."""
+    port, ref = diff_pair[f"{mode}/port"], diff_pair[f"{mode}/ref"]
+    argv = ["diff", str(port), str(ref), "--json", "-"]
+
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120
+    )
+
+    assert result.returncode == 1, result.stderr[-2000:]  # the planted layer, found without torch
+    assert '"first_divergence"' in result.stdout and '"2"' in result.stdout
+    same = subprocess.run(
+        [sys.executable, "-c", _PROBE, "diff", str(ref), str(ref)], capture_output=True, text=True
+    )
+    assert same.returncode == 0, same.stderr[-2000:]

@@ -427,6 +427,36 @@ def test_stats_dtype_is_guessed_from_element_values() -> None:
     assert infer_dtype({"dtype": "float16", "max": 0.1}) == "float16"
 
 
+def test_stats_dtype_test_is_torchs_own_round_trip_without_torch() -> None:
+    """The numpy exactness test behind the guess agrees with torch's float64 -> dtype -> float64
+    round trip at the edges: subnormals, the largest finite values, overflow, halfway cases."""
+    from tracedump.compare.stats import _representable
+
+    edges = [0.0, -0.0, 1.0, 1 + 2**-7, 1 + 2**-8, 1 + 2**-10, 1 + 2**-11, 1 + 2**-23, 1 + 2**-24, 0.1]
+    edges += [2.0**-133, 2.0**-149, 2.0**-150, 2.0**-24, 2.0**-25, 65504.0, 65520.0, 3.3895313892515355e38]
+    edges += [3.4028234663852886e38, 3.5e38, 1e300, 5e-324]
+    values = [sign * v for v in edges for sign in (1, -1)]
+    values += torch.randn(200, generator=torch.Generator().manual_seed(9)).double().mul(1e3).tolist()
+    for name in ("bfloat16", "float16", "float32"):
+        dtype = getattr(torch, name)
+        for v in values:
+            expected = float(torch.tensor(v, dtype=torch.float64).to(dtype).double()) == v
+            assert _representable(v, name) == expected, (name, v)
+
+
+def test_an_fp8_dtype_this_torch_lacks_is_an_error_not_bytes_as_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dump from a newer torch may hold an fp8 dtype this one does not have: its bytes are no
+    numbers here, and comparing them as such would report a bogus error."""
+    from tracedump.compare.reader import Stored
+
+    monkeypatch.delattr(torch, "float8_e5m2")
+    raw = np.arange(16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="no float8_e5m2"):
+        compare_arrays(Stored(raw, "float8_e5m2"), Stored(raw, "float8_e5m2"))
+
+
 def test_stats_of_centred_tensors_are_judged_against_their_magnitude() -> None:
     """A sum of ±values is near zero; its error is measured against abs_mean * numel, not the sum."""
     error, deltas = compare_stats(

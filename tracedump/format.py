@@ -312,6 +312,17 @@ class Manifest(TypedDict, total=False):
     manifest_error: str
 
 
+def last_row_dim(shape: tuple[int, ...], token_dim: int) -> int | None:
+    """The dim ``last_row`` mode cuts to its last index in a tensor of ``shape``; None when it keeps
+    the tensor whole (under 2 dims, or an empty token dim). The comparator cuts full dumps with it,
+    so they line up with ``last_row`` dumps exactly as the dumper cut them; here, not in
+    :mod:`tracedump.reduce`, because the comparator reads dumps without torch."""
+    if len(shape) < 2:
+        return None
+    dim = token_dim if len(shape) > token_dim else 0
+    return dim if shape[dim] > 0 else None
+
+
 def dtype_name(dtype: object) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import NUMERIC_STAT_NAMES, dtype_name
+from .format import NUMERIC_STAT_NAMES, dtype_name, last_row_dim
 
 __all__ = ["NUMERIC_STATS", "compute_stats", "dtype_name", "last_row", "last_row_dim"]
 
@@ -23,16 +23,6 @@ def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
     """The last index along the token dim of a tensor with >= 2 dims (kept as a size-1 dim)."""
     dim = last_row_dim(tuple(tensor.shape), token_dim)
     return tensor if dim is None else tensor.narrow(dim, tensor.shape[dim] - 1, 1)
-
-
-def last_row_dim(shape: tuple[int, ...], token_dim: int) -> int | None:
-    """The dim :func:`last_row` cuts to its last index in a tensor of ``shape``; None when it keeps the
-    tensor whole (under 2 dims, or an empty token dim). The comparator cuts full dumps with it, so
-    they line up with ``last_row`` dumps exactly as the dumper cut them."""
-    if len(shape) < 2:
-        return None
-    dim = token_dim if len(shape) > token_dim else 0
-    return dim if shape[dim] > 0 else None
 
 
 def _as_float(tensor: torch.Tensor) -> torch.Tensor:

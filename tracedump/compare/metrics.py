@@ -29,7 +29,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..cpus import usable_cpus
 from .reader import Stored
@@ -45,11 +44,7 @@ _WIDE_DTYPES = frozenset({"float64", "int64", "uint64", "int32", "uint32"})
 WORK_DTYPE_RULE = "in float32 (float64 when either side is float64 or a 32/64-bit integer)"
 # 8-bit floats torch widens (float8_e8m0fnu: power-of-two scales). float4_e2m1fn_x2, which torch
 # cannot widen, stays as its byte values: compared bitwise, any difference is a divergence.
-_FP8 = {
-    name: getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, name)
-}
+_FP8 = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
 
 
 @dataclass(frozen=True)
@@ -104,9 +99,13 @@ def _widen(raw: np.ndarray, dtype: str, work: type, buffer: np.ndarray) -> np.nd
             return out
         np.copyto(out, bits.view(np.float32))
         return out
-    if dtype in _FP8:
-        widened = torch.from_numpy(raw.copy()).view(_FP8[dtype]).float().numpy()
-        np.copyto(out, widened)
+    if dtype in _FP8:  # through torch, imported here: a diff without fp8 never loads it
+        import torch
+
+        real = getattr(torch, dtype, None)
+        if real is None:  # a dump from a newer torch: its bytes are no numbers to this one
+            raise ValueError(f"torch {torch.__version__} has no {dtype} to widen")
+        np.copyto(out, torch.from_numpy(raw.copy()).view(real).float().numpy())
         return out
     if raw.dtype == work:
         return raw

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from ..reduce import last_row_dim
+from ..format import last_row_dim
 from .options import DiffOptions, UsageError
 from .sources import PassView, RootGroup, Side
 from .tolerance import Tolerance, is_integer, pair_precision, resolve, resolve_stats

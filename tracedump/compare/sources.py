@@ -18,9 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key, dtype_name
 from ..loader import (
@@ -38,6 +36,9 @@ from ..loader import (
 from .options import DiffOptions, UsageError
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
+
+if TYPE_CHECKING:  # torch is imported where a .pt file is read: a diff of pass files never needs it
+    import torch
 
 Kind = Literal["tensor", "stats"]
 

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
-from ..reduce import NUMERIC_STATS, compute_stats
+from ..format import NUMERIC_STAT_NAMES as NUMERIC_STATS
 from .reader import Stored
 
 _EXACT = frozenset({"nan_count", "inf_count"})
@@ -41,8 +41,16 @@ class StatDelta:
         return {"a": json_number(self.a), "b": json_number(self.b), "rel_err": json_number(self.rel_err)}
 
 
-def _representable(value: float, dtype: torch.dtype) -> bool:
-    return float(torch.tensor(value, dtype=torch.float64).to(dtype).double()) == value
+def _representable(value: float, dtype: str) -> bool:
+    """Whether ``value`` is exactly a number of ``dtype``; with numpy, so that a diff of stats
+    dumps never imports torch. A bf16 number is an fp32 number whose low 16 bits are zero."""
+    with np.errstate(over="ignore"):  # too large: inf, which is not the value
+        as_float32 = np.float32(value)
+        if dtype == "float16":
+            return float(np.float16(value)) == value
+    if float(as_float32) != value:
+        return False
+    return dtype == "float32" or not int(as_float32.view(np.uint32)) & 0xFFFF
 
 
 def infer_dtype(record: dict[str, Any]) -> str | None:
@@ -58,8 +66,8 @@ def infer_dtype(record: dict[str, Any]) -> str | None:
     values = [v for v in values if math.isfinite(v)]
     if not values:
         return None
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)):
-        if all(_representable(v, dtype) for v in values):
+    for name in ("bfloat16", "float16", "float32"):
+        if all(_representable(v, name) for v in values):
             return name
     return "float64"
 
@@ -70,7 +78,10 @@ def numeric_stats(record: dict[str, Any]) -> dict[str, float]:
 
 
 def stats_of(stored: Stored, names: list[str]) -> dict[str, float]:
-    """The statistics a stats-mode dump would have recorded for this tensor."""
+    """The statistics a stats-mode dump would have recorded for this tensor (with torch: the
+    dumper's own code, so only a full-against-stats diff imports it)."""
+    from ..reduce import compute_stats
+
     wanted = [n for n in names if n in NUMERIC_STATS]
     numeric, values, _ = compute_stats(stored.to_torch(), wanted)
     return dict(zip(numeric, values.tolist(), strict=True))
