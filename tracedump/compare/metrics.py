@@ -75,7 +75,6 @@ class _Sums:
     end, so the result does not depend on which thread took which chunk."""
 
     def __init__(self) -> None:
-        self.dd = self.aa = self.bb = self.abs_d = 0.0  # the totals, set by _compare at the end
         self.count = 0
         self.max_abs = -1.0
         self.max_abs_b = 0.0
@@ -264,8 +263,8 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
         finally:
             concurrent.futures.wait(others)
         sums = _merge([first, *(future.result() for future in others)])
-    sums.dd, sums.aa, sums.bb, sums.abs_d = (float(total_sum) for total_sum in table.sum(axis=0))
-    return _finish(sums, total), rows
+    dd, aa, bb, abs_d = (float(column) for column in table.sum(axis=0))
+    return _finish(sums, dd, aa, bb, abs_d, total), rows
 
 
 def _claimed_sums(pair: _Pair, claims: _Claims, table: np.ndarray) -> _Sums:
@@ -446,22 +445,23 @@ def _sqnr_db(signal: float, noise: float) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
-def _finish(sums: _Sums, total: int) -> TensorMetrics:
-    denominator = sums.aa + sums.bb
-    rel_diff = sums.dd / denominator if denominator > 0 else (0.0 if sums.dd == 0 else 1.0)
-    norm_a, norm_b = math.sqrt(sums.aa), math.sqrt(sums.bb)
+def _finish(sums: _Sums, dd: float, aa: float, bb: float, abs_d: float, total: int) -> TensorMetrics:
+    """The metrics from the chunks' summed Σd², Σa², Σb², Σ|d| and the threads' merged counts."""
+    denominator = aa + bb
+    rel_diff = dd / denominator if denominator > 0 else (0.0 if dd == 0 else 1.0)
+    norm_a, norm_b = math.sqrt(aa), math.sqrt(bb)
     if norm_a == 0 or norm_b == 0:
         cosine = 1.0 if norm_a == norm_b else 0.0
         one_minus = 1.0 - cosine
     else:
-        norm_gap = (sums.aa - sums.bb) / (norm_a + norm_b)  # |a| - |b|, without cancellation
-        one_minus = min(max((sums.dd - norm_gap * norm_gap) / (2 * norm_a * norm_b), 0.0), 2.0)
+        norm_gap = (aa - bb) / (norm_a + norm_b)  # |a| - |b|, without cancellation
+        one_minus = min(max((dd - norm_gap * norm_gap) / (2 * norm_a * norm_b), 0.0), 2.0)
         cosine = 1.0 - one_minus
-    sqnr = _sqnr_db(sums.bb, sums.dd)
+    sqnr = _sqnr_db(bb, dd)
     return TensorMetrics(
         numel=total,
         max_abs=max(sums.max_abs, 0.0),
-        mean_abs=sums.abs_d / sums.count if sums.count else 0.0,
+        mean_abs=abs_d / sums.count if sums.count else 0.0,
         rel_diff=rel_diff,
         cosine=cosine,
         one_minus_cosine=one_minus,
