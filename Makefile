@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo bench calibrate docs lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py tracedump/compare/kernel.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
@@ -36,8 +36,8 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python tools/docs_gen.py --check
-	$(BIN)/ruff check tracedump tests benchmarks examples tools
-	$(BIN)/ruff format --check tracedump tests benchmarks examples tools
+	$(BIN)/ruff check tracedump tests benchmarks examples tools setup.py
+	$(BIN)/ruff format --check tracedump tests benchmarks examples tools setup.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info tracedump/compare/*.so

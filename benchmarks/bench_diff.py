@@ -25,11 +25,13 @@ Run alone: ``python benchmarks/bench_diff.py [--quick]`` prints the JSON; temp f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,18 @@ class _AnonPeak:
         self._thread.join()
 
 
+@contextlib.contextmanager
+def _numpy_path() -> Iterator[None]:
+    """The comparator without its C kernel, as where the extension was not built."""
+    from tracedump.compare import metrics
+
+    kernel, metrics.kernel = metrics.kernel, None
+    try:
+        yield
+    finally:
+        metrics.kernel = kernel
+
+
 def _activations(
     scratch: Path, passes: int, tensors: int, numel: int, rounds: int, buffer: bytearray
 ) -> dict[str, Any]:
@@ -137,7 +151,7 @@ def _activations(
         "raw_read_GBps": total / common.median(raw_seconds) / 1e9,
         "diff_GBps": total / common.median(diff_seconds) / 1e9,
         "ratio": common.median(raw_seconds) / common.median(diff_seconds),
-        "first_divergence": first.name if first else None,
+        "first_divergence": _first_name(report),
         "per_token": first is not None and first.per_token is not None,
     }
 
@@ -160,13 +174,17 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         os.sync()  # no writeback competing with either side for the CPU
         buffer = bytearray(1 << 20)  # cache-sized: the fastest plain read (16 MiB buffers are slower)
         _raw_read(paths, buffer)  # warm-up: both sides start from the same page-cache state
-        raw_seconds, diff_seconds = [], []
+        raw_seconds, diff_seconds, numpy_seconds = [], [], []
         baseline = common.proc_status_kib("RssAnon") or 0  # before any diff: its buffers count too
         for _ in range(rounds):
             raw_seconds.append(_raw_read(paths, buffer))
             start = time.perf_counter()
             report = compare(scratch / "a", scratch / "b")
             diff_seconds.append(time.perf_counter() - start)
+            with _numpy_path():
+                start = time.perf_counter()
+                numpy_report = compare(scratch / "a", scratch / "b")
+                numpy_seconds.append(time.perf_counter() - start)
         with _AnonPeak() as peak:  # a separate run: the sampling thread must not slow the timed ones
             report = compare(scratch / "a", scratch / "b")
         anon_peak = max(peak.peak_kib - baseline, 0) * 1024
@@ -174,7 +192,6 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     total = bytes_a + bytes_b
     raw_bw = total / common.median(raw_seconds)
     diff_bw = total / common.median(diff_seconds)
-    first = report.first_divergence
     largest_tensor = numel * 4
     ratio = diff_bw / raw_bw
     memory_ratio = anon_peak / largest_tensor
@@ -200,6 +217,9 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         "raw_read_GBps": raw_bw / 1e9,
         "diff_GBps": diff_bw / 1e9,
         "ratio": ratio,
+        "kernel": _kernel_built(),
+        "numpy_path_ratio": common.median(raw_seconds) / common.median(numpy_seconds),
+        "numpy_path_first_divergence": _first_name(numpy_report),
         "target_ratio": TARGET_RATIO,
         "meets_target": ratio >= TARGET_RATIO,
         "diff_peak_anon_bytes": anon_peak,
@@ -207,10 +227,21 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         "targets": targets,
         "activations": activations,
         "activations_ratio": activations["ratio"],
-        "first_divergence": first.name if first else None,
+        "first_divergence": _first_name(report),
         "exit_code": report.exit_code,
         "machine": common.machine_info(),
     }
+
+
+def _first_name(report: Any) -> str | None:
+    first = report.first_divergence
+    return first.name if first else None
+
+
+def _kernel_built() -> bool:
+    from tracedump.compare import metrics
+
+    return metrics.kernel is not None
 
 
 def main() -> None:

@@ -196,6 +196,8 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("control", "step_boundary_ns", "ns"),
         ("control", "armed_ratio", "x"),
         ("diff", "activations_ratio", "x"),
+        ("diff", "kernel", ""),
+        ("diff", "numpy_path_ratio", "x"),
         ("cli", "python_s", "s"),
         ("cli", "import_torch_s", "s"),
         ("cli", "help_s", "s"),

@@ -419,10 +419,13 @@ def test_the_diff_benchmark_runs_quick_and_cleans_up(monkeypatch: pytest.MonkeyP
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     from benchmarks import bench_diff
+    from tracedump.compare import metrics
 
     before = set(Path(tempfile.gettempdir()).glob("tracedump-bench-diff-*"))
     result = bench_diff.run(quick=True)
     assert result["first_divergence"] == "model.layers.1.t3" and result["exit_code"] == 1
     assert result["dump_bytes"][0] > 64 << 20 and result["tensors_per_dump"] == 8
     assert result["raw_read_GBps"] > 0 and result["diff_GBps"] > 0 and result["ratio"] > 0
+    assert result["numpy_path_first_divergence"] == "model.layers.1.t3" and result["numpy_path_ratio"] > 0
+    assert result["kernel"] is (metrics.kernel is not None)
     assert set(Path(tempfile.gettempdir()).glob("tracedump-bench-diff-*")) == before

@@ -1,7 +1,8 @@
 """The comparator's arithmetic, checked against plain float64 torch formulas, and its rules.
 
-Metrics: rel_diff, cosine, max_abs and its location, NaN/Inf handling, exact bf16 widening, chunk
-boundaries; tolerances by dtype; option parsing; the "largest growth" finding; stats dtype guesses.
+Metrics (on both arithmetic paths: the C kernel and numpy): rel_diff, cosine, max_abs and its
+location, NaN/Inf handling, exact bf16 widening, chunk boundaries; tolerances by dtype; option
+parsing; the "largest growth" finding; stats dtype guesses.
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from tracedump.compare.reader import stored_from_torch
 from tracedump.compare.results import GROWTH_FLOOR, TensorResult, largest_growth
 from tracedump.compare.stats import compare_stats, infer_dtype
 from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
+
+
+@pytest.fixture(autouse=True, params=["kernel", "numpy"])
+def arithmetic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here twice: with the C kernel's one-pass sums, and with the numpy path that runs
+    where the kernel was not built (test_compare_kernel.py checks that it was, given a compiler)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(metrics, "kernel", None)
+    elif metrics.kernel is None:
+        pytest.skip("the C kernel was not built here")
+    return str(request.param)
 
 
 def reference(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
