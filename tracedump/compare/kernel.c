@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #define LANES 16   /* independent accumulators: the compiler turns the lane loop into vectors */
@@ -109,9 +110,15 @@ static void sum_chunk(const float *x, const float *y, Py_ssize_t n, Py_ssize_t r
     *out = total;
 }
 
+#if PY_BIG_ENDIAN
+#define NATIVE_ORDER '>'
+#else
+#define NATIVE_ORDER '<'
+#endif
+
 static int is_format(const Py_buffer *view, char code, Py_ssize_t itemsize) {
     const char *format = view->format ? view->format : "B";
-    if (format[0] == '@' || format[0] == '=' || format[0] == '<')
+    if (format[0] == '@' || format[0] == '=' || format[0] == NATIVE_ORDER)
         format++;
     return view->itemsize == itemsize && format[0] == code && format[1] == '\0';
 }
@@ -151,11 +158,19 @@ static PyObject *sums(PyObject *self, PyObject *args) {
     }
     PyObject *result = NULL;
     Py_ssize_t n = a.len / 4;
+    if ((uintptr_t)a.buf % sizeof(float) || (uintptr_t)b.buf % sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "a and b must be aligned to 4 bytes");
+        goto done;
+    }
     if (b.len != a.len) {
         PyErr_Format(PyExc_ValueError, "a and b differ in length: %zd vs %zd", n, b.len / 4);
         goto done;
     }
-    if (row_len < 0 || (row_len > 0 && n % row_len)) {
+    if (row_len < 0) {
+        PyErr_Format(PyExc_ValueError, "row_len must be >= 0, not %zd", row_len);
+        goto done;
+    }
+    if (row_len > 0 && n % row_len) {
         PyErr_Format(PyExc_ValueError, "row_len %zd does not divide the %zd elements", row_len, n);
         goto done;
     }
@@ -195,4 +210,11 @@ static struct PyModuleDef module = {
     NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit_kernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_kernel(void) {
+    PyObject *m = PyModule_Create(&module);
+#ifdef Py_GIL_DISABLED
+    if (m != NULL) /* no shared state: free-threaded builds keep the GIL off when importing it */
+        PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED);
+#endif
+    return m;
+}

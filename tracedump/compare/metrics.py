@@ -366,8 +366,8 @@ def _fast_chunk(
     row by row when the rows are kept), Σ|d| (:func:`_abs_sum`), max |d|; where the max is, only
     when it grows.
     """
-    if kernel is not None and x.dtype == np.float32:
-        return _fused_chunk(x, y, start, sums, buffers, pair)
+    if kernel is not None and x.dtype == np.float32 and x.flags.aligned and y.flags.aligned:
+        return _fused_chunk(x, y, start, sums, buffers, pair)  # (C wants its floats 4-byte aligned)
     size = x.shape[0]
     d = np.subtract(x, y, out=buffers.d[:size])
     np.abs(d, out=d)
