@@ -79,3 +79,23 @@ def test_gpu_script_skips_without_cuda(
         pytest.skip("a CUDA device is present: gpu.py would run, not skip")
     assert bench.gpu.main([]) == 0
     assert '"skipped"' in capsys.readouterr().out
+
+
+def test_the_align_benchmark_counts_only_what_the_align_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its memory figure is the align's own, not the process's (``make bench`` runs every benchmark
+    in one process), and it names no divergence in dumps that differ only by rounding."""
+    import tempfile
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import bench_align
+
+    before = set(Path(tempfile.gettempdir()).glob("tracedump-bench-align-*"))
+    ballast = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB this process holds before the align
+    result = bench_align.run(quick=True)
+    assert ballast.sum().item() == 64 << 20
+    assert result["exit_code"] == 0 and result["compared"] == 4 * bench_align.SEQUENCES
+    assert result["process_peak_anon_bytes"] >= result["peak_anon_bytes"] + (64 << 20)
+    assert result["peak_anon_over_sequence_tensor"] == (
+        result["peak_anon_bytes"] / result["largest_sequence_tensor_bytes"]
+    )
+    assert set(Path(tempfile.gettempdir()).glob("tracedump-bench-align-*")) == before
