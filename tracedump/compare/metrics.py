@@ -362,7 +362,8 @@ def _fast_chunk(
 ) -> _ChunkSums | None:
     """fp32 (or float64) sums of one chunk; None when the chunk needs the careful path.
 
-    Seven passes over cache-resident data: |d| = |x - y| (two), three BLAS dots (d·d, x·x, y·y;
+    fp32 goes to the C kernel where it was built (:func:`_fused_chunk`). The numpy path makes
+    seven passes over cache-resident data: |d| = |x - y| (two), three BLAS dots (d·d, x·x, y·y;
     row by row when the rows are kept), Σ|d| (:func:`_abs_sum`), max |d|; where the max is, only
     when it grows.
     """
