@@ -355,20 +355,53 @@ def _abs_sum(abs_d: np.ndarray, buffers: _Buffers) -> float:
 
 
 _ChunkSums = tuple[float, float, float, float]  # Σd², Σa², Σb², Σ|d| of one chunk
+# ... and max |d|, max |b| (0 unless asked for), and |d| where it is already in scratch (or None)
+_RawSums = tuple[float, float, float, float, float, float, np.ndarray | None]
 
 
 def _fast_chunk(
     x: np.ndarray, y: np.ndarray, start: int, sums: _Sums, buffers: _Buffers, pair: _Pair
 ) -> _ChunkSums | None:
-    """fp32 (or float64) sums of one chunk; None when the chunk needs the careful path.
+    """fp32 (or float64) sums of one chunk; None when the chunk needs the careful path: a sum that
+    is not finite (NaN/Inf in the chunk, or squares that overflow), or fp32 squares that underflow.
 
-    fp32 goes to the C kernel where it was built (:func:`_fused_chunk`). The numpy path makes
-    seven passes over cache-resident data: |d| = |x - y| (two), three BLAS dots (d·d, x·x, y·y;
-    row by row when the rows are kept), Σ|d| (:func:`_abs_sum`), max |d|; where the max is, only
-    when it grows.
-    """
+    The sums come from the C kernel where it was built (:func:`_kernel_sums`), else from numpy
+    (:func:`_numpy_sums`); whichever gave them, they are judged here, by the same rules. Where the
+    largest |d| is gets looked up only in a chunk that raises the running maximum."""
     if kernel is not None and x.dtype == np.float32 and x.flags.aligned and y.flags.aligned:
-        return _fused_chunk(x, y, start, sums, buffers, pair)  # (C wants its floats 4-byte aligned)
+        dd, aa, bb, abs_sum, chunk_max, max_b, abs_d = _kernel_sums(x, y, start, pair)
+    else:
+        dd, aa, bb, abs_sum, chunk_max, max_b, abs_d = _numpy_sums(x, y, start, buffers, pair)
+    if not math.isfinite(dd + aa + bb):  # squares: NaN or +Inf in any of them shows in the sum
+        return None
+    if x.dtype == np.float32 and abs_sum > 0 and (aa + bb) < _UNDERFLOW:
+        return None
+    size = x.shape[0]
+    sums.count += size
+    if chunk_max > sums.max_abs:
+        if abs_d is None:  # the same exact |x - y| values as the sums saw, so the same first index
+            abs_d = np.abs(np.subtract(x, y, out=buffers.d[:size]), out=buffers.d[:size])
+        _note_max(sums, chunk_max, start, abs_d, x, y)
+    if pair.want_max_b:
+        sums.max_abs_b = max(sums.max_abs_b, max_b)
+    return dd, aa, bb, abs_sum
+
+
+def _kernel_sums(x: np.ndarray, y: np.ndarray, start: int, pair: _Pair) -> _RawSums:
+    """One pass of C over the chunk (``kernel.c``; fp32, 4-byte aligned), the rows' sums into
+    ``pair.rows`` when they are kept. |d| is not kept."""
+    assert kernel is not None
+    if pair.rows is None:
+        return (*kernel.sums(x, y), None)
+    first, count = start // pair.row_len, x.shape[0] // pair.row_len
+    row_dd, row_norm = pair.rows.dd[first : first + count], pair.rows.norm[first : first + count]
+    return (*kernel.sums(x, y, pair.row_len, row_dd, row_norm), None)
+
+
+def _numpy_sums(x: np.ndarray, y: np.ndarray, start: int, buffers: _Buffers, pair: _Pair) -> _RawSums:
+    """Seven passes over the cache-resident chunk: |d| = |x - y| (two), three BLAS dots (d·d, x·x,
+    y·y; row by row when the rows are kept), Σ|d| (:func:`_abs_sum`), max |d|. |d| stays in
+    scratch for the caller's look-up of the largest one."""
     size = x.shape[0]
     d = np.subtract(x, y, out=buffers.d[:size])
     np.abs(d, out=d)
@@ -376,47 +409,9 @@ def _fast_chunk(
         dd, aa, bb = float(np.dot(d, d)), float(np.dot(x, x)), float(np.dot(y, y))
     else:
         dd, aa, bb = _row_sums(d, x, y, start, buffers, pair)
-    if not math.isfinite(dd + aa + bb):  # squares: NaN or +Inf in any of them shows in the sum
-        return None
-    abs_sum = _abs_sum(d, buffers)
-    if x.dtype == np.float32 and abs_sum > 0 and (aa + bb) < _UNDERFLOW:
-        return None
-    sums.count += size
     chunk_max = float(np.maximum.reduce(d))  # the ufunc itself: ndarray.max() adds a Python wrapper
-    if chunk_max > sums.max_abs:
-        _note_max(sums, chunk_max, start, d, x, y)
-    if pair.want_max_b:
-        sums.max_abs_b = max(sums.max_abs_b, abs(float(y.max())), abs(float(y.min())))
-    return dd, aa, bb, abs_sum
-
-
-def _fused_chunk(
-    x: np.ndarray, y: np.ndarray, start: int, sums: _Sums, buffers: _Buffers, pair: _Pair
-) -> _ChunkSums | None:
-    """:func:`_fast_chunk` in one pass of C over the chunk (``kernel.c``), for fp32 work.
-
-    |d| is not kept, so where the largest |d| is gets found again only when the chunk's max beats
-    the running one (a few chunks per tensor): the same exact |x - y| values, the same first index.
-    """
-    assert kernel is not None
-    size = x.shape[0]
-    if pair.rows is None:
-        dd, aa, bb, abs_sum, chunk_max, max_b = kernel.sums(x, y)
-    else:
-        first, count = start // pair.row_len, size // pair.row_len
-        rows = pair.rows
-        dd, aa, bb, abs_sum, chunk_max, max_b = kernel.sums(
-            x, y, pair.row_len, rows.dd[first : first + count], rows.norm[first : first + count]
-        )
-    if not math.isfinite(dd + aa + bb) or (abs_sum > 0 and (aa + bb) < _UNDERFLOW):
-        return None
-    sums.count += size
-    if chunk_max > sums.max_abs:
-        d = np.abs(np.subtract(x, y, out=buffers.d[:size]), out=buffers.d[:size])
-        _note_max(sums, chunk_max, start, d, x, y)
-    if pair.want_max_b:
-        sums.max_abs_b = max(sums.max_abs_b, max_b)
-    return dd, aa, bb, abs_sum
+    max_b = max(abs(float(y.max())), abs(float(y.min()))) if pair.want_max_b else 0.0
+    return dd, aa, bb, _abs_sum(d, buffers), chunk_max, max_b, d
 
 
 def _row_squares(v: np.ndarray, buffers: _Buffers, ones: np.ndarray) -> np.ndarray:
