@@ -102,6 +102,13 @@ def add_diff_parser(sub: Any) -> None:
         "--plot", dest="plot_path", type=Path, metavar="PATH.png", help="plot the error along execution order"
     )
     parser.add_argument(
+        "--html",
+        dest="html_path",
+        type=Path,
+        metavar="PATH.html",
+        help="write a self-contained report page: summary, error curve, per-token heatmap, table, notes",
+    )
+    parser.add_argument(
         "--max-rows", type=int, default=500, metavar="N", help="table rows before ok rows are hidden (0: all)"
     )
     parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")

@@ -174,6 +174,8 @@ def run(options: DiffOptions) -> int:
     """``tracedump diff``: 0 no divergence, 1 divergence, 2 usage error or unreadable input."""
     if options.plot_path is not None:
         check_available(options.plot_path)
+    if options.html_path is not None and options.html_path.is_dir():
+        raise UsageError(f"--html {options.html_path}: is a directory; give a file name such as report.html")
     report = build_report(options)
     json_to_stdout = options.json_path == "-"
     try:
@@ -181,9 +183,15 @@ def run(options: DiffOptions) -> int:
             write_json(report, options.json_path)
         if options.plot_path is not None:
             write_plot(report, options.plot_path)
+        if options.html_path is not None:
+            from .html import write_html  # only here: a diff without --html never imports it
+
+            write_html(report, options.html_path)
     except OSError as e:
         raise UsageError(f"cannot write the report: {e}") from e
     print_report(report, options.max_rows, table_too=not json_to_stdout, stderr=json_to_stdout)
+    if options.html_path is not None:
+        print(f"html report: {options.html_path}", file=sys.stderr if json_to_stdout else sys.stdout)
     return report.exit_code
 
 

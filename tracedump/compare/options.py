@@ -218,6 +218,7 @@ class DiffOptions:
     align: Literal["passes", "tokens"] = "passes"
     json_path: str | None = None
     plot_path: Path | None = None
+    html_path: Path | None = None
     max_rows: int = 500
     progress: bool | None = None  # None: decide from the terminal and the size of the diff
 
@@ -275,8 +276,8 @@ def parse_options(
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
 
-    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``max_rows``,
-    ``progress``."""
+    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``html_path``,
+    ``max_rows``, ``progress``."""
     rtol_value, rtol_rules = parse_tolerances(rtol, "--rtol")
     atol_value, atol_rules = parse_tolerances(atol, "--atol")
     if baseline is not None and not Path(baseline).exists():
