@@ -112,44 +112,12 @@ STATUS_TEXT = {
 _NOT_COMPARED = ("shape_mismatch", "error", "routing", "not_aligned")
 # Keys of a tensor record the table shows in columns of its own; any other key (a later flag's)
 # is shown in the row's details cell, so nothing a result carries is lost from the page.
-_SHOWN_KEYS = frozenset(
-    {
-        "index",
-        "pass",
-        "name",
-        "name_b",
-        "kind",
-        "shape_a",
-        "shape_b",
-        "dtype_a",
-        "dtype_b",
-        "max_abs",
-        "mean_abs",
-        "rel_diff",
-        "cosine",
-        "sqnr_db",
-        "argmax",
-        "a_at_argmax",
-        "b_at_argmax",
-        "nan_a",
-        "nan_b",
-        "inf_a",
-        "inf_b",
-        "metric",
-        "error",
-        "tolerance",
-        "rtol",
-        "atol",
-        "tolerance_source",
-        "status",
-        "root",
-        "message",
-        "basis",
-        "noise",
-        "x_noise",
-        "per_token",
-    }
+_SHOWN = (
+    "index pass name name_b root kind shape_a shape_b dtype_a dtype_b max_abs mean_abs rel_diff cosine "
+    "sqnr_db argmax a_at_argmax b_at_argmax nan_a nan_b inf_a inf_b metric error tolerance rtol atol "
+    "tolerance_source status message basis noise x_noise per_token stats"
 )
+_SHOWN_KEYS = frozenset(_SHOWN.split())
 
 
 # ----------------------------------------------------------------------------- the page
@@ -384,17 +352,17 @@ def _first_divergence(page: _Page, first: dict[str, Any]) -> str:
         f"{_link(first['index'], '<code>' + esc(first['name']) + '</code>')}"
         f"{name_b if first['name_b'] != first['name'] else ''}, {', '.join(where)}.</p>"
     )
-    return head + _why(row)
+    return head + _why(row, (page.doc["settings"].get("verdict") or {}).get("baseline_factor"))
 
 
-def _why(row: dict[str, Any]) -> str:
+def _why(row: dict[str, Any], factor: object) -> str:
     metric = "1 − cosine" if row["metric"] == "cosine" else row["metric"]
     error, threshold = num(row.get("error")), num(row.get("tolerance"))
     facts: list[tuple[str, str]] = []
     if row["status"] == "diverged" and error is not None:
         ratio = error / threshold if threshold else math.inf
         facts.append(("why", f"{esc(metric)} {fmt(error)} &gt; threshold {fmt(threshold)} ({fmt(ratio)}×)"))
-        facts.append(("threshold from", esc(_basis(row))))
+        facts.append(("threshold from", esc(_basis(row, factor))))
     else:
         facts.append(("why", esc(STATUS_TEXT.get(row["status"], row["status"]))))
     if row.get("message"):
@@ -426,10 +394,13 @@ def _why(row: dict[str, Any]) -> str:
     return "<dl class='why'>" + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
 
 
-def _basis(row: dict[str, Any]) -> str:
+def _basis(row: dict[str, Any], factor: object) -> str:
     basis = row.get("basis")
     if basis == "baseline":
-        return f"{fmt(row.get('x_noise'))}× the noise measured in --baseline ({fmt(row.get('noise'))})"
+        return (
+            f"the noise measured in --baseline, err(C, B) = {fmt(row.get('noise'))}, "
+            f"× {fmt(factor)} plus one rounding"
+        )
     if basis == "upstream":
         return f"what the error upstream explains at the run precision ({row.get('tolerance_source')})"
     return f"{basis or 'fixed'}: {row.get('tolerance_source')}"
@@ -580,7 +551,7 @@ def _curve(page: _Page) -> str:
     svg = [
         f"<svg id='curve' class='chart' viewBox='0 0 {_W} {_H}' width='{_W}' height='{_H}' role='img' "
         f"aria-label='{esc(label)} per tensor in execution order, log scale'>",
-        _y_ticks(axis),
+        _y_ticks(axis, any(r.error == 0 for u in units for r in shown[u])),
         _x_ticks(axis),
         f"<text class='axis-label' x='{_LEFT + 4}' y='{_TOP - 10}'>{esc(label)} (log)</text>",
         f"<text class='axis-label' x='{_W - _RIGHT}' y='{_H - 6}' text-anchor='end'>tensor, in execution "
@@ -592,12 +563,12 @@ def _curve(page: _Page) -> str:
     return "\n".join(svg) + _legend(page, units) + _curve_key()
 
 
-def _y_ticks(axis: _Axis) -> str:
+def _y_ticks(axis: _Axis, zeros: bool) -> str:
     step = max(1, math.ceil((axis.high - axis.low) / 12))
     parts = []
     for decade in range(axis.low, axis.high + 1, step):
         y = axis.y(10.0**decade)
-        text = "exact 0" if decade == axis.low else f"1e{decade}"
+        text = "exact 0" if decade == axis.low and zeros else f"1e{decade}"
         parts.append(
             f"<line class='grid' x1='{_LEFT}' x2='{_W - _RIGHT}' y1='{y}' y2='{y}'/>"
             f"<text class='tick' x='{_LEFT - 6}' y='{y + 4}' text-anchor='end'>{text}</text>"
@@ -629,13 +600,11 @@ def _line(page: _Page, axis: _Axis, unit: int, rows: list[_Row]) -> str:
     colour = _LINE_COLOURS[unit % len(_LINE_COLOURS)]
     points = " ".join(f"{axis.x(r.position)},{axis.y(r.error)}" for r in rows)
     steps: list[str] = []
-    for r in rows:
+    half = 0.5 * (axis.x(1) - axis.x(0))
+    for r in rows:  # a step per tensor, half way to its neighbours, inside the plot
         if r.threshold is not None:
-            half = 0.5 * (axis.x(1) - axis.x(0))
-            y = axis.y(r.threshold)
-            steps.append(
-                f"{round(axis.x(r.position) - half, 1)},{y} {round(axis.x(r.position) + half, 1)},{y}"
-            )
+            x, y = axis.x(r.position), axis.y(r.threshold)
+            steps.append(f"{round(max(x - half, _LEFT), 1)},{y} {round(min(x + half, _W - _RIGHT), 1)},{y}")
     label = page.units[unit]
     parts = [
         f"<g class='line' data-unit='{unit}'>",
@@ -849,11 +818,6 @@ def _heatmap(page: _Page) -> str:
     )
 
 
-def _metric_label(page: _Page) -> str:
-    metric = page.doc["settings"].get("metric", "rel_diff")
-    return "1 − cosine" if metric == "cosine" else str(metric)
-
-
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1) :]
 
@@ -943,7 +907,6 @@ def _table(page: _Page, indices: list[int] | None) -> str:
         ("max_abs", "max_abs", "num"),
         ("rel_diff", "rel_diff", "num"),
         ("cosine", "1 − cosine", "num"),
-        ("error", f"error ({_metric_label(page)})", "num"),
         ("threshold", "threshold", "num"),
         ("ratio", "error / threshold", "num"),
         *([("x_noise", "× noise", "num")] if with_noise else []),
@@ -970,7 +933,8 @@ def _table(page: _Page, indices: list[int] | None) -> str:
         + "</select></label>"
         f"<span id='f-count' class='muted'>{len(rows)} of {len(rows)} rows</span></div>"
     )
-    body = "".join(_table_row(page, r, with_noise, with_tokens) for r in rows)
+    kinds = [kind for _, _, kind in columns]
+    body = "".join(_table_row(page, r, kinds, with_noise, with_tokens) for r in rows)
     return (
         controls
         + f"<div class='scroll'><table id='tensors'><thead><tr>{head}</tr></thead>"
@@ -978,7 +942,7 @@ def _table(page: _Page, indices: list[int] | None) -> str:
     )
 
 
-def _table_row(page: _Page, row: _Row, with_noise: bool, with_tokens: bool) -> str:
+def _table_row(page: _Page, row: _Row, kinds: list[str], with_noise: bool, with_tokens: bool) -> str:
     d = row.data
     status = d["status"]
     error, threshold = row.error, row.threshold
@@ -994,7 +958,7 @@ def _table_row(page: _Page, row: _Row, with_noise: bool, with_tokens: bool) -> s
         flags.append("first divergence")
     if row.index == page.growth_index:
         flags.append("largest growth")
-    status_text = STATUS_TEXT.get(status, status) + "".join(f" ← {f}" for f in flags)
+    status_html = esc(STATUS_TEXT.get(status, status)) + "".join(f"<br>← {esc(f)}" for f in flags)
     cells = [
         (str(row.index), esc(row.index)),
         (esc(page.units[row.unit]), esc(page.units[row.unit])),
@@ -1004,7 +968,6 @@ def _table_row(page: _Page, row: _Row, with_noise: bool, with_tokens: bool) -> s
         (_sort_key(num(d.get("max_abs"))), fmt(d.get("max_abs"))),
         (_sort_key(num(d.get("rel_diff"))), fmt(d.get("rel_diff"))),
         (_sort_key(one_minus), fmt(one_minus)),
-        (_sort_key(error), fmt(error)),
         (_sort_key(threshold), fmt(threshold)),
         (_sort_key(ratio), fmt(ratio)),
         *([(_sort_key(num(d.get("x_noise"))), fmt(d.get("x_noise")))] if with_noise else []),
@@ -1018,11 +981,12 @@ def _table_row(page: _Page, row: _Row, with_noise: bool, with_tokens: bool) -> s
             if with_tokens
             else []
         ),
-        (esc(status), f"<span class='st st-{esc(status)}'>{esc(status_text)}</span>"),
+        (esc(status), f"<span class='st st-{esc(status)}'>{status_html}</span>"),
         ("", _details(d)),
     ]
     tds = "".join(
-        f"<td data-v='{v}'>{html_text}</td>" if v else f"<td>{html_text}</td>" for v, html_text in cells
+        f"<td{' class=n' if kind == 'num' else ''}{f' data-v={chr(39)}{v}{chr(39)}' if v else ''}>{text}</td>"
+        for (v, text), kind in zip(cells, kinds, strict=True)
     )
     classes = f"s-{esc(status)}" + (" first" if row.index == page.first_index else "")
     return (
@@ -1036,12 +1000,26 @@ def _details(data: dict[str, Any]) -> str:
     parts = []
     if data.get("message"):
         parts.append(esc(data["message"]))
+    if data.get("kind") == "stats" and data.get("error") is not None and data.get("status") != "ok":
+        parts.append(f"stats: largest relative error {fmt(data['error'])}")
     if data.get("basis") and data.get("status") != "ok":
         parts.append(f"threshold: {esc(data['basis'])}")
+    if data.get("stats"):
+        parts.append(_stats(data["stats"]))
     for key in sorted(set(data) - _SHOWN_KEYS):
         value = json.dumps(data[key], default=str, ensure_ascii=False)
         parts.append(f"{esc(key)}: {esc(_clip_end(value, 300))}")
     return "<br>".join(parts)
+
+
+def _stats(stats: dict[str, Any]) -> str:
+    """A stats pair's statistics, the most different first: ``max 1.35 vs 0.91 (0.33)``."""
+    ranked = sorted(stats.items(), key=lambda item: -(num((item[1] or {}).get("rel_err")) or 0.0))
+    return "; ".join(
+        f"{esc(name)} {fmt(delta.get('a'))} vs {fmt(delta.get('b'))} ({fmt(delta.get('rel_err'))})"
+        for name, delta in ranked[:4]
+        if isinstance(delta, dict)
+    ) + (f"; {len(ranked) - 4} more" if len(ranked) > 4 else "")
 
 
 def _clip_end(text: str, width: int) -> str:
@@ -1206,6 +1184,8 @@ def _side(which: str, side: dict[str, Any]) -> str:
 
 
 def _value(value: object) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return "<br>".join(f"<code>{esc(v)}</code>" for v in value[:MAX_LISTED])
     if isinstance(value, (dict, list)):
         return f"<code>{esc(_clip_end(json.dumps(value, default=str, ensure_ascii=False), 2000))}</code>"
     return esc("-" if value is None else value)
@@ -1296,10 +1276,10 @@ details.lines pre{white-space:pre-wrap;font-size:12px;background:#fff;padding:8p
 #tensors th[aria-sort=ascending] button::after{content:" ▲"}
 #tensors th[aria-sort=descending] button::after{content:" ▼"}
 #tensors td{padding:3px 6px;border-top:1px solid var(--line);vertical-align:top;white-space:nowrap}
-#tensors td[data-v]{text-align:right;font-variant-numeric:tabular-nums}
+#tensors td.n{text-align:right;font-variant-numeric:tabular-nums}
 #tensors td:nth-child(2),#tensors td:nth-child(3){text-align:left}
 #tensors td:nth-child(3){white-space:normal;min-width:240px;max-width:440px}
-#tensors td:last-child{white-space:normal;min-width:160px;max-width:420px;color:var(--muted)}
+#tensors td:last-child{white-space:normal;min-width:200px;max-width:420px;color:var(--muted)}
 #tensors tr.s-diverged{background:#fef2f2}
 #tensors tr.first{background:#fecaca;font-weight:600}
 #tensors tr.s-shape_mismatch,#tensors tr.s-error{background:#fffbeb}
