@@ -160,8 +160,8 @@ def _noise_by_key(
     }
 
 
-def write_json(report: DiffReport, target: str) -> None:
-    text = json.dumps(report.to_json(), indent=1, allow_nan=False)
+def write_json(report: DiffReport, target: str, doc: dict[str, Any] | None = None) -> None:
+    text = json.dumps(doc if doc is not None else report.to_json(), indent=1, allow_nan=False)
     if target == "-":
         sys.stdout.write(text + "\n")
         return
@@ -178,15 +178,17 @@ def run(options: DiffOptions) -> int:
         raise UsageError(f"--html {options.html_path}: is a directory; give a file name such as report.html")
     report = build_report(options)
     json_to_stdout = options.json_path == "-"
+    # --json and --html write the same document: built once (per-token lists of a big diff take seconds)
+    doc = report.to_json() if options.json_path is not None and options.html_path is not None else None
     try:
         if options.json_path is not None:
-            write_json(report, options.json_path)
+            write_json(report, options.json_path, doc)
         if options.plot_path is not None:
             write_plot(report, options.plot_path)
         if options.html_path is not None:
             from .html import write_html  # only here: a diff without --html never imports it
 
-            write_html(report, options.html_path)
+            write_html(report, options.html_path, doc)
     except OSError as e:
         raise UsageError(f"cannot write the report: {e}") from e
     print_report(report, options.max_rows, table_too=not json_to_stdout, stderr=json_to_stdout)

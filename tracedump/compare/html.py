@@ -204,11 +204,11 @@ def _group(doc: dict[str, Any], lines: list[str]) -> _Page:
     return page
 
 
-def render(report: DiffReport) -> str:
-    """The whole page, as text."""
+def render(report: DiffReport, doc: dict[str, Any] | None = None) -> str:
+    """The whole page, as text; ``doc`` is ``report.to_json()`` when the caller has it already."""
     from .display import summary_lines
 
-    page = _group(report.to_json(), summary_lines(report))
+    page = _group(doc if doc is not None else report.to_json(), summary_lines(report))
     table_rows = _table_indices(report)
     body = [
         _header(page),
@@ -247,11 +247,11 @@ def render(report: DiffReport) -> str:
     )
 
 
-def write_html(report: DiffReport, path: str | Path) -> Path:
+def write_html(report: DiffReport, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
     """Write the page atomically (a temp file renamed into place): a reader never sees half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = render(report)
+    text = render(report, doc)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # opened as any new file: the umask applies
     try:
         with open(temp, "w", encoding="utf-8") as out:
@@ -490,23 +490,33 @@ def _axis(rows: list[_Row], width: int) -> _Axis:
     return _Axis(low, high, width)
 
 
+def _spread(items: list[int], count: int) -> list[int]:
+    """``count`` of ``items`` evenly spread, first and last included."""
+    if count >= len(items):
+        return list(items)
+    if count <= 1:
+        return items[:count]
+    step = (len(items) - 1) / (count - 1)
+    return [items[round(i * step)] for i in range(count)]
+
+
 def _pick_units(page: _Page, plotted: dict[int, list[_Row]]) -> list[int]:
-    """Every line when they fit; else the first divergence's, the failing ones, then evenly spread."""
+    """Every line when they fit; else the first divergence's, then those with a tensor that is not
+    ok, then the others, each group evenly spread over the run."""
     units = sorted(plotted)
     if len(units) <= MAX_LINES:
         return units
-    wanted: list[int] = []
-    if page.first_index is not None:
-        wanted.append(page.rows[page.first_index].unit)
-    wanted += [u for u in units if any(r.data["status"] != "ok" for r in plotted[u])]
-    step = (len(units) - 1) / (MAX_LINES - 1)
-    wanted += [units[round(i * step)] for i in range(MAX_LINES)]
-    chosen = sorted(dict.fromkeys(wanted))[:MAX_LINES]
+    chosen = {page.rows[page.first_index].unit} if page.first_index is not None else set()
+    failing = [u for u in units if u not in chosen and any(r.data["status"] != "ok" for r in plotted[u])]
+    chosen |= set(_spread(failing, MAX_LINES - len(chosen)))
+    others = [u for u in units if u not in chosen]
+    chosen |= set(_spread(others, MAX_LINES - len(chosen)))
+    kind = "sequences" if page.aligned else "passes"
     page.left_out.append(
-        f"curve: {len(chosen)} of {len(units)} {'sequences' if page.aligned else 'passes'} drawn "
-        "(the first divergence's, those with a tensor that is not ok, then evenly spread)"
+        f"curve: {len(chosen)} of {len(units)} {kind} drawn (the first divergence's, then those with "
+        f"a tensor that is not ok, then the others, each evenly spread)"
     )
-    return chosen
+    return sorted(chosen)
 
 
 def _decimate(rows: list[_Row], budget: int, keep: set[int]) -> list[_Row]:
@@ -723,11 +733,15 @@ def _heat_rows(page: _Page) -> list[_Row]:
         return value if value is not None and not math.isnan(value) else 0.0
 
     keep = {i for i in (page.first_index, page.growth_index) if i is not None}
-    ranked = sorted(rows, key=lambda r: (r.index not in keep, r.data["status"] == "ok", -worst(r)))
+    first_unit = page.rows[page.first_index].unit if page.first_index is not None else None
+    ranked = sorted(
+        rows, key=lambda r: (r.index not in keep, r.unit != first_unit, r.data["status"] == "ok", -worst(r))
+    )
     chosen = {r.index for r in ranked[:HEATMAP_ROWS]}
     page.left_out.append(
-        f"heatmap: {HEATMAP_ROWS} of {len(rows)} tensors shown (the first divergence, those not ok, "
-        "then the largest worst-token errors), in execution order"
+        f"heatmap: {HEATMAP_ROWS} of {len(rows)} tensors shown (the first divergence and its "
+        f"{'sequence' if page.aligned else 'pass'}, those not ok, then the largest worst-token errors), "
+        "in execution order"
     )
     return [r for r in rows if r.index in chosen]
 
@@ -766,7 +780,8 @@ def _heatmap(page: _Page) -> str:
     cell_w = max(1.0, min(24.0, 900 / columns))
     row_h = max(2.0, min(16.0, 560 / len(cells)))
     labels = row_h >= 9
-    left = 300 if labels else 16
+    several = len({r.unit for r in rows}) > 1
+    left = 300 if labels else (90 if several else 16)
     width_px, height_px = round(columns * cell_w, 1), round(len(cells) * row_h, 1)
     total_w, total_h = left + width_px + 90, height_px + 46
     first = page.first_index
@@ -776,8 +791,19 @@ def _heatmap(page: _Page) -> str:
         f"<image class='cells' x='{left}' y='8' width='{width_px}' height='{height_px}' "
         f"preserveAspectRatio='none' href='data:image/png;base64,{image}'/>",
     ]
+    last_label = -100.0
     for i, row in enumerate(rows):
         y = round(8 + i * row_h, 1)
+        if several and not labels and (i == 0 or row.unit != rows[i - 1].unit):
+            parts.append(
+                f"<line class='unit-edge' x1='{left - 4}' x2='{left + width_px}' y1='{y}' y2='{y}'/>"
+            )
+            if y - last_label >= 12:  # the unit's name where it fits
+                parts.append(
+                    f"<text class='tick' x='{left - 6}' y='{y + 9}' text-anchor='end'>"
+                    f"{esc(page.units[row.unit])}</text>"
+                )
+                last_label = y
         token = row.data["per_token"]
         title = (
             f"{row.name} ({page.units[row.unit]})\nworst token {token.get('worst')}: "
@@ -1263,6 +1289,7 @@ details.lines pre{white-space:pre-wrap;font-size:12px;background:#fff;padding:8p
 .hrow{fill:transparent;cursor:pointer}
 .hrow:hover{stroke:#111;stroke-width:1}
 .hrow.first{stroke:#d62728;stroke-width:1.5}
+.unit-edge{stroke:#fff;stroke-width:1}
 .hlabel{font-family:ui-monospace,Menlo,monospace;font-size:10.5px}
 .hlabel.first{fill:#b91c1c;font-weight:700}
 .tip{position:fixed;z-index:5;pointer-events:none;background:#111827;color:#fff;padding:4px 8px;
