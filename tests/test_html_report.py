@@ -523,7 +523,8 @@ def test_many_passes_are_drawn_as_at_most_max_lines(tmp_path: Path) -> None:
     text = render(report)
     assert f"curve: {MAX_LINES} of {MAX_LINES + 6} passes drawn" in text
     assert text.count("<g class='line'") == MAX_LINES
-    assert "data-unit='20'" in text.split("id='legend'")[1].split("</div>")[0]  # the failing pass is drawn
+    legend = re.findall(r"data-unit='(\d+)'", text.split("id='legend'")[1].split("</div>")[0])
+    assert "20" in legend and legend[0] == "0" and legend[-1] == str(MAX_LINES + 5)  # failing, first, last
 
 
 def test_only_diff_with_html_imports_the_page_module(dumps: dict[str, Path], tmp_path: Path) -> None:
