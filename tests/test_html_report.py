@@ -393,7 +393,7 @@ def test_a_hostile_name_is_shown_as_text(browser: Browser, dumps: dict[str, Path
         assert tab.js("document.querySelector('#first-divergence code').textContent") == shown
         assert shown in tab.js("document.querySelector('#tensors tbody tr').innerText")
         assert tab.js("document.querySelector('#marker-first text').textContent").startswith(
-            f"first divergence: {shown}"
+            f"first divergence: {shown[:80]}"  # long names are cut in the chart
         )
         assert tab.problems() == []
     finally:

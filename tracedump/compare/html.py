@@ -64,10 +64,15 @@ def _visible(char: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-def esc(value: object) -> str:
-    """Any value as HTML text: escaped, control characters and lone surrogates shown as escapes."""
+def visible(value: object) -> str:
+    """Any value as the text a reader sees: control characters and lone surrogates as escapes."""
     text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
-    return html.escape(_UNSAFE_CHARS.sub(_visible, text), quote=True)
+    return _UNSAFE_CHARS.sub(_visible, text)
+
+
+def esc(value: object) -> str:
+    """Any value as HTML text: :func:`visible`, then HTML-escaped (quotes too, for attributes)."""
+    return html.escape(visible(value), quote=True)
 
 
 def num(value: object) -> float | None:
@@ -661,7 +666,7 @@ def _markers(page: _Page, axis: _Axis) -> str:
             f"<line x1='{x}' x2='{x}' y1='{_TOP}' y2='{_H - _BOTTOM}'/>"
             f"<circle cx='{x}' cy='{axis.y(row.error)}' r='7'/>"
             f"<text x='{x + dx}' y='{_TOP + (14 if cls == 'first' else 28)}' text-anchor='{anchor}'>"
-            f"{esc(text)}: {esc(row.name)} ({esc(page.units[row.unit])})</text></g>"
+            f"{esc(text)}: {esc(_clip_end(visible(row.name), 90))} ({esc(page.units[row.unit])})</text></g>"
         )
     return "".join(parts)
 
@@ -817,7 +822,7 @@ def _heatmap(page: _Page) -> str:
         if labels:
             parts.append(
                 f"<text class='hlabel{is_first}' x='{left - 6}' y='{y + row_h * 0.75}' text-anchor='end'>"
-                f"{esc(_clip(row.name, 44))}</text>"
+                f"{esc(_clip(visible(row.name), 44))}</text>"
             )
     parts.append(_heat_axis(left, width_px, height_px, columns, binned))
     parts.append(_colour_bar(left + width_px + 16, height_px, low, high))
