@@ -555,3 +555,15 @@ def test_html_to_a_directory_is_a_usage_error(
 ) -> None:
     assert main(["diff", str(dumps["a"]), str(dumps["b"]), "--html", str(tmp_path)]) == 2
     assert "--html" in capsys.readouterr().err
+
+
+def test_the_sides_carry_their_manifests_without_module_lists(dumps: dict[str, Path]) -> None:
+    sides = compare(dumps["a"], dumps["b"], passes="0").to_json()["sides"]
+    for side in sides.values():
+        (root,) = side["roots"].values()
+        manifest = root["manifest"]
+        assert manifest["tracedump_version"] == tracedump.__version__
+        assert manifest["torch_version"] == torch.__version__
+        assert manifest["model_class"].endswith("LlamaForCausalLM")
+        assert manifest["settings"]["modules"] == "all"
+        assert "modules" not in manifest and "passes" not in manifest
