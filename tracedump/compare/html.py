@@ -169,6 +169,12 @@ class _Page:
     units: list[str] = field(default_factory=list)  # each line's label, by unit number
     left_out: list[str] = field(default_factory=list)
 
+    by_index: dict[int, _Row] = field(default_factory=dict)
+
+    def row(self, index: int) -> _Row:
+        """The row of a tensor record's ``index`` (the summary and the table refer to rows by it)."""
+        return self.by_index[index]
+
     @property
     def summary(self) -> dict[str, Any]:
         return self.doc["summary"]
@@ -205,6 +211,7 @@ def _group(doc: dict[str, Any], lines: list[str]) -> _Page:
                 page.units.append(f"pass {data.get('pass')}" + (f" {root}" if root is not None else ""))
         unit = units[key]
         page.rows.append(_Row(data, unit, counts[unit]))
+        page.by_index[page.rows[-1].index] = page.rows[-1]
         counts[unit] += 1
     return page
 
@@ -214,13 +221,12 @@ def render(report: DiffReport, doc: dict[str, Any] | None = None) -> str:
     from .display import summary_lines
 
     page = _group(doc if doc is not None else report.to_json(), summary_lines(report))
-    table_rows = _table_indices(report)
     body = [
         _header(page),
         _summary(page),
         _section("curve-section", "Error through the model", _curve(page)),
         _section("heatmap-section", "Error per token", _heatmap(page)),
-        _section("table-section", "Every tensor", _table(page, table_rows)),
+        _section("table-section", "Every tensor", _table(page, _table_indices(page))),
         _section("notes-section", "Notes", _notes(page)),
     ]
     # The bounds are known once every part is drawn: said at the top, where a reader starts.
@@ -233,10 +239,9 @@ def render(report: DiffReport, doc: dict[str, Any] | None = None) -> str:
     )
     body.insert(2, bounds)
     script = _SCRIPT
-    digest = lambda text: base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()  # noqa: E731
     policy = (
         "default-src 'none'; img-src data:; "
-        f"style-src 'sha256-{digest(_STYLE)}'; script-src 'sha256-{digest(script)}'"
+        f"style-src 'sha256-{_sha256(_STYLE)}'; script-src 'sha256-{_sha256(script)}'"
     )
     title = f"tracedump diff: exit {page.summary['exit_code']}"
     first = page.summary.get("first_divergence")
@@ -250,6 +255,11 @@ def render(report: DiffReport, doc: dict[str, Any] | None = None) -> str:
         + "\n".join(part for part in body if part)
         + f"\n<script>{script}</script>\n</body></html>\n"
     )
+
+
+def _sha256(text: str) -> str:
+    """The hash by which the Content-Security-Policy allows exactly this inline script or style."""
+    return base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
 
 
 def write_html(report: DiffReport, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
@@ -326,7 +336,7 @@ def _summary(page: _Page) -> str:
     if growth is not None and growth["index"] != page.first_index:
         parts.append(
             f"<p>Largest growth: {_link(growth['index'], esc(growth['name']))} in "
-            f"{esc(page.units[page.rows[growth['index']].unit])}: {esc(growth['metric'])} "
+            f"{esc(page.units[page.row(growth['index']).unit])}: {esc(growth['metric'])} "
             f"{fmt(growth['error'])}, {fmt(growth['ratio'])}× the largest error before it "
             f"({fmt(growth['previous_max'])}).</p>"
         )
@@ -339,8 +349,8 @@ def _summary(page: _Page) -> str:
 
 
 def _first_divergence(page: _Page, first: dict[str, Any]) -> str:
-    row = page.rows[first["index"]].data
-    where = [f"in {esc(page.units[page.rows[first['index']].unit])}"]
+    row = page.row(first["index"]).data
+    where = [f"in {esc(page.units[page.row(first['index']).unit])}"]
     spot = next((a.get("first") for a in page.summary.get("alignment") or [] if a.get("first")), None)
     if spot is not None:
         where = [
@@ -511,7 +521,7 @@ def _pick_units(page: _Page, plotted: dict[int, list[_Row]]) -> list[int]:
     units = sorted(plotted)
     if len(units) <= MAX_LINES:
         return units
-    chosen = {page.rows[page.first_index].unit} if page.first_index is not None else set()
+    chosen = {page.row(page.first_index).unit} if page.first_index is not None else set()
     failing = [u for u in units if u not in chosen and any(r.data["status"] != "ok" for r in plotted[u])]
     chosen |= set(_spread(failing, MAX_LINES - len(chosen)))
     others = [u for u in units if u not in chosen]
@@ -657,7 +667,7 @@ def _markers(page: _Page, axis: _Axis) -> str:
     ):
         if index is None or (cls == "growth" and index == page.first_index):
             continue
-        row = page.rows[index]
+        row = page.row(index)
         x = axis.x(row.position)
         anchor = "end" if x > _W * 0.7 else "start"
         dx = -6 if anchor == "end" else 6
@@ -738,7 +748,7 @@ def _heat_rows(page: _Page) -> list[_Row]:
         return value if value is not None and not math.isnan(value) else 0.0
 
     keep = {i for i in (page.first_index, page.growth_index) if i is not None}
-    first_unit = page.rows[page.first_index].unit if page.first_index is not None else None
+    first_unit = page.row(page.first_index).unit if page.first_index is not None else None
     ranked = sorted(
         rows, key=lambda r: (r.index not in keep, r.unit != first_unit, r.data["status"] == "ok", -worst(r))
     )
@@ -911,17 +921,23 @@ def _json_script(ident: str, data: object) -> str:
 # ----------------------------------------------------------------------------- the table
 
 
-def _table_indices(report: DiffReport) -> list[int] | None:
-    """The rows in the page: all when they fit, else as the terminal's ``--max-rows`` picks them."""
-    if len(report.results) <= MAX_TABLE_ROWS:
+def _table_indices(page: _Page) -> list[int] | None:
+    """The rows in the page: all when they fit; else, as the terminal's ``--max-rows`` picks them,
+    the first divergence and its neighbours, the growth row, every row not ok, the largest errors."""
+    if len(page.rows) <= MAX_TABLE_ROWS:
         return None
-    from .display import _rows_to_show
-
-    return _rows_to_show(report, MAX_TABLE_ROWS)
+    wanted: list[int] = []
+    if page.first_index is not None:
+        wanted += [i for i in range(page.first_index - 2, page.first_index + 3) if i in page.by_index]
+    if page.growth_index is not None:
+        wanted.append(page.growth_index)
+    wanted += [r.index for r in page.rows if r.data["status"] != "ok"]
+    wanted += [r.index for r in sorted(page.rows, key=lambda r: -(r.error or 0.0)) if r.error is not None]
+    return sorted(list(dict.fromkeys(wanted))[:MAX_TABLE_ROWS])
 
 
 def _table(page: _Page, indices: list[int] | None) -> str:
-    rows = page.rows if indices is None else [page.rows[i] for i in indices]
+    rows = page.rows if indices is None else [page.row(i) for i in indices]
     if indices is not None:
         page.left_out.append(
             f"table: {len(rows)} of {len(page.rows)} tensors (the first divergence and its neighbours, "
