@@ -567,3 +567,17 @@ def test_the_sides_carry_their_manifests_without_module_lists(dumps: dict[str, P
         assert manifest["model_class"].endswith("LlamaForCausalLM")
         assert manifest["settings"]["modules"] == "all"
         assert "modules" not in manifest and "passes" not in manifest
+
+
+def test_fields_a_later_option_adds_reach_the_page(dumps: dict[str, Path]) -> None:
+    """The page is built from the JSON document: a record's or the summary's field that it does not
+    know (a bridge's, a graft's) is shown, escaped, not dropped."""
+    report = compare(dumps["hostile_a"], dumps["hostile_b"])
+    doc = report.to_json()
+    doc["tensors"][1]["bridge"] = {"rule": "<b>qkv</b>", "from": ["q", "k", "v"]}
+    doc["summary"]["bridged"] = ["plain <i>"]
+    text = render(report, doc)
+    row = text.split("<tr id='t-1'")[1].split("</tr>")[0]
+    assert "bridge: {&quot;rule&quot;: &quot;&lt;b&gt;qkv&lt;/b&gt;&quot;" in row
+    assert "<code>bridge</code> on 1 tensors" in text
+    assert "<code>bridged</code>: <code>plain &lt;i&gt;</code>" in text

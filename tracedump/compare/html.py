@@ -123,6 +123,13 @@ _SHOWN = (
     "tolerance_source status message basis noise x_noise per_token stats"
 )
 _SHOWN_KEYS = frozenset(_SHOWN.split())
+# Likewise the summary's keys the page shows in its own places; any other is listed in the notes.
+_SUMMARY = (
+    "compared ok diverged shape_mismatch rank_mismatch errors routing_flips not_compared_routing "
+    "not_aligned notes unused_rules alignment dtype_mismatch only_in_a only_in_b passes passes_only_in_a "
+    "passes_only_in_b roots_only_in_a roots_only_in_b first_divergence largest_growth exit_code"
+)
+_SUMMARY_SHOWN = frozenset(_SUMMARY.split())
 
 
 # ----------------------------------------------------------------------------- the page
@@ -1129,6 +1136,15 @@ def _notes(page: _Page) -> str:
             "n-warn",
         ),
         _listing("Sequences", [_alignment(a) for a in s.get("alignment") or []], "n-align"),
+        _listing(
+            "Other findings of the summary",
+            [
+                f"<code>{esc(k)}</code>: {_value(v)}"
+                for k, v in s.items()
+                if k not in _SUMMARY_SHOWN and v not in (None, [], {}, 0)
+            ],
+            "n-summary",
+        ),
         _passes_only(s),
         _settings(doc),
     ]
