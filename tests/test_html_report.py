@@ -13,6 +13,7 @@ perturbed in layer 1; a ``.pt`` pass file whose tensor names are hostile HTML.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import select
@@ -581,3 +582,19 @@ def test_fields_a_later_option_adds_reach_the_page(dumps: dict[str, Path]) -> No
     assert "bridge: {&quot;rule&quot;: &quot;&lt;b&gt;qkv&lt;/b&gt;&quot;" in row
     assert "<code>bridge</code> on 1 tensors" in text
     assert "<code>bridged</code>: <code>plain &lt;i&gt;</code>" in text
+
+
+def test_heatmap_columns_bin_positions_by_their_largest_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(html_report, "HEATMAP_COLS", 4)
+    rows = [
+        html_report._Row(
+            {"index": 0, "per_token": {"rel_diff": [1e-3, 2e-3, 0.0, "nan", 5e-4, 1e-4, 0.0]}}, 0, 0
+        ),
+        html_report._Row(
+            {"index": 1, "per_token": {"rel_diff": [3e-3, 1e-5], "positions": [100, 101]}}, 0, 1
+        ),
+    ]
+    grid, width, binned = html_report._cells(rows)
+    assert (width, binned) == (102, 26) and len(grid[0]) == len(grid[1]) == 4
+    assert grid[0][0] is not None and math.isnan(grid[0][0])  # a NaN among the first 26 positions wins
+    assert grid[0][1:] == [None, None, None] and grid[1] == [None, None, None, 3e-3]

@@ -768,32 +768,37 @@ def _heat_rows(page: _Page) -> list[_Row]:
     return [r for r in rows if r.index in chosen]
 
 
-def _cells(rows: list[_Row]) -> tuple[list[list[float | None]], int]:
-    """Each row's per-token errors by column (a sequence position with --align tokens)."""
-    grid: list[list[float | None]] = []
-    width = 0
+def _cells(rows: list[_Row]) -> tuple[list[list[float | None]], int, int]:
+    """Each row's per-token errors by column (a sequence position with --align tokens), at most
+    :data:`HEATMAP_COLS` columns: positions binned, each bin its largest error (NaN wins), so a
+    100 000-token sequence costs one pass over its values, never a row per position."""
+    lists = []
     for row in rows:
         token = row.data["per_token"]
         values = [num(v) for v in token["rel_diff"]]
-        positions = token.get("positions") or range(len(values))
-        cells: dict[int, float | None] = dict(zip(positions, values, strict=False))
-        width = max(width, max(cells, default=-1) + 1)
-        grid.append([cells.get(p) for p in range(max(cells, default=-1) + 1)])
-    return grid, width
+        lists.append((token.get("positions") or range(len(values)), values))
+    width = max((max(positions, default=-1) + 1 for positions, _ in lists), default=0)
+    binned = max(math.ceil(width / HEATMAP_COLS), 1)
+    columns = math.ceil(width / binned)
+    grid: list[list[float | None]] = []
+    for positions, values in lists:
+        line: list[float | None] = [None] * columns
+        for position, value in zip(positions, values, strict=False):
+            line[position // binned] = _larger(line[position // binned], value)
+        grid.append(line)
+    return grid, width, binned
 
 
 def _heatmap(page: _Page) -> str:
     rows = _heat_rows(page)
     if not rows:
         return "<p class='muted'>No tensor was measured per token (no token dim found, or stats dumps).</p>"
-    grid, width = _cells(rows)
-    binned = math.ceil(width / HEATMAP_COLS)
-    columns = math.ceil(width / binned)
+    cells, width, binned = _cells(rows)
+    columns = len(cells[0])
     if binned > 1:
         page.left_out.append(
             f"heatmap: {width} token positions in {columns} columns of {binned} (each the largest error)"
         )
-    cells = [[_bin_max(line[c * binned : (c + 1) * binned]) for c in range(columns)] for line in grid]
     finite = [v for line in cells for v in line if v is not None and 0 < v < math.inf]
     low = math.log10(min(finite)) if finite else -16.0
     high = max(math.log10(max(finite)) if finite else -15.0, low + 1e-9)
@@ -870,13 +875,13 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1) :]
 
 
-def _bin_max(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    if not present:
-        return None
-    if any(math.isnan(v) for v in present):
+def _larger(held: float | None, value: float | None) -> float | None:
+    """The larger of two errors of one bin; a NaN (an error that is not a number) wins."""
+    if held is None or value is None:
+        return value if held is None else held
+    if math.isnan(held) or math.isnan(value):
         return math.nan
-    return max(present)
+    return max(held, value)
 
 
 def _level(value: float | None, low: float, high: float) -> int:
