@@ -967,7 +967,7 @@ def _table(page: _Page, indices: list[int] | None) -> str:
         ("rel_diff", "rel_diff", "num"),
         ("cosine", "1 − cosine", "num"),
         ("threshold", "threshold", "num"),
-        ("ratio", "error / threshold", "num"),
+        ("ratio", "× threshold", "num"),
         *([("x_noise", "× noise", "num")] if with_noise else []),
         *([("worst", "worst token", "num")] if with_tokens else []),
         ("status", "status", "text"),
@@ -1009,9 +1009,9 @@ def _table_row(page: _Page, row: _Row, kinds: list[str], with_noise: bool, with_
     one_minus = None if num(d.get("cosine")) is None else 1 - (num(d.get("cosine")) or 0.0)
     token = d.get("per_token") or {}
     worst = num(token.get("worst_rel_diff"))
-    name = f"<code>{esc(row.name)}</code>"
+    name = f"<code>{_breakable(row.name)}</code>"
     if d.get("name_b") != d.get("name"):
-        name += f"<div class='nb'>B: <code>{esc(d.get('name_b'))}</code></div>"
+        name += f"<div class='nb'>B: <code>{_breakable(d.get('name_b'))}</code></div>"
     flags = []
     if row.index == page.first_index:
         flags.append("first divergence")
@@ -1027,7 +1027,12 @@ def _table_row(page: _Page, row: _Row, kinds: list[str], with_noise: bool, with_
         (_sort_key(num(d.get("max_abs"))), fmt(d.get("max_abs"))),
         (_sort_key(num(d.get("rel_diff"))), fmt(d.get("rel_diff"))),
         (_sort_key(one_minus), fmt(one_minus)),
-        (_sort_key(threshold), fmt(threshold)),
+        (
+            _sort_key(threshold),
+            f"<span title='set by: {esc(d['basis'])}'>{fmt(threshold)}</span>"
+            if d.get("basis")
+            else fmt(threshold),
+        ),
         (_sort_key(ratio), fmt(ratio)),
         *([(_sort_key(num(d.get("x_noise"))), fmt(d.get("x_noise")))] if with_noise else []),
         *(
@@ -1054,15 +1059,18 @@ def _table_row(page: _Page, row: _Row, kinds: list[str], with_noise: bool, with_
     )
 
 
+def _breakable(name: object) -> str:
+    """A dotted module name, escaped, that wraps after a dot rather than inside a word."""
+    return esc(name).replace(".", ".<wbr>")
+
+
 def _details(data: dict[str, Any]) -> str:
-    """The message, the basis, and any field of the record the columns do not show."""
+    """The message, a stats pair's statistics, and any field of the record no column shows."""
     parts = []
     if data.get("message"):
         parts.append(esc(data["message"]))
     if data.get("kind") == "stats" and data.get("error") is not None and data.get("status") != "ok":
         parts.append(f"stats: largest relative error {fmt(data['error'])}")
-    if data.get("basis") and data.get("status") != "ok":
-        parts.append(f"threshold: {esc(data['basis'])}")
     if data.get("stats"):
         parts.append(_stats(data["stats"]))
     for key in sorted(set(data) - _SHOWN_KEYS):
@@ -1344,11 +1352,12 @@ details.lines pre{white-space:pre-wrap;font-size:12px;background:#fff;padding:8p
 #tensors th button{font:inherit;font-weight:600;border:0;background:none;padding:5px 6px;cursor:pointer}
 #tensors th[aria-sort=ascending] button::after{content:" ▲"}
 #tensors th[aria-sort=descending] button::after{content:" ▼"}
-#tensors td{padding:3px 6px;border-top:1px solid var(--line);vertical-align:top;white-space:nowrap}
+#tensors td{padding:3px 5px;border-top:1px solid var(--line);vertical-align:top;white-space:nowrap}
 #tensors td.n{text-align:right;font-variant-numeric:tabular-nums}
 #tensors td:nth-child(2),#tensors td:nth-child(3){text-align:left}
-#tensors td:nth-child(3){white-space:normal;min-width:240px;max-width:440px}
-#tensors td:last-child{white-space:normal;min-width:200px;max-width:420px;color:var(--muted)}
+#tensors td:nth-child(3){white-space:normal;min-width:280px;max-width:440px}
+#tensors td:last-child{white-space:normal;max-width:420px;color:var(--muted)}
+#tensors td code{overflow-wrap:break-word}
 #tensors tr.s-diverged{background:#fef2f2}
 #tensors tr.first{background:#fecaca;font-weight:600}
 #tensors tr.s-shape_mismatch,#tensors tr.s-error{background:#fffbeb}
