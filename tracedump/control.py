@@ -43,6 +43,13 @@ MIN_LEAD_STEPS = 2
 HEARTBEAT_SECONDS = 0.5
 STALE_SECONDS = 10.0  # a heartbeat older than this is no engine watching
 MODES = ("full", "last_row", "stats")
+# An armed --filter runs on the engine's names: a pattern that backtracks catastrophically would
+# stall the host's step. It is refused unless its cost on a name of n characters is at most
+# O(n ** MAX_FILTER_REPEATS): no repeat inside a repeat, no alternation or backreference under a repeat,
+# at most MAX_FILTER_REPEATS open-ended repeats. Each name is then matched once per order (a memo).
+MAX_FILTER_REPEATS = 2
+MAX_FILTER_CHARS = 1000
+_WIDE_REPEAT = 16  # a repeat allowing more than this many copies counts as open-ended
 
 
 class OrderError(ValueError):
@@ -90,10 +97,62 @@ class Order:
         if self.mode is not None and self.mode not in MODES:
             raise OrderError(f"--mode {self.mode!r}: choose from {', '.join(MODES)}")
         if self.filter is not None:
-            try:
-                re.compile(self.filter)
-            except re.error as e:
-                raise OrderError(f"--filter {self.filter!r}: invalid regex: {e}") from e
+            check_filter(self.filter)
+
+
+def check_filter(pattern: str) -> None:
+    """Refuse a ``--filter`` whose matching cost could stall the engine (see :data:`MAX_FILTER_REPEATS`)."""
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise OrderError(f"--filter {pattern!r}: invalid regex: {e}") from e
+    if len(pattern) > MAX_FILTER_CHARS:
+        raise OrderError(f"--filter: {len(pattern)} characters, at most {MAX_FILTER_CHARS}")
+    try:
+        from re import _parser as sre_parse  # type: ignore[attr-defined]
+    except ImportError:  # Python < 3.11
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        repeats = _open_repeats(sre_parse.parse(pattern).data, under_repeat=False)
+    except _Backtracks as e:
+        raise OrderError(
+            f"--filter {pattern!r}: {e}; such a pattern can take exponential time on one name and "
+            "would stall the engine (see docs/operations.md)"
+        ) from None
+    if repeats > MAX_FILTER_REPEATS:
+        raise OrderError(
+            f"--filter {pattern!r}: {repeats} open-ended repeats (*, +, {{n,}}), at most "
+            f"{MAX_FILTER_REPEATS}: more can take polynomial time of that degree on one name and "
+            "stall the engine (see docs/operations.md)"
+        )
+
+
+class _Backtracks(Exception):
+    pass
+
+
+def _open_repeats(items: Any, under_repeat: bool) -> int:
+    """Open-ended repeats in a parsed pattern; raises _Backtracks where a nested one is found."""
+    total = 0
+    for op, arg in items:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            _, high, sub = arg
+            wide = high > _WIDE_REPEAT
+            if under_repeat and wide:
+                raise _Backtracks("a repeat inside a repeat")
+            total += int(wide) + _open_repeats(sub, under_repeat or wide)
+        elif name == "BRANCH":
+            if under_repeat:
+                raise _Backtracks("an alternation under a repeat")
+            total += sum(_open_repeats(branch, under_repeat) for branch in arg[1])
+        elif name in ("GROUPREF", "GROUPREF_EXISTS"):
+            raise _Backtracks("a backreference")
+        elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
+            total += _open_repeats(arg[-1], under_repeat)  # the group's pattern comes last
+        elif name == "ATOMIC_GROUP":
+            total += _open_repeats(arg, under_repeat)
+    return total
 
 
 def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -> Any:
@@ -157,6 +216,14 @@ class Window:
     order: Order
     start: int  # the step it actually started at
     done: int = 0  # passes dumped so far
+    matches: dict[str, bool] = field(default_factory=dict)  # --filter, decided once per name
+
+    def wants(self, name: str) -> bool:
+        """Whether ``--filter`` keeps ``name``: one ``re.search`` per name and order, then a lookup."""
+        found = self.matches.get(name)
+        if found is None:
+            found = self.matches[name] = re.search(self.order.filter or "", name) is not None
+        return found
 
     @property
     def end(self) -> int | None:

@@ -1,0 +1,118 @@
+"""Hostile orders, heartbeats and files against live control (issue 26: items 1, 2, 11-13, 15, 16)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracedump
+import tracedump.cli
+from tracedump.control import ORDER_FILE
+
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
+
+_OPENED: list[tracedump.Dumper] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_every_dumper() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _attach(dump: Path, model: torch.nn.Module, **settings: object) -> tracedump.Dumper:
+    dumper = tracedump.attach(model, {"dir": str(dump), "control": True, **settings})
+    assert dumper is not None
+    _OPENED.append(dumper)
+    return dumper
+
+
+def _steps(dumper: tracedump.Dumper, model: torch.nn.Module, count: int) -> None:
+    for _ in range(count):
+        with dumper.step():
+            model(torch.ones(2, 4))
+
+
+def _until(dumper: tracedump.Dumper, model: torch.nn.Module, event: str, limit: int = 200_000) -> None:
+    assert dumper.recorder.control is not None
+    for _ in range(limit):
+        history = dumper.recorder.control.history
+        if history and any(e["event"] == event and e["id"] == history[-1]["id"] for e in history):
+            return
+        _steps(dumper, model, 1)
+    raise AssertionError(f"the order never reached {event!r}: {dumper.recorder.control.history}")
+
+
+def _hand_written(dump: Path, data: dict[str, object]) -> Path:
+    """An order file written by hand (the owner's, 0600): what the engine reads, not what the CLI checks."""
+    path = dump / ORDER_FILE
+    path.write_text(json.dumps(data))
+    path.chmod(0o600)
+    return path
+
+
+# ------------------------------------------------------------------ 1: an armed filter cannot stall
+
+
+@pytest.mark.parametrize("pattern", ["(.*.*)*X", "(a+)+b", "(a|a)*b", ".*.*.*.*X"])
+def test_a_backtracking_filter_is_refused_by_the_cli(
+    tmp_path: Path, pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", pattern, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--filter" in err and "stall the engine" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+def test_a_hand_written_backtracking_filter_is_ignored_by_the_engine(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    _hand_written(tmp_path, {"id": 7, "action": "arm", "filter": "(.*.*)*X", "steps": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 5)
+    dumper.close()
+    assert dumper.recorder.control is not None and dumper.recorder.control.window is None
+    assert any("stall the engine" in str(w.message) for w in caught)
+    assert not list(tmp_path.glob("rank*/pass*.safetensors"))
+
+
+def test_an_armed_filter_is_matched_once_per_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost of a filter is paid once per module name and order, not once per capture."""
+    import re
+
+    searched: list[str] = []
+    search = re.search
+
+    def counting(pattern: str, name: str, *args: object) -> object:
+        if pattern == "^[02]$":
+            searched.append(name)
+        return search(pattern, name, *args)
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", "^[02]$"]) == 0
+    monkeypatch.setattr(re, "search", counting)
+    _until(dumper, model, "armed")
+    _steps(dumper, model, 6)
+    dumper.close()
+    assert sorted(searched) == ["0", "1", "2"]  # each name once, over 7 armed steps
+    run = tracedump.open_dump(tmp_path).run()
+    names = {name.split(".")[0] for p in run.passes.values() for name in p}
+    assert len(run.passes) >= 7 and names == {"0", "2"}
