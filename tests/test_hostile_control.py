@@ -116,3 +116,26 @@ def test_an_armed_filter_is_matched_once_per_name(tmp_path: Path, monkeypatch: p
     run = tracedump.open_dump(tmp_path).run()
     names = {name.split(".")[0] for p in run.passes.values() for name in p}
     assert len(run.passes) >= 7 and names == {"0", "2"}
+
+
+# ------------------------------------------------------------------ 2: STEPS with CONTROL
+
+
+def test_steps_with_control_is_refused_at_attach_naming_both_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("TRACEDUMP_DUMP_CONTROL", "1")
+    monkeypatch.setenv("TRACEDUMP_DUMP_STEPS", "0-5")
+    model = _model()
+    with pytest.raises(tracedump.ConfigError) as info:
+        tracedump.attach(model)
+    message = str(info.value)
+    assert "TRACEDUMP_DUMP_STEPS='0-5'" in message and "TRACEDUMP_DUMP_CONTROL='1'" in message
+    assert not (tmp_path / "dump").exists()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_steps_with_control_in_a_config_is_refused_too(tmp_path: Path) -> None:
+    with pytest.raises(tracedump.ConfigError, match=r"DumpConfig\.steps.*DumpConfig\.control"):
+        tracedump.attach(_model(), {"dir": str(tmp_path), "control": True, "steps": "2"})
