@@ -174,6 +174,11 @@ class RunDir:
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()  # only if still empty: another rank may be using it
 
+    def discard(self) -> None:
+        """Remove the run dir after a failed :meth:`tracedump.Capture.save`: a half-written dump
+        would be refused by ``diff`` and push the next save to a ``-2`` name."""
+        self._remove()
+
     def settle_rank(self) -> None:
         """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
         before the first pass, so that every rank does not write a ``rank0`` dir."""

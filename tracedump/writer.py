@@ -51,6 +51,17 @@ _WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
 STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 
+def storable(tensor: torch.Tensor) -> bool:
+    """Whether a pass file can hold ``tensor``: one that cannot (``complex128``, sparse, meta,
+    quantized) would make the whole file unwritable, so it is skipped and counted instead."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type != "meta"
+        and tensor.dtype in STORABLE_DTYPES
+    )
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """A temp path beside ``final``, renamed onto it only when the block succeeds.

@@ -1,0 +1,110 @@
+"""Hostile captures and targets for ``capture().save()`` and attach (issue 26: items 3, 4, 5, 14)."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracedump
+import tracedump.writer
+from tracedump.writer import MANIFEST
+
+
+class Odd(torch.nn.Module):
+    """Returns what it is told to: a tensor a pass file cannot hold."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "complex128":
+            return torch.ones(3, dtype=torch.complex128)
+        if self.kind == "sparse":
+            return torch.eye(3).to_sparse()
+        return torch.empty(3, device="meta")
+
+
+class Pair(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.good, self.odd = torch.nn.Linear(4, 4), Odd(kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.odd(self.good(x))
+
+
+def _captured(kind: str) -> tracedump.Capture:
+    with tracedump.capture(Pair(kind), outputs=["good", "odd"]) as cap:
+        cap.run(torch.ones(2, 4))  # one pass holding both
+    return cap
+
+
+# ------------------------------------------------------------------ 3: one rule for both paths
+
+
+@pytest.mark.parametrize("kind", ["complex128", "sparse", "meta"])
+def test_save_skips_and_counts_what_a_pass_file_cannot_hold_and_writes_the_rest(
+    tmp_path: Path, kind: str
+) -> None:
+    cap = _captured(kind)
+    run_dir = cap.save(tmp_path)
+    manifest = json.loads((run_dir / MANIFEST).read_text())
+    assert manifest["complete"] is True
+    assert manifest["skipped"] == {"unsupported_tensor": 1}
+    run = tracedump.open_dump(tmp_path).run()
+    assert list(run.passes) == [0] and list(run.passes[0]) == ["good"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_dir.name]  # no stray run dir
+    assert not list(run_dir.glob(".*"))
+
+
+def test_a_failed_save_leaves_nothing_and_the_next_save_takes_the_plain_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cap = _captured("complex128")
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tracedump.writer, "save_file", full)
+    target = tmp_path / "ref"
+    with pytest.raises(OSError, match=r"pass00000\.safetensors.*No space left") as info:
+        cap.save(target)
+    assert "the model continues" not in str(info.value)
+    assert not target.exists()  # nothing behind, not even the directory it made
+    monkeypatch.undo()
+    run_dir = cap.save(target)
+    assert run_dir.name.endswith(f"pid{__import__('os').getpid()}")  # no -2 suffix
+    assert tracedump.open_dump(target).run().complete
+
+
+# ------------------------------------------------------------------ 14: clear errors, not raw ones
+
+
+def test_save_to_an_empty_path_or_onto_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    cap = _captured("complex128")
+    with pytest.raises(ValueError, match="expected a directory path"):
+        cap.save("")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError) as info:
+        cap.save(afile)
+    assert str(afile) in str(info.value) and "filter_fn" not in str(info.value)
+    assert afile.read_text() == "x"
+
+
+def test_a_save_onto_a_really_full_disk_raises_and_leaves_nothing(tmp_path: Path) -> None:
+    from hostile_fs import full_filesystem
+
+    cap = _captured("complex128")
+    with full_filesystem(tmp_path / "full", keep_free=4096) as full:
+        before = sorted(p.name for p in full.iterdir())
+        with pytest.raises(OSError) as info:
+            cap.save(full / "ref")
+        assert "No space left" in str(info.value) and "the model continues" not in str(info.value)
+        assert sorted(p.name for p in full.iterdir()) == before
