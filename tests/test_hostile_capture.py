@@ -108,3 +108,50 @@ def test_a_save_onto_a_really_full_disk_raises_and_leaves_nothing(tmp_path: Path
             cap.save(full / "ref")
         assert "No space left" in str(info.value) and "the model continues" not in str(info.value)
         assert sorted(p.name for p in full.iterdir()) == before
+
+
+# ------------------------------------------------------------------ 5: one manifest writer
+
+
+def test_the_manifest_written_from_two_threads_never_fails_and_the_last_state_wins(tmp_path: Path) -> None:
+    import sys
+    import threading
+
+    errors: list[str] = []
+    big = {"modules": [f"model.layers.{i}.mlp" for i in range(5000)]}  # encoding takes many switches
+    writer = tracedump.writer.Writer(tmp_path, 1 << 20, big, errors.append)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    failures: list[BaseException] = []
+    go = threading.Barrier(2)
+
+    def host() -> None:  # RunDir.update from inside hooks: new keys, so the dict changes size
+        go.wait()
+        try:
+            for i in range(100):
+                writer.write_manifest(**{f"host{i}": list(range(20))})
+        except BaseException as e:
+            failures.append(e)
+
+    def writer_thread() -> None:  # note_file -> write_manifest, as the writer thread does
+        go.wait()
+        try:
+            for i in range(100):
+                writer.note_file(i, 10, is_pass=True)
+                writer.write_manifest()
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=host), threading.Thread(target=writer_thread)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    sys.setswitchinterval(interval)
+    writer.close()
+    assert failures == [] and errors == []
+    on_disk = json.loads((tmp_path / MANIFEST).read_text())
+    assert "manifest_error" not in on_disk
+    assert on_disk == json.loads(json.dumps(writer.manifest, default=str))  # the last state, not an older one
+    assert on_disk["passes"]["count"] == 100 and all(f"host{i}" in on_disk for i in range(100))
+    assert not list(tmp_path.glob(".*tmp"))

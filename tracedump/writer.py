@@ -213,6 +213,10 @@ class Writer:
         self._cond = threading.Condition()
         self._closing = False
         self._last_manifest = 0.0
+        # The manifest is changed by the host thread (RunDir.update, from hooks) and the writer
+        # thread (note_file): each change, its snapshot and its rename happen under this lock, so
+        # the encoder never sees the dict change and the last state is the one left on disk.
+        self._manifest_lock = threading.Lock()
         self._stats_handle: Any = None
         self.buffers = HostBufferPool()
         self._thread = threading.Thread(target=self._loop, name="tracedump-writer", daemon=True)
@@ -306,10 +310,11 @@ class Writer:
         self.buffers.give_back(tensors, room=self.max_pending_bytes - (self._pending - nbytes))
 
     def note_file(self, index: int, size: int, *, is_pass: bool) -> None:
-        if is_pass:
-            self.totals.passes.add(index)
-        self.totals.bytes += size
-        self.totals.files += 1
+        with self._manifest_lock:
+            if is_pass:
+                self.totals.passes.add(index)
+            self.totals.bytes += size
+            self.totals.files += 1
         if time.monotonic() - self._last_manifest > _MANIFEST_INTERVAL_S:
             self.write_manifest()
 
@@ -324,18 +329,20 @@ class Writer:
         self.totals.bytes += sum(len(line) + 1 for line in lines)
 
     def write_manifest(self, **updates: Any) -> None:
-        self.manifest.update(updates)
-        self.manifest["passes"] = {
-            "count": len(self.totals.passes),
-            "bytes": self.totals.bytes,
-            "files": self.totals.files,
-            "indices": sorted(self.totals.passes),
-        }
-        self._last_manifest = time.monotonic()
-        try:
-            write_json_atomic(self.run_dir / MANIFEST, self.manifest)
-        except OSError as e:  # the disk may be full: the failure itself is already being reported
-            self.manifest.setdefault("manifest_error", str(e))
+        """Apply ``updates`` and write the manifest; safe from any thread (see ``_manifest_lock``)."""
+        with self._manifest_lock:
+            self.manifest.update(updates)
+            self.manifest["passes"] = {
+                "count": len(self.totals.passes),
+                "bytes": self.totals.bytes,
+                "files": self.totals.files,
+                "indices": sorted(self.totals.passes),
+            }
+            self._last_manifest = time.monotonic()
+            try:
+                write_json_atomic(self.run_dir / MANIFEST, self.manifest)
+            except OSError as e:  # the disk may be full: the failure itself is already being reported
+                self.manifest.setdefault("manifest_error", str(e))
 
     def _seal_stats(self) -> None:
         if self._stats_handle is None:
