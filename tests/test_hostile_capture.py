@@ -155,3 +155,65 @@ def test_the_manifest_written_from_two_threads_never_fails_and_the_last_state_wi
     assert on_disk == json.loads(json.dumps(writer.manifest, default=str))  # the last state, not an older one
     assert on_disk["passes"]["count"] == 100 and all(f"host{i}" in on_disk for i in range(100))
     assert not list(tmp_path.glob(".*tmp"))
+
+
+# ------------------------------------------------------------------ 4: Ctrl-C during the flush at exit
+
+_INTERRUPTED_FLUSH = r"""
+import os, signal, sys, threading, time
+import torch, tracedump, tracedump.writer as writer
+
+original = writer.save_file
+def slow(tensors, path, metadata=None, pause=None):  # a slow disk: 0.2 s before each chunk
+    def waiting():
+        time.sleep(0.2)
+        if pause is not None:
+            pause()
+    return original(tensors, path, metadata=metadata, pause=waiting)
+writer.save_file = slow
+flushing = threading.Event()
+flush = writer.Writer.flush
+def flush_seen(self):
+    flushing.set()
+    return flush(self)
+writer.Writer.flush = flush_seen
+
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 1024)
+dumper = tracedump.attach(model)
+with torch.no_grad():
+    for _ in range(12):  # 8 MiB per pass
+        with dumper.step():
+            model(torch.ones(2048, 1024))
+
+def ctrl_c_in_the_flush_at_exit_while_a_pass_is_being_written():
+    flushing.wait()
+    while not list(dumper.run_dir.glob(".pass*.tmp")):
+        time.sleep(0.005)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=ctrl_c_in_the_flush_at_exit_while_a_pass_is_being_written, daemon=True).start()
+"""
+
+
+def test_ctrl_c_during_the_flush_at_exit_is_recorded_cleaned_up_and_not_a_clean_exit(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRACEDUMP_DUMP_DIR": str(tmp_path / "dump"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_FLUSH], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode in (-signal.SIGINT, 128 + signal.SIGINT), done.stderr  # says interrupted
+    run_dir = next((tmp_path / "dump").glob("rank*"))
+    manifest = json.loads((run_dir / MANIFEST).read_text())
+    written = sorted(run_dir.glob("pass*.safetensors"))
+    assert manifest["complete"] is False
+    assert "interrupted" in manifest["incomplete_reason"] and "at exit" in manifest["incomplete_reason"]
+    assert manifest["skipped"]["dropped_files"] >= 1
+    assert len(written) + manifest["skipped"]["dropped_files"] == 12
+    assert manifest["passes"]["count"] == len(written)
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # no temp file left
+    assert "Traceback" not in done.stderr

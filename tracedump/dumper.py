@@ -250,11 +250,18 @@ class Dumper:
         if os.getpid() != self.rundir.pid:  # a forked child that never dumped owns nothing here
             return
         records = self.recorder.finish(interrupted=bool(self.hooks.root.opened))
-        self.rundir.writer.close()
+        interrupt: BaseException | None = None
+        try:
+            self.rundir.writer.close()
+        except BaseException as e:  # Ctrl-C while the queued passes were written: say what was lost
+            interrupt = e
+            self.rundir.abandon_writes(e)
         if self.recorder.control is not None:
             self.recorder.control.close()
             self.rundir.update(control=self.recorder.control.state())
         self.rundir.finish(self.recorder.skipped, records_file=RECORDS_FILE if records else None)
+        if interrupt is not None:
+            raise interrupt  # an interrupt stays one: never turned into a clean return (or exit)
 
     def __enter__(self) -> Dumper:
         return self

@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import platform
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -37,6 +38,18 @@ WORKER_NOT_CLOSED = (
     "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
     "listed here was flushed when its forward returned"
 )
+
+
+_INTERRUPTED_AT_EXIT: list[bool] = []  # a dumper's flush at exit was cut by Ctrl-C
+_EXIT_HOOK: list[bool] = []
+
+
+def _leave_as_interrupted() -> None:
+    """Registered before the first dumper's close, so it runs after every dumper's: a process whose
+    flush at exit was interrupted leaves as Python leaves on Ctrl-C (killed by SIGINT), not 0."""
+    if _INTERRUPTED_AT_EXIT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def rank_and_world() -> tuple[int, int, bool]:
@@ -214,14 +227,27 @@ class RunDir:
         """Close at interpreter exit. Forked multiprocessing workers leave through ``os._exit``,
         which skips atexit but runs multiprocessing's finalizers, so register there too."""
         self._close = close
-        atexit.register(close)
+        if not _EXIT_HOOK:
+            _EXIT_HOOK.append(True)
+            atexit.register(_leave_as_interrupted)
+        atexit.register(self._close_at_exit)
         mp_util = sys.modules.get("multiprocessing.util")
         if mp_util is not None:
             mp_util.Finalize(self, close, exitpriority=10)
 
+    def _close_at_exit(self) -> None:
+        """Close at exit; Ctrl-C during it is recorded by close() (manifest, stderr), and the exit
+        status says so once every dumper has closed (:func:`_leave_as_interrupted`)."""
+        if self._close is None:
+            return
+        try:
+            self._close()
+        except KeyboardInterrupt:
+            _INTERRUPTED_AT_EXIT.append(True)
+
     def forget_exit(self) -> None:
         if self._close is not None:
-            atexit.unregister(self._close)
+            atexit.unregister(self._close_at_exit)
 
     # ------------------------------------------------------------------ the manifest
 
@@ -283,6 +309,19 @@ class RunDir:
             f"continues. {self.path / MANIFEST} is marked incomplete.",
         )
         self.update(complete=False, incomplete_reason=failure, errors=self.errors.as_list())
+
+    def abandon_writes(self, error: BaseException) -> None:
+        """The flush at close was interrupted: drop what is still queued, record why and how much."""
+        before = self.writer.totals.dropped_jobs
+        reason = (
+            f"interrupted ({type(error).__name__}) during the flush at exit (or close()): the pass "
+            "files not yet on disk were dropped (skipped.dropped_files)"
+        )
+        self.writer.abandon(reason)
+        self.failure = reason
+        self.errors.add("writer", type(error).__name__, reason)
+        lost = self.writer.totals.dropped_jobs - before
+        print(f"tracedump: {self.path}: {reason}: {lost} files lost", file=sys.stderr)
 
     def flush_for_termination(self, skipped: Mapping[str, int]) -> None:
         """In a multiprocessing worker, write the pass before its forward returns.

@@ -191,6 +191,10 @@ def _yield_cpu_to_host() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(WRITER_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
+class _Abandoned(Exception):
+    """Raised in the writer thread between two chunks of a file when the flush was abandoned."""
+
+
 class Writer:
     """Background writer with a byte-bounded queue. Start it only when dumping is on."""
 
@@ -212,6 +216,7 @@ class Writer:
         self._host_waits = 0  # host threads waiting on the writer (cap, flush): it must not hold back
         self._cond = threading.Condition()
         self._closing = False
+        self._abandoned = False
         self._last_manifest = 0.0
         # The manifest is changed by the host thread (RunDir.update, from hooks) and the writer
         # thread (note_file): each change, its snapshot and its rename happen under this lock, so
@@ -273,6 +278,8 @@ class Writer:
 
     def wait_for_idle_host(self) -> None:
         """Called by the writer thread before each chunk of a pass file (see :meth:`host_busy`)."""
+        if self._abandoned:
+            raise _Abandoned("the flush was abandoned")  # the file's temp is removed on the way out
         if not self._host_busy or self._behind:
             return
         with self._cond:
@@ -304,6 +311,22 @@ class Writer:
             self._cond.notify_all()
         self._thread.join()
         self._seal_stats()
+
+    def abandon(self, reason: str, wait_s: float = 5.0) -> None:
+        """Stop now (an interrupt during the flush at close): every queued job is dropped and
+        counted, the file being written stops at its next chunk and its temp file is removed."""
+        with self._cond:
+            if self.failure is None:
+                self.failure = reason
+            self._abandoned = self._closing = True
+            while self._queue:
+                dropped, _ = self._queue.popleft()
+                self._pending -= dropped.nbytes
+                self._drop(dropped)
+            self._cond.notify_all()
+        self._thread.join(wait_s)
+        if not self._thread.is_alive():
+            self._seal_stats()
 
     def recycle(self, tensors: list[torch.Tensor], nbytes: int) -> None:
         """Hand a written pass's buffers to the pool, keeping free + queued bytes within the cap."""
@@ -383,6 +406,8 @@ class Writer:
                     job.run(self)
                 else:
                     self._drop(job)
+            except _Abandoned:
+                self._drop(job)
             except Exception as e:  # never let the writer die silently: report, stop, keep the host alive
                 self._fail(job, e)
             finally:
