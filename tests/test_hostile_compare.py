@@ -1,0 +1,69 @@
+"""Hostile dumps and options against the comparator (issue 26: items 6-10, 14, 17)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_compare_unshard import UNSHARD, model_tensors, tp1, write_run
+
+from tracedump.cli import main
+from tracedump.compare import compare
+from tracedump.compare.options import UsageError
+
+
+def _tp2_ranks(base: Path, values: dict[str, torch.Tensor], ranks: tuple[int, ...], passes: int = 1) -> Path:
+    """A TP=2 dump (manifests say world_size 2) holding only ``ranks``."""
+    for rank in ranks:
+        tensors = {
+            "embed": values["embed"],
+            "qkv": values["qkv"].chunk(2, dim=-1)[rank % 2].contiguous(),
+            "o_proj": values[f"partial{rank % 2}"],
+        }
+        write_run(base, rank, {index: tensors for index in range(passes)})
+    return base
+
+
+# ------------------------------------------------------------------ 6: --unshard ranks vs world_size
+
+
+@pytest.mark.parametrize(
+    ("ranks", "named"), [((0, 3), "missing rank(s) [1]"), ((0, 1, 2), "rank(s) [2] beyond")]
+)
+def test_unshard_refuses_ranks_that_are_not_the_world(
+    tmp_path: Path, ranks: tuple[int, ...], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    values = model_tensors()
+    a = _tp2_ranks(tmp_path / "a", values, ranks)
+    b = tp1(tmp_path / "b", values)
+    with pytest.raises(UsageError, match=r"world_size 2") as info:
+        compare(a, b, unshard=UNSHARD)
+    assert named in str(info.value)
+    assert main(["diff", str(a), str(b), "--unshard", UNSHARD[0], "--unshard", UNSHARD[1]]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ 7: a pass on one rank only
+
+
+def test_a_pass_present_on_one_rank_only_is_reported(tmp_path: Path) -> None:
+    values = model_tensors()
+    a = _tp2_ranks(tmp_path / "a", values, (0,), passes=2)
+    _tp2_ranks(tmp_path / "a", values, (1,), passes=3)  # rank 1 also has pass 2
+    b = tp1(tmp_path / "b", values)  # pass 0 only
+    report = compare(a, b, unshard=UNSHARD)
+    assert report.plan.passes_only_in_a == (1, 2)  # rank 0 has 0-1, rank 1 has 0-2, B has 0
+
+
+def test_a_pass_missing_on_one_rank_of_both_sides_is_a_rank_mismatch_naming_it(tmp_path: Path) -> None:
+    values = model_tensors()
+    a = _tp2_ranks(tmp_path / "a", values, (0,), passes=1)
+    _tp2_ranks(tmp_path / "a", values, (1,), passes=2)
+    b = _tp2_ranks(tmp_path / "b", values, (0, 1), passes=2)
+    report = compare(a, b, unshard=UNSHARD)
+    in_pass_1 = [r for r in report.results if r.pass_index == 1]
+    assert in_pass_1 and {r.status for r in in_pass_1} == {"rank_mismatch"}
+    assert all("missing on rank(s) [0]" in (r.message or "") for r in in_pass_1)
+    assert report.exit_code == 1
