@@ -67,3 +67,32 @@ def test_a_pass_missing_on_one_rank_of_both_sides_is_a_rank_mismatch_naming_it(t
     assert in_pass_1 and {r.status for r in in_pass_1} == {"rank_mismatch"}
     assert all("missing on rank(s) [0]" in (r.message or "") for r in in_pass_1)
     assert report.exit_code == 1
+
+
+# ------------------------------------------------------------------ 8: --map collisions
+
+
+def _pair_of_dumps(base: Path) -> tuple[Path, Path]:
+    values = {"a": torch.ones(3), "b": torch.full((3,), 2.0)}
+    write_run(base / "A", 0, {0: values})
+    write_run(base / "B", 0, {0: values})
+    return base / "A", base / "B"
+
+
+@pytest.mark.parametrize("maps", [("^.*$=a",), ("^a$=b", "^b$=a")])
+def test_map_rules_turning_several_names_into_one_are_an_error_naming_them(
+    tmp_path: Path, maps: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = _pair_of_dumps(tmp_path)
+    with pytest.raises(UsageError, match=r"'a', 'b' -> 'a'"):
+        compare(a, b, maps=maps)
+    argv = ["diff", str(a), str(b)] + [arg for rule in maps for arg in ("--map", rule)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "'a', 'b' -> 'a'" in captured.err and "diverged" not in captured.out
+
+
+def test_a_map_that_swaps_names_one_to_one_still_compares(tmp_path: Path) -> None:
+    a, b = _pair_of_dumps(tmp_path)
+    report = compare(a, b, maps=("^a$=x", "^b$=a", "^x$=b"))
+    assert {(r.name, r.name_b) for r in report.results} == {("a", "b"), ("b", "a")}
