@@ -109,11 +109,7 @@ def check_filter(pattern: str) -> None:
     if len(pattern) > MAX_FILTER_CHARS:
         raise OrderError(f"--filter: {len(pattern)} characters, at most {MAX_FILTER_CHARS}")
     try:
-        from re import _parser as sre_parse  # type: ignore[attr-defined]
-    except ImportError:  # Python < 3.11
-        import sre_parse  # type: ignore[no-redef]
-    try:
-        repeats = _open_repeats(sre_parse.parse(pattern).data, under_repeat=False)
+        repeats = _open_repeats(_sre_parser().parse(pattern).data, under_repeat=False)
     except _Backtracks as e:
         raise OrderError(
             f"--filter {pattern!r}: {e}; such a pattern can take exponential time on one name and "
@@ -129,6 +125,17 @@ def check_filter(pattern: str) -> None:
 
 class _Backtracks(Exception):
     pass
+
+
+def _sre_parser() -> Any:
+    """The stdlib's own regex parser (``re._parser``; ``sre_parse`` before 3.11): the one authority
+    on how ``re`` reads a pattern, and the only place its repeats and groups can be seen."""
+    import importlib
+
+    try:
+        return importlib.import_module("re._parser")
+    except ImportError:
+        return importlib.import_module("sre_parse")
 
 
 def _open_repeats(items: Any, under_repeat: bool) -> int:
