@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,26 @@ def test_a_map_that_swaps_names_one_to_one_still_compares(tmp_path: Path) -> Non
     a, b = _pair_of_dumps(tmp_path)
     report = compare(a, b, maps=("^a$=x", "^b$=a", "^x$=b"))
     assert {(r.name, r.name_b) for r in report.results} == {("a", "b"), ("b", "a")}
+
+
+# ------------------------------------------------------------------ 9: header dims
+
+
+def _raw_pass(path: Path, shape: list[object], nbytes: int) -> Path:
+    import struct
+
+    header = json.dumps({"x": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * nbytes)
+    return path
+
+
+@pytest.mark.parametrize("shape", [[-5, -16], [1.5, 5, 16], ["5", 16], [True, 80]])
+def test_a_header_with_negative_or_non_integer_dims_is_a_bad_header(
+    tmp_path: Path, shape: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = _raw_pass(tmp_path / "pass00000.safetensors", shape, 80 * 4)
+    good = _raw_pass(tmp_path / "good.safetensors", [5, 16], 80 * 4)
+    for argv in (["show", str(bad)], ["diff", str(bad), str(good)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "shape" in err and str(bad) in err
