@@ -120,3 +120,17 @@ def test_a_header_with_negative_or_non_integer_dims_is_a_bad_header(
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "shape" in err and str(bad) in err
+
+
+# ------------------------------------------------------------------ 10: a NaN-only divergence
+
+
+def test_a_nan_only_divergence_says_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "A", 0, {0: {"x": torch.tensor([1.0, float("nan"), 3.0, 4.0])}})
+    write_run(tmp_path / "B", 0, {0: {"x": torch.tensor([1.0, 2.0, 3.0, 4.0])}})
+    report = compare(tmp_path / "A", tmp_path / "B")
+    (result,) = report.results
+    assert result.status == "diverged" and result.metrics is not None and result.metrics.nan_a == 1  # premise
+    assert main(["diff", str(tmp_path / "A"), str(tmp_path / "B")]) == 1
+    out = capsys.readouterr().out
+    assert "NaN" in out and "rel_diff 0 >" not in out

@@ -272,6 +272,10 @@ def _describe_error(result: TensorResult) -> str:
     metric = "1-cosine" if result.metric == "cosine" else result.metric
     if result.error is None or result.status != "diverged":
         return _STATUS_TEXT.get(result.status, result.status)
+    m = result.metrics
+    if m is not None and m.nonfinite_mismatch and not result.error > (result.threshold or 0.0):
+        # only the NaN/Inf pattern differs: the finite values' error is within the threshold
+        return f"NaN/Inf only: {metric} of the finite values {_num(result.error)} <= {_num(result.threshold)}"
     text = f"{metric} {_num(result.error)} > {_num(result.threshold)} ({_basis(result)})"
     if result.metrics is not None and result.metrics.argmax is not None:
         m = result.metrics
