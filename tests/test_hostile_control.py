@@ -12,7 +12,7 @@ import torch
 
 import tracedump
 import tracedump.cli
-from tracedump.control import ORDER_FILE
+from tracedump.control import ORDER_FILE, STATE_FILE
 
 pytestmark = pytest.mark.usefixtures("fresh_warn_once")
 
@@ -139,3 +139,78 @@ def test_steps_with_control_is_refused_at_attach_naming_both_variables(
 def test_steps_with_control_in_a_config_is_refused_too(tmp_path: Path) -> None:
     with pytest.raises(tracedump.ConfigError, match=r"DumpConfig\.steps.*DumpConfig\.control"):
         tracedump.attach(_model(), {"dir": str(tmp_path), "control": True, "steps": "2"})
+
+
+# ------------------------------------------------------------------ 11: ranges checked by the CLI
+
+
+def test_an_out_of_range_step_count_is_refused_by_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "100000000000000000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 100000000000000000000000" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+def test_the_engine_words_an_out_of_range_order_by_its_cause(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    _hand_written(tmp_path, {"id": 3, "action": "arm", "steps": 10**23})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 3)
+    messages = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert messages and "out of range" in messages[0] and "not valid JSON" not in messages[0]
+
+
+# ------------------------------------------------------------------ 12: hostile heartbeats
+
+
+def _heartbeat(dump: Path, **fields: object) -> None:
+    import os
+    import socket
+    import time
+
+    run = dump / "rank0_pid999999"
+    run.mkdir(parents=True, exist_ok=True)
+    beat = {"step": 5, "time": time.time(), "rate": 10.0, "state": "idle", "pid": os.getpid()}
+    beat["host"] = socket.gethostname()
+    (run / STATE_FILE).write_text(json.dumps({**beat, **fields}))  # json writes NaN, Infinity as such
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"rate": float("inf")},
+        {"rate": float("nan")},
+        {"rate": 1e308},
+        {"time": float("nan")},
+        {"time": "1e400"},
+        {"step": 10**23},
+        {"step": 1e23},
+        {"step": -4},
+    ],
+    ids=[
+        "rate-inf",
+        "rate-nan",
+        "rate-1e308",
+        "time-nan",
+        "time-1e400",
+        "step-1e23",
+        "step-float",
+        "step-neg",
+    ],
+)
+def test_arm_on_a_hostile_heartbeat_is_one_line_and_exit_2(
+    tmp_path: Path, fields: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _heartbeat(tmp_path, **fields)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and STATE_FILE in err, err
+    assert not (tmp_path / ORDER_FILE).exists()

@@ -43,6 +43,8 @@ MIN_LEAD_STEPS = 2
 HEARTBEAT_SECONDS = 0.5
 STALE_SECONDS = 10.0  # a heartbeat older than this is no engine watching
 MODES = ("full", "last_row", "stats")
+MAX_STEP = 2**62 - 1  # the largest step number (and --steps) an order may hold: the engine's limit
+MAX_RATE = 1e9  # steps per second a heartbeat may claim (a real engine makes at most thousands)
 # An armed --filter runs on the engine's names: a pattern that backtracks catastrophically would
 # stall the host's step. It is refused unless its cost on a name of n characters is at most
 # O(n ** MAX_FILTER_REPEATS): no repeat inside a repeat, no alternation or backreference under a repeat,
@@ -91,9 +93,12 @@ class Order:
         return order
 
     def check(self) -> None:
-        """What the CLI refuses and a dumper ignores: no step count below 1, unknown modes, bad regexes."""
-        if self.steps is not None and self.steps < 1:
-            raise OrderError(f"--steps {self.steps}: expected a number of steps >= 1")
+        """What the CLI refuses and a dumper ignores: no step count below 1 or beyond
+        :data:`MAX_STEP`, unknown modes, bad regexes."""
+        if self.steps is not None and not 1 <= self.steps <= MAX_STEP:
+            raise OrderError(f"--steps {self.steps}: expected a number of steps from 1 to {MAX_STEP}")
+        if not 0 <= self.start_step <= MAX_STEP:
+            raise OrderError(f"start step {self.start_step} is out of range (0 to {MAX_STEP})")
         if self.mode is not None and self.mode not in MODES:
             raise OrderError(f"--mode {self.mode!r}: choose from {', '.join(MODES)}")
         if self.filter is not None:
@@ -170,8 +175,8 @@ def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -
         return None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise OrderError(f"malformed order: {key} is {type(value).__name__}, not {kind.__name__}")
-    if kind is int and not -(2**62) < value < 2**62:
-        raise OrderError(f"malformed order: {key} {value} is out of range")
+    if kind is int and not -MAX_STEP <= value <= MAX_STEP:
+        raise OrderError(f"malformed order: {key} {value} is out of range (at most {MAX_STEP})")
     return value
 
 
@@ -202,9 +207,10 @@ def read_order(path: Path) -> Order:
             )
         text = handle.read(1 << 16)
     try:
-        return Order.from_json(json.loads(text))
+        data = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise OrderError(f"not valid JSON: {e}") from e
+    return Order.from_json(data)  # raises OrderError saying what is wrong with the order itself
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -411,10 +417,13 @@ def watchers(dump_dir: Path) -> list[Watcher]:
     for path in sorted(dump_dir.glob(f"rank*_pid*/{STATE_FILE}")):
         try:
             data = json.loads(path.read_text())
-            age = now - float(data["time"])
-            step, rate = int(data["step"]), float(data.get("rate") or 0.0)
-        except (OSError, ValueError, KeyError, TypeError):
+            if not isinstance(data, dict):
+                continue
+            when, step, rate = data["time"], data["step"], data.get("rate") or 0.0
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
+        _check_heartbeat(path, when, step, rate)
+        age = now - float(when)
         if data.get("state") == "closed":
             continue
         if 0 <= age < STALE_SECONDS or _alive_here(data):  # an idle server steps no boundary
@@ -424,6 +433,23 @@ def watchers(dump_dir: Path) -> list[Watcher]:
                 )
             )
     return found
+
+
+def _check_heartbeat(path: Path, when: Any, step: Any, rate: Any) -> None:
+    """A heartbeat the CLI can compute a start step from, or an OrderError naming the file."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    problem = None
+    if not number(when) or when < 0:
+        problem = f"time {when!r} is not a finite time"
+    elif type(step) is not int or not 0 <= step <= MAX_STEP:
+        problem = f"step {step!r} is not a step number from 0 to {MAX_STEP}"
+    elif not number(rate) or not 0 <= rate <= MAX_RATE:
+        problem = f"rate {rate!r} is not a step rate from 0 to {MAX_RATE:.0e} per second"
+    if problem is not None:
+        raise OrderError(f"{path}: a heartbeat no engine wrote: {problem}")
 
 
 def _alive_here(data: dict[str, Any]) -> bool:
@@ -440,4 +466,7 @@ def _alive_here(data: dict[str, Any]) -> bool:
 def start_step(found: list[Watcher], lead: float = LEAD_SECONDS) -> int:
     """A step every watcher reaches after the order is written: the furthest one's step now, plus
     ``lead`` seconds of its steps (at least :data:`MIN_LEAD_STEPS`)."""
-    return max(w.step + max(MIN_LEAD_STEPS, math.ceil(w.rate * (w.age + lead))) for w in found)
+    start = max(w.step + max(MIN_LEAD_STEPS, math.ceil(w.rate * (max(w.age, 0.0) + lead))) for w in found)
+    if start > MAX_STEP:
+        raise OrderError(f"start step {start} is out of range (at most {MAX_STEP}): check the heartbeats")
+    return start
