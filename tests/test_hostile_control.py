@@ -214,3 +214,45 @@ def test_arm_on_a_hostile_heartbeat_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and STATE_FILE in err, err
     assert not (tmp_path / ORDER_FILE).exists()
+
+
+# ------------------------------------------------------------------ 13: every ignored order is told
+
+
+def test_each_distinct_ignored_order_warns_once_and_is_recorded_with_its_reason(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    path = tmp_path / ORDER_FILE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _hand_written(tmp_path, {"id": 1, "action": "arm"}).chmod(0o666)  # world-writable
+        _steps(dumper, model, 2)
+        os.utime(path)  # the same file touched: not another order
+        _steps(dumper, model, 2)
+        path.unlink()
+        os.mkfifo(path, 0o600)
+        _steps(dumper, model, 2)
+        path.unlink()
+        path.mkdir(mode=0o700)
+        _steps(dumper, model, 2)
+        path.rmdir()
+        path.write_text("{not json")
+        path.chmod(0o600)
+        _steps(dumper, model, 2)
+    dumper.close()
+    ignored = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(ignored) == 4, ignored
+    manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
+    events = [o["event"] for o in manifest["control"]["orders"] if o["action"] == "ignored"]
+    assert len(events) == 4
+    assert "writable by others" in events[0] and "not a regular file" in events[1]
+    assert "not a regular file" in events[2] and "not valid JSON" in events[3]
+    listing = subprocess.run(
+        [sys.executable, "-m", "tracedump", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert listing.stdout.count("order file ignored:") == 4, listing.stdout

@@ -74,6 +74,9 @@ def _print_control(run: Any) -> None:
     armed = f" until step {until}" if state == "armed" and until is not None else ""
     console().print(f"{run.name}: control {state}{armed}{at}", markup=False)
     for order in control.get("orders", []):
+        if order.get("action") == "ignored":  # an order file the engine may not obey, and why
+            console().print(f"  order file {order.get('event')} (at step {order.get('step')})", markup=False)
+            continue
         what = ", ".join(
             f"{k} {order[k]}"
             for k in ("steps", "filter", "mode", "request", "start_step")

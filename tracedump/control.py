@@ -197,14 +197,18 @@ def read_order(path: Path) -> Order:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise OrderError(f"cannot open: {e.strerror or e}") from e
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO, a directory, a device
             raise OrderError("not a regular file")
         if info.st_uid != os.getuid() or info.st_mode & 0o022:
             raise OrderError(
                 "written by another user, or writable by others: only the dump dir's owner may arm"
             )
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as handle:
         text = handle.read(1 << 16)
     try:
         data = json.loads(text)
@@ -267,6 +271,7 @@ class Controller:
     _rate: float = 0.0
     _step: int = 0
     fixed_mode: str | None = None  # the mode of the passes already in the run dir (one mode per run)
+    _ignored: set[str] = field(default_factory=set)  # order files ignored so far (see _ignore)
 
     def __post_init__(self) -> None:
         """An order file already in the dump dir belongs to an earlier run: seen, not obeyed."""
@@ -283,8 +288,7 @@ class Controller:
         try:
             changed = self._poll(step)
         except Exception as e:  # never into the engine's step: a broken order is ignored
-            self.warn("control_order", f"tracedump: ignoring {self.dump_dir / ORDER_FILE}: {e!r}")
-            changed = False
+            changed = self._ignore(self.dump_dir / ORDER_FILE, repr(e), step)
         if self.window is not None and self.window.finished:
             self._finish(step, "done")
             changed = True
@@ -321,8 +325,7 @@ class Controller:
         try:
             order = read_order(path)
         except OrderError as e:
-            self.warn("control_order", f"tracedump: ignoring {path}: {e}")
-            return False
+            return self._ignore(path, str(e), step)
         if order.id == self._last_id:
             return False
         self._last_id = order.id
@@ -349,6 +352,29 @@ class Controller:
             self._log(order, f"seen late at step {step}: starts there", step)
         else:
             self._log(order, "pending", step)
+        return True
+
+    def _ignore(self, path: Path, reason: str, step: int) -> bool:
+        """An order file this process may not obey: warned about and recorded in ``control.orders``
+        once per distinct file (its reason, inode and size; touching it again is not another)."""
+        try:
+            info = os.stat(path)
+            key = f"control_order:{reason}:{info.st_ino}:{info.st_size}"
+        except OSError:
+            key = f"control_order:{reason}"
+        if key in self._ignored:
+            return False
+        self._ignored.add(key)
+        self.warn(key, f"tracedump: ignoring {path}: {reason}")
+        self.history.append(
+            {
+                "id": None,
+                "action": "ignored",
+                "event": f"ignored: {reason}",
+                "step": step,
+                "time": time.time(),
+            }
+        )
         return True
 
     def _finish(self, step: int, how: str) -> None:
