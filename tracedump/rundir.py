@@ -162,16 +162,17 @@ class RunDir:
 
     def _make(self) -> Path:
         base = Path(self._settings.dir).expanduser()  # type: ignore[arg-type]
-        self._made_base = not base.exists()
+        self._made: list[Path] = []  # the dirs this call created, deepest last
+        path: Path | None = None
         try:
-            if not base.exists():
-                with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
-                    base.mkdir(parents=True, mode=0o700)
-                    os.chmod(base, 0o700)
+            self._made_dirs(base)
             path = self._claim(base)
             with tempfile.TemporaryFile(dir=path):
                 pass
-        except OSError as e:
+        except OSError as e:  # a name too long (ENAMETOOLONG), no permission, a full disk
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+            self._remove_made()
             where = self._settings.describe("dir")
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot create or write the dump "
@@ -183,9 +184,30 @@ class RunDir:
         """Undo :meth:`_make` after a failed attach: an empty run dir would be listed (and picked by
         ``open_dump().run()``) ahead of the real one."""
         shutil.rmtree(self.path, ignore_errors=True)
-        if self._made_base:
+        self._remove_made()
+
+    def _made_dirs(self, base: Path) -> None:
+        """Create ``base`` and its missing parents (``base`` itself ``0700``), noting each one made,
+        so that a failure later in :meth:`_make` leaves none of them behind."""
+        missing = []
+        probe = base
+        while not probe.exists():  # raises for a name too long: nothing is created then
+            missing.append(probe)
+            probe = probe.parent
+        for directory in reversed(missing):
+            try:
+                directory.mkdir(mode=0o700 if directory == base else 0o777)
+            except FileExistsError:  # another rank may create it meanwhile
+                continue
+            self._made.append(directory)
+        if base in self._made:
+            os.chmod(base, 0o700)
+
+    def _remove_made(self) -> None:
+        for directory in reversed(self._made):
             with contextlib.suppress(OSError):
-                self.path.parent.rmdir()  # only if still empty: another rank may be using it
+                directory.rmdir()  # only if still empty: another rank may be using it
+        self._made = []
 
     def discard(self) -> None:
         """Remove the run dir after a failed :meth:`tracedump.Capture.save`: a half-written dump

@@ -102,7 +102,11 @@ def add_diff_parser(sub: Any) -> None:
         "--plot", dest="plot_path", type=Path, metavar="PATH.png", help="plot the error along execution order"
     )
     parser.add_argument(
-        "--max-rows", type=int, default=500, metavar="N", help="table rows before ok rows are hidden (0: all)"
+        "--max-rows",
+        type=_rows,
+        default=500,
+        metavar="N",
+        help="table rows before ok rows are hidden (0: all)",
     )
     parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     parser.set_defaults(func=run_diff)
@@ -119,3 +123,11 @@ def run_diff(args: argparse.Namespace) -> int:
     except UsageError as e:
         print(f"tracedump diff: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _rows(text: str) -> int:
+    """``--max-rows``: a count of rows, 0 for all (argparse turns the ValueError into exit 2)."""
+    rows = int(text)
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"{rows}: expected a number of rows >= 0 (0 shows all)")
+    return rows
