@@ -256,3 +256,63 @@ def test_each_distinct_ignored_order_warns_once_and_is_recorded_with_its_reason(
         [sys.executable, "-m", "tracedump", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert listing.stdout.count("order file ignored:") == 4, listing.stdout
+
+
+# ------------------------------------------------------------------ 15, 16: the files control writes
+
+
+def test_control_state_is_0600_like_every_file(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 2)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "1"]) == 0
+    dumper.close()
+    for path in [tmp_path / ORDER_FILE, *dumper.run_dir.iterdir()]:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert not [p.name for p in dumper.run_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_arm_and_disarm_on_a_failing_disk_name_the_file_and_leave_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+    import os
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    replace = os.replace
+
+    def full(source: str, target: object) -> None:  # the bytes went nowhere: the rename never comes
+        if str(target).endswith(ORDER_FILE):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", full)
+    for argv in (["arm", str(tmp_path), "--steps", "1"], ["disarm", str(tmp_path)]):
+        assert tracedump.cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert str(tmp_path / ORDER_FILE) in err and "No space left" in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dumper.run_dir.name]
+
+
+def test_arm_and_disarm_on_a_really_full_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hostile_fs import full_filesystem
+
+    import tracedump.control
+
+    with full_filesystem(tmp_path / "full") as full:
+        before = sorted(p.name for p in full.iterdir())
+        # An engine's heartbeat elsewhere would be refused its writes too: the CLI is what is tested.
+        monkeypatch.setattr(tracedump.cli, "_watched", lambda directory: ["an engine"])
+        monkeypatch.setattr(tracedump.control, "start_step", lambda found: 10)
+        for argv in (["arm", str(full), "--steps", "1"], ["disarm", str(full)]):
+            assert tracedump.cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert str(full / ORDER_FILE) in err and "No space left" in err
+        assert sorted(p.name for p in full.iterdir()) == before  # no 0-byte .control.json.*.tmp

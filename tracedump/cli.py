@@ -196,10 +196,10 @@ def cmd_order(args: argparse.Namespace) -> int:
             what = {name: getattr(args, name) for name in ("steps", "filter", "mode", "inputs", "request")}
             order = Order(id=order.id, action="arm", start_step=start_step(found), **what)
             order.check()
+        write_order(args.dir, order)  # a full disk: an OrderError naming the file
     except OrderError as e:
         print(f"tracedump {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
-    write_order(args.dir, order)
     if arm:
         steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
         print(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}")

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .fsio import write_text_atomic
+
 ORDER_FILE = "control.json"
 STATE_FILE = "control.state"
 LEAD_SECONDS = 1.0  # how far ahead of the furthest run an order starts, in that run's time
@@ -183,11 +185,10 @@ def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -
 def write_order(dump_dir: Path, order: Order) -> Path:
     """Write ``control.json`` atomically, owner-only (the CLI's side)."""
     path = dump_dir / ORDER_FILE
-    tmp = dump_dir / f".{ORDER_FILE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(order.to_json(), handle)
-    os.replace(tmp, path)
+    try:
+        write_text_atomic(path, json.dumps(order.to_json()))
+    except OSError as e:  # a full disk: no temp file is left, and the message names the file
+        raise OrderError(f"cannot write {path}: {e.strerror or e}") from e
     return path
 
 
@@ -414,10 +415,8 @@ class Controller:
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
-        tmp = self.run_dir / f".{STATE_FILE}.tmp"
         try:
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.run_dir / STATE_FILE)
+            write_text_atomic(self.run_dir / STATE_FILE, json.dumps(state))  # 0600, like every file
         except OSError as e:
             self.warn("control_state", f"tracedump: cannot write {self.run_dir / STATE_FILE}: {e}")
 

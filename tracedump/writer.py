@@ -13,10 +13,9 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from .format import (
     pass_metadata,
     with_numbers,
 )
+from .fsio import atomic_path
 from .stformat import CODES_ON_DISK_ORDER
 from .stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 
@@ -60,25 +60,6 @@ def storable(tensor: torch.Tensor) -> bool:
         and tensor.device.type != "meta"
         and tensor.dtype in STORABLE_DTYPES
     )
-
-
-@contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """A temp path beside ``final``, renamed onto it only when the block succeeds.
-
-    A crash mid-write leaves a dot-file, never a truncated file under the final name. Files are
-    0600: activations derived from user prompts are user data.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
