@@ -134,3 +134,48 @@ def test_a_nan_only_divergence_says_nan(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["diff", str(tmp_path / "A"), str(tmp_path / "B")]) == 1
     out = capsys.readouterr().out
     assert "NaN" in out and "rel_diff 0 >" not in out
+
+
+# ------------------------------------------------------------------ 17: control characters shown, not sent
+
+RED = "\x1b[31m"
+
+
+def _hostile_dump(dump: Path, seed: int) -> Path:
+    import tracedump
+
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({f"x{RED}red": torch.nn.Linear(4, 4)})
+    dumper = tracedump.attach(model, {"dir": str(dump)})
+    assert dumper is not None
+    with dumper.step():
+        dumper.set_batch([f"seq{RED}1", f"seq{RED}1"])
+        model[f"x{RED}red"](torch.ones(2, 4))
+        dumper.record(f"tag{RED}\u202e", torch.ones(2))
+    dumper.close()
+    return dump
+
+
+def test_hostile_names_and_seq_ids_never_reach_the_terminal_raw(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    a, b = _hostile_dump(tmp_path / "A", 0), _hostile_dump(tmp_path / "B", 1)  # B's weights differ
+    pass_file = next(a.glob("rank*/pass00000.safetensors"))
+    for argv, status in (
+        (["diff", str(a), str(b)], 1),
+        (["ls", str(a)], 0),
+        (["show", str(pass_file)], 0),
+        (["diff", str(a), str(tmp_path / f"nothing{RED}")], 2),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "tracedump", *argv], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == status, done.stderr
+        shown = done.stdout + done.stderr
+        assert "\x1b" not in shown and "\u202e" not in shown, argv
+        assert "\\x1b[31m" in shown, (argv, shown)
+    listing = subprocess.run(
+        [sys.executable, "-m", "tracedump", "ls", str(a)], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "seq\\x1b[31m1" in listing  # the sequence ids, escaped

@@ -113,6 +113,7 @@ def add_diff_parser(sub: Any) -> None:
 
 
 def run_diff(args: argparse.Namespace) -> int:
+    from ..console import printable
     from .diff import run
     from .options import UsageError, parse_options
 
@@ -121,7 +122,7 @@ def run_diff(args: argparse.Namespace) -> int:
     try:
         return run(parse_options(**given, progress=False if args.no_progress else None))
     except UsageError as e:
-        print(f"tracedump diff: {e}", file=sys.stderr)
+        print(printable(f"tracedump diff: {e}", keep_newlines=True), file=sys.stderr)
         return EXIT_USAGE
 
 
