@@ -163,15 +163,18 @@ _INTERRUPTED_FLUSH = r"""
 import os, signal, sys, threading, time
 import torch, tracedump, tracedump.writer as writer
 
+flushing = threading.Event()
 original = writer.save_file
-def slow(tensors, path, metadata=None, pause=None):  # a slow disk: 0.2 s before each chunk
+def slow(tensors, path, metadata=None, pause=None):
+    # a disk that takes nothing before the flush at exit (so passes are still queued then, however
+    # slow this machine is), then 0.2 s before each chunk
     def waiting():
+        flushing.wait()
         time.sleep(0.2)
         if pause is not None:
             pause()
     return original(tensors, path, metadata=metadata, pause=waiting)
 writer.save_file = slow
-flushing = threading.Event()
 flush = writer.Writer.flush
 def flush_seen(self):
     flushing.set()
