@@ -35,8 +35,8 @@ def split_rule(text: str, option: str) -> tuple[str, str]:
 def compile_regex(pattern: str, option: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
-    except re.error as e:
-        raise UsageError(f"{option} {pattern!r}: invalid regex: {e}") from e
+    except (re.error, RecursionError, OverflowError) as e:  # '[' * 100000 recurses in the parser
+        raise UsageError(f"{option} {pattern[:80]!r}: invalid regex: {type(e).__name__}: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,9 @@ class RootGroup:
         return self.runs[0].declared_precision
 
     def pass_indices(self) -> list[int]:
-        return self.runs[0].pass_indices()
+        """The passes of any of its ranks: a pass some rank lacks is compared, and each of its
+        tensors is a ``rank_mismatch`` naming the ranks without it, never dropped."""
+        return sorted({index for run in self.runs for index in run.pass_indices()})
 
     @property
     def is_pass_file(self) -> bool:
@@ -310,6 +312,7 @@ def _pick_ranks(where: str, runs: list[Run], options: DiffOptions) -> list[RunSo
     by_rank = runs_by_rank(runs, where)
     ranks = sorted(by_rank)
     if options.unshard and len(ranks) > 1:
+        _check_world(where, {rank: by_rank[rank] for rank in ranks})
         chosen = ranks
     elif options.rank is not None and len(ranks) > 1:
         if options.rank not in by_rank:
@@ -318,3 +321,26 @@ def _pick_ranks(where: str, runs: list[Run], options: DiffOptions) -> list[RunSo
     else:
         chosen = [default_rank(ranks)]
     return [_run_source(by_rank[rank]) for rank in chosen]
+
+
+def _check_world(where: str, by_rank: dict[int, Run]) -> None:
+    """``--unshard`` joins every rank of one run: the ranks found must be those of its world size
+    (a missing rank under a ``sum`` rule would be a wrong value reported as a divergence)."""
+    sizes = {run.manifest.get("world_size") for run in by_rank.values()} - {None}
+    if len(sizes) > 1:
+        raise UsageError(f"{where}: --unshard: the ranks' manifests disagree on world_size: {sorted(sizes)}")
+    if not sizes or not isinstance(world := next(iter(sizes)), int):
+        return
+    missing = sorted(set(range(world)) - set(by_rank))
+    extra = sorted(set(by_rank) - set(range(world)))
+    if missing or extra:
+        found = f"ranks {sorted(by_rank)} of world_size {world}"
+        what = "; ".join(
+            part
+            for part in (
+                f"missing rank(s) {missing}" if missing else "",
+                f"rank(s) {extra} beyond it" if extra else "",
+            )
+            if part
+        )
+        raise UsageError(f"{where}: --unshard needs every rank of the run: {found}: {what}")
