@@ -644,11 +644,17 @@ def mamba_family() -> Family:
     )
 
 
+# The tied experts' down-projections x 3, as in the issue: the flipped tokens (2 of 48 with seed 0,
+# 12-13 with seeds 1 and 2) move the MoE block's output past the bf16 ceiling.
+TIE_DOWN_SCALE = 3.0
+
+
 def qwen3_moe_tie_family() -> Family:
     """The issue's constructed near-tie: Qwen3-MoE, 4 experts, top-2; in layer 1's router expert 1's
     row is expert 0's x (1 + 2^-12), so the two tie exactly in bf16 and not in fp32, and their
-    down-projections are x 3 so that a flip matters. bf16 against fp32 must pass (the flipped tokens
-    are a near-tie), with and without --baseline; a bug downstream (layer 2) must still be found."""
+    down-projections are scaled (:data:`TIE_DOWN_SCALE`) so that a flip matters. bf16 against fp32
+    must pass (the flipped tokens are a near-tie), with and without --baseline; a bug downstream
+    (layer 2) must still be found."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     def build(dtype: torch.dtype, attention: str) -> nn.Module:
@@ -686,15 +692,16 @@ def qwen3_moe_tie_family() -> Family:
     )
 
 
-def tie_experts(block: nn.Module, first: int = 0, second: int = 1) -> None:
-    """In an fp32 Qwen3-MoE block: router row ``second`` = row ``first`` x (1 + 2^-12), a tie in
-    bf16 (2^-12 is below half a bf16 ulp), not in fp32; both experts' down-projections x 3."""
+def tie_experts(block: nn.Module, first: int = 0, second: int = 1, factor: float = TIE_DOWN_SCALE) -> None:
+    """In an fp32 Qwen3-MoE block: router row ``first`` rounded to bf16 and row ``second`` = it x
+    (1 + 2^-12), a tie in bf16 (2^-12 is below half a bf16 ulp), not in fp32; both experts'
+    down-projections x ``factor``."""
     with torch.no_grad():
         row = block.gate.weight[first].bfloat16().float()  # bf16-exact, so x (1 + 2^-12) rounds back
         block.gate.weight[first] = row
         block.gate.weight[second] = row * (1 + 2.0**-12)
-        block.experts.down_proj[first] *= 3
-        block.experts.down_proj[second] *= 3
+        block.experts.down_proj[first] *= factor
+        block.experts.down_proj[second] *= factor
 
 
 FAMILIES: dict[str, Callable[[], Family]] = {
