@@ -10,9 +10,10 @@ present *upstream* explains (rel_diff and 1 - cosine; both are squared relative 
 
 - ``L`` is the running level: the largest error of the tensors before this one, in execution order,
   that were themselves explained; for a container's later output leaves (attention weights), the
-  level before its last child started (:mod:`.containers`: recorded later is not computed later). Modules downstream of a noisy one inherit its noise, amplified by
-  their conditioning (a softmax over logits of a few units, a residual with cancellation): ``G``
-  allows one op to amplify it 100x in rel_diff (10x in RMS error).
+  level before its last child started (:mod:`.containers`: recorded later is not computed later).
+  Modules downstream of a noisy one inherit its noise, amplified by their conditioning (a softmax
+  over logits of a few units, a residual with cancellation): ``G`` allows one op to amplify it
+  100x in rel_diff (10x in RMS error).
 - ``R`` is what one more op can add at the run precision: a few roundings of the output dtype
   (``u_run`` its unit roundoff: 2^-8 for bf16, 2^-24 for fp32) plus the fp32 accumulation over the
   tensor's last dim (``n``), which dominates fp32 runs. An error from exact zeros is a divergence
