@@ -644,8 +644,7 @@ def mamba_family() -> Family:
     )
 
 
-# The tied experts' down-projections x 3, as in the issue: the flipped tokens (2 of 48 with seed 0,
-# 12-13 with seeds 1 and 2) move the MoE block's output past the bf16 ceiling.
+# The tied experts' down-projections x 3 and x -3 (the issue: both x 3).
 TIE_DOWN_SCALE = 3.0
 
 
@@ -694,14 +693,16 @@ def qwen3_moe_tie_family() -> Family:
 
 def tie_experts(block: nn.Module, first: int = 0, second: int = 1, factor: float = TIE_DOWN_SCALE) -> None:
     """In an fp32 Qwen3-MoE block: router row ``first`` rounded to bf16 and row ``second`` = it x
-    (1 + 2^-12), a tie in bf16 (2^-12 is below half a bf16 ulp), not in fp32; both experts'
-    down-projections x ``factor``."""
+    (1 + 2^-12), a tie in bf16 (2^-12 is below half a bf16 ulp), not in fp32; the experts'
+    down-projections x ``factor`` and x ``-factor``, so that a token flipped between them moves
+    past the bf16 ceiling on every CPU (with both x 3, as in the issue, 2 flipped tokens of 48 moved
+    the layer's output by 0.009 under the ISA caps)."""
     with torch.no_grad():
         row = block.gate.weight[first].bfloat16().float()  # bf16-exact, so x (1 + 2^-12) rounds back
         block.gate.weight[first] = row
         block.gate.weight[second] = row * (1 + 2.0**-12)
         block.experts.down_proj[first] *= factor
-        block.experts.down_proj[second] *= factor
+        block.experts.down_proj[second] *= -factor  # opposite signs: a flip swaps +-3 x an answer
 
 
 FAMILIES: dict[str, Callable[[], Family]] = {

