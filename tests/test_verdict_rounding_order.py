@@ -304,3 +304,23 @@ def test_a_bug_on_the_tokens_that_kept_their_experts_is_still_flagged(tmp_path: 
     first = report.first_divergence
     assert report.exit_code == 1 and first is not None and first.name == "layer"
     assert first.error is not None and first.error > 0.01
+
+
+# ------------------------------------------------------------------ calibration, one column per setting
+
+
+def test_calibrate_runs_a_setting_in_a_process_of_its_own_with_its_isa_caps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "calibration.json"
+    code = calibrate.main(
+        ["--families", "gemma2", "--settings", "native,capped", "--markdown", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert code == 0 and set(document["settings"]) == {"native", "capped"}
+    capped = document["settings"]["capped"]
+    assert capped["env"] == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert capped["capability"] == "DEFAULT"  # the child really ran with ATen's kernels capped
+    assert document["cpu"] and all(row["passed"] for row in capped["rows"])
+    assert "| family | case | must | capped |" in printed and "capped: 4 of 4 as expected" in printed
