@@ -309,7 +309,7 @@ def test_a_bug_on_the_tokens_that_kept_their_experts_is_still_flagged(tmp_path: 
 # ------------------------------------------------------------------ calibration, one column per setting
 
 
-def test_calibrate_runs_a_setting_in_a_process_of_its_own_with_its_isa_caps(
+def test_calibrate_runs_each_setting_in_a_process_of_its_own_and_reports_them_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "calibration.json"
@@ -323,4 +323,5 @@ def test_calibrate_runs_a_setting_in_a_process_of_its_own_with_its_isa_caps(
     assert capped["env"] == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert capped["capability"] == "DEFAULT"  # the child really ran with ATen's kernels capped
     assert document["cpu"] and all(row["passed"] for row in capped["rows"])
-    assert "| family | case | must | capped |" in printed and "capped: 4 of 4 as expected" in printed
+    assert "| family | case | must | native | capped |" in printed  # a column per setting
+    assert "native: 4 of 4 as expected" in printed and "capped: 4 of 4 as expected" in printed
