@@ -151,13 +151,19 @@ def _noise_by_key(
     """(rel_diff, 1 - cosine) of C against B, by (B's pass, root, B's name)."""
     plan, workspace = build_plan(side_c, side_b, options)
     return {
-        (r.pass_b if r.pass_b is not None else r.pass_index, r.root, r.name_b): (
-            r.metrics.rel_diff,
-            r.metrics.one_minus_cosine,
-        )
+        (r.pass_b if r.pass_b is not None else r.pass_index, r.root, r.name_b): _noise_of(r)
         for r in Executor(plan, workspace, per_token=False).run()
         if r.metrics is not None
     }
+
+
+def _noise_of(result: TensorResult) -> tuple[float, float]:
+    """(rel_diff, 1 - cosine) of C against B; on the tokens C's routers routed alike where C flipped
+    at a near-tie (as A's error is measured where A flipped: the same tie flips the same tokens)."""
+    assert result.metrics is not None
+    if result.status == "routing_flip" and result.error is not None and result.absorbed is not None:
+        return result.error, result.error
+    return result.metrics.rel_diff, result.metrics.one_minus_cosine
 
 
 def write_json(report: DiffReport, target: str, doc: dict[str, Any] | None = None) -> None:
