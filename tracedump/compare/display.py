@@ -15,8 +15,13 @@ from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
 from .verdict import times_noise
 
-_SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-_STATUS_TEXT = {
+SHORT_DTYPES = {  # the tables' and the report page's dtype spelling
+    "float64": "fp64",
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+}
+STATUS_TEXT = {  # each status as the table and the report page print it
     "ok": "ok",
     "diverged": "DIVERGED",
     "shape_mismatch": "shape mismatch",
@@ -78,13 +83,13 @@ def _shape(result: TensorResult) -> str:
 
 
 def _dtype(result: TensorResult) -> str:
-    a = _SHORT_DTYPES.get(result.dtype_a or "?", result.dtype_a or "?")
-    b = _SHORT_DTYPES.get(result.dtype_b or "?", result.dtype_b or "?")
+    a = SHORT_DTYPES.get(result.dtype_a or "?", result.dtype_a or "?")
+    b = SHORT_DTYPES.get(result.dtype_b or "?", result.dtype_b or "?")
     return a if a == b else f"{a} vs {b}"
 
 
 def _status(result: TensorResult, first: TensorResult | None, growth: Growth | None) -> str:
-    text = _STATUS_TEXT.get(result.status, result.status)
+    text = STATUS_TEXT.get(result.status, result.status)
     if result.kind == "stats" and result.error is not None:
         text += f" (stats {_num(result.error)})"
     if first is not None and result.index == first.index:
@@ -237,7 +242,7 @@ def summary_lines(report: DiffReport) -> list[str]:
         )
     for result in report.results:
         if result.status in ("shape_mismatch", "error") and result.message:
-            lines.append(f"{_STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
+            lines.append(f"{STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
             break
     plan: Plan = report.plan
     for which, unmatched in (("A", plan.only_in_a), ("B", plan.only_in_b)):
@@ -273,7 +278,7 @@ def _basis(result: TensorResult) -> str:
 def _describe_error(result: TensorResult) -> str:
     metric = "1-cosine" if result.metric == "cosine" else result.metric
     if result.error is None or result.status != "diverged":
-        return _STATUS_TEXT.get(result.status, result.status)
+        return STATUS_TEXT.get(result.status, result.status)
     m = result.metrics
     if m is not None and m.nonfinite_mismatch and not result.error > (result.threshold or 0.0):
         # only the NaN/Inf pattern differs: the finite values' error is within the threshold

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .display import SHORT_DTYPES, STATUS_TEXT
 from .results import DiffReport
 
 MAX_LINES = 24
@@ -103,17 +104,6 @@ def _sort_key(value: float | None) -> str:
     return repr(value) if math.isfinite(value) else ("1e999" if value > 0 else "-1e999")
 
 
-_SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-STATUS_TEXT = {
-    "ok": "ok",
-    "diverged": "DIVERGED",
-    "shape_mismatch": "shape mismatch",
-    "rank_mismatch": "rank mismatch",
-    "error": "error",
-    "routing_flip": "routing flip",
-    "routing": "routing differs",
-    "not_aligned": "no token rows",
-}
 _NOT_COMPARED = ("shape_mismatch", "error", "routing", "not_aligned")
 # Keys of a tensor record the table shows in columns of its own; any other key (a later flag's)
 # is shown in the row's details cell, so nothing a result carries is lost from the page.
@@ -465,8 +455,8 @@ def _shape(row: dict[str, Any]) -> str:
 
 
 def _dtype(row: dict[str, Any]) -> str:
-    a = _SHORT_DTYPES.get(row.get("dtype_a") or "?", row.get("dtype_a") or "?")
-    b = _SHORT_DTYPES.get(row.get("dtype_b") or "?", row.get("dtype_b") or "?")
+    a = SHORT_DTYPES.get(row.get("dtype_a") or "?", row.get("dtype_a") or "?")
+    b = SHORT_DTYPES.get(row.get("dtype_b") or "?", row.get("dtype_b") or "?")
     return a if a == b else f"{a} vs {b}"
 
 
