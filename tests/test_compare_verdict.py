@@ -25,6 +25,8 @@ from tests.conftest import MODEL_SEED, read_passes, seeded_build
 from tracedump.compare import compare
 from tracedump.compare.verdict import GROWTH, rounding_floor
 
+pytestmark = pytest.mark.numerics  # rerun under capped ISAs and other seeds: make test-numerics
+
 
 def family_of(name: str) -> Family:
     """The calibration family ``name``, its weights drawn with the suite's model seed."""
@@ -76,7 +78,8 @@ def test_a_kernel_change_in_bf16_stays_within_what_upstream_explains(
     _, dumps = llama
     report = compare(dumps["bf16-eager"], dumps["bf16"])
     measured = [r for r in report.results if r.error]
-    assert report.exit_code == 0 and measured  # the kernels do differ
+    assert measured, "premise not met: eager and sdpa attention gave the same bf16 bits on this CPU"
+    assert report.exit_code == 0
     assert measured[0].error < rounding_floor("bfloat16", 64)  # a first difference of rounding size
     assert all(r.basis == "upstream" and r.error <= r.threshold for r in measured)
 
@@ -133,13 +136,17 @@ def test_a_near_tie_routing_flip_is_reported_not_flagged(tmp_path: Path) -> None
 
 
 def test_a_diffusion_loop_in_bf16_passes_while_its_error_grows_over_steps(tmp_path: Path) -> None:
+    pytest.importorskip(
+        "diffusers", reason="diffusers (a dev extra: pip install -e '.[dev]') builds the UNet"
+    )
     family = family_of("unet")
     dumps = _dump_family(tmp_path, family, [Case("unet", "bf16", "fp32", "clean")])
     report = compare(dumps["bf16"], dumps["fp32"])
-    assert report.exit_code == 0 and len(report.summary()["passes"]) == 25
     first_pass = max(r.error for r in report.results if r.pass_index == 0 and r.error is not None)
     last_pass = max(r.error for r in report.results if r.pass_index == 24 and r.error is not None)
-    assert last_pass > GROWTH * first_pass  # carried over the steps, not a bug
+    grown = last_pass / first_pass  # measured 2.6e3..8.4e3 (seeds 0-3, AVX-512/AVX2/default ISA)
+    assert grown > GROWTH, f"premise not met: the error grew {grown:.3g}x over 25 steps, not > {GROWTH:g}x"
+    assert report.exit_code == 0 and len(report.summary()["passes"]) == 25  # carried over, not a bug
 
 
 def test_per_token_error_names_the_position_a_bug_starts(tmp_path: Path) -> None:
