@@ -4,22 +4,51 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# The dev extras install at the versions CI tested (`make pin` regenerates the file; see README).
+CONSTRAINTS ?= constraints/dev.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench calibrate docs lint clean
+.PHONY: install test test-numerics demo bench calibrate docs lint pin clean
 
-$(STAMP): pyproject.toml setup.py tracedump/compare/kernel.c Makefile
+$(STAMP): pyproject.toml setup.py tracedump/compare/kernel.c Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# New pins: the newest dev extras pyproject.toml allows, resolved in a scratch venv, frozen into
+# $(CONSTRAINTS) without torch (TORCH_SPEC pins it) and tracedump. The next `make` reinstalls.
+PIN_VENV ?= $(VENV)-pin
+pin:
+	rm -rf $(PIN_VENV)
+	$(PYTHON) -m venv $(PIN_VENV)
+	$(PIN_VENV)/bin/pip install -q --upgrade pip
+	$(PIN_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(PIN_VENV)/bin/pip install -q -e ".[dev]"
+	{ sed -n '/^#/p' $(CONSTRAINTS); \
+	  $(PIN_VENV)/bin/pip freeze --exclude-editable | grep -viE '^(torch|tracedump)(==| @)'; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf $(PIN_VENV)
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The rounding-dependent tests (`-m numerics`) again, as other CPUs round: an AVX2-only x86 (ATen's
+# AVX2 kernels; oneDNN capped below AVX-512, which moves bf16 matmuls off AMX onto ATen's own
+# kernel; MKL's AVX2 code path for fp32 GEMMs), ATen's portable kernels, and other model seeds.
+# Each switch was measured to change the bits on an AVX-512 + AMX machine: docs/testing.md.
+CAP_AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+CAP_DEFAULT := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+NUMERICS := $(BIN)/python -m pytest -q -m numerics -p no:cacheprovider
+test-numerics: $(STAMP)
+	$(CAP_AVX2) TRACEDUMP_TEST_SEED=0 $(NUMERICS)
+	$(CAP_AVX2) TRACEDUMP_TEST_SEED=1 $(NUMERICS)
+	$(CAP_DEFAULT) TRACEDUMP_TEST_SEED=2 $(NUMERICS)
+	TRACEDUMP_TEST_SEED=3 $(NUMERICS)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 import warnings
 
 import numpy as np
@@ -120,3 +121,69 @@ def test_abs_sum_on_an_accelerator_is_one_fused_reduction(
     fused = real(x, 1, dtype=accumulator)
     assert fused.item() == pytest.approx(on_cpu.item(), rel=1e-5)
     assert on_cpu.item() == pytest.approx(x.double().abs().sum().item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------ the one-pass C sweep on the CPU
+
+_DEFAULT = ["abs_mean", "sum", "max", "shape"]
+
+
+def _torch_stats(x: torch.Tensor, names: list[str]) -> list[float]:
+    """What torch's own kernels give: the path taken without the kernel (or for a NaN or Inf)."""
+    from tracedump import reduce
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reduce, "_kernel", lambda: None)
+        return compute_stats(x, names)[1].tolist()
+
+
+@pytest.mark.parametrize("names", [_DEFAULT, ["min", "max", "mean"], ["sum"]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_stats_come_from_one_sweep_with_the_numbers_torch_gives(
+    monkeypatch: pytest.MonkeyPatch, names: list[str], dtype: torch.dtype
+) -> None:
+    """Sums, min and max of a CPU tensor from one pass of C (bf16 widened first): min and max
+    exactly torch's, the sums torch's float32 sums to float32 rounding, every value numpy's."""
+    from tracedump import reduce
+
+    kernel = reduce._kernel()
+    if kernel is None:
+        pytest.skip("the C kernel was not built here: torch computes the stats (checked above)")
+    calls: list[int] = []
+    real = kernel.stats
+    monkeypatch.setattr(
+        reduce, "_kernel", lambda: types.SimpleNamespace(stats=lambda a: calls.append(a.size) or real(a))
+    )
+    x = (torch.randn(257, 1001, generator=torch.Generator().manual_seed(6)) * 3 + 0.5).to(dtype)
+    numeric, values, _ = compute_stats(x, names)
+    assert calls == [x.numel()]  # one sweep, over the whole tensor
+    expected = _torch_stats(x, names)
+    reference = x.double().numpy()
+    for name, value, torch_value in zip(numeric, values.tolist(), expected, strict=True):
+        if name in ("min", "max"):
+            assert value == torch_value, name  # exact
+        else:
+            assert value == pytest.approx(torch_value, rel=2e-6), name
+            assert value == pytest.approx(_numpy(reference, name), rel=1e-6), name
+            if name == "sum":  # rounded to float32, as torch's float32 sum returns it
+                assert value == float(torch.tensor(value, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_inf_gets_torch_s_answer_not_the_sweep_s(poison: float) -> None:
+    x = torch.randn(100, 50, generator=torch.Generator().manual_seed(7))
+    x[37, 11] = poison
+    _, values, _ = compute_stats(x, ["min", "max", "sum", "abs_mean"])
+    expected = _torch_stats(x, ["min", "max", "sum", "abs_mean"])
+    assert [str(v) for v in values.tolist()] == [str(v) for v in expected]  # NaN is NaN, inf is inf
+
+
+def test_stats_the_sweep_cannot_give_still_come_from_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracedump import reduce
+
+    monkeypatch.setattr(
+        reduce, "_kernel", lambda: pytest.fail("std, l2, counts and float64 take torch's path")
+    )
+    compute_stats(torch.randn(64, 64), ["std", "sum"])
+    compute_stats(torch.randn(64, 64, dtype=torch.float64), _DEFAULT)
+    compute_stats(torch.randn(64, 64)[:, ::2], _DEFAULT)  # not contiguous
