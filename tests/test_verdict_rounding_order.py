@@ -31,6 +31,7 @@ from tracedump.compare.results import TensorResult
 from tracedump.compare.verdict import GROWTH, rounding_floor
 
 SEED = int(os.environ.get("TRACEDUMP_TEST_SEED", "0") or 0)
+numerics = pytest.mark.numerics  # rerun under capped ISAs and other seeds: make test-numerics
 R_BF16 = rounding_floor("bfloat16", 64)  # what one bf16 op may add, from exact zeros
 
 
@@ -54,6 +55,7 @@ def rotary(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return name, _dumps(tmp_path_factory.mktemp(name), name, ["bf16-eager+rotary", "bf16-eager"])
 
 
+@numerics
 def test_a_rotary_bug_seen_only_in_the_attention_weights_is_named_in_its_layer(
     rotary: tuple[str, dict],
 ) -> None:
@@ -89,6 +91,7 @@ def test_a_rotary_bug_seen_only_in_the_attention_weights_is_named_in_its_layer(
     assert row["level_before"] == f"{layer}.o_proj" and row["status"] == "diverged"
 
 
+@numerics
 def test_clean_bf16_vs_bf16_of_the_same_models_still_passes(rotary: tuple[str, dict]) -> None:
     _, dumps = rotary
     report = compare(dumps["bf16-eager"], dumps["bf16-eager"])
@@ -133,6 +136,7 @@ def _attention_pass(tmp_path: Path, weights_error: float, o_error: float) -> tup
     )
 
 
+@numerics
 def test_a_containers_own_output_is_explained_by_what_ran_before_its_last_child(tmp_path: Path) -> None:
     a, b = _attention_pass(tmp_path, weights_error=20 * R_BF16, o_error=0.5 * R_BF16)
     report = compare(a, b)
@@ -151,6 +155,7 @@ def test_a_containers_own_output_is_explained_by_what_ran_before_its_last_child(
     assert rows["layer"].level_before is None  # not a later output leaf: the whole running level
 
 
+@numerics
 def test_without_the_children_in_the_dump_the_whole_running_level_explains_as_before(tmp_path: Path) -> None:
     """--filter (or MODULES) that leaves the children out: nothing says when the container started,
     so its outputs keep the whole running level (the rule only narrows where the dump shows more)."""
@@ -162,6 +167,7 @@ def test_without_the_children_in_the_dump_the_whole_running_level_explains_as_be
     assert report.exit_code == 0 and rows["attn[1]"].level_before is None
 
 
+@numerics
 def test_a_later_output_that_copies_a_child_keeps_that_childs_level(tmp_path: Path) -> None:
     """A layer returning (hidden, its attention's weights): the weights are self_attn[1]'s copy and
     are judged as self_attn[1] was, whatever the layer's last child (the MLP) added."""
@@ -223,6 +229,7 @@ def _block_output(dump: Path) -> torch.Tensor:
     return tensors["model.layers.1.mlp"].float().reshape(-1, 64)
 
 
+@numerics
 @pytest.mark.parametrize("baseline", [None, "bf16", "bf16-eager"])
 def test_a_constructed_near_tie_passes_bf16_vs_fp32(tie: dict[str, Path], baseline: str | None) -> None:
     report = compare(tie["bf16"], tie["fp32"], baseline=tie[baseline] if baseline else None)
@@ -233,6 +240,7 @@ def test_a_constructed_near_tie_passes_bf16_vs_fp32(tie: dict[str, Path], baseli
     assert "routed alike" in (layer.message or "")
 
 
+@numerics
 def test_a_bug_downstream_of_the_near_tie_is_still_found(tie: dict[str, Path]) -> None:
     for baseline in (None, tie["bf16"]):
         report = compare(tie["bf16+norm_eps"], tie["fp32"], baseline=baseline)
@@ -286,6 +294,7 @@ def _routed_pass(tmp_path: Path, side: str, layer_error: float) -> Path:
     return _hand_dump(tmp_path / side / "pass00000.safetensors", tensors)
 
 
+@numerics
 def test_the_ceiling_does_not_judge_tokens_a_near_tie_flip_sent_elsewhere(tmp_path: Path) -> None:
     a, b = _routed_pass(tmp_path, "a", 0.0), _routed_pass(tmp_path, "b", 0.0)
     report = compare(a, b)
@@ -297,6 +306,7 @@ def test_the_ceiling_does_not_judge_tokens_a_near_tie_flip_sent_elsewhere(tmp_pa
     assert rows["layer"].status == "routing_flip" and rows["layer"].error < 1e-5  # bf16 rounding
 
 
+@numerics
 def test_a_bug_on_the_tokens_that_kept_their_experts_is_still_flagged(tmp_path: Path) -> None:
     a, b = _routed_pass(tmp_path / "bug", "a", 0.05), _routed_pass(tmp_path / "bug", "b", 0.0)
     report = compare(a, b)
