@@ -85,7 +85,9 @@ def reference_variant(fam: Family) -> str:
     return "fp32-eager" if "eager" in fam.attentions else "fp32"
 
 
-def dump(fam: Family, variant: str, out: Path, graft_from: Path | None = None, level: str | None = None) -> Path:
+def dump(
+    fam: Family, variant: str, out: Path, graft_from: Path | None = None, level: str | None = None
+) -> Path:
     """Dump ``<dtype>[-<attention>][+<bug>]`` with INPUTS=1 and MODULES=all; grafted when
     ``graft_from`` is given (``level`` None: every captured leaf)."""
     spec, _, bug = variant.partition("+")

@@ -52,7 +52,9 @@ def _assert_inputs_replaced(grafted: Path, ref: Path, module: str) -> None:
 
 
 @pytest.mark.parametrize("level", [None, LAYER], ids=["leaf", "layer"])
-def test_clean_bf16_grafted_from_fp32_exits_0_at_both_levels(llama, tmp_path: Path, level: str | None) -> None:
+def test_clean_bf16_grafted_from_fp32_exits_0_at_both_levels(
+    llama, tmp_path: Path, level: str | None
+) -> None:
     _, ref = llama
     grafted = _grafted(llama, tmp_path, "bf16-eager", level)
     manifest = _run(grafted).manifest
@@ -105,7 +107,11 @@ def test_each_bug_is_named_at_its_layer_by_a_layer_level_graft_without_baseline(
     assert planted(first.name, "llama"), first.name
     assert first.basis == "local" and first.error > first.threshold
     # only the planted layer is wrong: every other layer's local error is within its allowance
-    others = [r for r in report.results if re.fullmatch(r"model\.layers\.[0-5]", r.name) and r.name != "model.layers.3"]
+    others = [
+        r
+        for r in report.results
+        if re.fullmatch(r"model\.layers\.[0-5]", r.name) and r.name != "model.layers.3"
+    ]
     assert len(others) == 5 and all(r.status == "ok" for r in others)
 
 
@@ -138,7 +144,18 @@ def test_the_table_marks_grafted_modules_and_the_json_says_local(llama, tmp_path
     grafted = _grafted(llama, tmp_path, "bf16-eager+norm_eps", LAYER)
     out = tmp_path / "diff.json"
     done = subprocess.run(
-        [sys.executable, "-m", "tracedump", "diff", str(grafted), str(ref), "--json", str(out), "--max-rows", "0"],
+        [
+            sys.executable,
+            "-m",
+            "tracedump",
+            "diff",
+            str(grafted),
+            str(ref),
+            "--json",
+            str(out),
+            "--max-rows",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -220,7 +220,7 @@ def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
     judgeable = (
         result.metrics is not None
         and result.kind == "tensor"
-        and result.status in ("ok", "diverged")
+        and result.status in ("ok", "diverged", "routing_flip")
         and result.tolerance.metric in NOISE_MODEL
         and not result.tolerance.fixed
     )
@@ -229,6 +229,9 @@ def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
     metrics, tolerance = result.metrics, result.tolerance
     assert metrics is not None
     error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
+    flipped = result.status == "routing_flip"  # after a near-tie flip: the tokens routed alike
+    if flipped and result.error is not None:
+        error = result.error
     leaf = info.is_leaf_level and key.module == owner
     shape = result.shape_b or result.shape_a or ()
     threshold = local_allowance(tolerance.precision, shape[-1] if shape else 1, leaf)
@@ -241,7 +244,7 @@ def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
     return _as_local(
         replace(
             result,
-            status="ok" if ok else "diverged",
+            status=("routing_flip" if flipped else "ok") if ok else "diverged",
             error=error,
             threshold=threshold,
             basis="local",
