@@ -216,7 +216,8 @@ def _replace(value: Any, path: str, new: Mapping[str, torch.Tensor], depth: int 
         return type(value)(_replace(v, f"{path}[{i}]", new, depth + 1) for i, v in enumerate(value))
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_replace(v, f"{path}[{i}]", new, depth + 1) for i, v in enumerate(value)))
-    raise _NotGrafted(f"input {path} is a {type(value).__name__}, which grafting does not rebuild")
+    where = path.removeprefix("@in") or "[...]"
+    raise _NotGrafted(f"input {where} is a {type(value).__name__}, which grafting does not rebuild")
 
 
 # ------------------------------------------------------------------------------------ grafter
