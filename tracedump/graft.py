@@ -148,6 +148,34 @@ class _Reference:
             self._inputs_index, self._inputs = index, found
         return self._inputs
 
+    def routing_consumers(self) -> set[str]:
+        """Modules of the reference that take a router's expert indices as an input (an MoE
+        block's experts): the module output of a router holds an integer ``[tokens, k]`` tensor,
+        and a consumer in the same block takes one of that shape."""
+        from .format import Key
+
+        first = min(self.run.passes) if self.run.passes else None
+        pass_file = self.pass_file(first) if first is not None else None
+        routers: set[tuple[str, tuple[int, ...]]] = set()
+        takers: list[tuple[str, tuple[int, ...]]] = []
+        for name in pass_file.names if pass_file is not None else ():
+            info = pass_file.info(name)
+            shape = tuple(info.shape)
+            if not (
+                info.dtype.startswith(("int", "uint"))
+                and len(shape) == 2
+                and 0 < shape[1] < min(64, shape[0])
+            ):
+                continue
+            key = Key.parse(name)
+            if key.input:
+                takers.append((key.module, shape))
+            else:
+                routers.add((key.module.rpartition(".")[0], shape))
+        return {
+            m for m, shape in takers if any(m.startswith(block + ".") and s == shape for block, s in routers)
+        }
+
     def close(self) -> None:
         if self._pass is not None:
             self._pass.close()
@@ -277,7 +305,18 @@ class Grafter:
         """Leaves of the captured selection; or the outermost modules a level regex matches (by the
         name here or as the reference spells it), never the root, never one inside another."""
         if level is None:
-            return [(n, m) for n, m in captured if next(iter(m.children()), None) is None and n != "root"]
+            leaves = [(n, m) for n, m in captured if next(iter(m.children()), None) is None and n != "root"]
+            # An MoE block's experts (a container whose leaves run per expert) take the reference's
+            # routing too, so their per-expert calls line up with the reference's whatever the
+            # router here decided at a near-tie.
+            routed = self.reference.routing_consumers()
+            have = {id(m) for _, m in leaves}
+            experts = [
+                (display_name(n), m)
+                for n, m in model.named_modules()
+                if n and id(m) not in have and self.reference_name(n) in routed
+            ]
+            return experts + leaves
         try:
             pattern = re.compile(level)
         except re.error as e:
@@ -393,6 +432,7 @@ class Grafter:
             "level": self.level,
             "map": list(self.map_rules),
             "modules": [name for name, _ in self.targets],
+            "containers": [name for name, m in self.targets if next(iter(m.children()), None) is not None],
             "reference_names": {
                 name: self.reference_name(name)
                 for name, _ in self.targets

@@ -48,6 +48,7 @@ class GraftInfo:
     modules: tuple[str, ...]
     not_grafted: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
     never: dict[str, str] = field(default_factory=dict)  # modules no call of which was grafted
+    containers: frozenset[str] = frozenset()  # grafted modules with children (judged as a level)
 
     @classmethod
     def from_manifest(cls, entry: dict[str, Any]) -> GraftInfo:
@@ -65,6 +66,7 @@ class GraftInfo:
             tuple(str(m) for m in entry.get("modules", [])),
             missing,
             never,
+            frozenset(str(m) for m in entry.get("containers", [])),
         )
 
     @property
@@ -232,7 +234,7 @@ def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
     flipped = result.status == "routing_flip"  # after a near-tie flip: the tokens routed alike
     if flipped and result.error is not None:
         error = result.error
-    leaf = info.is_leaf_level and key.module == owner
+    leaf = info.is_leaf_level and key.module == owner and owner not in info.containers
     shape = result.shape_b or result.shape_a or ()
     threshold = local_allowance(tolerance.precision, shape[-1] if shape else 1, leaf)
     ok = (error <= threshold or metrics.max_abs <= tolerance.atol) and metrics.nonfinite_mismatch == 0
