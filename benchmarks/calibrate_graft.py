@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import shutil
 import sys
@@ -42,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import tracedump
 from benchmarks import common
-from benchmarks.calibrate import FAMILIES, Family
+from benchmarks.calibrate import FAMILIES, INIT, Family
 
 # The layer-level regex of each family (what `--graft-level` would be given).
 LEVELS = {
@@ -67,13 +68,42 @@ PLANTED = {
 }
 
 
-def family(name: str) -> Family:
-    """The calibration family, with a softmax-scale bug added where its attention has a scale."""
+SEED = int(os.environ.get("TEST_SEED", "0"))  # another seed: other random weights, same configs
+
+
+def family(name: str, seed: int | None = None) -> Family:
+    """The calibration family, with a softmax-scale bug added where its attention has a scale;
+    with ``seed`` (default ``$TEST_SEED``, 0: the calibration's own weights) other weights."""
     fam = copy.copy(FAMILIES[name]())
     fam.bugs = dict(fam.bugs)
+    seed = SEED if seed is None else seed
+    if seed:
+        fam.build = _reseeded(fam.build, seed)
     if "softmax_scale" not in fam.bugs and name in ("mixtral", "qwen2moe", "olmoe"):
         fam.bugs["softmax_scale"] = lambda m: _scale_attention(m.model.layers[2].self_attn, 1.05)
     return fam
+
+
+def _reseeded(
+    build: Callable[[torch.dtype, str], nn.Module], seed: int
+) -> Callable[[torch.dtype, str], nn.Module]:
+    """The family's model with every weight drawn again from ``seed`` (in fp32, then cast, so the
+    bf16 model is the fp32 one rounded): norms 1 +- 0.2, biases +- 0.02, the rest at 5x HF's init."""
+
+    def rebuilt(dtype: torch.dtype, attention: str) -> nn.Module:
+        model = build(dtype, attention)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                noise = torch.randn(param.shape, generator=generator)
+                if param.dim() == 1:
+                    noise = 1 + 0.2 * noise if re.search(r"norm|ln_", name) else 0.02 * noise
+                else:
+                    noise = INIT * noise
+                param.copy_(noise.to(param.dtype))
+        return model
+
+    return rebuilt
 
 
 def _scale_attention(attention: nn.Module, factor: float) -> None:

@@ -106,7 +106,8 @@ def test_a_near_tie_flip_upstream_does_not_matter_to_grafted_experts(tmp_path: P
     # at layer level, every layer after the flip starts from the reference's own input
     layer = compare(dump(fam, "bf16-eager+tie", tmp_path / "layer", ref, LEVELS["mixtral"]), ref)
     later = [r for r in layer.results if re.fullmatch(r"model\.layers\.[1-3]", r.name)]
-    assert len(later) == 3 and all(isinstance(r, LocalResult) and r.local and r.status == "ok" for r in later)
+    assert len(later) == 3 and all(isinstance(r, LocalResult) and r.local for r in later)
+    assert all(r.status in ("ok", "routing_flip") for r in later), [(r.name, r.status) for r in later]
 
 
 @pytest.mark.parametrize("level", ["leaf", "layer"])
