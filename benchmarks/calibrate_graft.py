@@ -260,7 +260,7 @@ def markdown(outcomes: list[GraftOutcome]) -> str:
             if o is None:
                 cells.append("-")
             elif o.first:
-                tag = " (not visible)" if o.case.expect == "invisible" else ""
+                tag = " (propagated: a container's output)" if o.case.expect == "invisible" else ""
                 cells.append(f"exit {o.exit_code}: {o.first} {_g(o.error)} / {_g(o.threshold)}{tag}")
             else:
                 tag = " (not visible)" if o.case.expect == "invisible" else ""

@@ -35,7 +35,7 @@ from .sources import Side
 from .verdict import NOISE_MODEL, UNIT_ROUNDOFF
 
 K_LEAF = 3.0  # roundings a grafted leaf may add, in u^2 (input cast, weights, output)
-K_LEVEL = 8.0  # what the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
+K_LEVEL = 9.0  # what the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
 LEAVES = "leaves"
 
 
