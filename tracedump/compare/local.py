@@ -35,7 +35,8 @@ from .sources import Side
 from .verdict import NOISE_MODEL, UNIT_ROUNDOFF
 
 K_LEAF = 3.0  # roundings a grafted leaf may add, in u^2 (input cast, weights, output)
-K_LEVEL = 9.0  # what the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
+K_OP = 0.85  # what each leaf run inside a grafted level may add to what follows it, in u^2
+K_LEVEL = 10.0  # the most the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
 LEAVES = "leaves"
 
 
@@ -49,9 +50,10 @@ class GraftInfo:
     not_grafted: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
     never: dict[str, str] = field(default_factory=dict)  # modules no call of which was grafted
     containers: frozenset[str] = frozenset()  # grafted modules with children (judged as a level)
+    leaves: frozenset[str] = frozenset()  # the dumped modules with no dumped module inside
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> GraftInfo:
+    def from_manifest(cls, entry: dict[str, Any], dumped: list[str] | None = None) -> GraftInfo:
         calls = entry.get("grafted_calls") if isinstance(entry.get("grafted_calls"), dict) else {}
         missing: dict[str, tuple[tuple[int, int, str], ...]] = {}
         never: dict[str, str] = {}
@@ -67,6 +69,7 @@ class GraftInfo:
             missing,
             never,
             frozenset(str(m) for m in entry.get("containers", [])),
+            _leaves_of([str(m) for m in dumped or []]),
         )
 
     @property
@@ -116,11 +119,27 @@ class LocalResult(TensorResult):
         return data
 
 
-def local_allowance(precision: str | None, last_dim: int, leaf: bool) -> float:
-    """What one grafted leaf (or the ops of one grafted level) may add at ``precision``."""
+def _leaves_of(modules: list[str]) -> frozenset[str]:
+    ordered = sorted(modules)
+    return frozenset(
+        name
+        for i, name in enumerate(ordered)
+        if not (i + 1 < len(ordered) and ordered[i + 1].startswith(name + "."))
+    )
+
+
+def level_roundings(ops: int | None) -> float:
+    """In u^2: what a tensor of a grafted level may carry after ``ops`` leaves of that level ran
+    (its own included): ``K_OP`` each, at most ``K_LEVEL``; ``K_LEVEL`` when no leaf of the level
+    was dumped (the depth is then unknown)."""
+    return K_LEVEL if ops is None else min(K_OP * (1 + ops), K_LEVEL)
+
+
+def local_allowance(precision: str | None, last_dim: int, roundings: float) -> float:
+    """What ``roundings`` (in u^2) at ``precision`` come to, plus fp32 accumulation over ``last_dim``."""
     u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
     u_acc = UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
-    return (K_LEAF if leaf else K_LEVEL) * u_run**2 + max(last_dim, 1) * u_acc**2
+    return roundings * u_run**2 + max(last_dim, 1) * u_acc**2
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -131,9 +150,13 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
     found: dict[str, GraftInfo] = {}
     for group in side.groups:
         for source in group.runs:
-            entry = source.run.manifest.get("graft") if source.run is not None else None
+            manifest = source.run.manifest if source.run is not None else {}
+            entry = manifest.get("graft")
             if isinstance(entry, dict):
-                found[group.label] = GraftInfo.from_manifest(entry)
+                modules = manifest.get("modules")
+                found[group.label] = GraftInfo.from_manifest(
+                    entry, modules if isinstance(modules, list) else []
+                )
     return found
 
 
@@ -169,9 +192,10 @@ def judge_local(report: DiffReport, side_a: Side, side_b: Side) -> list[TensorRe
     for info in infos.values():
         _check_source(report, info, side_b)
     judged = []
+    depth = _Depth()
     for result in report.results:
         info = infos.get(result.root or "", single) if result.root is not None else single
-        judged.append(_judge(result, info) if info is not None else _as_local(result, False))
+        judged.append(_judge(result, info, depth) if info is not None else _as_local(result, False))
     _summarise(report, judged, infos)
     return judged
 
@@ -182,6 +206,7 @@ def _describe(info: GraftInfo) -> dict[str, Any]:
         "level": info.level,
         "modules": len(info.modules),
         "k_leaf": K_LEAF,
+        "k_op": K_OP,
         "k_level": K_LEVEL,
         "not_grafted": {name: reason for name, reason in info.never.items()},
     }
@@ -210,11 +235,27 @@ def _as_local(result: TensorResult, local: bool, **extra: Any) -> LocalResult:
     return LocalResult(**values, local=local, **extra)
 
 
-def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
+class _Depth:
+    """How many leaves of each grafted level have run so far in a pass (execution order)."""
+
+    def __init__(self) -> None:
+        self.ran: dict[tuple[int, str | None, str], set[str]] = {}
+
+    def after(self, result: TensorResult, key: Key, owner: str, info: GraftInfo) -> int | None:
+        """The leaves of ``owner`` run up to this tensor (its own module's output included); None
+        when none of them was dumped in this pass."""
+        ran = self.ran.setdefault((result.pass_index, result.root, owner), set())
+        if not key.input and key.module in info.leaves and key.module != owner:
+            ran.add(f"{key.module}::{key.call}")
+        return len(ran) if ran else None
+
+
+def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
     key = Key.parse(result.name)
     owner = info.owner(key.module)
     if owner is None:
         return _as_local(result, False)
+    ops = depth.after(result, key, owner, info)
     call = key.call if key.module == owner else None
     why = info.why_not(owner, result.pass_index, call)
     if why is not None:
@@ -236,12 +277,21 @@ def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
         error = result.error
     leaf = info.is_leaf_level and key.module == owner and owner not in info.containers
     shape = result.shape_b or result.shape_a or ()
-    threshold = local_allowance(tolerance.precision, shape[-1] if shape else 1, leaf)
+    if leaf:
+        roundings = K_LEAF
+    elif key.module == owner and key.input:
+        roundings = K_OP  # the level's own input: the cast of the reference's, one rounding
+    else:
+        roundings = level_roundings(ops)
+    threshold = local_allowance(tolerance.precision, shape[-1] if shape else 1, roundings)
     ok = (error <= threshold or metrics.max_abs <= tolerance.atol) and metrics.nonfinite_mismatch == 0
     what = owner if key.module == owner else f"{owner} (which {key.module} is inside)"
+    how = (
+        "a grafted leaf" if leaf else f"a grafted level, {ops if ops is not None else '?'} of its leaves run"
+    )
     source = (
         f"local error: what {what} alone may add at {tolerance.precision} run precision "
-        f"({K_LEAF if leaf else K_LEVEL:g} u^2{'' if leaf else ', a grafted level'})"
+        f"({roundings:.3g} u^2, {how})"
     )
     return _as_local(
         replace(
