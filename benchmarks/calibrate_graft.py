@@ -97,7 +97,8 @@ def _reseeded(
             for name, param in model.named_parameters():
                 noise = torch.randn(param.shape, generator=generator)
                 if param.dim() == 1:
-                    noise = 1 + 0.2 * noise if re.search(r"norm|ln_", name) else 0.02 * noise
+                    is_scale = name.endswith("weight") and re.search(r"norm|ln_", name)
+                    noise = 1 + 0.2 * noise if is_scale else 0.02 * noise
                 else:
                     noise = INIT * noise
                 param.copy_(noise.to(param.dtype))

@@ -433,6 +433,15 @@ class Grafter:
             "map": list(self.map_rules),
             "modules": [name for name, _ in self.targets],
             "containers": [name for name, m in self.targets if next(iter(m.children()), None) is not None],
+            "leaves": {  # each grafted container's leaves, in registration order (the verdict's depth)
+                name: [
+                    f"{name}.{n}"
+                    for n, leaf in m.named_modules()
+                    if n and next(iter(leaf.children()), None) is None
+                ]
+                for name, m in self.targets
+                if next(iter(m.children()), None) is not None
+            },
             "reference_names": {
                 name: self.reference_name(name)
                 for name, _ in self.targets

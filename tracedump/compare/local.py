@@ -50,10 +50,10 @@ class GraftInfo:
     not_grafted: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
     never: dict[str, str] = field(default_factory=dict)  # modules no call of which was grafted
     containers: frozenset[str] = frozenset()  # grafted modules with children (judged as a level)
-    leaves: frozenset[str] = frozenset()  # the dumped modules with no dumped module inside
+    inner: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a container's leaves, in order
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any], dumped: list[str] | None = None) -> GraftInfo:
+    def from_manifest(cls, entry: dict[str, Any]) -> GraftInfo:
         calls = entry.get("grafted_calls") if isinstance(entry.get("grafted_calls"), dict) else {}
         missing: dict[str, tuple[tuple[int, int, str], ...]] = {}
         never: dict[str, str] = {}
@@ -69,7 +69,7 @@ class GraftInfo:
             missing,
             never,
             frozenset(str(m) for m in entry.get("containers", [])),
-            _leaves_of([str(m) for m in dumped or []]),
+            {str(k): tuple(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
         )
 
     @property
@@ -119,19 +119,9 @@ class LocalResult(TensorResult):
         return data
 
 
-def _leaves_of(modules: list[str]) -> frozenset[str]:
-    ordered = sorted(modules)
-    return frozenset(
-        name
-        for i, name in enumerate(ordered)
-        if not (i + 1 < len(ordered) and ordered[i + 1].startswith(name + "."))
-    )
-
-
 def level_roundings(ops: int | None) -> float:
     """In u^2: what a tensor of a grafted level may carry after ``ops`` leaves of that level ran
-    (its own included): ``K_OP`` each, at most ``K_LEVEL``; ``K_LEVEL`` when no leaf of the level
-    was dumped (the depth is then unknown)."""
+    (its own included): ``K_OP`` each, at most ``K_LEVEL``; ``K_LEVEL`` when the depth is unknown."""
     return K_LEVEL if ops is None else min(K_OP * (1 + ops), K_LEVEL)
 
 
@@ -150,13 +140,9 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
     found: dict[str, GraftInfo] = {}
     for group in side.groups:
         for source in group.runs:
-            manifest = source.run.manifest if source.run is not None else {}
-            entry = manifest.get("graft")
+            entry = source.run.manifest.get("graft") if source.run is not None else None
             if isinstance(entry, dict):
-                modules = manifest.get("modules")
-                found[group.label] = GraftInfo.from_manifest(
-                    entry, modules if isinstance(modules, list) else []
-                )
+                found[group.label] = GraftInfo.from_manifest(entry)
     return found
 
 
@@ -192,10 +178,9 @@ def judge_local(report: DiffReport, side_a: Side, side_b: Side) -> list[TensorRe
     for info in infos.values():
         _check_source(report, info, side_b)
     judged = []
-    depth = _Depth()
     for result in report.results:
         info = infos.get(result.root or "", single) if result.root is not None else single
-        judged.append(_judge(result, info, depth) if info is not None else _as_local(result, False))
+        judged.append(_judge(result, info) if info is not None else _as_local(result, False))
     _summarise(report, judged, infos)
     return judged
 
@@ -235,27 +220,27 @@ def _as_local(result: TensorResult, local: bool, **extra: Any) -> LocalResult:
     return LocalResult(**values, local=local, **extra)
 
 
-class _Depth:
-    """How many leaves of each grafted level have run so far in a pass (execution order)."""
+def depth(info: GraftInfo, owner: str, key: Key) -> int | None:
+    """How many of ``owner``'s leaves (registration order) have run by this tensor: up to and
+    including its module's last leaf for an output, before its first for an input; None when the
+    manifest does not say (the allowance is then the level's most)."""
+    leaves = info.inner.get(owner)
+    if not leaves:
+        return None
+    if key.module == owner:
+        return 0 if key.input else len(leaves)
+    inside = [i for i, leaf in enumerate(leaves) if leaf == key.module or leaf.startswith(key.module + ".")]
+    if not inside:
+        return None
+    return inside[0] if key.input else inside[-1] + 1
 
-    def __init__(self) -> None:
-        self.ran: dict[tuple[int, str | None, str], set[str]] = {}
 
-    def after(self, result: TensorResult, key: Key, owner: str, info: GraftInfo) -> int | None:
-        """The leaves of ``owner`` run up to this tensor (its own module's output included); None
-        when none of them was dumped in this pass."""
-        ran = self.ran.setdefault((result.pass_index, result.root, owner), set())
-        if not key.input and key.module in info.leaves and key.module != owner:
-            ran.add(f"{key.module}::{key.call}")
-        return len(ran) if ran else None
-
-
-def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
+def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
     key = Key.parse(result.name)
     owner = info.owner(key.module)
     if owner is None:
         return _as_local(result, False)
-    ops = depth.after(result, key, owner, info)
+    ops = depth(info, owner, key)
     call = key.call if key.module == owner else None
     why = info.why_not(owner, result.pass_index, call)
     if why is not None:
