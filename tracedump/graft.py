@@ -433,7 +433,7 @@ class Grafter:
             "map": list(self.map_rules),
             "modules": [name for name, _ in self.targets],
             "containers": [name for name, m in self.targets if next(iter(m.children()), None) is not None],
-            "leaves": {  # each grafted container's leaves, in registration order (the verdict's depth)
+            "leaves": {  # each grafted container's leaves (the verdict counts those that ran)
                 name: [
                     f"{name}.{n}"
                     for n, leaf in m.named_modules()

@@ -35,7 +35,7 @@ from .sources import Side
 from .verdict import NOISE_MODEL, UNIT_ROUNDOFF
 
 K_LEAF = 3.0  # roundings a grafted leaf may add, in u^2 (input cast, weights, output)
-K_OP = 0.85  # what each leaf run inside a grafted level may add to what follows it, in u^2
+K_OP = 1.0  # what each leaf run inside a grafted level may add to what follows it, in u^2
 K_LEVEL = 10.0  # the most the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
 LEAVES = "leaves"
 
@@ -50,10 +50,11 @@ class GraftInfo:
     not_grafted: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
     never: dict[str, str] = field(default_factory=dict)  # modules no call of which was grafted
     containers: frozenset[str] = frozenset()  # grafted modules with children (judged as a level)
-    inner: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a container's leaves, in order
+    inner: dict[str, frozenset[str]] = field(default_factory=dict)  # each grafted container's leaves
+    dumped: frozenset[str] = frozenset()  # the modules the grafted run dumped
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> GraftInfo:
+    def from_manifest(cls, entry: dict[str, Any], dumped: list[str] | None = None) -> GraftInfo:
         calls = entry.get("grafted_calls") if isinstance(entry.get("grafted_calls"), dict) else {}
         missing: dict[str, tuple[tuple[int, int, str], ...]] = {}
         never: dict[str, str] = {}
@@ -69,7 +70,8 @@ class GraftInfo:
             missing,
             never,
             frozenset(str(m) for m in entry.get("containers", [])),
-            {str(k): tuple(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
+            {str(k): frozenset(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
+            frozenset(str(m) for m in dumped or []),
         )
 
     @property
@@ -140,9 +142,12 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
     found: dict[str, GraftInfo] = {}
     for group in side.groups:
         for source in group.runs:
-            entry = source.run.manifest.get("graft") if source.run is not None else None
+            manifest = source.run.manifest if source.run is not None else {}
+            entry, dumped = manifest.get("graft"), manifest.get("modules")
             if isinstance(entry, dict):
-                found[group.label] = GraftInfo.from_manifest(entry)
+                found[group.label] = GraftInfo.from_manifest(
+                    entry, dumped if isinstance(dumped, list) else []
+                )
     return found
 
 
@@ -178,9 +183,10 @@ def judge_local(report: DiffReport, side_a: Side, side_b: Side) -> list[TensorRe
     for info in infos.values():
         _check_source(report, info, side_b)
     judged = []
+    depth = _Depth()
     for result in report.results:
         info = infos.get(result.root or "", single) if result.root is not None else single
-        judged.append(_judge(result, info) if info is not None else _as_local(result, False))
+        judged.append(_judge(result, info, depth) if info is not None else _as_local(result, False))
     _summarise(report, judged, infos)
     return judged
 
@@ -220,27 +226,30 @@ def _as_local(result: TensorResult, local: bool, **extra: Any) -> LocalResult:
     return LocalResult(**values, local=local, **extra)
 
 
-def depth(info: GraftInfo, owner: str, key: Key) -> int | None:
-    """How many of ``owner``'s leaves (registration order) have run by this tensor: up to and
-    including its module's last leaf for an output, before its first for an input; None when the
-    manifest does not say (the allowance is then the level's most)."""
-    leaves = info.inner.get(owner)
-    if not leaves:
-        return None
-    if key.module == owner:
-        return 0 if key.input else len(leaves)
-    inside = [i for i, leaf in enumerate(leaves) if leaf == key.module or leaf.startswith(key.module + ".")]
-    if not inside:
-        return None
-    return inside[0] if key.input else inside[-1] + 1
+class _Depth:
+    """How many leaves of each grafted level have run by each tensor, counted in execution order
+    (A's capture order) over the leaf outputs dumped; unknown (None) when the run did not dump every
+    leaf of that level (a FILTER): counting only some would hold the later tensors too tight."""
+
+    def __init__(self) -> None:
+        self.ran: dict[tuple[int, str | None, str], set[str]] = {}
+
+    def after(self, result: TensorResult, key: Key, owner: str, info: GraftInfo) -> int | None:
+        leaves = info.inner.get(owner)
+        if not leaves or not leaves <= info.dumped:
+            return None
+        ran = self.ran.setdefault((result.pass_index, result.root, owner), set())
+        if not key.input and key.module in leaves:
+            ran.add(f"{key.module}::{key.call}")
+        return len(ran)
 
 
-def _judge(result: TensorResult, info: GraftInfo) -> LocalResult:
+def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
     key = Key.parse(result.name)
     owner = info.owner(key.module)
     if owner is None:
         return _as_local(result, False)
-    ops = depth(info, owner, key)
+    ops = depth.after(result, key, owner, info)
     call = key.call if key.module == owner else None
     why = info.why_not(owner, result.pass_index, call)
     if why is not None:
