@@ -5,21 +5,21 @@ so its output differs from the reference's by what that module alone adds, not b
 upstream. Such a tensor is judged against what one module may add at the run precision, with no
 growth allowance and no baseline:
 
-    leaf  (every captured leaf grafted):  K_LEAF  * u^2 + n * u_acc^2
-    level (a regex, e.g. layers\\.\\d+$):   K_LEVEL * u^2 + n * u_acc^2
+    a grafted leaf:                    K_LEAF * u^2                       + n * u_acc^2
+    a tensor of a grafted level:       min(K_OP * (1 + ops), K_LEVEL) * u^2 + n * u_acc^2
 
 ``u`` the run precision's unit roundoff, ``n`` the tensor's last dim (fp32 accumulation, which
 dominates fp32 runs). A leaf's allowance is three roundings: the grafted input's cast to the run's
-dtype, the weights held at that dtype, its output's own rounding. A level's covers the few ops
-between its input and each tensor inside it (norm, projections, attention, activation, residual
-adds); ``K_LEVEL`` is calibrated by ``benchmarks/calibrate_graft.py`` (docs/comparator.md).
+dtype, the weights held at that dtype, its output's own rounding. Inside a grafted level (a
+decoder layer, its leaves running on the layer's own values) each tensor may carry what the
+``ops`` leaves of the level that ran before it (its own included, counted in execution order) each
+added, up to the level's most; the level's own grafted inputs are one cast. The constants are
+calibrated by ``benchmarks/calibrate_graft.py`` (docs/comparator.md).
 
-Tensors *inside* a grafted module (the leaves of a grafted decoder layer, which run on the layer's
-own values) are local to it too: they depend on nothing but the layer's grafted input, so they get
-the level's allowance. Everything else (modules outside every graft, calls that were not grafted,
-with the reason from the manifest) keeps the propagated verdict of :mod:`.verdict`, unchanged.
-This module only adds to a report that :mod:`.verdict` judged; it changes nothing for a dump that
-was not grafted.
+Tensors *inside* a grafted module are local to it: they depend on nothing but its grafted input.
+Everything else (modules outside every graft, calls that were not grafted, with the reason from
+the manifest) keeps the propagated verdict of :mod:`.verdict`, unchanged. This module only adds
+to a report that :mod:`.verdict` judged; it changes nothing for a dump that was not grafted.
 """
 
 from __future__ import annotations
@@ -235,13 +235,15 @@ class _Depth:
         self.ran: dict[tuple[int, str | None, str], set[str]] = {}
 
     def after(self, result: TensorResult, key: Key, owner: str, info: GraftInfo) -> int | None:
+        if not key.input:  # a leaf's output: one more op run in every grafted level it lies in
+            for container, leaves in info.inner.items():
+                if key.module in leaves:
+                    ran = self.ran.setdefault((result.pass_index, result.root, container), set())
+                    ran.add(f"{key.module}::{key.call}")
         leaves = info.inner.get(owner)
         if not leaves or not leaves <= info.dumped:
             return None
-        ran = self.ran.setdefault((result.pass_index, result.root, owner), set())
-        if not key.input and key.module in leaves:
-            ran.add(f"{key.module}::{key.call}")
-        return len(ran)
+        return len(self.ran.get((result.pass_index, result.root, owner), ()))
 
 
 def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
