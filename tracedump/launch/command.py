@@ -121,12 +121,12 @@ def child_env(environ: Mapping[str, str], args: argparse.Namespace) -> dict[str,
     if args.filter:
         env[env_name("filter")] = json.dumps(args.filter)
     for _flag, field, _text in _VALUE_FLAGS:
-        value = getattr(args, field)
+        value = getattr(args, field, None)
         if value is not None:
             env[env_name(field)] = str(value)
     if args.inputs:
         env[env_name("inputs")] = "1"
-    if args.graft_from is not None:  # the children may chdir: the reference is fixed now
+    if getattr(args, "graft_from", None) is not None:  # the children may chdir: fix the reference now
         env[env_name("graft_from")] = str(Path(args.graft_from).expanduser().resolve())
     if getattr(args, "graft_map", None):
         env[env_name("graft_map")] = json.dumps(args.graft_map)
