@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +94,12 @@ def test_graft_without_dir_writes_a_temp_run_dir(ref: Path) -> None:
     model = make_tiny_llama()
     with tracedump.graft(model, ref) as g, torch.no_grad():
         model(IDS)  # a direct root forward inside the block is a pass too
-    assert compare(g.run_dir, ref).exit_code == 0  # the same fp32 model on its reference's inputs
-    assert _manifest(g.run_dir)["graft"]["level"] == "leaves"
+    try:
+        assert g.run_dir.parent.name.startswith("tracedump-graft-")
+        assert compare(g.run_dir, ref).exit_code == 0  # the same fp32 model on its reference's inputs
+        assert _manifest(g.run_dir)["graft"]["level"] == "leaves"
+    finally:
+        shutil.rmtree(g.run_dir.parent)
 
 
 def test_the_host_is_untouched_outside_the_graft(ref: Path) -> None:
