@@ -102,12 +102,12 @@ def test_graft_without_dir_writes_a_temp_run_dir(ref: Path) -> None:
         shutil.rmtree(g.run_dir.parent)
 
 
-def test_the_host_is_untouched_outside_the_graft(ref: Path) -> None:
+def test_the_host_is_untouched_outside_the_graft(ref: Path, tmp_path: Path) -> None:
     model = make_tiny_llama()
     with torch.no_grad():
         before = model(IDS).logits
     hooks = [(m._forward_pre_hooks.copy(), m._forward_hooks.copy()) for m in model.modules()]
-    with tracedump.graft(model, ref, level=LAYER) as g, torch.no_grad():
+    with tracedump.graft(model, ref, dir=tmp_path, level=LAYER) as g, torch.no_grad():
         inside = g.run(IDS + 1).logits  # other tokens: grafted layers still get the reference's
     with torch.no_grad():
         after = model(IDS).logits
