@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +47,20 @@ from benchmarks import common
 # Weights 5x HF's default init (0.02): attention logits of a few units, as in trained models, so
 # position and scale bugs show in the attention weights instead of averaging out over a flat softmax.
 INIT = 0.1
+SEED = 0  # added to every family's weight seed (``--seed``): another draw of the same models
 Inputs = Callable[[nn.Module], None]  # runs the model (one or several forwards) under no_grad
+# The settings `make calibrate` runs, each in a process of its own (the env must be set before
+# torch loads): this CPU as it is, its ISA capped to what an AVX2-only x86-64 has (ATen's kernels
+# by ATEN_CPU_CAPABILITY, oneDNN's bf16 matmuls by ONEDNN_MAX_CPU_ISA: each changes the bits of a
+# bf16 matmul here, measured), and other weights.
+SETTINGS: dict[str, tuple[dict[str, str], int]] = {
+    "native": ({}, 0),
+    "capped": ({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}, 0),
+    "avx2": ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, 0),
+    "seed1": ({}, 1),
+    "capped-seed2": ({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}, 2),
+}
+DEFAULT_SETTINGS = ("native", "capped", "seed1", "capped-seed2")  # avx2: the same bits as capped here
 
 
 # ----------------------------------------------------------------------------------- bugs
@@ -97,6 +113,29 @@ def _scale_attention(attention: nn.Module, factor: float) -> None:
     attention.scaling = attention.scaling * factor
 
 
+def _drop_softcap(attention: nn.Module) -> None:
+    """Gemma2's attention-logit soft-capping forgotten in one layer (a port that reads no config)."""
+    attention.attn_logit_softcapping = None
+
+
+def _zero_bias(norm: nn.Module) -> None:
+    """A LayerNorm's bias lost (a checkpoint key not loaded, left at its zero init)."""
+    with torch.no_grad():
+        norm.bias.zero_()
+
+
+def _shift_dt(mixer: nn.Module, shift: float) -> None:
+    """An SSM's dt bias off (dt = softplus(x W + b + shift)): every step's decay and input gate."""
+    with torch.no_grad():
+        mixer.dt_proj.bias.add_(shift)
+
+
+def _scale_state_decay(mixer: nn.Module, factor: float) -> None:
+    """An SSM's state decay A = -exp(A_log) scaled (a wrong A_log conversion)."""
+    with torch.no_grad():
+        mixer.A_log.add_(math.log(factor))
+
+
 # ----------------------------------------------------------------------------------- families
 
 
@@ -111,15 +150,21 @@ class Family:
     layer: str  # regex of the module names the bugs live in (the expected first divergence)
     attentions: tuple[str, ...] = ("eager", "sdpa")
     baseline_bugs: tuple[str, ...] = ()  # bugs that bf16-vs-fp32 with --baseline must find
+    extra: tuple[tuple[str, str, str, str | None], ...] = ()  # more cases: (a, b, expect, baseline)
 
 
-def _random_norms(model: nn.Module) -> nn.Module:
-    """Norm weights of 1 +- 0.2: with all-ones weights some bugs (eps, scale) hide in symmetry."""
-    generator = torch.Generator().manual_seed(3)
+def _random_norms(model: nn.Module, biases: bool = False) -> nn.Module:
+    """Norm weights of 1 +- 0.2 (and biases of +-0.2 when ``biases``): with all-ones weights and
+    zero biases some bugs (eps, scale, a wrong bias) hide in symmetry."""
+    generator = torch.Generator().manual_seed(3 + SEED)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name.lower() and name.endswith("weight") and param.dim() == 1:
+            if "norm" not in name.lower() or param.dim() != 1:
+                continue
+            if name.endswith("weight"):
                 param.copy_(1 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif biases and name.endswith("bias"):
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
     return model
 
 
@@ -151,7 +196,7 @@ def llama_family() -> Family:
             initializer_range=INIT,
             attn_implementation=attention,
         )
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         return _random_norms(LlamaForCausalLM(config)).eval().to(dtype)
 
     layer = lambda m: m.model.layers[3]  # noqa: E731
@@ -183,7 +228,7 @@ def gpt2_family() -> Family:
             initializer_range=INIT,
             attn_implementation=attention,
         )
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         return _random_norms(GPT2LMHeadModel(config)).eval().to(dtype)
 
     layer = lambda m: m.transformer.h[2]  # noqa: E731
@@ -218,7 +263,7 @@ def mixtral_family() -> Family:
             initializer_range=INIT,
             attn_implementation=attention,
         )
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         return _random_norms(MixtralForCausalLM(config)).eval().to(dtype)
 
     layer = lambda m: m.model.layers[2]  # noqa: E731
@@ -258,7 +303,7 @@ def qwen2_moe_family() -> Family:
             mlp_only_layers=[],
             attn_implementation=attention,
         )
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         return _random_norms(Qwen2MoeForCausalLM(config)).eval().to(dtype)
 
     return _moe_family("qwen2moe", build)
@@ -282,7 +327,7 @@ def olmoe_family() -> Family:
             initializer_range=INIT,
             attn_implementation=attention,
         )
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         return _random_norms(OlmoeForCausalLM(config)).eval().to(dtype)
 
     return _moe_family("olmoe", build)
@@ -318,7 +363,7 @@ def t5_family() -> Family:
             num_heads=4,
             decoder_start_token_id=0,
         )
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         model = _random_norms(T5ForConditionalGeneration(config)).eval().to(dtype)
         for name, module in model.named_modules():  # HF keeps `wo` in fp32 (_keep_in_fp32_modules)
             if name.endswith("DenseReluDense.wo"):
@@ -349,7 +394,7 @@ def unet_family(steps: int = 25) -> Family:
     from diffusers import DDIMScheduler, UNet2DModel
 
     def build(dtype: torch.dtype, attention: str) -> nn.Module:
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         model = UNet2DModel(
             sample_size=16,
             in_channels=3,
@@ -387,6 +432,279 @@ def unet_family(steps: int = 25) -> Family:
     )
 
 
+def _value_bias(model: nn.Module, beta: float) -> nn.Module:
+    """Every layer's v_proj bias a fixed vector of scale ``beta``, q/k/o biases zero: values share a
+    component across tokens, so the attention output (o_proj) moves little when the weights move.
+    The issue's case: a rotary bug then shows in the attention weights (15 roundings) while o_proj
+    moves by less than one rounding, and o_proj is recorded first."""
+    generator = torch.Generator().manual_seed(5 + SEED)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            for proj in (attention.q_proj, attention.k_proj, attention.o_proj):
+                if proj.bias is not None:
+                    proj.bias.zero_()
+            attention.v_proj.bias.copy_(beta * torch.randn(attention.v_proj.bias.shape, generator=generator))
+    return model
+
+
+def llama_weights_family() -> Family:
+    """A 6-layer Llama (GQA, eager attention) where the rotary bug shows only in the attention weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.04,
+            attention_bias=True,
+            attn_implementation=attention,
+        )
+        torch.manual_seed(SEED)
+        return _value_bias(_random_norms(LlamaForCausalLM(config)), 0.15).eval().to(dtype)
+
+    layer = lambda m: m.model.layers[3]  # noqa: E731
+    return Family(
+        "llama-weights",
+        build,
+        _lm_run(24, 128),
+        {"rotary": lambda m: _shift_rotary(layer(m).self_attn, m.model.rotary_emb)},
+        r"\.layers\.3\.",
+    )
+
+
+def qwen2_family() -> Family:
+    """A 5-layer Qwen2 (q/k/v biases, GQA): the rotary bug, as in the Llama above."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = Qwen2Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.04,
+            attn_implementation=attention,
+        )
+        torch.manual_seed(SEED)
+        return _value_bias(_random_norms(Qwen2ForCausalLM(config)), 0.15).eval().to(dtype)
+
+    layer = lambda m: m.model.layers[3]  # noqa: E731
+    return Family(
+        "qwen2",
+        build,
+        _lm_run(24, 128),
+        {
+            "rotary": lambda m: _shift_rotary(layer(m).self_attn, m.model.rotary_emb),
+            "mlp_scale": lambda m: _scale_output(layer(m).mlp, 1.02),
+        },
+        r"\.layers\.3\.",
+    )
+
+
+def qwen3_family() -> Family:
+    """Qwen3: RMSNorm on each head's q and k before rotary. Bugs: q-norm eps, rotary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            initializer_range=INIT,
+            attn_implementation=attention,
+        )
+        torch.manual_seed(SEED)
+        return _random_norms(Qwen3ForCausalLM(config)).eval().to(dtype)
+
+    layer = lambda m: m.model.layers[2]  # noqa: E731
+    return Family(
+        "qwen3",
+        build,
+        _lm_run(24, 128),
+        {
+            "qk_norm_eps": lambda m: _set_eps(layer(m).self_attn.q_norm, 0.3),
+            "rotary": lambda m: _shift_rotary(layer(m).self_attn, m.model.rotary_emb),
+        },
+        r"\.layers\.2\.",
+        baseline_bugs=("qk_norm_eps", "rotary"),
+    )
+
+
+def gemma2_family() -> Family:
+    """Gemma2: sliding-window and global layers alternating, attention logits soft-capped (eager
+    only: sdpa has no soft-cap). Bug: one layer's soft-cap dropped."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = Gemma2Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            sliding_window=8,
+            attn_logit_softcapping=2.0,
+            initializer_range=INIT,
+            attn_implementation="eager",
+        )
+        torch.manual_seed(SEED)
+        return _random_norms(Gemma2ForCausalLM(config)).eval().to(dtype)
+
+    layer = lambda m: m.model.layers[2]  # noqa: E731
+    return Family(
+        "gemma2",
+        build,
+        _lm_run(24, 128),
+        {"softcap_dropped": lambda m: _drop_softcap(layer(m).self_attn)},
+        r"\.layers\.2\.",
+        attentions=("eager",),
+        baseline_bugs=("softcap_dropped",),
+    )
+
+
+def bert_family() -> Family:
+    """BERT: an encoder, post-LN, LayerNorms with biases (random here, so a lost one shows)."""
+    from transformers import BertConfig, BertModel
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = BertConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            initializer_range=INIT,
+            attn_implementation=attention,
+        )
+        torch.manual_seed(SEED)
+        return _random_norms(BertModel(config, add_pooling_layer=False), biases=True).eval().to(dtype)
+
+    layer = lambda m: m.encoder.layer[2]  # noqa: E731
+    return Family(
+        "bert",
+        build,
+        _lm_run(24, 128),
+        {
+            "ln_bias": lambda m: _zero_bias(layer(m).attention.output.LayerNorm),
+            "mlp_scale": lambda m: _scale_output(layer(m).intermediate, 1.02),
+        },
+        r"encoder\.layer\.2\.",
+        baseline_bugs=("ln_bias",),
+    )
+
+
+def mamba_family() -> Family:
+    """Mamba: a selective SSM, no attention (the sequential scan of transformers' CPU path)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = MambaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            state_size=8,
+            num_hidden_layers=4,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=8,
+            initializer_range=INIT,
+        )
+        torch.manual_seed(SEED)
+        return _random_norms(MambaForCausalLM(config)).eval().to(dtype)
+
+    layer = lambda m: m.backbone.layers[2]  # noqa: E731
+    return Family(
+        "mamba",
+        build,
+        _lm_run(24, 128),
+        {
+            "dt_bias": lambda m: _shift_dt(layer(m).mixer, 3.0),
+            "state_decay": lambda m: _scale_state_decay(layer(m).mixer, 4.0),
+        },
+        r"\.layers\.2\.",
+        attentions=("default",),
+        baseline_bugs=("dt_bias",),
+    )
+
+
+# The tied experts' down-projections x 3 and x -3 (the issue: both x 3).
+TIE_DOWN_SCALE = 3.0
+
+
+def qwen3_moe_tie_family() -> Family:
+    """The issue's constructed near-tie: Qwen3-MoE, 4 experts, top-2; in layer 1's router expert 1's
+    row is expert 0's x (1 + 2^-12), so the two tie exactly in bf16 and not in fp32, and their
+    down-projections are scaled (:data:`TIE_DOWN_SCALE`) so that a flip matters. bf16 against fp32
+    must pass (the flipped tokens are a near-tie), with and without --baseline; a bug downstream
+    (layer 2) must still be found."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def build(dtype: torch.dtype, attention: str) -> nn.Module:
+        config = Qwen3MoeConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            initializer_range=INIT,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            attn_implementation=attention,
+        )
+        torch.manual_seed(SEED)
+        model = _random_norms(Qwen3MoeForCausalLM(config)).eval()
+        tie_experts(model.model.layers[1].mlp)
+        return model.to(dtype)
+
+    layer = lambda m: m.model.layers[2]  # noqa: E731
+    return Family(
+        "qwen3moe-tie",
+        build,
+        _lm_run(48, 128),
+        {"norm_eps": lambda m: _set_eps(layer(m).post_attention_layernorm, 0.5)},
+        r"\.layers\.2\.",
+        baseline_bugs=("norm_eps",),
+        extra=(("bf16", "fp32", "clean", "bf16"), ("bf16-eager", "fp32", "clean", "bf16")),
+    )
+
+
+def tie_experts(block: nn.Module, first: int = 0, second: int = 1, factor: float = TIE_DOWN_SCALE) -> None:
+    """In an fp32 Qwen3-MoE block: router row ``first`` rounded to bf16 and row ``second`` = it x
+    (1 + 2^-12), a tie in bf16 (2^-12 is below half a bf16 ulp), not in fp32; the experts'
+    down-projections x ``factor`` and x ``-factor``, so that a token flipped between them moves
+    past the bf16 ceiling on every CPU (with both x 3, as in the issue, 2 flipped tokens of 48 moved
+    the layer's output by 0.009 under the ISA caps)."""
+    with torch.no_grad():
+        row = block.gate.weight[first].bfloat16().float()  # bf16-exact, so x (1 + 2^-12) rounds back
+        block.gate.weight[first] = row
+        block.gate.weight[second] = row * (1 + 2.0**-12)
+        block.experts.down_proj[first] *= factor
+        block.experts.down_proj[second] *= -factor  # opposite signs: a flip swaps +-3 x an answer
+
+
 FAMILIES: dict[str, Callable[[], Family]] = {
     "llama": llama_family,
     "gpt2": gpt2_family,
@@ -395,6 +713,13 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "olmoe": olmoe_family,
     "t5": t5_family,
     "unet": unet_family,
+    "llama-weights": llama_weights_family,
+    "qwen2": qwen2_family,
+    "qwen3": qwen3_family,
+    "gemma2": gemma2_family,
+    "bert": bert_family,
+    "mamba": mamba_family,
+    "qwen3moe-tie": qwen3_moe_tie_family,
 }
 
 
@@ -438,6 +763,7 @@ class Case:
 
 WELCOME = {
     ("bf16", "softmax_scale"),
+    ("bf16", "state_decay"),  # A x 4 moves a random Mamba's mixer by 2.5e-5 in fp32: under one bf16 rounding
     ("baseline", "mlp_scale"),
     ("baseline", "moe_scale"),
 }
@@ -463,6 +789,7 @@ def cases(family: Family) -> list[Case]:
             Case(family.name, f"bf16+{bug}", "fp32", "detect" if required else "welcome", baseline="bf16")
         )
     del attention
+    out += [Case(family.name, a, b, expect, baseline) for a, b, expect, baseline in family.extra]
     return out
 
 
@@ -557,22 +884,115 @@ def markdown(outcomes: list[Outcome]) -> str:
     for o in outcomes:
         must = {"clean": "exit 0", "detect": "exit 1 in layer", "welcome": "(welcome)"}[o.case.expect]
         ratio = f"{_g(o.error)} / {_g(o.threshold)}" if o.first else "-"
+        label = o.extra.get("label", o.case.label)
         lines.append(
-            f"| {o.case.family} | {o.case.label} | {must} | {o.exit_code} | {o.first or '-'} | {ratio} "
+            f"| {o.case.family} | {label} | {must} | {o.exit_code} | {o.first or '-'} | {ratio} "
             f"| {'yes' if o.passed else 'NO'} |"
         )
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """This CPU's model name, as lscpu reports it (for the docs' table: where it was measured)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def run_setting(name: str, families: list[str], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One setting of :data:`SETTINGS`, in a child process whose env holds its ISA caps."""
+    env_vars, seed = SETTINGS[name]
+    with tempfile.TemporaryDirectory(prefix="tracedump-calibrate-") as scratch:
+        out = Path(scratch) / "rows.json"
+        command = [sys.executable, __file__, "--one", "--families", ",".join(families)]
+        command += ["--seed", str(seed), "--out", str(out)]
+        started = time.perf_counter()
+        done = subprocess.run(command, env={**os.environ, **env_vars}, capture_output=True, text=True)
+        log(f"setting {name} ({_describe_env(env_vars, seed)}): {time.perf_counter() - started:.0f} s")
+        if done.returncode not in (0, 1) or not out.exists():
+            raise RuntimeError(f"setting {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        data = json.loads(out.read_text())
+    return {"env": env_vars, "seed": seed, **data}
+
+
+def _describe_env(env_vars: dict[str, str], seed: int) -> str:
+    parts = [f"{k}={v}" for k, v in env_vars.items()] or ["no caps"]
+    return ", ".join(parts) + f", model seed {seed}"
+
+
+def settings_markdown(results: dict[str, dict[str, Any]]) -> str:
+    """One table, a column per setting: each case's exit code and first divergence there."""
+    names = list(results)
+    lines = [
+        "| family | case | must | " + " | ".join(names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
+    first = results[names[0]]["rows"]
+    for index, row in enumerate(first):
+        must = {"clean": "exit 0", "detect": "exit 1 in layer", "welcome": "(welcome)"}[row["expect"]]
+        cells = []
+        for name in names:
+            other = results[name]["rows"][index]
+            where = f" `{other['first_divergence']}`" if other["first_divergence"] else ""
+            cells.append(f"{other['exit']}{where}" + ("" if other["passed"] else " **NO**"))
+        lines.append(f"| {row['family']} | {row['case']} | {must} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("| setting | what | CPU capability | as expected |")
+    lines.append("|---|---|---|---|")
+    for name in names:
+        data = results[name]
+        held = sum(1 for r in data["rows"] if r["passed"])
+        what = _describe_env(data["env"], data["seed"])
+        lines.append(f"| {name} | {what} | {data['capability']} | {held} of {len(data['rows'])} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"of {', '.join(SETTINGS)}")
     parser.add_argument("--out", type=Path, help="write the outcomes as JSON")
-    parser.add_argument("--markdown", action="store_true", help="print the docs table")
+    parser.add_argument("--markdown", action="store_true", help="print the docs tables")
     parser.add_argument("--keep", type=Path, help="keep the dumps in this dir (default: a temp dir)")
+    parser.add_argument("--one", action="store_true", help="run in this process, as the env is (no settings)")
+    parser.add_argument("--seed", type=int, default=0, help="with --one: added to every family's weight seed")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     names = [n for n in args.families.split(",") if n]
+    if args.one:
+        return _main_one(names, args)
+    settings = [n for n in args.settings.split(",") if n]
+    unknown = [n for n in settings if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+    results = {name: run_setting(name, names) for name in settings}
+    if args.markdown:
+        first = results[settings[0]]
+        print(markdown([_outcome_of(r) for r in first["rows"]]))
+        print()
+        print(settings_markdown(results))
+    if args.out:
+        document = {
+            "cpu": cpu_name(),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "settings": results,
+        }
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
+    failed = {name: sum(1 for r in data["rows"] if not r["passed"]) for name, data in results.items()}
+    for name, data in results.items():
+        print(f"{name}: {len(data['rows']) - failed[name]} of {len(data['rows'])} as expected")
+    return 1 if any(failed.values()) else 0
+
+
+def _main_one(names: list[str], args: argparse.Namespace) -> int:
+    global SEED
+    SEED = args.seed
+    torch.set_num_threads(1)
     root = args.keep or Path(tempfile.mkdtemp(prefix="tracedump-calibrate-"))
     try:
         outcomes = calibrate(names, root)
@@ -582,10 +1002,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(outcomes))
     if args.out:
-        args.out.write_text(json.dumps([o.row() for o in outcomes], indent=1) + "\n")
+        document = {
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "rows": [o.row() for o in outcomes],
+        }
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
     failed = [o for o in outcomes if not o.passed]
     print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _outcome_of(row: dict[str, Any]) -> Outcome:
+    case = Case(row["family"], "", "", row["expect"])
+    outcome = Outcome(
+        case, row["exit"], row["first_divergence"], row["error"], row["threshold"], row["passed"]
+    )
+    outcome.extra["label"] = row["case"]
+    return outcome
+
+
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ off. The demo
    which calls ``tracedump.attach()`` at start-up like an engine, with and without the planted bug;
 2. runs ``tracedump diff`` on the buggy port against the reference with ``--map`` rules that
    translate the port's names, prints its table, checks that it names the planted layer as the
-   first divergence, and writes the plot;
+   first divergence, and writes the plot and the report page (``demo_out/report.html``);
 3. shows that the bug-free port passes (exit 0), and that bf16 against fp32 is within the default
    tolerances (exit 0);
 4. shows a bug only grafting finds: the bf16 port with one MLP output 2% too large passes against
@@ -69,6 +69,7 @@ DUMPS = (
 )
 GRAFT_LEVEL = r"^blocks\.\d+$"  # step 4: each block grafted onto the reference's own input
 PLOT = "port_vs_reference.png"
+HTML = "report.html"  # the buggy port's diff as a page: open it in a browser, attach it to a bug report
 REPORTS = {
     "diff_buggy": "port_vs_reference.json",
     "diff_fixed": "fixed.json",
@@ -201,7 +202,18 @@ def diff_jobs(out: Path, quick: bool) -> list[Job]:
             tracedump_cli("diff", str(out / a), str(out / b), *options, "--json", str(out / REPORTS[label])),
         )
 
-    jobs = [diff("diff_buggy", "port_buggy", "ref_fp32", *maps, "--plot", str(out / PLOT))]
+    jobs = [
+        diff(
+            "diff_buggy",
+            "port_buggy",
+            "ref_fp32",
+            *maps,
+            "--plot",
+            str(out / PLOT),
+            "--html",
+            str(out / HTML),
+        )
+    ]
     if not quick:
         jobs += [
             diff("diff_fixed", "port_fixed", "ref_fp32", *maps),
@@ -256,7 +268,7 @@ class Demo:
         """Remove what an earlier demo wrote here (and only that: ``--out`` may be any folder)."""
         for name in (*DUMPS, "logs"):
             shutil.rmtree(self.out / name, ignore_errors=True)
-        for name in (PLOT, *REPORTS.values()):
+        for name in (PLOT, HTML, *REPORTS.values()):
             (self.out / name).unlink(missing_ok=True)
         self.logs.mkdir(parents=True)
 
@@ -368,6 +380,7 @@ class Demo:
     def summary(self, seconds: float) -> None:
         print(f"\nFiles in {relative(str(self.out))}/:")
         for name, what in (
+            (HTML, "the report page: summary, error per layer and per token, every tensor"),
             (PLOT, "the plot: difference per layer, buggy port vs reference"),
             (REPORTS["diff_buggy"], "its full report (--json); fixed.json, bf16.json: the other diffs"),
             ("port_buggy/, port_fixed/", "the port's dumps (tracedump ls / tracedump show)"),
@@ -379,6 +392,8 @@ class Demo:
             print(f"\nDEMO FAILED after {seconds:.0f}s:\n  " + "\n  ".join(self.failures))
         else:
             print(f"\nDemo OK in {seconds:.0f}s: tracedump named layer {self.bug_layer}, the planted one.")
+        if (self.out / HTML).is_file():
+            print(f"Open the report in a browser: {self.out / HTML}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,10 @@ def test_demo_names_the_planted_layer(tmp_path: Path) -> None:
     report = json.loads((out / "port_vs_reference.json").read_text())
     assert "blocks.1.attn" in json.dumps(report)
     assert (out / "port_vs_reference.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "report.html").read_text()
+    assert "First divergence: <a href='#t-" in page and "<code>blocks.1.attn</code>" in page
+    assert "<code>model.layers.1.self_attn[0]</code>" in page  # the reference's name, through --map
+    assert f"Open the report in a browser: {out / 'report.html'}" in done.stdout
     manifests = [json.loads(p.read_text()) for p in sorted(out.glob("*/rank*_pid*/manifest.json"))]
     assert {m["root"] for m in manifests} == {"PortLM", "LlamaForCausalLM"}
     assert all(m["complete"] and m["passes"]["count"] == 1 for m in manifests)
@@ -102,4 +106,5 @@ def test_demo_names_the_planted_layer(tmp_path: Path) -> None:
         "port_vs_reference.json",
         "port_vs_reference.png",
         "ref_fp32",
+        "report.html",
     ]

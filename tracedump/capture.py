@@ -17,6 +17,7 @@ import collections.abc
 import copy
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -370,25 +371,68 @@ class Capture:
         """Write what :meth:`run` captured as a dump under ``directory`` (one pass per run, calls made
         outside :meth:`run` in ``records.safetensors``), for ``tracedump diff``. Returns the run dir.
 
-        The keys are the ones ``attach()`` writes, so a capture diffs against an engine's dump."""
+        The keys are the ones ``attach()`` writes, so a capture diffs against an engine's dump. A
+        capture a pass file cannot hold (``complex128``, sparse, meta, quantized) is skipped and
+        counted as ``unsupported_tensor``, as ``attach()`` does, and the rest is written. A save that
+        fails (a full disk) raises ``OSError`` naming the file and leaves no run dir behind."""
         from .format import RECORDS_FILE
-        from .rundir import RunDir, model_fields
-        from .settings import DEFAULT_ENV_PREFIX, DumpSettings
         from .writer import PassJob
 
+        target = _save_target(directory)
         self._sink.submit(PassJob(-1, None, "records", self._recorder.loose, 0, file_name=RECORDS_FILE))
         self._recorder.loose = []
-        settings = DumpSettings.model_validate({"dir": str(directory)})  # no env: this is a script's call
+        skipped = collections.Counter(self._recorder.skipped)
+        passes = [
+            (index, _host_entries(tensors, skipped)) for index, tensors in sorted(self._sink.passes.items())
+        ]
+        loose = _host_entries(self._sink.loose, skipped)
+        return self._write(target, passes, loose, skipped)
+
+    def _write(
+        self,
+        target: Path,
+        passes: list[tuple[int, list[tuple[str, torch.Tensor, Any]]]],
+        loose: list[tuple[str, torch.Tensor, Any]],
+        skipped: Mapping[str, int],
+    ) -> Path:
+        """The run dir of :meth:`save`: all of it, or (on any failure) none of it."""
+        from pydantic import ValidationError
+
+        from .format import RECORDS_FILE
+        from .rundir import RunDir, model_fields
+        from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings
+        from .writer import PassJob
+
+        try:
+            settings = DumpSettings.model_validate({"dir": str(target)})  # no env: this is a script's call
+        except ValidationError as e:
+            raise ValueError(
+                f"save({str(target)!r}): {e.errors()[0]['msg'].splitlines()[-1].strip()}"
+            ) from None
         fields = model_fields(self.model, type(self.model).__name__, list(self._by_key))
-        rundir = RunDir(settings, DEFAULT_ENV_PREFIX, fields, self._warn)
-        for index, tensors in sorted(self._sink.passes.items()):
-            rundir.writer.submit(PassJob(index, None, "full", _host_entries(tensors), 0))
-        if self._sink.loose:
-            rundir.writer.submit(
-                PassJob(-1, None, "records", _host_entries(self._sink.loose), 0, RECORDS_FILE)
-            )
-        rundir.writer.close()
-        rundir.finish(self._recorder.skipped, records_file=RECORDS_FILE if self._sink.loose else None)
+        warn = self._warn
+
+        def quiet_write_error(key: str, message: str) -> None:  # raised below, not warned
+            if key != "write_error":
+                warn(key, message)
+
+        try:
+            rundir = RunDir(settings, DEFAULT_ENV_PREFIX, fields, quiet_write_error)  # type: ignore[arg-type]
+        except ConfigError as e:
+            raise OSError(f"save({str(target)!r}): {str(e).splitlines()[-1].strip()}") from None
+        try:
+            for index, entries in passes:
+                rundir.writer.submit(PassJob(index, None, "full", entries, 0))
+            if loose:
+                rundir.writer.submit(PassJob(-1, None, "records", loose, 0, RECORDS_FILE))
+            rundir.writer.close()
+            if rundir.failure is not None:
+                raise OSError(f"save(): {rundir.failure}; nothing was saved")
+            rundir.finish(skipped, records_file=RECORDS_FILE if loose else None)
+        except BaseException:
+            rundir.writer.close()
+            rundir.discard()
+            raise
         return rundir.path
 
     def __repr__(self) -> str:
@@ -396,9 +440,30 @@ class Capture:
         return f"Capture({', '.join(f'{k}[{n}]' for n, k in self._requests)}, {state})"
 
 
-def _host_entries(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, Any]]:
-    """(key, contiguous CPU copy, no event) for a pass file: the writer writes host memory."""
-    return [(key, tensor.detach().to("cpu", copy=True).contiguous(), None) for key, tensor in tensors.items()]
+def _save_target(directory: str | Path) -> Path:
+    """The directory :meth:`Capture.save` writes under; a clear error for what cannot be one."""
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory).strip():
+        raise ValueError(f"save(): expected a directory path, got {directory!r}")
+    target = Path(directory).expanduser()
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(20, "exists and is not a directory", str(target))
+    return target
+
+
+def _host_entries(
+    tensors: Mapping[str, torch.Tensor], skipped: collections.Counter[str]
+) -> list[tuple[str, torch.Tensor, Any]]:
+    """(key, contiguous CPU copy, no event) for a pass file: the writer writes host memory. A tensor
+    a pass file cannot hold is counted in ``skipped["unsupported_tensor"]`` instead."""
+    from .writer import storable
+
+    kept = []
+    for key, tensor in tensors.items():
+        if storable(tensor):
+            kept.append((key, tensor.detach().to("cpu", copy=True).contiguous(), None))
+        else:
+            skipped["unsupported_tensor"] += 1
+    return kept
 
 
 def _as_list(value: str | Iterable[str] | None) -> list[str]:

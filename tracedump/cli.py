@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .console import console
+from .console import console, printable
 from .units import human_bytes
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
@@ -31,7 +31,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .loader import open_dump
 
     dump = open_dump(args.dir)
-    title = f"tracedump {dump.path}"
+    title = printable(f"tracedump {dump.path}")
     table = Table(title=escape(title), min_width=len(title))  # a title wrapped to the table splits the path
     for column in ("run", "rank", "pid", "passes", "tensors", "bytes", "complete", "root"):
         table.add_column(column, justify="right" if column in ("passes", "tensors", "bytes") else "left")
@@ -39,14 +39,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         passes = run.passes
         stats = run.stats()  # stats mode: one record per tensor, beside any whole-stored records
         table.add_row(
-            Text(run.name),
+            Text(printable(run.name)),  # names and labels come from files: no control character raw
             str(run.rank),
             str(run.pid),
             str(len(set(passes) | {s.get("pass") for s in stats})),
             str(sum(len(p) for p in passes.values()) + len(stats)),
             human_bytes(run.disk_bytes),  # pass files, records and stats.jsonl: a stats dump is not 0 B
             "yes" if run.complete else "no",
-            Text(run.root),  # the model this run followed: tells several roots of one process apart
+            Text(
+                printable(run.root)
+            ),  # the model this run followed: tells several roots of one process apart
         )
     console().print(table)
     for run in dump.runs:
@@ -72,8 +74,12 @@ def _print_control(run: Any) -> None:
     except (OSError, ValueError):
         at = ""
     armed = f" until step {until}" if state == "armed" and until is not None else ""
-    console().print(f"{run.name}: control {state}{armed}{at}", markup=False)
+    console().print(printable(f"{run.name}: control {state}{armed}{at}"), markup=False)
     for order in control.get("orders", []):
+        if order.get("action") == "ignored":  # an order file the engine may not obey, and why
+            line = f"  order file {order.get('event')} (at step {order.get('step')})"
+            console().print(printable(line), markup=False)
+            continue
         what = ", ".join(
             f"{k} {order[k]}"
             for k in ("steps", "filter", "mode", "request", "start_step")
@@ -81,8 +87,10 @@ def _print_control(run: Any) -> None:
         )
         dumped = f", dumped {order['dumped']}" if "dumped" in order else ""
         console().print(
-            f"  order {order.get('id')}: {order.get('action')} ({what}) {order.get('event')} at step "
-            f"{order.get('step')}{dumped}",
+            printable(
+                f"  order {order.get('id')}: {order.get('action')} ({what}) {order.get('event')} at step "
+                f"{order.get('step')}{dumped}"
+            ),
             markup=False,
         )
 
@@ -94,14 +102,14 @@ def _print_sequences(run: Any) -> None:
     try:
         found = run.batches()
     except (SequenceError, ValueError) as e:
-        console().print(f"{run.name}: sequence metadata unreadable: {e}", markup=False)
+        console().print(printable(f"{run.name}: sequence metadata unreadable: {e}"), markup=False)
         return
     declared = {index: batch for index, batch in found.items() if batch.declared}
     if not declared:
         return
-    console().print(f"{run.name}: sequences per pass (seq: positions)", markup=False)
+    console().print(printable(f"{run.name}: sequences per pass (seq: positions)"), markup=False)
     for index, batch in sorted(declared.items()):
-        console().print(f"  pass {index}: {batch.summary()}", markup=False)
+        console().print(printable(f"  pass {index}: {batch.summary()}"), markup=False)  # seq ids: user data
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -131,7 +139,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         maps = {id(h): SafetensorsMap(h) for h in pass_file.headers}
         read = lambda name: maps[id(pass_file.header_of(name))].array(name)  # noqa: E731
         describe = lambda name: (pass_file.info(name).shape, pass_file.info(name).dtype)  # noqa: E731
-    table = Table(title=escape(str(args.passfile)))
+    table = Table(title=escape(printable(args.passfile)))
     for column in ("name", "shape", "dtype", "min", "max", "mean", "abs_mean"):
         table.add_column(column, justify="left" if column in ("name", "dtype") else "right")
     for name in names:
@@ -139,7 +147,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             continue
         shape, dtype = describe(name)
         cells = _summary_cells(functools.partial(read, name))
-        table.add_row(Text(name), str(list(shape)), dtype, *cells)  # Text: `model[x]` keeps its brackets
+        table.add_row(
+            Text(printable(name)), str(list(shape)), dtype, *cells
+        )  # Text: `model[x]` keeps its brackets
     console().print(table)
     return EXIT_OK
 
@@ -193,15 +203,15 @@ def cmd_order(args: argparse.Namespace) -> int:
             what = {name: getattr(args, name) for name in ("steps", "filter", "mode", "inputs", "request")}
             order = Order(id=order.id, action="arm", start_step=start_step(found), **what)
             order.check()
+        write_order(args.dir, order)  # a full disk: an OrderError naming the file
     except OrderError as e:
-        print(f"tracedump {args.command}: {e}", file=sys.stderr)
+        print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
         return EXIT_USAGE
-    write_order(args.dir, order)
     if arm:
         steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
-        print(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}")
+        print(printable(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}"))
     else:
-        print(f"disarmed {len(found)} runs under {args.dir} (from their next step)")
+        print(printable(f"disarmed {len(found)} runs under {args.dir} (from their next step)"))
     return EXIT_OK
 
 
@@ -248,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (DumpReadError, OSError, re.error) as e:  # unreadable input is a usage error, never a trace
-        print(f"tracedump {args.command}: {e}", file=sys.stderr)
+        print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
         return EXIT_USAGE
 
 

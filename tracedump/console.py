@@ -5,10 +5,27 @@ Its own module, free of torch and numpy, so that ``tracedump ls``/``show`` start
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
 _WIDE = 240  # columns when stdout is not a terminal: names are never cut in logs and pipes
+# What a terminal would obey rather than show: C0 and C1 controls, DEL, and the bidi overrides that
+# reorder what is shown (trojan-source). rich escapes its markup, not these.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: object, *, keep_newlines: bool = False) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``), never sent raw: a
+    tensor name or sequence id holding ``\\x1b[31m`` must not recolour (or rewrite) the terminal.
+    ``keep_newlines``: for messages tracedump itself splits into lines."""
+    return (_CONTROL_BUT_NEWLINE if keep_newlines else _CONTROL).sub(_escaped, str(text))
 
 
 def console(stderr: bool = False) -> Any:

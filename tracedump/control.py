@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .fsio import write_text_atomic
+
 ORDER_FILE = "control.json"
 STATE_FILE = "control.state"
 LEAD_SECONDS = 1.0  # how far ahead of the furthest run an order starts, in that run's time
@@ -43,6 +45,15 @@ MIN_LEAD_STEPS = 2
 HEARTBEAT_SECONDS = 0.5
 STALE_SECONDS = 10.0  # a heartbeat older than this is no engine watching
 MODES = ("full", "last_row", "stats")
+MAX_STEP = 2**62 - 1  # the largest step number (and --steps) an order may hold: the engine's limit
+MAX_RATE = 1e9  # steps per second a heartbeat may claim (a real engine makes at most thousands)
+# An armed --filter runs on the engine's names: a pattern that backtracks catastrophically would
+# stall the host's step. It is refused unless its cost on a name of n characters is at most
+# O(n ** MAX_FILTER_REPEATS): no repeat inside a repeat, no alternation or backreference under a repeat,
+# at most MAX_FILTER_REPEATS open-ended repeats. Each name is then matched once per order (a memo).
+MAX_FILTER_REPEATS = 2
+MAX_FILTER_CHARS = 1000
+_WIDE_REPEAT = 16  # a repeat allowing more than this many copies counts as open-ended
 
 
 class OrderError(ValueError):
@@ -84,16 +95,78 @@ class Order:
         return order
 
     def check(self) -> None:
-        """What the CLI refuses and a dumper ignores: no step count below 1, unknown modes, bad regexes."""
-        if self.steps is not None and self.steps < 1:
-            raise OrderError(f"--steps {self.steps}: expected a number of steps >= 1")
+        """What the CLI refuses and a dumper ignores: no step count below 1 or beyond
+        :data:`MAX_STEP`, unknown modes, bad regexes."""
+        if self.steps is not None and not 1 <= self.steps <= MAX_STEP:
+            raise OrderError(f"--steps {self.steps}: expected a number of steps from 1 to {MAX_STEP}")
+        if not 0 <= self.start_step <= MAX_STEP:
+            raise OrderError(f"start step {self.start_step} is out of range (0 to {MAX_STEP})")
         if self.mode is not None and self.mode not in MODES:
             raise OrderError(f"--mode {self.mode!r}: choose from {', '.join(MODES)}")
         if self.filter is not None:
-            try:
-                re.compile(self.filter)
-            except re.error as e:
-                raise OrderError(f"--filter {self.filter!r}: invalid regex: {e}") from e
+            check_filter(self.filter)
+
+
+def check_filter(pattern: str) -> None:
+    """Refuse a ``--filter`` whose matching cost could stall the engine (see :data:`MAX_FILTER_REPEATS`)."""
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise OrderError(f"--filter {pattern!r}: invalid regex: {e}") from e
+    if len(pattern) > MAX_FILTER_CHARS:
+        raise OrderError(f"--filter: {len(pattern)} characters, at most {MAX_FILTER_CHARS}")
+    try:
+        repeats = _open_repeats(_sre_parser().parse(pattern).data, under_repeat=False)
+    except _Backtracks as e:
+        raise OrderError(
+            f"--filter {pattern!r}: {e}; such a pattern can take exponential time on one name and "
+            "would stall the engine (see docs/operations.md)"
+        ) from None
+    if repeats > MAX_FILTER_REPEATS:
+        raise OrderError(
+            f"--filter {pattern!r}: {repeats} open-ended repeats (*, +, {{n,}}), at most "
+            f"{MAX_FILTER_REPEATS}: more can take polynomial time of that degree on one name and "
+            "stall the engine (see docs/operations.md)"
+        )
+
+
+class _Backtracks(Exception):
+    pass
+
+
+def _sre_parser() -> Any:
+    """The stdlib's own regex parser (``re._parser``; ``sre_parse`` before 3.11): the one authority
+    on how ``re`` reads a pattern, and the only place its repeats and groups can be seen."""
+    import importlib
+
+    try:
+        return importlib.import_module("re._parser")
+    except ImportError:
+        return importlib.import_module("sre_parse")
+
+
+def _open_repeats(items: Any, under_repeat: bool) -> int:
+    """Open-ended repeats in a parsed pattern; raises _Backtracks where a nested one is found."""
+    total = 0
+    for op, arg in items:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            _, high, sub = arg
+            wide = high > _WIDE_REPEAT
+            if under_repeat and wide:
+                raise _Backtracks("a repeat inside a repeat")
+            total += int(wide) + _open_repeats(sub, under_repeat or wide)
+        elif name == "BRANCH":
+            if under_repeat:
+                raise _Backtracks("an alternation under a repeat")
+            total += sum(_open_repeats(branch, under_repeat) for branch in arg[1])
+        elif name in ("GROUPREF", "GROUPREF_EXISTS"):
+            raise _Backtracks("a backreference")
+        elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
+            total += _open_repeats(arg[-1], under_repeat)  # the group's pattern comes last
+        elif name == "ATOMIC_GROUP":
+            total += _open_repeats(arg, under_repeat)
+    return total
 
 
 def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -> Any:
@@ -104,19 +177,18 @@ def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -
         return None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise OrderError(f"malformed order: {key} is {type(value).__name__}, not {kind.__name__}")
-    if kind is int and not -(2**62) < value < 2**62:
-        raise OrderError(f"malformed order: {key} {value} is out of range")
+    if kind is int and not -MAX_STEP <= value <= MAX_STEP:
+        raise OrderError(f"malformed order: {key} {value} is out of range (at most {MAX_STEP})")
     return value
 
 
 def write_order(dump_dir: Path, order: Order) -> Path:
     """Write ``control.json`` atomically, owner-only (the CLI's side)."""
     path = dump_dir / ORDER_FILE
-    tmp = dump_dir / f".{ORDER_FILE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(order.to_json(), handle)
-    os.replace(tmp, path)
+    try:
+        write_text_atomic(path, json.dumps(order.to_json()))
+    except OSError as e:  # a full disk: no temp file is left, and the message names the file
+        raise OrderError(f"cannot write {path}: {e.strerror or e}") from e
     return path
 
 
@@ -126,19 +198,24 @@ def read_order(path: Path) -> Order:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise OrderError(f"cannot open: {e.strerror or e}") from e
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO, a directory, a device
             raise OrderError("not a regular file")
         if info.st_uid != os.getuid() or info.st_mode & 0o022:
             raise OrderError(
                 "written by another user, or writable by others: only the dump dir's owner may arm"
             )
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as handle:
         text = handle.read(1 << 16)
     try:
-        return Order.from_json(json.loads(text))
+        data = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise OrderError(f"not valid JSON: {e}") from e
+    return Order.from_json(data)  # raises OrderError saying what is wrong with the order itself
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -157,6 +234,14 @@ class Window:
     order: Order
     start: int  # the step it actually started at
     done: int = 0  # passes dumped so far
+    matches: dict[str, bool] = field(default_factory=dict)  # --filter, decided once per name
+
+    def wants(self, name: str) -> bool:
+        """Whether ``--filter`` keeps ``name``: one ``re.search`` per name and order, then a lookup."""
+        found = self.matches.get(name)
+        if found is None:
+            found = self.matches[name] = re.search(self.order.filter or "", name) is not None
+        return found
 
     @property
     def end(self) -> int | None:
@@ -187,6 +272,7 @@ class Controller:
     _rate: float = 0.0
     _step: int = 0
     fixed_mode: str | None = None  # the mode of the passes already in the run dir (one mode per run)
+    _ignored: set[str] = field(default_factory=set)  # order files ignored so far (see _ignore)
 
     def __post_init__(self) -> None:
         """An order file already in the dump dir belongs to an earlier run: seen, not obeyed."""
@@ -203,8 +289,7 @@ class Controller:
         try:
             changed = self._poll(step)
         except Exception as e:  # never into the engine's step: a broken order is ignored
-            self.warn("control_order", f"tracedump: ignoring {self.dump_dir / ORDER_FILE}: {e!r}")
-            changed = False
+            changed = self._ignore(self.dump_dir / ORDER_FILE, repr(e), step)
         if self.window is not None and self.window.finished:
             self._finish(step, "done")
             changed = True
@@ -241,8 +326,7 @@ class Controller:
         try:
             order = read_order(path)
         except OrderError as e:
-            self.warn("control_order", f"tracedump: ignoring {path}: {e}")
-            return False
+            return self._ignore(path, str(e), step)
         if order.id == self._last_id:
             return False
         self._last_id = order.id
@@ -269,6 +353,29 @@ class Controller:
             self._log(order, f"seen late at step {step}: starts there", step)
         else:
             self._log(order, "pending", step)
+        return True
+
+    def _ignore(self, path: Path, reason: str, step: int) -> bool:
+        """An order file this process may not obey: warned about and recorded in ``control.orders``
+        once per distinct file (its reason, inode and size; touching it again is not another)."""
+        try:
+            info = os.stat(path)
+            key = f"control_order:{reason}:{info.st_ino}:{info.st_size}"
+        except OSError:
+            key = f"control_order:{reason}"
+        if key in self._ignored:
+            return False
+        self._ignored.add(key)
+        self.warn(key, f"tracedump: ignoring {path}: {reason}")
+        self.history.append(
+            {
+                "id": None,
+                "action": "ignored",
+                "event": f"ignored: {reason}",
+                "step": step,
+                "time": time.time(),
+            }
+        )
         return True
 
     def _finish(self, step: int, how: str) -> None:
@@ -308,10 +415,8 @@ class Controller:
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
-        tmp = self.run_dir / f".{STATE_FILE}.tmp"
         try:
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.run_dir / STATE_FILE)
+            write_text_atomic(self.run_dir / STATE_FILE, json.dumps(state))  # 0600, like every file
         except OSError as e:
             self.warn("control_state", f"tracedump: cannot write {self.run_dir / STATE_FILE}: {e}")
 
@@ -337,10 +442,13 @@ def watchers(dump_dir: Path) -> list[Watcher]:
     for path in sorted(dump_dir.glob(f"rank*_pid*/{STATE_FILE}")):
         try:
             data = json.loads(path.read_text())
-            age = now - float(data["time"])
-            step, rate = int(data["step"]), float(data.get("rate") or 0.0)
-        except (OSError, ValueError, KeyError, TypeError):
+            if not isinstance(data, dict):
+                continue
+            when, step, rate = data["time"], data["step"], data.get("rate") or 0.0
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
+        _check_heartbeat(path, when, step, rate)
+        age = now - float(when)
         if data.get("state") == "closed":
             continue
         if 0 <= age < STALE_SECONDS or _alive_here(data):  # an idle server steps no boundary
@@ -350,6 +458,23 @@ def watchers(dump_dir: Path) -> list[Watcher]:
                 )
             )
     return found
+
+
+def _check_heartbeat(path: Path, when: Any, step: Any, rate: Any) -> None:
+    """A heartbeat the CLI can compute a start step from, or an OrderError naming the file."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    problem = None
+    if not number(when) or when < 0:
+        problem = f"time {when!r} is not a finite time"
+    elif type(step) is not int or not 0 <= step <= MAX_STEP:
+        problem = f"step {step!r} is not a step number from 0 to {MAX_STEP}"
+    elif not number(rate) or not 0 <= rate <= MAX_RATE:
+        problem = f"rate {rate!r} is not a step rate from 0 to {MAX_RATE:.0e} per second"
+    if problem is not None:
+        raise OrderError(f"{path}: a heartbeat no engine wrote: {problem}")
 
 
 def _alive_here(data: dict[str, Any]) -> bool:
@@ -366,4 +491,7 @@ def _alive_here(data: dict[str, Any]) -> bool:
 def start_step(found: list[Watcher], lead: float = LEAD_SECONDS) -> int:
     """A step every watcher reaches after the order is written: the furthest one's step now, plus
     ``lead`` seconds of its steps (at least :data:`MIN_LEAD_STEPS`)."""
-    return max(w.step + max(MIN_LEAD_STEPS, math.ceil(w.rate * (w.age + lead))) for w in found)
+    start = max(w.step + max(MIN_LEAD_STEPS, math.ceil(w.rate * (max(w.age, 0.0) + lead))) for w in found)
+    if start > MAX_STEP:
+        raise OrderError(f"start step {start} is out of range (at most {MAX_STEP}): check the heartbeats")
+    return start

@@ -73,6 +73,17 @@ def attach(
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
+def _check_control(settings: DumpSettings) -> None:
+    """``CONTROL`` numbers passes by engine step and arms windows of them; ``STEPS`` would select
+    fixed ones, so an armed window outside them would dump nothing and never end: refused."""
+    if settings.control and settings.steps is not None:
+        raise ConfigError(
+            f"tracedump: bad setting\n  {settings.describe('steps')} with {settings.describe('control')}: "
+            "STEPS cannot be combined with CONTROL (an armed window outside STEPS would dump nothing "
+            "and never end); unset STEPS and choose the steps with `tracedump arm DIR --steps N`"
+        )
+
+
 def active_dumper() -> Dumper | None:
     """The dumper module-level ``record()`` goes to: the one whose pass this thread runs, else the
     one attached last."""
@@ -116,6 +127,7 @@ class Dumper:
     ) -> None:
         self.settings = settings
         self.env_prefix = env_prefix
+        _check_control(settings)
         # Which root this dumper follows; `tracedump run` pairs runs of several roots by it.
         self.root_label = root_label or type(model).__name__
         callables = settings.resolve_callables()  # FILTER_FN, SYNC_ESCAPE: imported here, once per settings
@@ -251,11 +263,18 @@ class Dumper:
         records = self.recorder.finish(interrupted=bool(self.hooks.root.opened))
         if self.graft is not None:
             self.rundir.update(graft=self.graft.summary())
-        self.rundir.writer.close()
+        interrupt: BaseException | None = None
+        try:
+            self.rundir.writer.close()
+        except BaseException as e:  # Ctrl-C while the queued passes were written: say what was lost
+            interrupt = e
+            self.rundir.abandon_writes(e)
         if self.recorder.control is not None:
             self.recorder.control.close()
             self.rundir.update(control=self.recorder.control.state())
         self.rundir.finish(self.recorder.skipped, records_file=RECORDS_FILE if records else None)
+        if interrupt is not None:
+            raise interrupt  # an interrupt stays one: never turned into a clean return (or exit)
 
     def __enter__(self) -> Dumper:
         return self

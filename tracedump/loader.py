@@ -148,7 +148,10 @@ def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
     name = CODES_ON_DISK_ORDER.get(raw, raw.lower())
     width = _WIDTHS.get(raw, 1 if raw in CODES_ON_DISK_ORDER else 0)  # 0: a code we do not know
-    shape = tuple(int(s) for s in spec["shape"])
+    dims = spec["shape"]
+    if not isinstance(dims, list) or any(type(d) is not int or d < 0 for d in dims):
+        raise ValueError(f"shape {dims!r}: expected a list of non-negative integers")
+    shape = tuple(dims)
     if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
         if not shape or shape[-1] % 2:
             raise ValueError(f"an F4 tensor of shape {list(shape)} does not fill whole bytes")

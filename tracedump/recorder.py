@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import re
 import sys
 import threading
 import weakref
@@ -154,7 +153,7 @@ class Recorder:
         self._root_ref = weakref.ref(model)
         self.mode = plan.mode
         self.inputs = plan.inputs
-        self.name_filter: re.Pattern[str] | None = None  # an armed order's --filter
+        self.name_filter: Callable[[str], bool] | None = None  # an armed order's --filter (memoised)
         self.boundaries = 0  # step boundaries seen (control: the pass index is the step number)
         self.step_depth = 0  # open step() blocks
         self.idle = control is not None  # control: disarmed, every hook returns at once
@@ -419,7 +418,7 @@ class Recorder:
             self.mode = order.mode
             self.log.update(settings={**self.log.manifest.get("settings", {}), "mode": self.mode})
         self.inputs = bool(order and order.inputs) or self.plan.inputs
-        self.name_filter = re.compile(order.filter) if order and order.filter else None
+        self.name_filter = window.wants if window is not None and window.order.filter else None
         if changed:
             self.log.update(control=self.control.state())
         return order is not None
@@ -464,7 +463,7 @@ class Recorder:
     def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
         if self.idle or (is_input and not self.inputs):
             return
-        if self.name_filter is not None and not self.name_filter.search(name):
+        if self.name_filter is not None and not self.name_filter(name):
             return
         current, suspended = self.current, self.suspended()
         if current is None:

@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import platform
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -37,6 +38,18 @@ WORKER_NOT_CLOSED = (
     "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
     "listed here was flushed when its forward returned"
 )
+
+
+_INTERRUPTED_AT_EXIT: list[bool] = []  # a dumper's flush at exit was cut by Ctrl-C
+_EXIT_HOOK: list[bool] = []
+
+
+def _leave_as_interrupted() -> None:
+    """Registered before the first dumper's close, so it runs after every dumper's: a process whose
+    flush at exit was interrupted leaves as Python leaves on Ctrl-C (killed by SIGINT), not 0."""
+    if _INTERRUPTED_AT_EXIT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def rank_and_world() -> tuple[int, int, bool]:
@@ -149,16 +162,17 @@ class RunDir:
 
     def _make(self) -> Path:
         base = Path(self._settings.dir).expanduser()  # type: ignore[arg-type]
-        self._made_base = not base.exists()
+        self._made: list[Path] = []  # the dirs this call created, deepest last
+        path: Path | None = None
         try:
-            if not base.exists():
-                with contextlib.suppress(FileExistsError):  # another rank may create it meanwhile
-                    base.mkdir(parents=True, mode=0o700)
-                    os.chmod(base, 0o700)
+            self._made_dirs(base)
             path = self._claim(base)
             with tempfile.TemporaryFile(dir=path):
                 pass
-        except OSError as e:
+        except OSError as e:  # a name too long (ENAMETOOLONG), no permission, a full disk
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+            self._remove_made()
             where = self._settings.describe("dir")
             raise ConfigError(
                 f"tracedump: bad setting\n  {where}: cannot create or write the dump "
@@ -170,9 +184,35 @@ class RunDir:
         """Undo :meth:`_make` after a failed attach: an empty run dir would be listed (and picked by
         ``open_dump().run()``) ahead of the real one."""
         shutil.rmtree(self.path, ignore_errors=True)
-        if self._made_base:
+        self._remove_made()
+
+    def _made_dirs(self, base: Path) -> None:
+        """Create ``base`` and its missing parents (``base`` itself ``0700``), noting each one made,
+        so that a failure later in :meth:`_make` leaves none of them behind."""
+        missing = []
+        probe = base
+        while not probe.exists():  # raises for a name too long: nothing is created then
+            missing.append(probe)
+            probe = probe.parent
+        for directory in reversed(missing):
+            try:
+                directory.mkdir(mode=0o700 if directory == base else 0o777)
+            except FileExistsError:  # another rank may create it meanwhile
+                continue
+            self._made.append(directory)
+        if base in self._made:
+            os.chmod(base, 0o700)
+
+    def _remove_made(self) -> None:
+        for directory in reversed(self._made):
             with contextlib.suppress(OSError):
-                self.path.parent.rmdir()  # only if still empty: another rank may be using it
+                directory.rmdir()  # only if still empty: another rank may be using it
+        self._made = []
+
+    def discard(self) -> None:
+        """Remove the run dir after a failed :meth:`tracedump.Capture.save`: a half-written dump
+        would be refused by ``diff`` and push the next save to a ``-2`` name."""
+        self._remove()
 
     def settle_rank(self) -> None:
         """Attached before ``init_process_group`` with no RANK env var: take the group's rank now,
@@ -209,14 +249,27 @@ class RunDir:
         """Close at interpreter exit. Forked multiprocessing workers leave through ``os._exit``,
         which skips atexit but runs multiprocessing's finalizers, so register there too."""
         self._close = close
-        atexit.register(close)
+        if not _EXIT_HOOK:
+            _EXIT_HOOK.append(True)
+            atexit.register(_leave_as_interrupted)
+        atexit.register(self._close_at_exit)
         mp_util = sys.modules.get("multiprocessing.util")
         if mp_util is not None:
             mp_util.Finalize(self, close, exitpriority=10)
 
+    def _close_at_exit(self) -> None:
+        """Close at exit; Ctrl-C during it is recorded by close() (manifest, stderr), and the exit
+        status says so once every dumper has closed (:func:`_leave_as_interrupted`)."""
+        if self._close is None:
+            return
+        try:
+            self._close()
+        except KeyboardInterrupt:
+            _INTERRUPTED_AT_EXIT.append(True)
+
     def forget_exit(self) -> None:
         if self._close is not None:
-            atexit.unregister(self._close)
+            atexit.unregister(self._close_at_exit)
 
     # ------------------------------------------------------------------ the manifest
 
@@ -278,6 +331,19 @@ class RunDir:
             f"continues. {self.path / MANIFEST} is marked incomplete.",
         )
         self.update(complete=False, incomplete_reason=failure, errors=self.errors.as_list())
+
+    def abandon_writes(self, error: BaseException) -> None:
+        """The flush at close was interrupted: drop what is still queued, record why and how much."""
+        before = self.writer.totals.dropped_jobs
+        reason = (
+            f"interrupted ({type(error).__name__}) during the flush at exit (or close()): the pass "
+            "files not yet on disk were dropped (skipped.dropped_files)"
+        )
+        self.writer.abandon(reason)
+        self.failure = reason
+        self.errors.add("writer", type(error).__name__, reason)
+        lost = self.writer.totals.dropped_jobs - before
+        print(f"tracedump: {self.path}: {reason}: {lost} files lost", file=sys.stderr)
 
     def flush_for_termination(self, skipped: Mapping[str, int]) -> None:
         """In a multiprocessing worker, write the pass before its forward returns.

@@ -72,6 +72,8 @@ def parse_filter(value: Any) -> list[str] | None:
             value = json.loads(value.strip()) if value.strip().startswith("[") else [value]
         except json.JSONDecodeError as e:
             raise ValueError(f"malformed JSON array of regexes ({e.msg} at char {e.pos})") from e
+        except RecursionError:  # '[' * 100000: nested deeper than the decoder goes
+            raise ValueError("malformed JSON array of regexes (nested too deep)") from None
     if value is None:
         return None
     if not isinstance(value, Iterable):
@@ -82,8 +84,9 @@ def parse_filter(value: Any) -> list[str] | None:
             raise ValueError(f"expected regex strings, got {pattern!r}")
         try:
             re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"invalid regex {pattern!r}: {e}") from e
+        except (re.error, RecursionError, OverflowError) as e:  # '[' * 100000 recurses in the parser
+            shown = pattern if len(pattern) <= 80 else pattern[:80] + f"... ({len(pattern)} chars)"
+            raise ValueError(f"invalid regex {shown!r}: {type(e).__name__}: {e}") from None
     return patterns
 
 
@@ -121,8 +124,11 @@ def parse_dir(value: Any) -> Path | None:
     if expanded.startswith("~"):
         raise ValueError(f"cannot expand {text.split(os.sep)[0]!r}: no such user")
     path = Path(os.path.abspath(expanded))
-    if path.exists() and not path.is_dir():
-        raise ValueError("exists and is not a directory")
+    try:
+        if path.exists() and not path.is_dir():
+            raise ValueError("exists and is not a directory")
+    except OSError as e:  # a component longer than the filesystem allows (ENAMETOOLONG), a loop
+        raise ValueError(f"cannot be a directory: {e.strerror or e}") from None
     return path
 
 
@@ -327,7 +333,11 @@ class Origin:
     raw: Any = None
 
     def __str__(self) -> str:
-        return f"{self.name} (default)" if self.kind == "default" else f"{self.name}={self.raw!r}"
+        if self.kind == "default":
+            return f"{self.name} (default)"
+        shown = repr(self.raw)  # a 100 kB value would bury the message: its start says enough
+        shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} chars)"
+        return f"{self.name}={shown}"
 
 
 def _origin(field: str, value: Any) -> Origin:

@@ -13,7 +13,7 @@ import torch
 
 from .cpus import usable_cpus
 from .cuda import SyncEscape, allow_sync, copy_to_host
-from .writer import STORABLE_DTYPES, Job, PassJob
+from .writer import Job, PassJob, storable
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -63,12 +63,7 @@ class FileSink:
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         """One unwritable tensor (``complex128``, quantized) would make the whole file unwritable."""
-        return (
-            tensor.layout == torch.strided
-            and not tensor.is_quantized
-            and tensor.device.type != "meta"
-            and tensor.dtype in STORABLE_DTYPES
-        )
+        return storable(tensor)
 
     def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
         if not tensor.is_cpu:

@@ -13,10 +13,9 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from .format import (
     pass_metadata,
     with_numbers,
 )
+from .fsio import atomic_path
 from .stformat import CODES_ON_DISK_ORDER
 from .stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 
@@ -51,23 +51,15 @@ _WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
 STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 
-@contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """A temp path beside ``final``, renamed onto it only when the block succeeds.
-
-    A crash mid-write leaves a dot-file, never a truncated file under the final name. Files are
-    0600: activations derived from user prompts are user data.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def storable(tensor: torch.Tensor) -> bool:
+    """Whether a pass file can hold ``tensor``: one that cannot (``complex128``, sparse, meta,
+    quantized) would make the whole file unwritable, so it is skipped and counted instead."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type != "meta"
+        and tensor.dtype in STORABLE_DTYPES
+    )
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -180,6 +172,10 @@ def _yield_cpu_to_host() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(WRITER_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
+class _Abandoned(Exception):
+    """Raised in the writer thread between two chunks of a file when the flush was abandoned."""
+
+
 class Writer:
     """Background writer with a byte-bounded queue. Start it only when dumping is on."""
 
@@ -201,7 +197,12 @@ class Writer:
         self._host_waits = 0  # host threads waiting on the writer (cap, flush): it must not hold back
         self._cond = threading.Condition()
         self._closing = False
+        self._abandoned = False
         self._last_manifest = 0.0
+        # The manifest is changed by the host thread (RunDir.update, from hooks) and the writer
+        # thread (note_file): each change, its snapshot and its rename happen under this lock, so
+        # the encoder never sees the dict change and the last state is the one left on disk.
+        self._manifest_lock = threading.Lock()
         self._stats_handle: Any = None
         self.buffers = HostBufferPool()
         self._thread = threading.Thread(target=self._loop, name="tracedump-writer", daemon=True)
@@ -258,6 +259,8 @@ class Writer:
 
     def wait_for_idle_host(self) -> None:
         """Called by the writer thread before each chunk of a pass file (see :meth:`host_busy`)."""
+        if self._abandoned:
+            raise _Abandoned("the flush was abandoned")  # the file's temp is removed on the way out
         if not self._host_busy or self._behind:
             return
         with self._cond:
@@ -290,15 +293,32 @@ class Writer:
         self._thread.join()
         self._seal_stats()
 
+    def abandon(self, reason: str, wait_s: float = 5.0) -> None:
+        """Stop now (an interrupt during the flush at close): every queued job is dropped and
+        counted, the file being written stops at its next chunk and its temp file is removed."""
+        with self._cond:
+            if self.failure is None:
+                self.failure = reason
+            self._abandoned = self._closing = True
+            while self._queue:
+                dropped, _ = self._queue.popleft()
+                self._pending -= dropped.nbytes
+                self._drop(dropped)
+            self._cond.notify_all()
+        self._thread.join(wait_s)
+        if not self._thread.is_alive():
+            self._seal_stats()
+
     def recycle(self, tensors: list[torch.Tensor], nbytes: int) -> None:
         """Hand a written pass's buffers to the pool, keeping free + queued bytes within the cap."""
         self.buffers.give_back(tensors, room=self.max_pending_bytes - (self._pending - nbytes))
 
     def note_file(self, index: int, size: int, *, is_pass: bool) -> None:
-        if is_pass:
-            self.totals.passes.add(index)
-        self.totals.bytes += size
-        self.totals.files += 1
+        with self._manifest_lock:
+            if is_pass:
+                self.totals.passes.add(index)
+            self.totals.bytes += size
+            self.totals.files += 1
         if time.monotonic() - self._last_manifest > _MANIFEST_INTERVAL_S:
             self.write_manifest()
 
@@ -313,18 +333,20 @@ class Writer:
         self.totals.bytes += sum(len(line) + 1 for line in lines)
 
     def write_manifest(self, **updates: Any) -> None:
-        self.manifest.update(updates)
-        self.manifest["passes"] = {
-            "count": len(self.totals.passes),
-            "bytes": self.totals.bytes,
-            "files": self.totals.files,
-            "indices": sorted(self.totals.passes),
-        }
-        self._last_manifest = time.monotonic()
-        try:
-            write_json_atomic(self.run_dir / MANIFEST, self.manifest)
-        except OSError as e:  # the disk may be full: the failure itself is already being reported
-            self.manifest.setdefault("manifest_error", str(e))
+        """Apply ``updates`` and write the manifest; safe from any thread (see ``_manifest_lock``)."""
+        with self._manifest_lock:
+            self.manifest.update(updates)
+            self.manifest["passes"] = {
+                "count": len(self.totals.passes),
+                "bytes": self.totals.bytes,
+                "files": self.totals.files,
+                "indices": sorted(self.totals.passes),
+            }
+            self._last_manifest = time.monotonic()
+            try:
+                write_json_atomic(self.run_dir / MANIFEST, self.manifest)
+            except OSError as e:  # the disk may be full: the failure itself is already being reported
+                self.manifest.setdefault("manifest_error", str(e))
 
     def _seal_stats(self) -> None:
         if self._stats_handle is None:
@@ -365,6 +387,8 @@ class Writer:
                     job.run(self)
                 else:
                     self._drop(job)
+            except _Abandoned:
+                self._drop(job)
             except Exception as e:  # never let the writer die silently: report, stop, keep the host alive
                 self._fail(job, e)
             finally:

@@ -102,13 +102,25 @@ def add_diff_parser(sub: Any) -> None:
         "--plot", dest="plot_path", type=Path, metavar="PATH.png", help="plot the error along execution order"
     )
     parser.add_argument(
-        "--max-rows", type=int, default=500, metavar="N", help="table rows before ok rows are hidden (0: all)"
+        "--html",
+        dest="html_path",
+        type=Path,
+        metavar="PATH.html",
+        help="write a self-contained report page: summary, error curve, per-token heatmap, table, notes",
+    )
+    parser.add_argument(
+        "--max-rows",
+        type=_rows,
+        default=500,
+        metavar="N",
+        help="table rows before ok rows are hidden (0: all)",
     )
     parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     parser.set_defaults(func=run_diff)
 
 
 def run_diff(args: argparse.Namespace) -> int:
+    from ..console import printable
     from .diff import run
     from .options import UsageError, parse_options
 
@@ -117,5 +129,13 @@ def run_diff(args: argparse.Namespace) -> int:
     try:
         return run(parse_options(**given, progress=False if args.no_progress else None))
     except UsageError as e:
-        print(f"tracedump diff: {e}", file=sys.stderr)
+        print(printable(f"tracedump diff: {e}", keep_newlines=True), file=sys.stderr)
         return EXIT_USAGE
+
+
+def _rows(text: str) -> int:
+    """``--max-rows``: a count of rows, 0 for all (argparse turns the ValueError into exit 2)."""
+    rows = int(text)
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"{rows}: expected a number of rows >= 0 (0 shows all)")
+    return rows

@@ -155,17 +155,23 @@ def _noise_by_key(
     """(rel_diff, 1 - cosine) of C against B, by (B's pass, root, B's name)."""
     plan, workspace = build_plan(side_c, side_b, options)
     return {
-        (r.pass_b if r.pass_b is not None else r.pass_index, r.root, r.name_b): (
-            r.metrics.rel_diff,
-            r.metrics.one_minus_cosine,
-        )
+        (r.pass_b if r.pass_b is not None else r.pass_index, r.root, r.name_b): _noise_of(r)
         for r in Executor(plan, workspace, per_token=False).run()
         if r.metrics is not None
     }
 
 
-def write_json(report: DiffReport, target: str) -> None:
-    text = json.dumps(report.to_json(), indent=1, allow_nan=False)
+def _noise_of(result: TensorResult) -> tuple[float, float]:
+    """(rel_diff, 1 - cosine) of C against B; on the tokens C's routers routed alike where C flipped
+    at a near-tie (as A's error is measured where A flipped: the same tie flips the same tokens)."""
+    assert result.metrics is not None
+    if result.status == "routing_flip" and result.error is not None and result.absorbed is not None:
+        return result.error, result.error
+    return result.metrics.rel_diff, result.metrics.one_minus_cosine
+
+
+def write_json(report: DiffReport, target: str, doc: dict[str, Any] | None = None) -> None:
+    text = json.dumps(doc if doc is not None else report.to_json(), indent=1, allow_nan=False)
     if target == "-":
         sys.stdout.write(text + "\n")
         return
@@ -178,16 +184,26 @@ def run(options: DiffOptions) -> int:
     """``tracedump diff``: 0 no divergence, 1 divergence, 2 usage error or unreadable input."""
     if options.plot_path is not None:
         check_available(options.plot_path)
+    if options.html_path is not None and options.html_path.is_dir():
+        raise UsageError(f"--html {options.html_path}: is a directory; give a file name such as report.html")
     report = build_report(options)
     json_to_stdout = options.json_path == "-"
+    # --json and --html write the same document: built once (per-token lists of a big diff take seconds)
+    doc = report.to_json() if options.json_path is not None and options.html_path is not None else None
     try:
         if options.json_path is not None:
-            write_json(report, options.json_path)
+            write_json(report, options.json_path, doc)
         if options.plot_path is not None:
             write_plot(report, options.plot_path)
+        if options.html_path is not None:
+            from .html import write_html  # only here: a diff without --html never imports it
+
+            write_html(report, options.html_path, doc)
     except OSError as e:
         raise UsageError(f"cannot write the report: {e}") from e
     print_report(report, options.max_rows, table_too=not json_to_stdout, stderr=json_to_stdout)
+    if options.html_path is not None:
+        print(f"html report: {options.html_path}", file=sys.stderr if json_to_stdout else sys.stdout)
     return report.exit_code
 
 

@@ -8,15 +8,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..console import console
+from ..console import console, printable
 from .execute import Progress, pair_bytes
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
 from .verdict import times_noise
 
-_SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-_STATUS_TEXT = {
+SHORT_DTYPES = {  # the tables' and the report page's dtype spelling
+    "float64": "fp64",
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+}
+STATUS_TEXT = {  # each status as the table and the report page print it
     "ok": "ok",
     "diverged": "DIVERGED",
     "shape_mismatch": "shape mismatch",
@@ -78,13 +83,13 @@ def _shape(result: TensorResult) -> str:
 
 
 def _dtype(result: TensorResult) -> str:
-    a = _SHORT_DTYPES.get(result.dtype_a or "?", result.dtype_a or "?")
-    b = _SHORT_DTYPES.get(result.dtype_b or "?", result.dtype_b or "?")
+    a = SHORT_DTYPES.get(result.dtype_a or "?", result.dtype_a or "?")
+    b = SHORT_DTYPES.get(result.dtype_b or "?", result.dtype_b or "?")
     return a if a == b else f"{a} vs {b}"
 
 
 def _status(result: TensorResult, first: TensorResult | None, growth: Growth | None) -> str:
-    text = _STATUS_TEXT.get(result.status, result.status)
+    text = STATUS_TEXT.get(result.status, result.status)
     if result.kind == "stats" and result.error is not None:
         text += f" (stats {_num(result.error)})"
     if first is not None and result.index == first.index:
@@ -118,7 +123,7 @@ def table(report: DiffReport, max_rows: int) -> Any:
     from rich.text import Text
 
     show_pass = len(report.plan.units) > 1
-    title = escape(f"tracedump diff  A={report.a['path']}  B={report.b['path']}")
+    title = escape(printable(f"tracedump diff  A={report.a['path']}  B={report.b['path']}"))
     grid = Table(title=title, title_justify="left")
     if show_pass:
         grid.add_column("pass", justify="right", no_wrap=True)
@@ -155,7 +160,9 @@ def table(report: DiffReport, max_rows: int) -> Any:
         ]
         style = "bold red reverse" if is_first else _STATUS_STYLE.get(result.status)
         # Text, not str: rich would read `model[last_hidden_state]` as markup and drop the brackets.
-        grid.add_row(*([str(result.pass_index)] if show_pass else []), *map(Text, cells), style=style)
+        # printable: a name from a file must not send a control character to the terminal.
+        cells = [Text(printable(cell)) for cell in cells]
+        grid.add_row(*([str(result.pass_index)] if show_pass else []), *cells, style=style)
     hidden = len(report.results) - 1 - previous
     if hidden > 0:
         grid.add_row(*([""] if show_pass else []), f"... {hidden} hidden", style="dim")
@@ -235,7 +242,7 @@ def summary_lines(report: DiffReport) -> list[str]:
         )
     for result in report.results:
         if result.status in ("shape_mismatch", "error") and result.message:
-            lines.append(f"{_STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
+            lines.append(f"{STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
             break
     plan: Plan = report.plan
     for which, unmatched in (("A", plan.only_in_a), ("B", plan.only_in_b)):
@@ -271,7 +278,11 @@ def _basis(result: TensorResult) -> str:
 def _describe_error(result: TensorResult) -> str:
     metric = "1-cosine" if result.metric == "cosine" else result.metric
     if result.error is None or result.status != "diverged":
-        return _STATUS_TEXT.get(result.status, result.status)
+        return STATUS_TEXT.get(result.status, result.status)
+    m = result.metrics
+    if m is not None and m.nonfinite_mismatch and not result.error > (result.threshold or 0.0):
+        # only the NaN/Inf pattern differs: the finite values' error is within the threshold
+        return f"NaN/Inf only: {metric} of the finite values {_num(result.error)} <= {_num(result.threshold)}"
     text = f"{metric} {_num(result.error)} > {_num(result.threshold)} ({_basis(result)})"
     if result.metrics is not None and result.metrics.argmax is not None:
         m = result.metrics
@@ -284,7 +295,7 @@ def print_report(report: DiffReport, max_rows: int, *, table_too: bool = True, s
     if table_too and report.results:
         out.print(table(report, max_rows))
     for line in summary_lines(report):
-        out.print(line, soft_wrap=True, markup=False)
+        out.print(printable(line), soft_wrap=True, markup=False)
 
 
 @contextmanager

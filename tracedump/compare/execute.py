@@ -22,7 +22,16 @@ from .metrics import (
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
 from .results import TensorResult
-from .routing import Flip, detect, is_router_indices, kept_rows, module_of
+from .routing import (
+    Flip,
+    detect,
+    downstream_of,
+    flipped_before,
+    is_router_indices,
+    kept_rows,
+    merged,
+    module_of,
+)
 from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
 from .tolerance import Tolerance
@@ -131,11 +140,41 @@ class Executor:
                 return flipped
         covering = next((f for f in self._unit_flips if f.covers(pair.a.name)), None)
         if covering is not None:
+            covering = merged(covering, self._unit_flips)  # and the tokens earlier routers flipped
             return self._inside_flipped_block(base, covering, (stored_a, stored_b), metrics)
         if self.per_token and self._tokens is None:
             self._tokens = self._unit_tokens(stored_a.shape)  # from the unit's first measured tensor
         per_token = None if dim is None else self._per_token(stored_a, stored_b, metrics, dim, rows)
+        downstream = downstream_of(self._unit_flips, stored_a.shape) if self._unit_flips else None
+        if downstream is not None and pair.tolerance.metric in ("rel_diff", "cosine"):
+            return self._after_flip(base, downstream, (stored_a, stored_b), metrics, dim, per_token)
         return TensorResult(**base, status="measured", metrics=metrics, token_dim=dim, per_token=per_token)
+
+    def _after_flip(
+        self,
+        base: dict,
+        flip: Flip,
+        stored: tuple[Stored, Stored],
+        metrics: TensorMetrics,
+        dim: int | None,
+        per_token: tuple[float, ...] | None,
+    ) -> TensorResult:
+        """A tensor downstream of a near-tie flip in this pass, whose rows are the router's tokens:
+        judged on the tokens that kept their experts (the flipped ones carry another expert's
+        answer from there on), its whole error joining the level as the block's does."""
+        kept_a, kept_b = kept_rows(stored[0], flip), kept_rows(stored[1], flip)
+        assert kept_a is not None and kept_b is not None  # downstream_of checked the rows
+        kept = compare_arrays(kept_a, kept_b)
+        return TensorResult(
+            **base,
+            status="routing_flip",
+            error=kept.rel_diff,
+            metrics=metrics,
+            absorbed=metrics.rel_diff,
+            token_dim=dim,
+            per_token=per_token,
+            message=f"compared on the {kept_a.shape[0]} tokens {flip.router} routed alike",
+        )
 
     def _unit_tokens(self, shape: tuple[int, ...]) -> int | None:
         """The unit's token count: the second-to-last dim of its first measured tensor of 2 or 3
@@ -181,7 +220,7 @@ class Executor:
         router = module_of(pair.a.name)
         tokens, k = indices[0].shape
         scores = self._router_scores(router, pair, tokens, k, views_a, views_b)
-        flip = detect(router, indices, scores)
+        flip = detect(router, indices, scores, flipped_before(self._unit_flips, tokens))
         if flip is None:
             return None
         self.flips.append(flip)

@@ -35,8 +35,8 @@ def split_rule(text: str, option: str) -> tuple[str, str]:
 def compile_regex(pattern: str, option: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
-    except re.error as e:
-        raise UsageError(f"{option} {pattern!r}: invalid regex: {e}") from e
+    except (re.error, RecursionError, OverflowError) as e:  # '[' * 100000 recurses in the parser
+        raise UsageError(f"{option} {pattern[:80]!r}: invalid regex: {type(e).__name__}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,7 @@ class DiffOptions:
     align: Literal["passes", "tokens"] = "passes"
     json_path: str | None = None
     plot_path: Path | None = None
+    html_path: Path | None = None
     max_rows: int = 500
     progress: bool | None = None  # None: decide from the terminal and the size of the diff
 
@@ -275,8 +276,8 @@ def parse_options(
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
 
-    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``max_rows``,
-    ``progress``."""
+    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``html_path``,
+    ``max_rows``, ``progress``."""
     rtol_value, rtol_rules = parse_tolerances(rtol, "--rtol")
     atol_value, atol_rules = parse_tolerances(atol, "--atol")
     if baseline is not None and not Path(baseline).exists():

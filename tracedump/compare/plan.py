@@ -237,8 +237,26 @@ def match_names(
         else:
             only_a.append(Unmatched(pass_index, root, name, mapped))
     matched = {mapped for _, mapped in pairs}
+    if len(matched) < len(pairs):
+        _refuse_map_collisions(pairs, pass_index)
     only_b = [Unmatched(pass_index, root, n) for n in names_b if n not in matched and options.selected(n)]
     return pairs, only_a, only_b
+
+
+def _refuse_map_collisions(pairs: list[tuple[str, str]], pass_index: int) -> None:
+    """Several names of A that ``--map`` turns into one name of B would all be compared with the
+    same tensor: an error naming them, before any verdict."""
+    sources: dict[str, list[str]] = {}
+    for name, mapped in pairs:
+        sources.setdefault(mapped, []).append(name)
+    clashes = [
+        f"{', '.join(map(repr, names))} -> {mapped!r}" for mapped, names in sources.items() if len(names) > 1
+    ]
+    more = f" (and {len(clashes) - 5} more)" if len(clashes) > 5 else ""
+    raise UsageError(
+        f"--map turns several names of A into one name of B (pass {pass_index}): "
+        f"{'; '.join(clashes[:5])}{more}; each name of B can be compared with one name of A only"
+    )
 
 
 def _pair(

@@ -85,6 +85,7 @@ class TensorResult:
     per_token: tuple[float, ...] | None = None  # rel_diff of each token position
     positions: tuple[int, ...] | None = None  # --align tokens: the sequence position of each row
     pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
+    level_before: str | None = None  # a container's own output: explained by the level before this tensor
 
     @property
     def label(self) -> str:
@@ -138,6 +139,8 @@ class TensorResult:
         if self.message:
             data["message"] = self.message
         data["basis"] = self.basis
+        if self.level_before is not None:
+            data["level_before"] = self.level_before
         if self.noise is not None:
             from .verdict import times_noise
 

@@ -18,7 +18,7 @@ that cannot line up are skipped (``routing``), and the whole error joins the run
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class Flip:
     flipped: tuple[int, ...]
     margins: tuple[float, ...]
     noise: float
+    inherited: tuple[int, ...] = ()  # flipped tokens that an earlier router of the pass flipped already
 
     @property
     def near_tie(self) -> bool:
@@ -65,6 +66,11 @@ class Flip:
         return module != self.router and (module == self.block or module.startswith(self.block + "."))
 
     def message(self) -> str:
+        if self.flipped and not self.margins:
+            return (
+                f"router {self.router}: {len(self.flipped)} of {self.tokens} tokens routed differently, "
+                f"all of them flipped by an earlier router (tokens {_short(self.flipped)}): not a divergence"
+            )
         if not self.flipped:
             return (
                 f"router {self.router}: the same experts in another top-k order for some of "
@@ -91,6 +97,7 @@ class Flip:
             "margins": [float(m) for m in self.margins],
             "noise": float(self.noise),
             "near_tie": self.near_tie,
+            "inherited": list(self.inherited),
         }
 
 
@@ -103,12 +110,19 @@ def is_router_indices(shape: tuple[int, ...] | None, dtype_a: str | None, dtype_
     return integers and shape is not None and len(shape) == 2 and 0 < shape[1] < 64
 
 
-def detect(router: str, indices: tuple[Stored, Stored], scores: tuple[Stored, Stored] | None) -> Flip | None:
+def detect(
+    router: str,
+    indices: tuple[Stored, Stored],
+    scores: tuple[Stored, Stored] | None,
+    upstream: frozenset[int] = frozenset(),
+) -> Flip | None:
     """The flip of one router, or None when its indices agree (or cannot be judged: no scores).
 
     Indices that hold the same experts in another order (a near-tie between two chosen experts)
     are a flip of no token: the experts' own tensors no longer line up (they gather tokens by
-    top-k slot), the block's output still does."""
+    top-k slot), the block's output still does. ``upstream``: tokens an earlier router of the
+    pass flipped at a near-tie. They carry another expert's answer here, so their routing is no
+    evidence: they are left out of the noise and the margins (``inherited`` when they flip again)."""
     raw_a, raw_b = (s.array.astype(np.int64) for s in indices)
     if raw_a.shape != raw_b.shape or raw_a.ndim != 2 or np.array_equal(raw_a, raw_b):
         return None
@@ -118,23 +132,86 @@ def detect(router: str, indices: tuple[Stored, Stored], scores: tuple[Stored, St
     tokens, k = index_a.shape
     if rows.size == 0:
         return Flip(router, block, tokens, (), (), 0.0)
+    inherited = tuple(int(r) for r in rows if int(r) in upstream)
+    new = np.array([r for r in rows if int(r) not in upstream], dtype=np.int64)
+    if new.size == 0:
+        return Flip(router, block, tokens, tuple(int(r) for r in rows), (), 0.0, inherited)
     if scores is None:
         return None
     score_a, score_b = (as_float(s).reshape(tokens, -1) for s in scores)
     if score_b.shape[1] <= k:
         return None
-    noise = math.sqrt(float(np.mean((score_a.astype(np.float64) - score_b) ** 2)))
-    ranked = -np.sort(-score_b[rows].astype(np.float64), axis=1)
+    clean = np.ones(tokens, dtype=bool)
+    clean[list(upstream & set(range(tokens)))] = False
+    noise = math.sqrt(float(np.mean((score_a[clean].astype(np.float64) - score_b[clean]) ** 2)))
+    ranked = -np.sort(-score_b[new].astype(np.float64), axis=1)
     margins = ranked[:, k - 1] - ranked[:, k]
-    return Flip(router, block, tokens, tuple(int(r) for r in rows), tuple(margins), noise)
+    return Flip(router, block, tokens, tuple(int(r) for r in rows), tuple(margins), noise, inherited)
+
+
+def flipped_before(flips: list[Flip], tokens: int) -> frozenset[int]:
+    """Every token the near-tie flips so far in this pass sent elsewhere, among ``tokens``."""
+    return frozenset(t for f in flips if f.near_tie and f.tokens == tokens for t in f.flipped)
+
+
+def downstream_of(flips: list[Flip], shape: tuple[int, ...]) -> Flip | None:
+    """The near-tie flips earlier in this pass whose tokens this tensor's rows hold, as one flip of
+    all their flipped tokens (None when there are none, or its rows are not those tokens).
+
+    Downstream of a near-tie flip, the flipped tokens carry another expert's answer in every later
+    tensor: the ceiling must not judge that answer, so later tensors are compared on the tokens
+    every router routed alike (:func:`kept_rows`), as the block's own tensors are."""
+    for tokens in dict.fromkeys(f.tokens for f in flips if f.near_tie and f.flipped):
+        flipped = flipped_before(flips, tokens)
+        if len(flipped) < tokens and _token_dims(shape, tokens) is not None:
+            routers = ", ".join(dict.fromkeys(f.router for f in flips if f.tokens == tokens and f.flipped))
+            first = next(f for f in flips if f.tokens == tokens)
+            return Flip(routers, first.block, tokens, tuple(sorted(flipped)), (), first.noise)
+    return None
+
+
+def merged(flip: Flip, flips: list[Flip]) -> Flip:
+    """``flip`` with the tokens earlier near-tie flips of the pass sent elsewhere added."""
+    earlier = flipped_before([f for f in flips if f is not flip], flip.tokens)
+    if earlier <= set(flip.flipped):
+        return flip
+    return replace(flip, flipped=tuple(sorted(earlier | set(flip.flipped))), margins=())
+
+
+def _token_dims(shape: tuple[int, ...], tokens: int) -> tuple[str, tuple[int, ...]] | None:
+    """Where a tensor holds the router's ``tokens``: ``("lead", (d,))`` when its dims up to d
+    flatten to them (``[tokens, hidden]``, ``[batch, seq, hidden]``, ``[1, seq, heads, dim]``), else
+    ``("each", dims)`` for one sequence laid out otherwise: its inner dims of that size (attention
+    weights ``[1, heads, q, k]``: the flipped queries, and the keys of that square). A last dim
+    alone is features (an expert's intermediate size may equal the token count): never a token dim."""
+    lead = 1
+    for d, size in enumerate(shape[:-1]):
+        lead *= size
+        if lead == tokens:
+            return "lead", (d,)
+        if lead > tokens:
+            break
+    if len(shape) < 3 or shape[0] != 1:
+        return None
+    dims = [d for d in range(1, len(shape) - 1) if shape[d] == tokens]
+    if dims and dims[-1] == len(shape) - 2 and shape[-1] == tokens:
+        dims.append(len(shape) - 1)  # a [q, k] square: the keys too (a last dim alone is features)
+    return ("each", tuple(dims)) if dims else None
 
 
 def kept_rows(stored: Stored, flip: Flip) -> Stored | None:
-    """The tensor without the flipped tokens' rows, when its rows are the router's tokens."""
-    shape = stored.shape
-    if len(shape) < 2 or math.prod(shape[:-1]) != flip.tokens:
+    """The tensor without the flipped tokens, when it holds the router's tokens (see
+    :func:`_token_dims`); None when it does not (per-expert tensors, whose rows are its tokens)."""
+    where = _token_dims(stored.shape, flip.tokens)
+    if where is None:
         return None
-    rows = stored.array.reshape(flip.tokens, shape[-1])
     keep = np.ones(flip.tokens, dtype=bool)
     keep[list(flip.flipped)] = False
-    return Stored(np.ascontiguousarray(rows[keep]), stored.dtype)
+    how, dims = where
+    if how == "lead":
+        rows = stored.array.reshape(flip.tokens, -1)
+        return Stored(np.ascontiguousarray(rows[keep]), stored.dtype)
+    array = stored.array
+    for d in dims:
+        array = np.compress(keep, array, axis=d)
+    return Stored(np.ascontiguousarray(array), stored.dtype)

@@ -15,7 +15,7 @@ Run selection per side, per root label (``manifest.json`` "root"; several roots 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -130,6 +130,7 @@ class RunSource:
     run: Run | None = None
     pass_file: Path | None = None
     declared_precision: str | None = None  # from the manifest's "precision" (parameters, TF32)
+    facts: dict[str, Any] = field(default_factory=dict)  # the manifest's versions and settings
 
     @property
     def is_pass_file(self) -> bool:
@@ -179,7 +180,9 @@ class RootGroup:
         return self.runs[0].declared_precision
 
     def pass_indices(self) -> list[int]:
-        return self.runs[0].pass_indices()
+        """The passes of any of its ranks: a pass some rank lacks is compared, and each of its
+        tensors is a ``rank_mismatch`` naming the ranks without it, never dropped."""
+        return sorted({index for run in self.runs for index in run.pass_indices()})
 
     @property
     def is_pass_file(self) -> bool:
@@ -198,7 +201,12 @@ class Side:
         return {
             "path": str(self.path),
             "roots": {
-                g.label: {"runs": [r.name for r in g.runs], "ranks": [r.rank for r in g.runs], "mode": g.mode}
+                g.label: {
+                    "runs": [r.name for r in g.runs],
+                    "ranks": [r.rank for r in g.runs],
+                    "mode": g.mode,
+                    "manifest": g.runs[0].facts,
+                }
                 for g in self.groups
             },
         }
@@ -230,6 +238,27 @@ def declared_precision(manifest: dict[str, Any]) -> str | None:
     return pair_precision(*dtypes) if dtypes else None
 
 
+_BULKY_MANIFEST_KEYS = frozenset({"modules", "passes"})  # long lists, said elsewhere (ls, the plan)
+_MANIFEST_VALUE_CHARS = 2000
+
+
+def manifest_facts(manifest: Any) -> dict[str, Any]:
+    """What the report says about a run: every manifest field (versions, settings, precision,
+    model class, and whatever later versions add) but the module and pass lists; a value whose JSON
+    is longer than 2000 characters is cut, so a report of a big dump stays small."""
+    import json
+
+    facts: dict[str, Any] = {}
+    for key, value in manifest.items() if isinstance(manifest, dict) else ():
+        if key in _BULKY_MANIFEST_KEYS:
+            continue
+        text = json.dumps(value, default=str)
+        facts[str(key)] = (
+            value if len(text) <= _MANIFEST_VALUE_CHARS else text[:_MANIFEST_VALUE_CHARS] + "..."
+        )
+    return facts
+
+
 def _pass_file_side(which: str, path: Path) -> Side:
     manifest = read_manifest(path.parent) if path.parent.is_dir() else {}
     mode, token_dim = _mode_of(manifest, None)
@@ -244,6 +273,7 @@ def _pass_file_side(which: str, path: Path) -> Side:
         token_dim,
         pass_file=path,
         declared_precision=declared_precision(manifest),
+        facts=manifest_facts(manifest),
     )
     label = str(manifest.get("root") or "")
     return Side(which, path, [RootGroup(label, [source])])
@@ -252,7 +282,13 @@ def _pass_file_side(which: str, path: Path) -> Side:
 def _run_source(run: Run) -> RunSource:
     mode, token_dim = _mode_of(run.manifest, run)
     return RunSource(
-        run.name, run.rank, mode, token_dim, run=run, declared_precision=declared_precision(run.manifest)
+        run.name,
+        run.rank,
+        mode,
+        token_dim,
+        run=run,
+        declared_precision=declared_precision(run.manifest),
+        facts=manifest_facts(run.manifest),
     )
 
 
@@ -276,6 +312,7 @@ def _pick_ranks(where: str, runs: list[Run], options: DiffOptions) -> list[RunSo
     by_rank = runs_by_rank(runs, where)
     ranks = sorted(by_rank)
     if options.unshard and len(ranks) > 1:
+        _check_world(where, {rank: by_rank[rank] for rank in ranks})
         chosen = ranks
     elif options.rank is not None and len(ranks) > 1:
         if options.rank not in by_rank:
@@ -284,3 +321,26 @@ def _pick_ranks(where: str, runs: list[Run], options: DiffOptions) -> list[RunSo
     else:
         chosen = [default_rank(ranks)]
     return [_run_source(by_rank[rank]) for rank in chosen]
+
+
+def _check_world(where: str, by_rank: dict[int, Run]) -> None:
+    """``--unshard`` joins every rank of one run: the ranks found must be those of its world size
+    (a missing rank under a ``sum`` rule would be a wrong value reported as a divergence)."""
+    sizes = {run.manifest.get("world_size") for run in by_rank.values()} - {None}
+    if len(sizes) > 1:
+        raise UsageError(f"{where}: --unshard: the ranks' manifests disagree on world_size: {sorted(sizes)}")
+    if not sizes or not isinstance(world := next(iter(sizes)), int):
+        return
+    missing = sorted(set(range(world)) - set(by_rank))
+    extra = sorted(set(by_rank) - set(range(world)))
+    if missing or extra:
+        found = f"ranks {sorted(by_rank)} of world_size {world}"
+        what = "; ".join(
+            part
+            for part in (
+                f"missing rank(s) {missing}" if missing else "",
+                f"rank(s) {extra} beyond it" if extra else "",
+            )
+            if part
+        )
+        raise UsageError(f"{where}: --unshard needs every rank of the run: {found}: {what}")

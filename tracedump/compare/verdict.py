@@ -9,9 +9,11 @@ present *upstream* explains (rel_diff and 1 - cosine; both are squared relative 
     explained = G * L + R            (G = GROWTH, R = K_ROUNDING * (u_run^2 + n * u_acc^2))
 
 - ``L`` is the running level: the largest error of the tensors before this one, in execution order,
-  that were themselves explained. Modules downstream of a noisy one inherit its noise, amplified by
-  their conditioning (a softmax over logits of a few units, a residual with cancellation): ``G``
-  allows one op to amplify it 100x in rel_diff (10x in RMS error).
+  that were themselves explained; for a container's later output leaves (attention weights), the
+  level before its last child started (:mod:`.containers`: recorded later is not computed later).
+  Modules downstream of a noisy one inherit its noise, amplified by their conditioning (a softmax
+  over logits of a few units, a residual with cancellation): ``G`` allows one op to amplify it
+  100x in rel_diff (10x in RMS error).
 - ``R`` is what one more op can add at the run precision: a few roundings of the output dtype
   (``u_run`` its unit roundoff: 2^-8 for bf16, 2^-24 for fp32) plus the fp32 accumulation over the
   tensor's last dim (``n``), which dominates fp32 runs. An error from exact zeros is a divergence
@@ -27,8 +29,9 @@ present *upstream* explains (rel_diff and 1 - cosine; both are squared relative 
 
 With ``--baseline C`` (the reference rerun under the difference the user accepts, e.g. in A's
 dtype), each pair's threshold is its own measured noise instead: ``BASELINE_FACTOR * err(C, B) + R``
-(``R`` is the floor where the noise is exactly zero), under the same ceiling. The error is reported
-as "x noise".
+(``R`` is the floor where the noise is exactly zero), under the same ceiling, except past a near-tie
+routing flip, where both runs are measured on the tokens their routers routed alike and a measured
+noise is not overruled. The error is reported as "x noise".
 
 A user ``--rtol`` (global, or a ``REGEX=VALUE`` rule matching the name) fixes that pair's threshold
 instead; ``max_abs`` is an allclose test and keeps its fixed rule; integers compare exactly.
@@ -40,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .containers import anchors
 from .metrics import TensorMetrics
 from .results import TensorResult
 from .tolerance import Tolerance
@@ -99,11 +103,15 @@ class _Level:
         return max(ceiling, CARRY_GROWTH * self.own.get(name, 0.0))
 
 
-def explained(level: _Level, name: str, floor: float, ceiling: float, inputs: float = 0.0) -> float:
+def explained(
+    level: _Level, name: str, floor: float, ceiling: float, inputs: float = 0.0, in_pass: float | None = None
+) -> float:
     """What the upstream error explains: growth within the pass, and growth of what earlier passes
     carried in, both under the ceiling (see :meth:`_Level.cap`). ``inputs`` is the error the
-    model's inputs already carry."""
-    within = min(GROWTH * max(level.in_pass, inputs) + floor, ceiling)
+    model's inputs already carry; ``in_pass`` the level of this pass that may explain it, when
+    that is not the whole running level (a container's own outputs, :mod:`.containers`)."""
+    within_level = level.in_pass if in_pass is None else in_pass
+    within = min(GROWTH * max(within_level, inputs) + floor, ceiling)
     carried = min(GROWTH * level.carried + floor, level.cap(name, ceiling))
     return max(within, carried)
 
@@ -125,10 +133,15 @@ def judge_all(results: list[TensorResult], noise: dict[int, float] | None = None
     ``noise`` maps a result's index to ``err(C, B)`` from the baseline run, when one was given."""
     levels: dict[str | None, _Level] = {}
     judged: list[TensorResult] = []
-    for result in results:
+    anchor = anchors(results)
+    before: list[float] = []  # the running level of this result's pass and root, before it
+    for position, result in enumerate(results):
         level = levels.setdefault(result.root, _Level())
         level.enter(result.pass_index)
-        verdict = _judge(result, level, noise)
+        before.append(level.in_pass)
+        own = anchor[position]
+        scope = None if own == position else (before[own], results[own].name)
+        verdict = _judge(result, level, noise, scope)
         if verdict.status == "routing_flip" and verdict.absorbed is not None:
             level.flipped = max(level.flipped, verdict.absorbed)
         if verdict.status in ("ok", "routing_flip") and verdict.metric in NOISE_MODEL:
@@ -138,7 +151,14 @@ def judge_all(results: list[TensorResult], noise: dict[int, float] | None = None
     return judged
 
 
-def _judge(result: TensorResult, level: _Level, noise: dict[int, float] | None) -> TensorResult:
+def _judge(
+    result: TensorResult,
+    level: _Level,
+    noise: dict[int, float] | None,
+    scope: tuple[float, str] | None = None,
+) -> TensorResult:
+    """``scope``: (the level, the name of the first tensor it leaves out) when less than the whole
+    running level explains this tensor (a container's own output, :mod:`.containers`)."""
     if result.status not in ("measured", "routing_flip") or result.metrics is None:
         return result
     if result.status == "routing_flip" and result.tolerance.metric == "exact":
@@ -155,13 +175,16 @@ def _judge(result: TensorResult, level: _Level, noise: dict[int, float] | None) 
         floor = rounding_floor(tolerance.precision, _last_dim(result))
         if noise is not None and result.index in noise:
             measured_noise = noise[result.index]
-            threshold = min(BASELINE_FACTOR * measured_noise + floor, level.cap(result.name, tolerance.rtol))
+            threshold = BASELINE_FACTOR * measured_noise + floor
+            if result.status != "routing_flip":  # the ceiling overrules no noise measured past a flip
+                threshold = min(threshold, level.cap(result.name, tolerance.rtol))
             if level.flipped:  # a near-tie flip upstream in this pass: its effect, under the ceiling
                 threshold = max(threshold, min(GROWTH * level.flipped + floor, tolerance.rtol))
             basis = "baseline"
         else:
             inputs = input_rounding(tolerance.precision) if tolerance.mixed else 0.0
-            threshold = explained(level, result.name, floor, tolerance.rtol, inputs)
+            within = scope[0] if scope is not None else None
+            threshold = explained(level, result.name, floor, tolerance.rtol, inputs, within)
             basis = "upstream"
         ok = error <= threshold or metrics.max_abs <= tolerance.atol
         ok = ok and metrics.nonfinite_mismatch == 0
@@ -174,6 +197,7 @@ def _judge(result: TensorResult, level: _Level, noise: dict[int, float] | None) 
         noise=measured_noise,
         basis=basis,
         message=result.message or _nonfinite_message(result),
+        level_before=scope[1] if scope is not None and basis == "upstream" else None,
     )
 
 

@@ -1,0 +1,318 @@
+"""Hostile orders, heartbeats and files against live control (issue 26: items 1, 2, 11-13, 15, 16)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tracedump
+import tracedump.cli
+from tracedump.control import ORDER_FILE, STATE_FILE
+
+pytestmark = pytest.mark.usefixtures("fresh_warn_once")
+
+_OPENED: list[tracedump.Dumper] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_every_dumper() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _attach(dump: Path, model: torch.nn.Module, **settings: object) -> tracedump.Dumper:
+    dumper = tracedump.attach(model, {"dir": str(dump), "control": True, **settings})
+    assert dumper is not None
+    _OPENED.append(dumper)
+    return dumper
+
+
+def _steps(dumper: tracedump.Dumper, model: torch.nn.Module, count: int) -> None:
+    for _ in range(count):
+        with dumper.step():
+            model(torch.ones(2, 4))
+
+
+def _until(dumper: tracedump.Dumper, model: torch.nn.Module, event: str, limit: int = 200_000) -> None:
+    assert dumper.recorder.control is not None
+    for _ in range(limit):
+        history = dumper.recorder.control.history
+        if history and any(e["event"] == event and e["id"] == history[-1]["id"] for e in history):
+            return
+        _steps(dumper, model, 1)
+    raise AssertionError(f"the order never reached {event!r}: {dumper.recorder.control.history}")
+
+
+def _hand_written(dump: Path, data: dict[str, object]) -> Path:
+    """An order file written by hand (the owner's, 0600): what the engine reads, not what the CLI checks."""
+    path = dump / ORDER_FILE
+    path.write_text(json.dumps(data))
+    path.chmod(0o600)
+    return path
+
+
+# ------------------------------------------------------------------ 1: an armed filter cannot stall
+
+
+@pytest.mark.parametrize("pattern", ["(.*.*)*X", "(a+)+b", "(a|a)*b", ".*.*.*.*X"])
+def test_a_backtracking_filter_is_refused_by_the_cli(
+    tmp_path: Path, pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", pattern, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--filter" in err and "stall the engine" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+def test_a_hand_written_backtracking_filter_is_ignored_by_the_engine(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    _hand_written(tmp_path, {"id": 7, "action": "arm", "filter": "(.*.*)*X", "steps": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 5)
+    dumper.close()
+    assert dumper.recorder.control is not None and dumper.recorder.control.window is None
+    assert any("stall the engine" in str(w.message) for w in caught)
+    assert not list(tmp_path.glob("rank*/pass*.safetensors"))
+
+
+def test_an_armed_filter_is_matched_once_per_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost of a filter is paid once per module name and order, not once per capture."""
+    import re
+
+    searched: list[str] = []
+    search = re.search
+
+    def counting(pattern: str, name: str, *args: object) -> object:
+        if pattern == "^[02]$":
+            searched.append(name)
+        return search(pattern, name, *args)
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", "^[02]$"]) == 0
+    monkeypatch.setattr(re, "search", counting)
+    _until(dumper, model, "armed")
+    _steps(dumper, model, 6)
+    dumper.close()
+    assert sorted(searched) == ["0", "1", "2"]  # each name once, over 7 armed steps
+    run = tracedump.open_dump(tmp_path).run()
+    names = {name.split(".")[0] for p in run.passes.values() for name in p}
+    assert len(run.passes) >= 7 and names == {"0", "2"}
+
+
+# ------------------------------------------------------------------ 2: STEPS with CONTROL
+
+
+def test_steps_with_control_is_refused_at_attach_naming_both_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("TRACEDUMP_DUMP_CONTROL", "1")
+    monkeypatch.setenv("TRACEDUMP_DUMP_STEPS", "0-5")
+    model = _model()
+    with pytest.raises(tracedump.ConfigError) as info:
+        tracedump.attach(model)
+    message = str(info.value)
+    assert "TRACEDUMP_DUMP_STEPS='0-5'" in message and "TRACEDUMP_DUMP_CONTROL='1'" in message
+    assert not (tmp_path / "dump").exists()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_steps_with_control_in_a_config_is_refused_too(tmp_path: Path) -> None:
+    with pytest.raises(tracedump.ConfigError, match=r"DumpConfig\.steps.*DumpConfig\.control"):
+        tracedump.attach(_model(), {"dir": str(tmp_path), "control": True, "steps": "2"})
+
+
+# ------------------------------------------------------------------ 11: ranges checked by the CLI
+
+
+def test_an_out_of_range_step_count_is_refused_by_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "100000000000000000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 100000000000000000000000" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+def test_the_engine_words_an_out_of_range_order_by_its_cause(tmp_path: Path) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    _hand_written(tmp_path, {"id": 3, "action": "arm", "steps": 10**23})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 3)
+    messages = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert messages and "out of range" in messages[0] and "not valid JSON" not in messages[0]
+
+
+# ------------------------------------------------------------------ 12: hostile heartbeats
+
+
+def _heartbeat(dump: Path, **fields: object) -> None:
+    import os
+    import socket
+    import time
+
+    run = dump / "rank0_pid999999"
+    run.mkdir(parents=True, exist_ok=True)
+    beat = {"step": 5, "time": time.time(), "rate": 10.0, "state": "idle", "pid": os.getpid()}
+    beat["host"] = socket.gethostname()
+    (run / STATE_FILE).write_text(json.dumps({**beat, **fields}))  # json writes NaN, Infinity as such
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"rate": float("inf")},
+        {"rate": float("nan")},
+        {"rate": 1e308},
+        {"time": float("nan")},
+        {"time": "1e400"},
+        {"step": 10**23},
+        {"step": 1e23},
+        {"step": -4},
+    ],
+    ids=[
+        "rate-inf",
+        "rate-nan",
+        "rate-1e308",
+        "time-nan",
+        "time-1e400",
+        "step-1e23",
+        "step-float",
+        "step-neg",
+    ],
+)
+def test_arm_on_a_hostile_heartbeat_is_one_line_and_exit_2(
+    tmp_path: Path, fields: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _heartbeat(tmp_path, **fields)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and STATE_FILE in err, err
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+# ------------------------------------------------------------------ 13: every ignored order is told
+
+
+def test_each_distinct_ignored_order_warns_once_and_is_recorded_with_its_reason(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    path = tmp_path / ORDER_FILE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _hand_written(tmp_path, {"id": 1, "action": "arm"}).chmod(0o666)  # world-writable
+        _steps(dumper, model, 2)
+        os.utime(path)  # the same file touched: not another order
+        _steps(dumper, model, 2)
+        path.unlink()
+        os.mkfifo(path, 0o600)
+        _steps(dumper, model, 2)
+        path.unlink()
+        path.mkdir(mode=0o700)
+        _steps(dumper, model, 2)
+        path.rmdir()
+        path.write_text("{not json")
+        path.chmod(0o600)
+        _steps(dumper, model, 2)
+    dumper.close()
+    ignored = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(ignored) == 4, ignored
+    manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
+    events = [o["event"] for o in manifest["control"]["orders"] if o["action"] == "ignored"]
+    assert len(events) == 4
+    assert "writable by others" in events[0] and "not a regular file" in events[1]
+    assert "not a regular file" in events[2] and "not valid JSON" in events[3]
+    listing = subprocess.run(
+        [sys.executable, "-m", "tracedump", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert listing.stdout.count("order file ignored:") == 4, listing.stdout
+
+
+# ------------------------------------------------------------------ 15, 16: the files control writes
+
+
+def test_control_state_is_0600_like_every_file(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 2)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "1"]) == 0
+    dumper.close()
+    for path in [tmp_path / ORDER_FILE, *dumper.run_dir.iterdir()]:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert not [p.name for p in dumper.run_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_arm_and_disarm_on_a_failing_disk_name_the_file_and_leave_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+    import os
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    replace = os.replace
+
+    def full(source: str, target: object) -> None:  # the bytes went nowhere: the rename never comes
+        if str(target).endswith(ORDER_FILE):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", full)
+    for argv in (["arm", str(tmp_path), "--steps", "1"], ["disarm", str(tmp_path)]):
+        assert tracedump.cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert str(tmp_path / ORDER_FILE) in err and "No space left" in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dumper.run_dir.name]
+
+
+def test_arm_and_disarm_on_a_really_full_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hostile_fs import full_filesystem
+
+    import tracedump.control
+
+    with full_filesystem(tmp_path / "full") as full:
+        before = sorted(p.name for p in full.iterdir())
+        # An engine's heartbeat elsewhere would be refused its writes too: the CLI is what is tested.
+        monkeypatch.setattr(tracedump.cli, "_watched", lambda directory: ["an engine"])
+        monkeypatch.setattr(tracedump.control, "start_step", lambda found: 10)
+        for argv in (["arm", str(full), "--steps", "1"], ["disarm", str(full)]):
+            assert tracedump.cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert str(full / ORDER_FILE) in err and "No space left" in err
+        assert sorted(p.name for p in full.iterdir()) == before  # no 0-byte .control.json.*.tmp
