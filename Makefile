@@ -58,6 +58,7 @@ bench: $(STAMP)
 
 calibrate: $(STAMP)
 	$(BIN)/python benchmarks/calibrate.py --markdown --out benchmarks/calibration.json
+	$(BIN)/python benchmarks/calibrate_graft.py --markdown --out benchmarks/calibration_graft.json
 
 # docs/settings.md is generated from tracedump.settings.DumpSettings (tests/test_docs.py checks it).
 docs: $(STAMP)

@@ -11,7 +11,10 @@ off. The demo
    translate the port's names, prints its table, checks that it names the planted layer as the
    first divergence, and writes the plot and the report page (``demo_out/report.html``);
 3. shows that the bug-free port passes (exit 0), and that bf16 against fp32 is within the default
-   tolerances (exit 0).
+   tolerances (exit 0);
+4. shows a bug only grafting finds: the bf16 port with one MLP output 2% too large passes against
+   the fp32 reference even with ``--baseline``, and is named when each block runs on the
+   reference's own input (``TRACEDUMP_DUMP_GRAFT_FROM``, docs/comparator.md).
 
     python examples/demo.py [--out demo_out] [--bug-layer 2] [--quick]
 
@@ -56,7 +59,15 @@ NAME_MAP = (
     r"^final_norm$=model.norm",
     r"^head$=lm_head",
 )
-DUMPS = ("ref_fp32", "ref_bf16", "port_buggy", "port_fixed", "port_buggy_bf16")
+DUMPS = (
+    "ref_fp32",
+    "ref_bf16",
+    "port_buggy",
+    "port_fixed",
+    "port_buggy_bf16",
+    *("ref_inputs", "port_mlp", "port_mlp_graft"),
+)
+GRAFT_LEVEL = r"^blocks\.\d+$"  # step 4: each block grafted onto the reference's own input
 PLOT = "port_vs_reference.png"
 HTML = "report.html"  # the buggy port's diff as a page: open it in a browser, attach it to a bug report
 REPORTS = {
@@ -64,6 +75,8 @@ REPORTS = {
     "diff_fixed": "fixed.json",
     "diff_bf16": "bf16.json",
     "diff_bf16_bug": "bf16_port_vs_fp32_reference.json",
+    "diff_mlp": "mlp_propagated.json",
+    "diff_mlp_graft": "mlp_grafted.json",
 }
 
 
@@ -155,8 +168,28 @@ def dump_jobs(out: Path, bug_layer: int, quick: bool) -> list[Job]:
                 python("port.py", "--bug-layer", str(bug_layer), "--bug", "eps", "--dtype", "bfloat16"),
                 dump_env(out / "port_buggy_bf16", PORT_FILTER),
             ),
+            Job(
+                "ref_inputs",
+                reference,
+                {**dump_env(out / "ref_inputs", REFERENCE_FILTER), "TRACEDUMP_DUMP_INPUTS": "1"},
+            ),
+            Job("port_mlp", python("port.py", *MLP_BUG), dump_env(out / "port_mlp", PORT_FILTER)),
         ]
     return jobs
+
+
+MLP_BUG = ("--bug-layer", "2", "--bug", "mlp", "--dtype", "bfloat16")
+
+
+def graft_job(out: Path) -> Job:
+    """Step 4's grafted run: the bf16 port with the MLP bug, each block fed the fp32 reference's input."""
+    env = {
+        **dump_env(out / "port_mlp_graft", PORT_FILTER),
+        "TRACEDUMP_DUMP_GRAFT_FROM": str(out / "ref_inputs"),
+        "TRACEDUMP_DUMP_GRAFT_LEVEL": GRAFT_LEVEL,
+        "TRACEDUMP_DUMP_GRAFT_MAP": r"^blocks\.=model.layers.",
+    }
+    return Job("port_mlp_graft", python("port.py", *MLP_BUG), env)
 
 
 def diff_jobs(out: Path, quick: bool) -> list[Job]:
@@ -186,6 +219,8 @@ def diff_jobs(out: Path, quick: bool) -> list[Job]:
             diff("diff_fixed", "port_fixed", "ref_fp32", *maps),
             diff("diff_bf16", "ref_bf16", "ref_fp32"),
             diff("diff_bf16_bug", "port_buggy_bf16", "ref_fp32", *maps, "--baseline", str(out / "ref_bf16")),
+            diff("diff_mlp", "port_mlp", "ref_fp32", *maps, "--baseline", str(out / "ref_bf16")),
+            diff("diff_mlp_graft", "port_mlp_graft", "ref_inputs", *maps),
         ]
     return jobs
 
@@ -239,10 +274,13 @@ class Demo:
 
     def dump(self) -> bool:
         jobs = dump_jobs(self.out, self.bug_layer, self.quick)
-        print(f"\n[1/3] Dumping {len(jobs)} runs, switched on by env vars only (side by side):")
+        print(f"\n[1/4] Dumping {len(jobs)} runs, switched on by env vars only (side by side):")
         print(f"  TRACEDUMP_DUMP_FILTER, port:      {PORT_FILTER}")
         print(f"  TRACEDUMP_DUMP_FILTER, reference: {REFERENCE_FILTER}")
-        for job in run_all(jobs, self.logs):
+        done = run_all(jobs, self.logs)
+        if not self.quick:  # grafted onto a reference that must exist first
+            done += run_all([graft_job(self.out)], self.logs)
+        for job in done:
             print(f"  {job.label:<11} {job.seconds:5.1f}s  {job.shown}")
             if job.returncode != 0:
                 self.failures.append(f"{job.label} exited {job.returncode}; see {self.logs / job.label}.log")
@@ -252,15 +290,41 @@ class Demo:
     def compare(self) -> None:
         done = {job.label: job for job in run_all(diff_jobs(self.out, self.quick), self.logs)}
         buggy = done["diff_buggy"]
-        print(f"\n[2/3] The buggy port against the reference ({buggy.seconds:.1f}s):\n  $ {buggy.shown}\n")
+        print(f"\n[2/4] The buggy port against the reference ({buggy.seconds:.1f}s):\n  $ {buggy.shown}\n")
         print(buggy.output.rstrip())
         self.check_buggy(buggy)
         if self.quick:
             return
-        print("\n[3/3] What must pass:")
+        print("\n[3/4] What must pass:")
         self.check_clean(done["diff_fixed"], "the port without the bug, against the reference")
         self.check_clean(done["diff_bf16"], "the reference in bf16, against itself in fp32")
         self.check_bf16_bug(done["diff_bf16_bug"])
+        self.check_graft(done["diff_mlp"], done["diff_mlp_graft"])
+
+    def check_graft(self, plain: Job, grafted: Job) -> None:
+        """A bug only grafting finds: an MLP output 2% too large in the bf16 port. Against the fp32
+        reference (even with --baseline) it hides in the noise carried from upstream; grafted, each
+        block runs on the reference's own input and its local error stands out."""
+        print(
+            "\n[4/4] A bug only grafting finds: the bf16 port with its layer-2 MLP output 2% too large.\n"
+            f"  propagated, with the bf16 baseline:\n    $ {plain.shown}"
+        )
+        print(
+            f"    exit {plain.returncode}"
+            + (": not found (the bug is as large as the bf16 noise)" if plain.returncode == 0 else "")
+        )
+        print(f"  each block grafted onto the fp32 reference's input (INPUTS=1):\n    $ {grafted.shown}")
+        name, _ = first_divergence(self.out / REPORTS[grafted.label])
+        if grafted.returncode != 1 or layer_of(name) != 2:
+            self.failures.append(f"grafted MLP bug: exit {grafted.returncode}, first divergence {name}")
+            print(grafted.output)
+            return
+        report = json.loads((self.out / REPORTS[grafted.label]).read_text())
+        row = report["tensors"][report["summary"]["first_divergence"]["index"]]
+        print(
+            f"    exit 1, first divergence {name}: local error {row['error']:.2g} > {row['tolerance']:.2g} "
+            "(what the block alone may add in bf16; no baseline)"
+        )
 
     def check_bf16_bug(self, job: Job) -> None:
         """The port in bf16 (with a norm-eps bug) against the fp32 reference, the bf16 reference as

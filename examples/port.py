@@ -191,6 +191,9 @@ def load_from_hf(port: PortLM, hf_model: nn.Module) -> PortLM:
 # The other planted slip (``--bug eps``): that layer's first norm with eps 3e-4 instead of the
 # config's 1e-6, large enough to stand out of bf16 rounding noise, unlike the rotary one.
 WRONG_NORM_EPS = 3e-4
+# ``--bug mlp``: that layer's MLP output 2% too large (its down projection loaded scaled), a slip
+# the size of bf16 noise that only a grafted run tells from rounding (examples/demo.py, step 4).
+WRONG_MLP_SCALE = 1.02
 
 
 def build_port(
@@ -201,7 +204,11 @@ def build_port(
     port = PortLM(PortConfig.from_hf(reference.config, bug_layer if bug == "rotary" else None))
     if bug == "eps" and bug_layer is not None:
         port.blocks[bug_layer].norm1.eps = WRONG_NORM_EPS
-    return load_from_hf(port, reference).eval().to(dtype)
+    port = load_from_hf(port, reference)
+    if bug == "mlp" and bug_layer is not None:
+        with torch.no_grad():
+            port.blocks[bug_layer].mlp.down.weight.mul_(WRONG_MLP_SCALE)
+    return port.eval().to(dtype)
 
 
 class PortEngine:
@@ -225,7 +232,9 @@ class PortEngine:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the port for one step (dumping: TRACEDUMP_DUMP_*).")
     parser.add_argument("--bug-layer", type=int, default=None, help="plant the rotary-base bug here")
-    parser.add_argument("--bug", choices=("rotary", "eps"), default="rotary", help="which bug to plant")
+    parser.add_argument(
+        "--bug", choices=("rotary", "eps", "mlp"), default="rotary", help="which bug to plant"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args()
     engine = PortEngine(build_port(args.bug_layer, DTYPES[args.dtype], args.bug))

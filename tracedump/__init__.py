@@ -24,6 +24,8 @@ _EXPORTS = {
     "Capture": "capture",
     "ModuleCapture": "capture",
     "capture": "capture",
+    "Graft": "graft",
+    "graft": "graft",
     "TracedumpWarning": "runtime",
     "allow_sync": "cuda",
     "resolve_compile": "cuda",
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from .capture import Capture, ModuleCapture, capture
     from .cuda import allow_sync, resolve_compile, resolve_cuda_graph
     from .dumper import Dumper, attach
+    from .graft import Graft, graft
     from .loader import Dump, DumpReadError, PassFile, Run, load_pass, open_dump
     from .runtime import TracedumpWarning
     from .settings import ConfigError, DumpConfig, DumpSettings
@@ -92,6 +95,7 @@ __all__ = [
     "DumpReadError",
     "DumpSettings",
     "Dumper",
+    "Graft",
     "ModuleCapture",
     "PassFile",
     "Run",
@@ -100,6 +104,7 @@ __all__ = [
     "allow_sync",
     "attach",
     "capture",
+    "graft",
     "load_pass",
     "open_dump",
     "profiling",

@@ -66,6 +66,10 @@ def attach(
     settings = load_settings(config, env_prefix)
     if not settings.enabled:
         return None
+    if settings.graft_from is not None:  # grafting refuses a compiled model rather than unwrap it
+        from .graft import refuse_unsafe
+
+        refuse_unsafe(model)
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
@@ -134,9 +138,14 @@ class Dumper:
         # All or nothing: everything that can fail runs before the first hook is registered, and a
         # failure removes the run dir it made, so a bad setting leaves the model as it was.
         self.modules = select_modules(model, settings, env_prefix)
+        self.graft = self._grafter(model, settings) if settings.graft_from is not None else None
+        if self.graft is not None:
+            self.modules = self.graft.with_targets(self.modules)
         fields = model_fields(model, self.root_label, [name for name, _ in self.modules])
         self.model_class = str(fields["model_class"])  # one spelling, the manifest's
         self.rundir = RunDir(settings, env_prefix, fields, self.warn)
+        if self.graft is not None:
+            self.rundir.update(graft=self.graft.summary())
         control = None
         if settings.control:
             control = Controller(Path(settings.dir), self.rundir.path, self.warn)  # type: ignore[arg-type]
@@ -156,6 +165,8 @@ class Dumper:
             self.modules if settings.inputs or control is not None else []
         )  # control: --inputs may arm them
         self.hooks = HookSet(model, self.recorder, self.modules, inputs)
+        if self.graft is not None:
+            self.graft.register()
         self.rundir.close_at_exit(self.close)
         runtime().add(self)
 
@@ -250,6 +261,8 @@ class Dumper:
         if os.getpid() != self.rundir.pid:  # a forked child that never dumped owns nothing here
             return
         records = self.recorder.finish(interrupted=bool(self.hooks.root.opened))
+        if self.graft is not None:
+            self.rundir.update(graft=self.graft.summary())
         interrupt: BaseException | None = None
         try:
             self.rundir.writer.close()
@@ -295,6 +308,34 @@ class Dumper:
         runtime().remove(self)
         self.rundir.forget_exit()
         self.hooks.remove()
+        if self.graft is not None:
+            self.graft.remove()
+
+    def _grafter(self, model: nn.Module, settings: DumpSettings) -> Any:
+        """GRAFT_FROM: the grafter, checked (reference, level, map, target dir) before any hook."""
+        from .graft import Grafter, check_not_into_reference
+        from .rundir import rank_and_world
+
+        grafter = Grafter(
+            model,
+            settings.graft_from,  # type: ignore[arg-type]
+            level=settings.graft_level,
+            maps=settings.graft_map or (),
+            captured=self.modules,
+            rank=rank_and_world()[0],
+            root=self.root_label,
+            pass_index=self._graft_pass,
+            warn=self.warn,
+        )
+        check_not_into_reference(settings.dir, grafter.reference, settings.graft_from)  # type: ignore[arg-type]
+        return grafter
+
+    def _graft_pass(self) -> int | None:
+        """The pass a grafted call belongs to: this thread's open pass, if it is kept."""
+        current = self.recorder.current
+        if current is None or not current.selected or not self.recorder.owns_pass_on_this_thread():
+            return None
+        return current.index
 
     def _ready_for_pass(self) -> bool:
         """Before a pass opens: a forked child takes its own run dir; a provisional rank settles."""

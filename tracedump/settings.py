@@ -159,6 +159,47 @@ def _callable_spec(value: Any) -> str | None:
     return value.strip()
 
 
+def _graft_reference(value: Any) -> Path | None:
+    """GRAFT_FROM: an existing dump dir or run dir (what is in it is checked at ``attach()``)."""
+    path = parse_dir(value)
+    if path is not None and not path.is_dir():
+        raise ValueError("no such dump directory")
+    return path
+
+
+def _regex(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"expected a regex string, not {type(value).__name__}")
+    try:
+        re.compile(value.strip())
+    except re.error as e:
+        raise ValueError(f"invalid regex {value.strip()!r}: {e}") from e
+    return value.strip()
+
+
+def _map_rules(value: Any) -> list[str] | None:
+    """A JSON array of ``PATTERN=REPL`` rules, or one rule; each pattern compiled here, once."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = json.loads(text) if text.startswith("[") else [text]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"malformed JSON array of rules ({e.msg} at char {e.pos})") from e
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(rule, str) for rule in value):
+        raise ValueError("expected a 'PATTERN=REPL' rule or a list of them")
+    rules = list(value)
+    for rule in rules:
+        pattern, sep, _ = rule.rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"expected 'PATTERN=REPL', got {rule!r}")
+        _regex(pattern)
+    return rules
+
+
 def _parse_stats(value: Any) -> list[str]:
     if value is None:
         return list(DEFAULT_STATS)
@@ -393,6 +434,22 @@ class _DumpFields(BaseModel):
         4 << 30,
         description="Cap on host memory held by captures not yet on disk "
         "(bytes, or `512MiB`, `4G`); when reached the step waits for the writer (nothing is dropped).",
+    )
+    graft_from: Annotated[Path | None, BeforeValidator(_graft_reference)] = Field(
+        None,
+        description="A reference dump made with `INPUTS=1`: each grafted module runs on the "
+        "reference's inputs for its pass and call, so `tracedump diff` judges its local error "
+        "(docs/comparator.md). Off unless DIR is set too.",
+    )
+    graft_level: Annotated[str | None, BeforeValidator(_regex)] = Field(
+        None,
+        description="With GRAFT_FROM: a regex (`re.search`) choosing the grafted modules, the "
+        "outermost that match (`layers\\.\\d+$`: each decoder layer); unset: every captured leaf.",
+    )
+    graft_map: Annotated[list[str] | None, BeforeValidator(_map_rules)] = Field(
+        None,
+        description="With GRAFT_FROM: `PATTERN=REPL` rules (a JSON array, or one rule) that turn "
+        "this model's module names into the reference's, as `tracedump diff --map`.",
     )
 
     @model_validator(mode="before")

@@ -14,6 +14,7 @@ from typing import Any
 
 from .display import print_report, progress_bar
 from .execute import Executor
+from .local import judge_local
 from .notes import side_notes
 from .options import DiffOptions, UsageError, parse_options
 from .plan import Plan, build_plan, short_list
@@ -80,7 +81,9 @@ def build_report(options: DiffOptions) -> DiffReport:
     """Load both sides, plan, execute, judge: the whole comparison, without printing anything."""
     if options.align == "tokens":
         from .align import build_aligned_report
+        from .local import refuse_grafted_alignment
 
+        refuse_grafted_alignment(options)
         return build_aligned_report(options)
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
@@ -99,6 +102,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     report.flips = executor.flips
     noise = _baseline_noise(options, side_b, measured, report) if options.baseline is not None else None
     report.results = judge_all(measured, noise)
+    report.results = judge_local(report, side_a, side_b)  # a grafted A: each module's own error
     report.unused_rules = [
         str(rule)
         for rule in (*options.rtol_rules, *options.atol_rules)

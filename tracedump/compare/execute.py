@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ..format import Key
 from ..sequences import token_dim
 from .metrics import (
     RowSums,
@@ -214,6 +215,8 @@ class Executor:
     ) -> TensorResult | None:
         if not is_router_indices(pair.a.meta.shape, pair.a.meta.dtype, pair.b.meta.dtype):
             return None
+        if Key.parse(pair.a.name).input:  # a module's input indices (INPUTS=1) are no router's output
+            return None
         router = module_of(pair.a.name)
         tokens, k = indices[0].shape
         scores = self._router_scores(router, pair, tokens, k, views_a, views_b)
@@ -249,6 +252,8 @@ class Executor:
         ``[tokens, k]`` top-k weights: the margin needs the experts that were not chosen)."""
         for name, sibling in self._by_name.items():
             if name == pair.a.name or module_of(name) != router or sibling.kind != "tensor":
+                continue
+            if Key.parse(name).input:  # INPUTS=1: the router's own input is no score
                 continue
             shape = sibling.a.meta.shape
             if shape is None or len(shape) < 2 or math.prod(shape[:-1]) != tokens or shape[-1] <= k:

@@ -39,6 +39,8 @@ _VALUE_FLAGS = (
     ("--max-rows", "max_rows", "skip steps whose reported rows exceed this"),
     ("--stats", "stats", "stats mode: comma list of statistics"),
     ("--max-pending-bytes", "max_pending_bytes", "host memory cap for captures not yet on disk"),
+    ("--graft-from", "graft_from", "a reference dump made with --inputs: grafted modules run on its inputs"),
+    ("--graft-level", "graft_level", "with --graft-from: regex of the modules to graft (default: leaves)"),
 )
 
 
@@ -66,6 +68,12 @@ def add_run_parser(sub: Any) -> None:
         parser.add_argument(flag, dest=field, help=text)
     parser.add_argument(
         "--inputs", action="store_true", default=None, help="also capture each selected module's inputs"
+    )
+    parser.add_argument(
+        "--graft-map",
+        action="append",
+        metavar="PATTERN=REPL",
+        help="with --graft-from: rename this model's modules to the reference's (as diff --map; repeatable)",
     )
     parser.add_argument(
         "--no-compile",
@@ -113,11 +121,15 @@ def child_env(environ: Mapping[str, str], args: argparse.Namespace) -> dict[str,
     if args.filter:
         env[env_name("filter")] = json.dumps(args.filter)
     for _flag, field, _text in _VALUE_FLAGS:
-        value = getattr(args, field)
+        value = getattr(args, field, None)
         if value is not None:
             env[env_name(field)] = str(value)
     if args.inputs:
         env[env_name("inputs")] = "1"
+    if getattr(args, "graft_from", None) is not None:  # the children may chdir: fix the reference now
+        env[env_name("graft_from")] = str(Path(args.graft_from).expanduser().resolve())
+    if getattr(args, "graft_map", None):
+        env[env_name("graft_map")] = json.dumps(args.graft_map)
     if args.no_compile:
         env["TORCHDYNAMO_DISABLE"] = "1"
     env["PYTHONPATH"] = _with_bootstrap_first(env.get("PYTHONPATH", ""))
