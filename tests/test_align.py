@@ -98,8 +98,11 @@ def test_against_hf_generate_one_pass_per_token(dumps: dict[str, Path]) -> None:
     pairs = report.alignment[0]["pairs"]  # type: ignore[index]
     assert pairs[0] == [0, "pass0"]  # generate(): a prefill pass, then one pass per token
     assert report.exit_code == 0
-    positions = {r.shape_a[0] for r in report.results if r.root and r.root.startswith("seq 0")}
+    seq0 = [r for r in report.results if r.root and r.root.startswith("seq 0")]
+    positions = {r.shape_a[0] for r in seq0 if r.name != "lm_head"}
     assert positions == {14}  # 11 prompt tokens and 3 decoded ones were fed
+    logits = next(r for r in seq0 if r.name == "lm_head")  # generate() keeps the last row's logits
+    assert logits.status == "ok" and logits.positions == (10, 11, 12, 13)
 
 
 def test_the_loader_gathers_a_sequence_in_position_order(dumps: dict[str, Path]) -> None:

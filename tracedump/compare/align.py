@@ -23,9 +23,21 @@ from typing import Any
 import numpy as np
 
 from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences, token_dim
+from .bridge import Expr, Matcher, matcher_for
+from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
 from .options import DiffOptions, UsageError
-from .plan import Plan, Unit, Unmatched, match_names, pair_roots, pair_tolerance, run_precision, side_entries
+from .plan import (
+    Plan,
+    Unit,
+    Unmatched,
+    bridged_pairs,
+    not_comparable_message,
+    pair_roots,
+    pair_tolerance,
+    run_precision,
+    side_entries,
+)
 from .reader import Stored
 from .results import DiffReport, TensorResult
 from .sources import PassView, RootGroup, Side, open_side
@@ -117,6 +129,11 @@ def _pair_sequences(a: _SideSequences, b: _SideSequences) -> tuple[str, list[tup
                 pairs.append((seq_a, match))
                 taken.add(match)
         if pairs:
+            # the rest in order of first appearance: a prompt that differs by one token still pairs,
+            # and inputs-first reports the difference (inputs.py) instead of "only in A"
+            rest_a = [s for s in a.sequences if s not in {x for x, _ in pairs}]
+            rest_b = [s for s in b.sequences if s not in taken]
+            pairs += list(zip(rest_a, rest_b, strict=False))
             return "input_ids", pairs
     return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False))
 
@@ -155,29 +172,72 @@ def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
     return x[: len(y)] == y[: len(x)]
 
 
+def _layout(shape: tuple[int, ...], batch: Batch, preferred: int) -> tuple[str, int] | None:
+    """How a tensor of one pass holds its rows: one per token (``tokens``, along that dim), or one
+    per sequence (``sampled``: logits, computed for each sequence's last token of the step only),
+    or neither (None)."""
+    dim = token_dim(shape, batch.tokens, preferred)
+    if dim is not None:
+        return "tokens", dim
+    seqs = len(dict.fromkeys(batch.seq_ids))
+    if seqs < batch.tokens:
+        dim = token_dim(shape, seqs, preferred)
+        if dim is not None:
+            return "sampled", dim
+    return None
+
+
+def _last_in_pass(sequence: Sequence, index: int) -> int:
+    return max(p for p, (i, _) in sequence.rows.items() if i == index)
+
+
+def _held(
+    side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
+) -> set[int]:
+    """The positions an expression has a row for: all of them, or, for a tensor with one row per
+    sequence (logits), each pass's last position of the sequence."""
+    held: set[int] = set()
+    for index in sequence.rows_by_pass(positions):
+        entry = expr.entry(side.view(index, options)[1])
+        shape = () if entry is None else entry.meta.shape or ()
+        layout = None if entry is None else _layout(shape, side.batches[index], side.group.token_dim)
+        at = [p for p in positions if sequence.rows[p][0] == index]
+        if layout is not None and layout[0] == "sampled":
+            last = _last_in_pass(sequence, index)
+            held.update(p for p in at if p == last)
+        else:
+            held.update(at)
+    return held
+
+
 def _rows(
-    side: _SideSequences, sequence: Sequence, name: str, positions: list[int], options: DiffOptions
+    side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
 ) -> tuple[Stored | None, str | None, str | None]:
-    """The rows of ``name`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
+    """The rows of ``expr`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
     why they cannot be gathered."""
     pieces: list[np.ndarray] = []
     dtype = None
     for index, rows in sequence.rows_by_pass(positions).items():
         views, entries = side.view(index, options)
-        entry = entries.get(name)
+        entry = expr.entry(entries)
         if entry is None:
             return None, None, f"not in pass {index}"
         if entry.problem is not None:
             return None, None, entry.problem
         shape = entry.meta.shape or ()
-        dim = token_dim(shape, side.batches[index].tokens, side.group.token_dim)
-        if dim is None:
-            return None, None, f"no token dim of size {side.batches[index].tokens} in {list(shape)}"
+        batch = side.batches[index]
+        layout = _layout(shape, batch, side.group.token_dim)
+        if layout is None:
+            return None, None, f"no token dim of size {batch.tokens} in {list(shape)}"
+        kind, dim = layout
+        if kind == "sampled":  # the sequence's row among the pass's sequences, in order of appearance
+            ordinal = list(dict.fromkeys(batch.seq_ids)).index(sequence.seq_id)
+            rows = [ordinal] * len(rows)
         stored = assemble(entry, views)
         taken = np.moveaxis(_take_rows(stored.array, rows, dim), dim, 0)
         rest = tuple(s for s in taken.shape[1:] if s != 1)
         pieces.append(taken.reshape((len(rows), *rest)))
-        dtype = stored.dtype
+        dtype = entry.meta.dtype if entry.op is not None else stored.dtype  # a bridge sum: its parts' dtype
     if not pieces or dtype is None:
         return None, None, "no rows"
     if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
@@ -194,17 +254,24 @@ def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
     return np.take(array, rows, axis=dim)
 
 
-def _names_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> list[str]:
-    """The sequence's tensor names in capture order of the first pass that holds it."""
+def _entries_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> dict[str, SideEntry]:
+    """The entries of the first pass that holds the sequence, in capture order."""
     first_pass = sequence.rows[sequence.positions[0]][0]
-    return list(side.view(first_pass, options)[1])
+    return side.view(first_pass, options)[1]
 
 
-def build_aligned_report(options: DiffOptions) -> DiffReport:
-    side_a = open_side("A", options.a, options)
-    side_b = open_side("B", options.b, options)
+def build_aligned_report(
+    options: DiffOptions,
+    side_a: Side | None = None,
+    side_b: Side | None = None,
+    matcher: Matcher | None = None,
+) -> DiffReport:
+    side_a = side_a if side_a is not None else open_side("A", options.a, options)
+    side_b = side_b if side_b is not None else open_side("B", options.b, options)
+    matcher = matcher if matcher is not None else matcher_for(options, side_a, side_b)
     root_pairs, roots_only_a, roots_only_b = pair_roots(side_a, side_b)
     found = _Found()
+    inputs_differ: list[dict[str, Any]] = []
     alignments: list[Alignment] = []
     opened: list[_SideSequences] = []
     try:
@@ -224,11 +291,14 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
                 )
             )
             for name_a, name_b in pairs:
-                _compare_sequence(options, found, seq_a, seq_b, name_a, name_b)
+                finding = sequence_finding(name_a, name_b, seq_a.sequences[name_a], seq_b.sequences[name_b])
+                if finding is not None:
+                    inputs_differ.append(finding)
+                _compare_sequence(options, matcher, found, seq_a, seq_b, name_a, name_b)
     finally:
         for side in opened:
             side.close()
-    if not found.results:
+    if not found.results and not inputs_differ:
         why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
         raise UsageError(f"nothing to compare with --align tokens: {why}")
     plan = Plan(
@@ -241,9 +311,11 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
         tuple(roots_only_a),
         tuple(roots_only_b),
     )
-    from .diff import report_settings
+    from .diff import bridge_summary, report_settings
 
     report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
+    report.bridge = bridge_summary(matcher)
+    report.inputs_differ = inputs_differ
     report.results = judge_all(found.results)
     first = _first_in_time(report.results, found.steps_of)
     if first is not None:
@@ -267,6 +339,7 @@ class _Found:
 
 def _compare_sequence(
     options: DiffOptions,
+    matcher: Matcher,
     found: _Found,
     side_a: _SideSequences,
     side_b: _SideSequences,
@@ -284,17 +357,18 @@ def _compare_sequence(
         run_precision(side_a.view(first_step, options)[0], side_a.group.declared_precision),
         run_precision(side_b.view(step_b, options)[0], side_b.group.declared_precision),
     )
-    steps = tuple(sequence_a.rows[p][0] for p in positions)
-    names_a, names_b = (
-        _names_in_order(side_a, sequence_a, options),
-        _names_in_order(side_b, sequence_b, options),
-    )
-    pairs, only_a, only_b = match_names(names_a, names_b, options, first_step, label)
+    entries_a = _entries_in_order(side_a, sequence_a, options)
+    entries_b = _entries_in_order(side_b, sequence_b, options)
+    pairs, only_a, only_b = bridged_pairs(matcher, entries_a, entries_b, options, first_step, label)
     found.only_a += only_a
     found.only_b += only_b
-    for name, name_b in pairs:
-        rows_a, dtype_a, why_a = _rows(side_a, sequence_a, name, positions, options)
-        rows_b, dtype_b, why_b = _rows(side_b, sequence_b, name_b, positions, options)
+    for bridged, _, _ in pairs:
+        name, name_b = bridged.a.label, bridged.b.label
+        held = _held(side_a, sequence_a, bridged.a, positions, options)
+        held &= _held(side_b, sequence_b, bridged.b, positions, options)
+        rows_at = [p for p in positions if p in held] or positions
+        rows_a, dtype_a, why_a = _rows(side_a, sequence_a, bridged.a, rows_at, options)
+        rows_b, dtype_b, why_b = _rows(side_b, sequence_b, bridged.b, rows_at, options)
         tolerance = pair_tolerance(options, (name, name_b), (dtype_a, dtype_b), precisions)
         base: dict[str, Any] = {
             "index": len(found.results),
@@ -310,17 +384,21 @@ def _compare_sequence(
             "tolerance": tolerance,
             "metric": tolerance.metric,
             "token_dim": 0,
-            "positions": tuple(positions),
+            "positions": tuple(rows_at),
+            "bridge": bridged.describe(),
         }
-        found.steps_of[len(found.results)] = steps
-        if rows_a is None or rows_b is None:
+        found.steps_of[len(found.results)] = tuple(sequence_a.rows[p][0] for p in rows_at)
+        if bridged.classes is not None:
+            message = not_comparable_message(bridged)
+            result = TensorResult(**base, status="not_comparable", message=message)
+        elif rows_a is None or rows_b is None:
             why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
             result = TensorResult(**base, status="not_aligned", message=f"rows not compared: {why}")
         elif rows_a.shape != rows_b.shape:
             message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
             result = TensorResult(**base, status="shape_mismatch", message=message)
         else:
-            metrics, per_token = _measure_rows(rows_a, rows_b, len(positions))
+            metrics, per_token = _measure_rows(rows_a, rows_b, len(rows_at))
             result = TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
         found.results.append(result)
 

@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
@@ -216,6 +216,8 @@ class DiffOptions:
     atol_rules: tuple[ToleranceRule, ...] = ()
     baseline: Path | None = None
     align: Literal["passes", "tokens"] = "passes"
+    align_given: bool = True  # False: --align was not given, a bridge may choose (compare/bridge.py)
+    bridge: Any = None  # --bridge: None (choose by the manifests), "none", or a bridge.Bridge
     json_path: str | None = None
     plot_path: Path | None = None
     max_rows: int = 500
@@ -270,7 +272,8 @@ def parse_options(
     rtol: list[str] | None = None,
     atol: list[str] | None = None,
     baseline: str | Path | None = None,
-    align: str = "passes",
+    align: str | None = "passes",
+    bridge: str | Path | None = None,
     **output: object,
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
@@ -281,6 +284,13 @@ def parse_options(
     atol_value, atol_rules = parse_tolerances(atol, "--atol")
     if baseline is not None and not Path(baseline).exists():
         raise UsageError(f"--baseline {baseline}: no such file or directory")
+    chosen_bridge: Any = None
+    if bridge is not None and str(bridge).lower() == "none":
+        chosen_bridge = "none"
+    elif bridge is not None:
+        from .bridge import load_bridge  # a bad rule file fails here, before any dump is read
+
+        chosen_bridge = load_bridge(bridge)
     return DiffOptions(
         a=Path(a),
         b=Path(b),
@@ -295,6 +305,8 @@ def parse_options(
         rtol_rules=rtol_rules,
         atol_rules=atol_rules,
         baseline=Path(baseline) if baseline is not None else None,
-        align=align,  # type: ignore[arg-type]
+        align=align or "passes",  # type: ignore[arg-type]
+        align_given=align is not None,
+        bridge=chosen_bridge,
         **output,  # type: ignore[arg-type]
     )
