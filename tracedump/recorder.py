@@ -378,6 +378,10 @@ class Recorder:
             self.sink.host_busy(False)
             self.skipped["outside_pass"] += current.kept
             self._implicit_off = True
+            if self.control is not None and current.index == self.boundaries - 1:
+                # It was no engine step (an engine's compute_logits() after the forward): give its
+                # step number back, or an armed window would lose the step after it.
+                self.boundaries -= 1
             return
         self.close_pass()
 

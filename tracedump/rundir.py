@@ -31,7 +31,7 @@ from .units import human_bytes
 from .writer import Writer, write_json_atomic
 
 # Skips the settings asked for: reported in the summary, not warned about.
-INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
+INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass", "profile"})
 MAX_ERRORS_KEPT = 20  # distinct (where, type) pairs kept in the manifest's "errors"
 WORKER_NOT_CLOSED = (
     "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
