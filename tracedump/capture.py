@@ -30,7 +30,7 @@ from .hooks import HookSet
 from .recorder import Plan, Recorder
 from .rundir import ErrorLog
 from .runtime import Warner
-from .selection import ROOT_NAME, candidate_modules, display_name, regex_predicate
+from .selection import ROOT_NAME, candidate_modules, display_name, every_name, regex_predicate, shared_names
 from .sinks import MemorySink
 
 __all__ = ["Capture", "CaptureSpec", "ModuleCapture", "capture", "parse_spec"]
@@ -379,7 +379,9 @@ class Capture:
         self._sink.submit(PassJob(-1, None, "records", self._recorder.loose, 0, file_name=RECORDS_FILE))
         self._recorder.loose = []
         settings = DumpSettings.model_validate({"dir": str(directory)})  # no env: this is a script's call
-        fields = model_fields(self.model, type(self.model).__name__, list(self._by_key))
+        captured = [(key, self._modules[name]) for key, name in self._by_key.items()]
+        shared = shared_names(every_name(self.model), captured)
+        fields = model_fields(self.model, type(self.model).__name__, captured, shared)
         rundir = RunDir(settings, DEFAULT_ENV_PREFIX, fields, self._warn)
         for index, tensors in sorted(self._sink.passes.items()):
             rundir.writer.submit(PassJob(index, None, "full", _host_entries(tensors), 0))

@@ -22,7 +22,7 @@ from ._version import __version__
 
 # ------------------------------------------------------------------ version
 
-FORMAT_VERSION = "1"  # written in the manifest ("format") and in every pass file (FORMAT_KEY)
+FORMAT_VERSION = "1.1"  # written in the manifest ("format") and in every pass file (FORMAT_KEY)
 READABLE_MAJORS = frozenset({1})
 _VERSION_TEXT = re.compile(r"(\d+)(?:\.\d+)*")
 
@@ -290,8 +290,12 @@ class Manifest(TypedDict, total=False):
     settings: dict[str, Any]
     env_prefix: str
     model_class: str
+    framework: str  # 1.1: the package the model's class comes from ("transformers", "vllm", "torch")
+    framework_version: str | None  # 1.1: that package's version (None when it has none to give)
     root: str
     modules: list[str]
+    module_classes: dict[str, str]  # 1.1: each captured module name (and shared alias) -> class qualname
+    shared_modules: dict[str, list[str]]  # 1.1: a module with several names -> the names it is dumped under
     precision: dict[str, Any]
     pid: int
     rank: int
