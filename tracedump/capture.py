@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .hooks import MAX_DEPTH as _MAX_DEPTH
-from .hooks import HookSet
+from .hooks import CallSites, HookSet
 from .recorder import Plan, Recorder
 from .rundir import ErrorLog
 from .runtime import Warner
@@ -311,8 +311,18 @@ class Capture:
         sides: dict[Kind, list[tuple[str, nn.Module]]] = {"inputs": [], "outputs": []}
         for name, kind in self._requests:
             sides[kind].append((display_name(name), self._modules[name]))
+        hooked = list(dict.fromkeys(sides["outputs"] + sides["inputs"]))
+        names = every_name(self.model)
+        shared = shared_names(names, hooked)
+        sites = CallSites(self.model, names, shared) if shared else None
         self._hooks = HookSet(
-            self.model, self._recorder, sides["outputs"], sides["inputs"], then=self._captured, passes=False
+            self.model,
+            self._recorder,
+            sides["outputs"],
+            sides["inputs"],
+            then=self._captured,
+            passes=False,
+            sites=sites,
         )
         return self
 
@@ -358,6 +368,8 @@ class Capture:
             raise RuntimeError("Capture.run() must be called inside the `with capture(...)` block")
         if self.early_exit:
             self._pending = set(self._requests)
+        if self._hooks.sites is not None:
+            self._hooks.sites.reset()
         with self._recorder.step():
             try:
                 return self.model(*args, **kwargs)

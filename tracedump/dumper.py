@@ -31,7 +31,7 @@ from torch import nn
 from .control import Controller
 from .cuda import SyncEscape
 from .format import RECORDS_FILE
-from .hooks import HookSet
+from .hooks import CallSites, HookSet
 from .recorder import Plan, Recorder, check_tag
 from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
@@ -145,7 +145,8 @@ class Dumper:
         inputs = (
             self.modules if settings.inputs or control is not None else []
         )  # control: --inputs may arm them
-        self.hooks = HookSet(model, self.recorder, self.modules, inputs)
+        sites = CallSites(model, names, self.shared) if self.shared else None
+        self.hooks = HookSet(model, self.recorder, self.modules, inputs, sites=sites)
         self.rundir.close_at_exit(self.close)
         runtime().add(self)
 

@@ -145,7 +145,9 @@ class Key:
 
     ``path`` is where the tensor sits in the module's output (or input, starting with its argument):
     ``""``, ``[0]``, ``[1][a]``, ``[attention_mask]``. ``call`` N is the (N+1)-th call of the module
-    in its pass (0: no suffix). A ``record()`` tag is a key's ``module``.
+    under ``module`` in its pass (0: no suffix). A module with several names (shared by several
+    parents) is keyed by the name of the parent that called it (docs/file-format.md, "Shared
+    modules named where they are called"). A ``record()`` tag is a key's ``module``.
 
     ``Key.parse(text).format() == text`` for every string; ``Key.parse(key.format()) == key`` unless
     the module name (or tag) ends in a suffix of its own or a dict key on the path holds a ``]``: of
