@@ -31,11 +31,11 @@ from torch import nn
 from .control import Controller
 from .cuda import SyncEscape
 from .format import RECORDS_FILE
-from .hooks import HookSet
+from .hooks import CallSites, HookSet
 from .recorder import Plan, Recorder, check_tag
 from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
-from .selection import select_modules
+from .selection import every_name, select_modules, shared_names
 from .sequences import batch_metadata
 from .settings import (
     DEFAULT_ENV_PREFIX,
@@ -122,7 +122,9 @@ class Dumper:
         # All or nothing: everything that can fail runs before the first hook is registered, and a
         # failure removes the run dir it made, so a bad setting leaves the model as it was.
         self.modules = select_modules(model, settings, env_prefix)
-        fields = model_fields(model, self.root_label, [name for name, _ in self.modules])
+        names = every_name(model)
+        self.shared = shared_names(names, self.modules)  # modules with several names (vLLM's rotary)
+        fields = model_fields(model, self.root_label, self.modules, self.shared)
         self.model_class = str(fields["model_class"])  # one spelling, the manifest's
         self.rundir = RunDir(settings, env_prefix, fields, self.warn)
         control = None
@@ -143,7 +145,8 @@ class Dumper:
         inputs = (
             self.modules if settings.inputs or control is not None else []
         )  # control: --inputs may arm them
-        self.hooks = HookSet(model, self.recorder, self.modules, inputs)
+        sites = CallSites(model, names, self.shared) if self.shared else None
+        self.hooks = HookSet(model, self.recorder, self.modules, inputs, sites=sites)
         self.rundir.close_at_exit(self.close)
         runtime().add(self)
 

@@ -3,6 +3,10 @@
 Keys: ``<module>`` for a tensor output, ``<module>[i]`` / ``<module>[key]`` inside tuples, lists,
 dicts, dataclasses and HF ``ModelOutput``; ``<module>@in[i]`` / ``<module>@in[kw]`` for inputs; and
 ``::callN`` last for the N-th repeat call of a module in one pass (``name[0]::call2``).
+
+A module registered under several parents (vLLM's one rotary embedding, held by every layer's
+attention) is named by the parent that calls it (:class:`CallSites`): layer 2's call is
+``model.layers.2.self_attn.rotary_emb``, and only a second call by the same parent is ``::call1``.
 """
 
 from __future__ import annotations
@@ -109,6 +113,125 @@ class _ModuleHook:
         return f"{type(self).__name__}({self.name!r})"
 
 
+class CallSites:
+    """Which of its names a shared module is called under, from the parents running right now.
+
+    A selected module with several names (``named_modules(remove_duplicate=False)``) is named after
+    the parent that calls it. Each of its names ``a.b.c`` has a *site*: the deepest module on that
+    path (not the module itself) that has one name only, so no other path runs through it (for
+    vLLM's rotary embedding, each layer's ``self_attn``). Only those sites get hooks, a pre-hook
+    that pushes the site on a per-thread stack and an ``always_call`` post-hook that pops it; a
+    call of the shared module takes the name whose site is innermost on the stack, else the name
+    whose site is the root, else its first name. Models without shared modules get none of this,
+    and a module with one name is named as it always was.
+    """
+
+    def __init__(
+        self, model: nn.Module, names: Mapping[str, nn.Module], shared: Mapping[str, list[str]]
+    ) -> None:
+        self._local = threading.local()
+        self._root = id(model)
+        counts: dict[int, int] = {}
+        for module in names.values():
+            counts[id(module)] = counts.get(id(module), 0) + 1
+        self.sites: dict[int, nn.Module] = {}  # the modules that get the push/pop hooks
+        self._tables: dict[str, dict[int, str]] = {}  # hooked name -> site id -> the name it calls under
+        for hooked, aliases in shared.items():
+            table: dict[int, str] = {}
+            for alias in aliases:
+                site = _site(alias, names, counts)
+                if site is not None:
+                    table.setdefault(id(site), alias)  # two names under one parent: the first, ::callN
+                    if id(site) != self._root:
+                        self.sites[id(site)] = site
+            self._tables[hooked] = table
+
+    def __bool__(self) -> bool:
+        return bool(self._tables)
+
+    def shared(self, name: str) -> bool:
+        return name in self._tables
+
+    @property
+    def stack(self) -> list[int]:
+        try:
+            return self._local.stack
+        except AttributeError:
+            self._local.stack = []
+            return self._local.stack
+
+    def reset(self) -> None:
+        """At an outermost root forward: a ``BaseException`` (Ctrl-C, capture()'s early exit) may
+        have unwound a site without its post-hook; its entry must not name the next calls."""
+        self._local.stack = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(id(module))
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self.stack
+        key = id(module)
+        for i in range(len(stack) - 1, -1, -1):  # normally the top
+            if stack[i] == key:
+                del stack[i]
+                return
+
+    def name_for(self, hooked: str) -> str:
+        """The name this call of the shared module ``hooked`` is made under."""
+        table = self._tables[hooked]
+        for site in reversed(self.stack):
+            alias = table.get(site)
+            if alias is not None:
+                return alias
+        return table.get(self._root, hooked)
+
+
+def _site(alias: str, names: Mapping[str, nn.Module], counts: Mapping[int, int]) -> nn.Module | None:
+    """The deepest module on the path of ``alias`` (itself excluded) that has one name only."""
+    parts = alias.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        module = names.get(".".join(parts[:end]))
+        if module is not None and counts.get(id(module)) == 1:
+            return module
+    return None
+
+
+class SharedOutputHook(_ModuleHook):
+    """:class:`OutputHook` for a module with several names: named by its calling parent."""
+
+    __slots__ = ("sites",)
+
+    def __init__(self, target: PassTarget, name: str, sites: CallSites, then: Then | None = None) -> None:
+        super().__init__(target, name, then)
+        self.sites = sites
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            traced_by_dynamo()
+            return
+        self.target.on_module_tensors(self.sites.name_for(self.name), output, is_input=False)
+        if self.then is not None:
+            self.then(self.name, False, output)
+
+
+class SharedInputHook(_ModuleHook):
+    """:class:`InputHook` for a module with several names: named by its calling parent."""
+
+    __slots__ = ("sites",)
+
+    def __init__(self, target: PassTarget, name: str, sites: CallSites, then: Then | None = None) -> None:
+        super().__init__(target, name, then)
+        self.sites = sites
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            traced_by_dynamo()
+            return
+        self.target.on_module_tensors(self.sites.name_for(self.name), (args, kwargs), is_input=True)
+        if self.then is not None:
+            self.then(self.name, True, (args, kwargs))
+
+
 class OutputHook(_ModuleHook):
     """Forward hook on a module's output."""
 
@@ -170,6 +293,8 @@ class RootPassHooks:
             opened.clear()
         if not opened:
             self.hooks.keep_last()
+            if self.hooks.sites is not None:
+                self.hooks.sites.reset()
         opened.append(self.target.open_auto_pass(nested=bool(opened)))
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -196,25 +321,36 @@ class HookSet:
         inputs: Iterable[tuple[str, nn.Module]] = (),
         then: Then | None = None,
         passes: bool = True,
+        sites: CallSites | None = None,
     ) -> None:
         """``passes``: each outermost root forward is a pass (``attach()``); without, the owner opens
-        them (``capture()``'s ``run()``) and the root gets no hook."""
+        them (``capture()``'s ``run()``) and the root gets no hook. ``sites``: the call sites of
+        the selected modules that have several names (none: every module is named as selected)."""
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
         self.root = RootPassHooks(target, self)
+        self.sites = sites if sites else None
         self.handles: list[RemovableHandle] = []
         self._last: list[tuple[dict[int, Any], int]] = []
         self._epoch = -1
         try:
             if passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
+            if self.sites is not None:
+                for site in self.sites.sites.values():
+                    self.handles.append(site.register_forward_pre_hook(self.sites.enter))
+                    self.handles.append(site.register_forward_hook(self.sites.leave, always_call=True))
             for name, module in inputs:
-                handle = module.register_forward_pre_hook(InputHook(target, name, then), with_kwargs=True)
+                hook: Any = InputHook(target, name, then)
+                if self.sites is not None and self.sites.shared(name):
+                    hook = SharedInputHook(target, name, self.sites, then)
+                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 self._keep(handle, module._forward_pre_hooks)
             for name, module in outputs:
-                self._keep(
-                    module.register_forward_hook(OutputHook(target, name, then)), module._forward_hooks
-                )
+                hook = OutputHook(target, name, then)
+                if self.sites is not None and self.sites.shared(name):
+                    hook = SharedOutputHook(target, name, self.sites, then)
+                self._keep(module.register_forward_hook(hook), module._forward_hooks)
             if passes:
                 closer = model.register_forward_hook(self.root.after, always_call=True)
                 self._keep(closer, model._forward_hooks)  # the pass closes after all of them

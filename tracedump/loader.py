@@ -36,6 +36,7 @@ from .format import (
     STATS_FILE,
     STATS_PARTIAL,
     DumpReadError,  # defined with the format it guards; tracedump.DumpReadError is found here
+    Key,
     Manifest,
     check_format,
     parse_pass_file_name,
@@ -394,6 +395,37 @@ class Run:
     def root(self) -> str:
         """The label of the model this run dumped (manifest "root"), "" when unknown."""
         return str(self.manifest.get("root") or self.manifest.get("model_class") or "")
+
+    @property
+    def framework(self) -> str:
+        """The package the model's class came from (manifest ``framework``: ``"transformers"``,
+        ``"vllm"``, ``"torch"``); ``""`` for a dump written before format 1.1."""
+        value = self.manifest.get("framework")
+        return value if isinstance(value, str) else ""
+
+    @property
+    def framework_version(self) -> str | None:
+        """That package's version (manifest ``framework_version``); None when unknown."""
+        value = self.manifest.get("framework_version")
+        return value if isinstance(value, str) else None
+
+    @property
+    def module_classes(self) -> dict[str, str]:
+        """Each captured module name (and each name a shared module was dumped under) -> the
+        ``__qualname__`` of its class (manifest ``module_classes``); ``{}`` before format 1.1."""
+        value = self.manifest.get("module_classes")
+        if not isinstance(value, dict):
+            return {}
+        return {str(k): v for k, v in value.items() if isinstance(v, str)}
+
+    def module_class(self, key: str) -> str | None:
+        """The class of the module a tensor key names (``model.layers.0.mlp[0]::call1`` ->
+        ``"LlamaMLP"``), None when the manifest does not say."""
+        try:
+            module = Key.parse(key).module
+        except ValueError:
+            return None
+        return self.module_classes.get(module)
 
     @property
     def serial(self) -> int:

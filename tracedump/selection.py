@@ -74,3 +74,38 @@ def select_modules(
             f"(modules={settings.modules}); some names: {sample}",
         )
     return selected
+
+
+MAX_NAMES = 100_000  # names walked for shared modules; a tree with more (sharing gone wild) gets none
+
+
+def every_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Every dotted name of every submodule, a module held by several parents once per path
+    (``named_modules(remove_duplicate=False)``: vLLM's one rotary embedding under each layer's
+    attention), in that order. A child that is already on its own path (a cycle) is not walked
+    again, and past :data:`MAX_NAMES` names the walk stops and only the first name of each module
+    is given (``named_modules()``): a bound for attach(), never an error."""
+    names: dict[str, nn.Module] = {}
+    stack: list[tuple[str, nn.Module, frozenset[int]]] = [("", model, frozenset({id(model)}))]
+    while stack:
+        prefix, module, on_path = stack.pop()
+        names[prefix] = module
+        if len(names) > MAX_NAMES:
+            return dict(model.named_modules())
+        children = [(n, c) for n, c in module._modules.items() if c is not None and id(c) not in on_path]
+        for child_name, child in reversed(children):  # popped in registration order: torch's DFS
+            stack.append((f"{prefix}.{child_name}" if prefix else child_name, child, on_path | {id(child)}))
+    return names
+
+
+def shared_names(names: dict[str, nn.Module], selected: list[tuple[str, nn.Module]]) -> dict[str, list[str]]:
+    """Each selected module that has several names -> all of them, its selected name first."""
+    by_module: dict[int, list[str]] = {}
+    for name, module in names.items():
+        by_module.setdefault(id(module), []).append(display_name(name))
+    shared = {}
+    for name, module in selected:
+        aliases = by_module.get(id(module), [])
+        if len(aliases) > 1:
+            shared[name] = [name, *(alias for alias in aliases if alias != name)]
+    return shared
