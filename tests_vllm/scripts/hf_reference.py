@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline import prompts  # noqa: E402  (the same token ids as the vLLM side)
+from offline import prompts
 
 
 def main() -> None:
@@ -46,9 +46,13 @@ def main() -> None:
             tokens = [row[width:].tolist() for row in out]
         else:
             for p in ids:
-                out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     pad_token_id=0, **common)
-                tokens.append(out[0, len(p):].tolist())
+                out = model.generate(
+                    torch.tensor([p]),
+                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                    pad_token_id=0,
+                    **common,
+                )
+                tokens.append(out[0, len(p) :].tolist())
     print(json.dumps({"prompts": ids, "tokens": tokens}))
 
 

@@ -308,6 +308,7 @@ class SideInfo:
     framework: str
     root: str
     classes: Mapping[str, str]
+    integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -339,7 +340,9 @@ def side_info(side: Side) -> SideInfo:
     classes = manifest.get("module_classes")
     model_class = str(manifest.get("model_class") or "")
     root = str(manifest.get("root") or model_class.rsplit(".", 1)[-1])
-    return SideInfo(_framework(manifest), root, dict(classes) if isinstance(classes, dict) else {})
+    integration = manifest.get("integration")
+    engine = str(integration.get("name", "")) if isinstance(integration, dict) else ""
+    return SideInfo(_framework(manifest), root, dict(classes) if isinstance(classes, dict) else {}, engine)
 
 
 def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:
@@ -506,6 +509,7 @@ class Matcher:
     classes_a: Mapping[str, str]
     classes_b: Mapping[str, str]
     line: str = ""
+    align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
 
     def class_of(self, side: str, name: str) -> str | None:
         classes = self.classes_a if side == "a" else self.classes_b
@@ -710,7 +714,12 @@ def size_splits(
 
 def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     """The matcher of one diff: the bridge chosen for its two manifests (or ``--bridge``), with
-    both sides' module classes."""
+    both sides' module classes, and the alignment when the user gave none: the bridge's, else
+    ``tokens`` when a side was dumped by an engine integration (the vLLM plugin's
+    ``set_batch`` in every step), else passes."""
     info_a, info_b = side_info(side_a), side_info(side_b)
     bridge, line = select_bridge(options.bridge, info_a, info_b)
-    return Matcher(bridge, info_a.classes, info_b.classes, line)
+    align = bridge.align if bridge is not None else None
+    if align is None and (info_a.integration or info_b.integration):
+        align = "tokens"  # an engine integration batches requests and records each step's layout
+    return Matcher(bridge, info_a.classes, info_b.classes, line, align)

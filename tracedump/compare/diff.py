@@ -90,13 +90,13 @@ def build_report(options: DiffOptions) -> DiffReport:
     """Load both sides, plan, execute, judge: the whole comparison, without printing anything.
 
     The bridge is chosen first (``--bridge``, else by the two manifests): when the user gave no
-    ``--align``, the bridge's own alignment applies (tokens for vLLM against HF)."""
+    ``--align``, the bridge's own alignment applies (tokens for vLLM against HF), or tokens when
+    a side comes from an engine integration (:func:`.bridge.matcher_for`)."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     matcher = matcher_for(options, side_a, side_b)
-    bridge = matcher.bridge
-    if not options.align_given and bridge is not None and bridge.align and bridge.align != options.align:
-        options = replace(options, align=bridge.align)  # raises UsageError with --baseline and tokens
+    if not options.align_given and matcher.align and matcher.align != options.align:
+        options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
     if options.align == "tokens":
         from .align import build_aligned_report
 
