@@ -555,3 +555,13 @@ def test_a_bridge_chooses_token_alignment_when_none_is_asked(
     report = compare(engines["vllm"], engines["hf"])  # no align given: the bridge's
     assert report.settings["align"] == "tokens" and report.alignment is not None
     assert report.exit_code == 0
+
+
+def test_the_engine_page_shows_every_built_in_rule() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
+    section = page[page.index("### The built-in rules") :]
+    for bridge in builtin_bridges():
+        for rule in bridge.rules:
+            row = f"| {rule.number} | {rule.id} | {rule.op} |"
+            assert row in section, row
+            assert rule.match.pattern.replace("|", "\\|") in section, rule.match.pattern
