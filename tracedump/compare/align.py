@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences, token_dim
+from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
 from .options import DiffOptions, UsageError
 from .plan import Plan, Unit, Unmatched, match_names, pair_roots, pair_tolerance, run_precision, side_entries
@@ -170,11 +170,15 @@ def _rows(
         if entry.problem is not None:
             return None, None, entry.problem
         shape = entry.meta.shape or ()
-        dim = token_dim(shape, side.batches[index].tokens, side.group.token_dim)
-        if dim is None:
-            return None, None, f"no token dim of size {side.batches[index].tokens} in {list(shape)}"
+        batch = side.batches[index]
+        found = batch.row_dim(tuple(shape), side.group.token_dim)
+        if found is None:
+            rows_of = f"{batch.tokens}" if batch.grid is None else f"{batch.tokens} ({list(batch.grid)})"
+            return None, None, f"no token dim of size {rows_of} in {list(shape)}"
+        dim, merged = found  # a [batch, seq] grid's two dims, merged into one of rows
         stored = assemble(entry, views)
-        taken = np.moveaxis(_take_rows(stored.array, rows, dim), dim, 0)
+        array = stored.array if merged == tuple(shape) else stored.array.reshape(merged)
+        taken = np.moveaxis(_take_rows(array, rows, dim), dim, 0)
         rest = tuple(s for s in taken.shape[1:] if s != 1)
         pieces.append(taken.reshape((len(rows), *rest)))
         dtype = stored.dtype
