@@ -29,7 +29,9 @@ BUG_LAYER = 1
 
 @pytest.fixture(scope="module")
 def llama() -> nn.Module:
-    return make_tiny_llama(layers=2, seed=1)
+    model = make_tiny_llama(layers=2, seed=1)
+    model.generation_config.eos_token_id = None  # every row generates NEW_TOKENS, alone or batched
+    return model
 
 
 def _padded(side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,3 +227,45 @@ def test_tracedump_run_gives_the_first_generate_forward_its_layout_too(tmp_path:
     batches = tracedump.open_dump(tmp_path / "auto").run().batches()
     assert batches[0].grid == (2, 5) and batches[0].seq_ids[5:7] == (None, None)
     assert [batches[i].seq_ids for i in (1, 2)] == [(0, 1), (0, 1)]
+
+
+def test_a_padded_hf_batch_lines_up_with_a_packed_engines_flat_rows(tmp_path: Path) -> None:
+    """[batch, seq, hidden] against [tokens, hidden]: the continuous-batching engine of
+    examples/batching.py (requests packed into flat rows, chunked prefill, set_batch) against one
+    left-padded HF generate of the same prompts, with no set_batch on the HF side."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import batching
+    from engine import ModelConfig, build_model
+
+    requests = batching.default_requests()
+    prompts = [r.prompt for r in requests]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / "engine"))
+        mp.setenv("TRACEDUMP_DUMP_MODULES", "all")
+        served = batching.serve(build_model(ModelConfig()), requests)
+    model = build_model(ModelConfig())
+    model.generation_config.eos_token_id = None  # the engine stops at its lengths, not at EOS
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    most = max(r.new_tokens for r in requests)
+    run = _dump(
+        model,
+        tmp_path / "hf",
+        lambda: model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=most, do_sample=False, pad_token_id=PAD
+        ),
+    )
+    assert run.passes[0].info("model.layers.0.mlp").shape == (3, width, 32)
+    # the premise: the engine fed each request a prefix of what HF fed the same row
+    hf_tokens = {s: q.tokens() for s, q in run.sequences().items()}
+    for request in served:
+        fed = request.tokens[:-1]
+        assert hf_tokens[request.seq_id][: len(fed)] == fed
+    code, report = _diff(tmp_path, tmp_path / "engine", tmp_path / "hf")
+    assert code == 0, report["summary"]
+    assert report["summary"]["alignment"][0]["pairs"] == [[0, 0], [1, 1], [2, 2]]
+    rows = {t["root"]: t["shape_a"][0] for t in report["tensors"] if t["name"] == "model.layers.1.mlp"}
+    assert rows == {f"seq {r.seq_id}": len(r.tokens) - 1 for r in served}  # every fed position, no pad
