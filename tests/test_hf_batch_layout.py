@@ -108,6 +108,15 @@ def test_a_padded_generate_gets_its_layout_from_its_own_inputs(dumps: dict[str, 
     assert run.sequence(1)["model.embed_tokens"].shape == (len(PROMPTS[1]) + NEW_TOKENS - 1, 32)
 
 
+def test_ls_shows_the_grid_and_the_padding(
+    dumps: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert tracedump.cli.main(["ls", str(dumps["batched"])]) == 0
+    out = capsys.readouterr().out
+    assert "pass 0: [2 x 5] 0: 0-4, 1: 0-2, 2 padding rows" in out
+    assert "pass 1: [2 x 1] 0: 5, 1: 3" in out
+
+
 def test_the_padded_batch_pairs_with_the_prompts_run_alone_and_padding_is_never_compared(
     dumps: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -231,3 +231,18 @@ def test_a_bug_in_one_layers_call_of_the_shared_rotary_is_named_at_that_layer(tm
     assert code == 1
     report = json.loads(out.read_text())
     assert report["summary"]["first_divergence"]["name"] == "layers.1.self_attn.rotary_emb[0]"
+
+
+def test_a_filter_on_one_layer_keeps_that_layers_calls_of_the_shared_module(tmp_path: Path) -> None:
+    run = _dump(SharedRotaryLM(), tmp_path / "d", "leaves", filter=[r"layers\.2\."])
+    assert run.passes[0].names == [
+        "layers.2.norm",
+        "layers.2.self_attn.q_proj",
+        "layers.2.self_attn.k_proj",
+        "layers.2.self_attn.rotary_emb[0]",  # selected by its name under layer 2, not its first name
+        "layers.2.self_attn.rotary_emb[1]",
+        "layers.2.self_attn.rotary_emb[0]::call1",
+        "layers.2.self_attn.rotary_emb[1]::call1",
+        "layers.2.norm::call1",
+    ]
+    assert run.manifest["skipped"] == {}  # the other layers' calls are not captures lost

@@ -36,7 +36,7 @@ from .integrations.hf import batch_layout_for
 from .recorder import Plan, Recorder, check_tag
 from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
-from .selection import every_name, select_modules, shared_names
+from .selection import every_name, kept_names, select_modules, shared_names
 from .sequences import batch_metadata
 from .settings import (
     DEFAULT_ENV_PREFIX,
@@ -122,8 +122,8 @@ class Dumper:
         self._closed = False
         # All or nothing: everything that can fail runs before the first hook is registered, and a
         # failure removes the run dir it made, so a bad setting leaves the model as it was.
-        self.modules = select_modules(model, settings, env_prefix)
         names = every_name(model)
+        self.modules = select_modules(model, settings, env_prefix, names)
         self.shared = shared_names(names, self.modules)  # modules with several names (vLLM's rotary)
         fields = model_fields(model, self.root_label, self.modules, self.shared)
         self.model_class = str(fields["model_class"])  # one spelling, the manifest's
@@ -146,7 +146,8 @@ class Dumper:
         inputs = (
             self.modules if settings.inputs or control is not None else []
         )  # control: --inputs may arm them
-        sites = CallSites(model, names, self.shared) if self.shared else None
+        keep = kept_names(settings, self.shared, self.modules)
+        sites = CallSites(model, names, self.shared, keep) if self.shared else None
         layout = batch_layout_for(model)  # HF: each root forward's batch layout from its inputs
         self.hooks = HookSet(model, self.recorder, self.modules, inputs, sites=sites, layout=layout)
         self.rundir.close_at_exit(self.close)

@@ -146,9 +146,15 @@ class CallSites:
     """
 
     def __init__(
-        self, model: nn.Module, names: Mapping[str, nn.Module], shared: Mapping[str, list[str]]
+        self,
+        model: nn.Module,
+        names: Mapping[str, nn.Module],
+        shared: Mapping[str, list[str]],
+        keep: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
+        """``keep``: per shared module, the names whose calls are captured (FILTER); None: all."""
         self._local = threading.local()
+        self._keep = keep
         self._root = id(model)
         counts: dict[int, int] = {}
         for module in names.values():
@@ -195,14 +201,20 @@ class CallSites:
                 del stack[i]
                 return
 
-    def name_for(self, hooked: str) -> str:
-        """The name this call of the shared module ``hooked`` is made under."""
+    def name_for(self, hooked: str) -> str | None:
+        """The name this call of the shared module ``hooked`` is made under; None when the filter
+        keeps no call under that name."""
         table = self._tables[hooked]
+        name = None
         for site in reversed(self.stack):
-            alias = table.get(site)
-            if alias is not None:
-                return alias
-        return table.get(self._root, hooked)
+            name = table.get(site)
+            if name is not None:
+                break
+        else:
+            name = table.get(self._root, hooked)
+        if self._keep is not None and name not in self._keep[hooked]:
+            return None
+        return name
 
 
 def _site(alias: str, names: Mapping[str, nn.Module], counts: Mapping[int, int]) -> nn.Module | None:
@@ -228,7 +240,9 @@ class SharedOutputHook(_ModuleHook):
         if torch.compiler.is_compiling():
             traced_by_dynamo()
             return
-        self.target.on_module_tensors(self.sites.name_for(self.name), output, is_input=False)
+        name = self.sites.name_for(self.name)
+        if name is not None:
+            self.target.on_module_tensors(name, output, is_input=False)
         if self.then is not None:
             self.then(self.name, False, output)
 
@@ -246,7 +260,9 @@ class SharedInputHook(_ModuleHook):
         if torch.compiler.is_compiling():
             traced_by_dynamo()
             return
-        self.target.on_module_tensors(self.sites.name_for(self.name), (args, kwargs), is_input=True)
+        name = self.sites.name_for(self.name)
+        if name is not None:
+            self.target.on_module_tensors(name, (args, kwargs), is_input=True)
         if self.then is not None:
             self.then(self.name, True, (args, kwargs))
 
