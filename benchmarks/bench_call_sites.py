@@ -105,10 +105,10 @@ def _dumped(model: nn.Module, directory: Path, sites: bool) -> tuple[nn.Module, 
 
 
 def run_call_sites(quick: bool) -> dict[str, Any]:
-    hidden, layers, tokens = (128, 4, 32) if quick else (512, 8, 128)
+    hidden, layers, tokens = (64, 2, 16) if quick else (512, 8, 128)
     model = SharedRotaryDecoder(hidden, layers, heads=8, vocab=1000).eval()
     ids = torch.randint(0, 1000, (tokens,))
-    rounds = 3 if quick else 15
+    rounds = 2 if quick else 15
     with common.scratch_dir() as directory:
         with_sites, dumper_on = _dumped(model, directory / "sites", sites=True)
         without, dumper_off = _dumped(model, directory / "plain", sites=False)
@@ -161,7 +161,7 @@ def run_call_sites(quick: bool) -> dict[str, Any]:
 
 
 def run_hf_layout(quick: bool) -> dict[str, Any]:
-    calls = 2_000 if quick else 20_000
+    calls = 200 if quick else 20_000
     ones, ids = torch.ones, torch.randint
     prefill = {"input_ids": ids(0, 1000, (1, 256)), "attention_mask": ones(1, 256, dtype=torch.long)}
     decode = {"input_ids": ids(0, 1000, (8, 1)), "attention_mask": ones(8, 512, dtype=torch.long)}
@@ -174,15 +174,19 @@ def run_hf_layout(quick: bool) -> dict[str, Any]:
     return out
 
 
+def run(quick: bool = False) -> dict[str, Any]:
+    """Both parts, as ``main`` prints them."""
+    with common.clean_env():
+        return {"call_sites": run_call_sites(quick), "hf_layout": run_hf_layout(quick)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with common.clean_env():
-        result = {"call_sites": run_call_sites(args.quick), "hf_layout": run_hf_layout(args.quick)}
-    print(json.dumps(result, indent=2))
+    print(json.dumps(run(args.quick), indent=2))
 
 
 if __name__ == "__main__":

@@ -246,3 +246,17 @@ def test_a_filter_on_one_layer_keeps_that_layers_calls_of_the_shared_module(tmp_
         "layers.2.norm::call1",
     ]
     assert run.manifest["skipped"] == {}  # the other layers' calls are not captures lost
+
+
+def test_the_call_sites_benchmark_runs_and_measures_both_parts() -> None:
+    from benchmarks import bench_call_sites
+
+    result = bench_call_sites.run(quick=True)
+    sites = result["call_sites"]
+    assert sites["model"]["shared_calls_per_step"] == sites["model"]["layers"]
+    assert sites["name_lookup_ns"] > 0 and sites["push_pop_ns"] > 0 and sites["sites_vs_no_sites"] > 0
+    assert set(result["hf_layout"]) == {
+        f"{shape}_{kind}_us"
+        for shape in ("prefill_1x256", "decode_8x1_past511")
+        for kind in ("kept", "bookkeeping")
+    }
