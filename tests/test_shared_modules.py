@@ -231,3 +231,32 @@ def test_a_bug_in_one_layers_call_of_the_shared_rotary_is_named_at_that_layer(tm
     assert code == 1
     report = json.loads(out.read_text())
     assert report["summary"]["first_divergence"]["name"] == "layers.1.self_attn.rotary_emb[0]"
+
+
+def test_a_filter_on_one_layer_keeps_that_layers_calls_of_the_shared_module(tmp_path: Path) -> None:
+    run = _dump(SharedRotaryLM(), tmp_path / "d", "leaves", filter=[r"layers\.2\."])
+    assert run.passes[0].names == [
+        "layers.2.norm",
+        "layers.2.self_attn.q_proj",
+        "layers.2.self_attn.k_proj",
+        "layers.2.self_attn.rotary_emb[0]",  # selected by its name under layer 2, not its first name
+        "layers.2.self_attn.rotary_emb[1]",
+        "layers.2.self_attn.rotary_emb[0]::call1",
+        "layers.2.self_attn.rotary_emb[1]::call1",
+        "layers.2.norm::call1",
+    ]
+    assert run.manifest["skipped"] == {}  # the other layers' calls are not captures lost
+
+
+def test_the_call_sites_benchmark_runs_and_measures_both_parts() -> None:
+    from benchmarks import bench_call_sites
+
+    result = bench_call_sites.run(quick=True)
+    sites = result["call_sites"]
+    assert sites["model"]["shared_calls_per_step"] == sites["model"]["layers"]
+    assert sites["name_lookup_ns"] > 0 and sites["push_pop_ns"] > 0 and sites["sites_vs_no_sites"] > 0
+    assert set(result["hf_layout"]) == {
+        f"{shape}_{kind}_us"
+        for shape in ("prefill_1x256", "decode_8x1_past511")
+        for kind in ("kept", "bookkeeping")
+    }

@@ -43,6 +43,18 @@ def forward_calls_on_stack(module: nn.Module) -> int:
     return count
 
 
+def forward_kwargs_on_stack(module: nn.Module) -> dict[str, Any]:
+    """The keyword arguments of the innermost running call of ``module`` (its ``_call_impl``
+    frame), ``{}`` when none is found: what a global pre-hook, which sees none, replays."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            kwargs = frame.f_locals.get("kwargs")
+            return dict(kwargs) if isinstance(kwargs, dict) else {}
+        frame = frame.f_back
+    return {}
+
+
 def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(suffix, tensor)`` for every tensor leaf of a nested output; other leaves are skipped."""
     if isinstance(value, torch.Tensor):
@@ -92,6 +104,13 @@ class PassTarget(Protocol):
     def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None: ...
     def open_auto_pass(self, nested: bool = False) -> bool: ...
     def close_pass(self, truncated: bool = False) -> None: ...
+    def lay_out_batch(self, layout: BatchLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
+
+class BatchLayout(Protocol):
+    """Builds a root forward's ``tracedump.batch`` from its inputs (:mod:`tracedump.integrations.hf`)."""
+
+    def observe(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], wanted: bool) -> str | None: ...
 
 
 Then = Callable[[str, bool, Any], None]
@@ -127,9 +146,15 @@ class CallSites:
     """
 
     def __init__(
-        self, model: nn.Module, names: Mapping[str, nn.Module], shared: Mapping[str, list[str]]
+        self,
+        model: nn.Module,
+        names: Mapping[str, nn.Module],
+        shared: Mapping[str, list[str]],
+        keep: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
+        """``keep``: per shared module, the names whose calls are captured (FILTER); None: all."""
         self._local = threading.local()
+        self._keep = keep
         self._root = id(model)
         counts: dict[int, int] = {}
         for module in names.values():
@@ -176,14 +201,20 @@ class CallSites:
                 del stack[i]
                 return
 
-    def name_for(self, hooked: str) -> str:
-        """The name this call of the shared module ``hooked`` is made under."""
+    def name_for(self, hooked: str) -> str | None:
+        """The name this call of the shared module ``hooked`` is made under; None when the filter
+        keeps no call under that name."""
         table = self._tables[hooked]
+        name = None
         for site in reversed(self.stack):
-            alias = table.get(site)
-            if alias is not None:
-                return alias
-        return table.get(self._root, hooked)
+            name = table.get(site)
+            if name is not None:
+                break
+        else:
+            name = table.get(self._root, hooked)
+        if self._keep is not None and name not in self._keep[hooked]:
+            return None
+        return name
 
 
 def _site(alias: str, names: Mapping[str, nn.Module], counts: Mapping[int, int]) -> nn.Module | None:
@@ -209,7 +240,9 @@ class SharedOutputHook(_ModuleHook):
         if torch.compiler.is_compiling():
             traced_by_dynamo()
             return
-        self.target.on_module_tensors(self.sites.name_for(self.name), output, is_input=False)
+        name = self.sites.name_for(self.name)
+        if name is not None:
+            self.target.on_module_tensors(name, output, is_input=False)
         if self.then is not None:
             self.then(self.name, False, output)
 
@@ -227,7 +260,9 @@ class SharedInputHook(_ModuleHook):
         if torch.compiler.is_compiling():
             traced_by_dynamo()
             return
-        self.target.on_module_tensors(self.sites.name_for(self.name), (args, kwargs), is_input=True)
+        name = self.sites.name_for(self.name)
+        if name is not None:
+            self.target.on_module_tensors(name, (args, kwargs), is_input=True)
         if self.then is not None:
             self.then(self.name, True, (args, kwargs))
 
@@ -265,11 +300,12 @@ class RootPassHooks:
     opened one with ``dumper.step()``. The post hook is registered with ``always_call=True`` so a
     forward that raises still closes its pass."""
 
-    __slots__ = ("_local", "hooks", "target")
+    __slots__ = ("_local", "hooks", "layout", "target")
 
-    def __init__(self, target: PassTarget, hooks: HookSet) -> None:
+    def __init__(self, target: PassTarget, hooks: HookSet, layout: BatchLayout | None = None) -> None:
         self.target = target
         self.hooks = hooks
+        self.layout = layout  # an HF model's batch layout, read from each outermost forward's inputs
         self._local = threading.local()
 
     @property
@@ -297,6 +333,12 @@ class RootPassHooks:
                 self.hooks.sites.reset()
         opened.append(self.target.open_auto_pass(nested=bool(opened)))
 
+    def before_with_kwargs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """:meth:`before`, then the batch layout of an outermost forward from its inputs (HF)."""
+        self.before(module, args)
+        if self.layout is not None and len(self.opened) == 1 and not torch.compiler.is_compiling():
+            self.target.lay_out_batch(self.layout, args, kwargs)
+
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
@@ -322,19 +364,27 @@ class HookSet:
         then: Then | None = None,
         passes: bool = True,
         sites: CallSites | None = None,
+        layout: BatchLayout | None = None,
     ) -> None:
         """``passes``: each outermost root forward is a pass (``attach()``); without, the owner opens
         them (``capture()``'s ``run()``) and the root gets no hook. ``sites``: the call sites of
-        the selected modules that have several names (none: every module is named as selected)."""
+        the selected modules that have several names (none: every module is named as selected).
+        ``layout``: each outermost root forward's batch layout comes from its inputs (HF models;
+        the root's pass hook then takes keyword arguments)."""
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
-        self.root = RootPassHooks(target, self)
+        self.root = RootPassHooks(target, self, layout)
         self.sites = sites if sites else None
         self.handles: list[RemovableHandle] = []
         self._last: list[tuple[dict[int, Any], int]] = []
         self._epoch = -1
         try:
-            if passes:
+            if passes and layout is not None:
+                opener = model.register_forward_pre_hook(
+                    self.root.before_with_kwargs, prepend=True, with_kwargs=True
+                )
+                self.handles.append(opener)
+            elif passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
             if self.sites is not None:
                 for site in self.sites.sites.values():

@@ -43,7 +43,7 @@ from .format import (
     parse_run_dir_name,
     stats_record_problem,
 )
-from .sequences import Batch, SeqId, Sequence, batches, sequences, token_dim
+from .sequences import Batch, SeqId, Sequence, batches, sequences
 from .stformat import CODES_ON_DISK_ORDER
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
@@ -483,13 +483,15 @@ class Run:
         for index, rows in by_pass.items():
             pass_file = self.passes[index]
             for name in pass_file.names:
-                dim = token_dim(pass_file.info(name).shape, found[index].tokens, self.token_dim)
-                if dim is None:
+                where = found[index].row_dim(pass_file.info(name).shape, self.token_dim)
+                if where is None:
                     dropped.add(name)
                     continue
+                dim, merged = where  # a [batch, seq] grid's two dims merged into one of rows
                 # [len(rows), ...], other size-1 dims dropped: a decode step's [1, 1, hidden] and a
                 # prefill's [1, seq, hidden] line up as rows
-                taken = pass_file[name].index_select(dim, torch.tensor(rows)).movedim(dim, 0)
+                tensor = pass_file[name].reshape(merged)
+                taken = tensor.index_select(dim, torch.tensor(rows)).movedim(dim, 0)
                 gathered.setdefault(name, []).append(
                     taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
                 )

@@ -172,18 +172,23 @@ def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
     return x[: len(y)] == y[: len(x)]
 
 
-def _layout(shape: tuple[int, ...], batch: Batch, preferred: int) -> tuple[str, int] | None:
-    """How a tensor of one pass holds its rows: one per token (``tokens``, along that dim), or one
-    per sequence (``sampled``: logits, computed for each sequence's last token of the step only),
-    or neither (None)."""
-    dim = token_dim(shape, batch.tokens, preferred)
-    if dim is not None:
-        return "tokens", dim
-    seqs = len(dict.fromkeys(batch.seq_ids))
+def _sequences_of(batch: Batch) -> list[SeqId]:
+    """The pass's sequences in order of first appearance (padding rows belong to none)."""
+    return [seq for seq in dict.fromkeys(batch.seq_ids) if seq is not None]
+
+
+def _layout(shape: tuple[int, ...], batch: Batch, preferred: int) -> tuple[str, int, tuple[int, ...]] | None:
+    """How a tensor of one pass holds its rows, as (kind, dim, shape with a ``[batch, seq]`` grid's
+    two dims merged into one): one per token row (``tokens``), or one per sequence (``sampled``:
+    logits, computed for each sequence's last token of the step only), or neither (None)."""
+    found = batch.row_dim(shape, preferred)
+    if found is not None:
+        return "tokens", found[0], found[1]
+    seqs = len(_sequences_of(batch))
     if seqs < batch.tokens:
         dim = token_dim(shape, seqs, preferred)
         if dim is not None:
-            return "sampled", dim
+            return "sampled", dim, shape
     return None
 
 
@@ -226,15 +231,17 @@ def _rows(
             return None, None, entry.problem
         shape = entry.meta.shape or ()
         batch = side.batches[index]
-        layout = _layout(shape, batch, side.group.token_dim)
+        layout = _layout(tuple(shape), batch, side.group.token_dim)
         if layout is None:
-            return None, None, f"no token dim of size {batch.tokens} in {list(shape)}"
-        kind, dim = layout
+            rows_of = f"{batch.tokens}" if batch.grid is None else f"{batch.tokens} ({list(batch.grid)})"
+            return None, None, f"no token dim of size {rows_of} in {list(shape)}"
+        kind, dim, merged = layout  # a [batch, seq] grid's two dims, merged into one of rows
         if kind == "sampled":  # the sequence's row among the pass's sequences, in order of appearance
-            ordinal = list(dict.fromkeys(batch.seq_ids)).index(sequence.seq_id)
+            ordinal = _sequences_of(batch).index(sequence.seq_id)
             rows = [ordinal] * len(rows)
         stored = assemble(entry, views)
-        taken = np.moveaxis(_take_rows(stored.array, rows, dim), dim, 0)
+        array = stored.array if merged == tuple(shape) else stored.array.reshape(merged)
+        taken = np.moveaxis(_take_rows(array, rows, dim), dim, 0)
         rest = tuple(s for s in taken.shape[1:] if s != 1)
         pieces.append(taken.reshape((len(rows), *rest)))
         dtype = entry.meta.dtype if entry.op is not None else stored.dtype  # a bridge sum: its parts' dtype

@@ -75,7 +75,10 @@ def inputs_differ_by_pass(side_a: Side, side_b: Side, plan: Plan) -> list[dict[s
             continue
         if len(a.input_ids) != len(b.input_ids):
             continue
-        row = next((i for i, (x, y) in enumerate(zip(a.input_ids, b.input_ids, strict=True)) if x != y), None)
+        pairs = zip(a.input_ids, b.input_ids, a.seq_ids, b.seq_ids, strict=True)
+        row = next(
+            (i for i, (x, y, s, t) in enumerate(pairs) if x != y and s is not None and t is not None), None
+        )  # padding rows (seq None) hold no input
         if row is not None:
             found.append(
                 {
