@@ -129,8 +129,8 @@ def test_inputs_that_differ_by_one_token_are_reported_first(
     code, out, report = diff(tmp_path, clean_dump.dir, hf_dump("other-bos", "--first-token", "2"))
     assert code == 1
     assert report["summary"]["first_divergence"] is None
-    findings = report["summary"]["inputs_differ"]
-    assert {(f["position"], f["a"], f["b"]) for f in findings} == {(0, 1, 2)}
+    (finding,) = report["summary"]["inputs_differ"]  # the first prompt's BOS; the second agrees
+    assert (finding["position"], finding["a"], finding["b"], finding["sequence_b"]) == (0, 1, 2, 0)
     assert "inputs differ: seq " in out and ", position 0: token 1 vs 2" in out
     assert out.index("inputs differ") < out.index("compared ")
 

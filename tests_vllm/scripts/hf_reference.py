@@ -4,7 +4,8 @@
 
 One ``generate`` per prompt (a prefill pass, then one pass per token), or with ``--batch`` one
 left-padded batched ``generate`` (the batch layout comes from its input_ids / attention_mask).
-``--first-token N`` feeds N instead of the prompts' first token (BOS): inputs that differ.
+``--first-token N`` feeds N instead of the first prompt's first token (BOS): inputs that differ by
+one token.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     ids = prompts([int(n) for n in args.prompts.split(",")])
     if args.first_token is not None:
-        ids = [[args.first_token, *p[1:]] for p in ids]
+        ids[0] = [args.first_token, *ids[0][1:]]
     common = dict(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False)
     tokens = []
     with torch.no_grad():
