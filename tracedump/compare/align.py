@@ -244,13 +244,14 @@ def _rows(
         taken = np.moveaxis(_take_rows(array, rows, dim), dim, 0)
         rest = tuple(s for s in taken.shape[1:] if s != 1)
         pieces.append(taken.reshape((len(rows), *rest)))
-        dtype = entry.meta.dtype if entry.op is not None else stored.dtype  # a bridge sum: its parts' dtype
+        kept = stored.dtype  # a bridge's float64 sum holds float64 values, shown as its parts' dtype
+        dtype = entry.meta.dtype if entry.op is not None else kept
     if not pieces or dtype is None:
         return None, None, "no rows"
     if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
         return None, None, "rows of different shapes across passes"
     joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    return Stored(joined, dtype), dtype, None
+    return Stored(joined, kept), dtype, None
 
 
 def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
@@ -281,10 +282,14 @@ def build_aligned_report(
     inputs_differ: list[dict[str, Any]] = []
     alignments: list[Alignment] = []
     opened: list[_SideSequences] = []
+    side_c = open_side("baseline", options.baseline, options) if options.baseline is not None else None
     try:
         for group_a, group_b in root_pairs:
             seq_a, seq_b = _read_side(side_a, group_a), _read_side(side_b, group_b)
             opened += [seq_a, seq_b]
+            if side_c is not None:
+                found.baseline = _baseline_of(side_c, group_b, seq_b)
+                opened.append(found.baseline[0])
             matched_by, pairs = _pair_sequences(seq_a, seq_b)
             paired_a = {a for a, _ in pairs}
             paired_b = {b for _, b in pairs}
@@ -323,7 +328,19 @@ def build_aligned_report(
     report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
     report.bridge = bridge_summary(matcher)
     report.inputs_differ = inputs_differ
-    report.results = judge_all(found.results)
+    if side_c is not None:
+        measured = [r for r in found.results if r.metrics is not None]
+        if measured and not found.noise:
+            raise UsageError(
+                f"--baseline {options.baseline}: no tensor of it lines up with B by sequence "
+                "(is it a rerun of the reference? the same prompts, B's names)"
+            )
+        if len(found.noise) < len(measured):
+            report.notes.append(
+                f"--baseline: {len(measured) - len(found.noise)} of {len(measured)} tensor pairs have no "
+                f"counterpart in {options.baseline}: judged by the error upstream instead"
+            )
+    report.results = judge_all(found.results, found.noise if side_c is not None else None)
     first = _first_in_time(report.results, found.steps_of)
     if first is not None:
         report.first_override = first[0]
@@ -342,6 +359,46 @@ class _Found:
     units: list[Unit] = field(default_factory=list)
     only_a: list[Unmatched] = field(default_factory=list)
     only_b: list[Unmatched] = field(default_factory=list)
+    baseline: tuple[_SideSequences, dict[SeqId, SeqId]] | None = None  # C's sequences, B's seq -> C's
+    noise: dict[int, float] = field(default_factory=dict)  # result index -> err(C, B) on its rows
+
+
+def _baseline_of(
+    side_c: Side, group_b: RootGroup, seq_b: _SideSequences
+) -> tuple[_SideSequences, dict[SeqId, SeqId]]:
+    """``--baseline C`` with ``--align tokens``: C is a rerun of the reference B, so its sequences
+    pair with B's (by seq id, tokens or order, as A's do) and its names are B's."""
+    groups = {g.label: g for g in side_c.groups}
+    group_c = groups.get(group_b.label) or (side_c.groups[0] if len(side_c.groups) == 1 else None)
+    if group_c is None:
+        raise UsageError(f"--baseline {side_c.path}: no root {group_b.label!r} (roots: {sorted(groups)})")
+    seq_c = _read_side(side_c, group_c)
+    _, pairs = _pair_sequences(seq_b, seq_c)
+    return seq_c, dict(pairs)
+
+
+def _baseline_noise(
+    found: _Found,
+    seq_b: SeqId,
+    expr: Expr,
+    positions: list[int],
+    rows_b: Stored,
+    metric: str,
+    options: DiffOptions,
+) -> float | None:
+    """err(C, B) of one pair's rows: C's rows of B's expression at the same positions of the
+    sequence C's run paired with B's, or None when C does not hold them alike."""
+    if found.baseline is None:
+        return None
+    side_c, pairs = found.baseline
+    sequence_c = side_c.sequences.get(pairs.get(seq_b)) if seq_b in pairs else None
+    if sequence_c is None or any(p not in sequence_c.rows for p in positions):
+        return None
+    rows_c, _, why = _rows(side_c, sequence_c, expr, positions, options)
+    if rows_c is None or why is not None or rows_c.shape != rows_b.shape:
+        return None
+    metrics, _ = compare_by_row(rows_c, rows_b)
+    return metrics.one_minus_cosine if metric == "cosine" else metrics.rel_diff
 
 
 def _compare_sequence(
@@ -407,6 +464,9 @@ def _compare_sequence(
         else:
             metrics, per_token = _measure_rows(rows_a, rows_b, len(rows_at))
             result = TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
+            noise = _baseline_noise(found, seq_b, bridged.b, rows_at, rows_b, tolerance.metric, options)
+            if noise is not None:
+                found.noise[base["index"]] = noise
         found.results.append(result)
 
 

@@ -137,7 +137,7 @@ def _baseline_noise(
     if not tensor_pairs:
         report.notes.append("--baseline applies to tensor pairs; stats pairs keep their fixed rule")
         return None
-    plain = replace(options, a=options.baseline, maps=(), filter=None)
+    plain = replace(options, a=options.baseline, maps=(), filter=None, bridge="none")  # C reruns B: same tree
     side_c = open_side("baseline", options.baseline, plain)
     found = _noise_by_key(side_c, side_b, plain)
     if options.maps:  # C's names that are not B's: as A's, through --map

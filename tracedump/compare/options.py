@@ -231,10 +231,6 @@ class DiffOptions:
                 raise UsageError(f"{flag} {value}: expected a non-negative number")
         if self.align not in ("passes", "tokens"):
             raise UsageError(f"--align {self.align!r}: choose passes or tokens")
-        if self.align == "tokens" and self.baseline is not None:
-            raise UsageError(
-                "--align tokens with --baseline is not supported yet: align the baseline's passes"
-            )
         if self.rank is not None and self.rank < 0:
             raise UsageError(f"--rank {self.rank}: expected a non-negative rank")
 
