@@ -70,7 +70,7 @@ def test_a_different_first_token_is_reported_before_any_number(
     where = "pass 1, " if align == "passes" else ""
     line = f"inputs differ: {where}seq 1, position 0: token 2 vs 1"
     assert line in out
-    assert out.index(line) < out.index("compared ")  # before any numeric verdict (and the table)
+    assert out.index(line) < out.index("DIVERGED") < out.index("compared ")  # before any verdict
     assert "first divergence: none named" in out
     summary = json.loads(report_path.read_text())["summary"]
     assert summary["first_divergence"] is None

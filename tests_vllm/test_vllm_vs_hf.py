@@ -132,7 +132,7 @@ def test_inputs_that_differ_by_one_token_are_reported_first(
     (finding,) = report["summary"]["inputs_differ"]  # the first prompt's BOS; the second agrees
     assert (finding["position"], finding["a"], finding["b"], finding["sequence_b"]) == (0, 1, 2, 0)
     assert "inputs differ: seq " in out and ", position 0: token 1 vs 2" in out
-    assert out.index("inputs differ") < out.index("compared ")
+    assert out.index("inputs differ") < out.index("DIVERGED") < out.index("compared ")
 
 
 def test_vllm_runs_whose_prompts_differ_are_reported_as_inputs(

@@ -312,9 +312,13 @@ def _describe_error(result: TensorResult) -> str:
 
 def print_report(report: DiffReport, max_rows: int, *, table_too: bool = True, stderr: bool = False) -> None:
     out = console(stderr)
+    lines = summary_lines(report)
+    first = len(report.inputs_differ)  # inputs that differ: said before any number, the table's too
+    for line in lines[:first]:
+        out.print(line, soft_wrap=True, markup=False)
     if table_too and report.results:
         out.print(table(report, max_rows))
-    for line in summary_lines(report):
+    for line in lines[first:]:
         out.print(line, soft_wrap=True, markup=False)
 
 
