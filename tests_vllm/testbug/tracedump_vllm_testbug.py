@@ -1,7 +1,8 @@
 """A test-only vLLM plugin that plants a bug in the model, inside vLLM's worker.
 
-``TRACEDUMP_TEST_BUG="model.layers.2.mlp.down_proj.weight*1.05"`` scales that parameter right after
-vLLM loads the weights (so layer 2's MLP output is x1.05); several specs are separated by ``;``.
+``TRACEDUMP_TEST_BUG="model.layers.2.mlp.down_proj.weight*1.05"`` scales that parameter once vLLM
+has loaded the weights, before it processes them for its kernels (so layer 2's MLP output is
+x1.05); several specs are separated by ``;``.
 Unset, it does nothing. The conftest puts this folder (with its ``.dist-info``) on ``PYTHONPATH``
 of the engine subprocesses only; it is never installed.
 """
@@ -27,17 +28,18 @@ def register() -> None:
     if not text:
         return
     specs = _specs(text)
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader import base_loader
 
-    if getattr(BaseModelLoader.load_model, "_testbug", False):
+    original = base_loader.process_weights_after_loading
+    if getattr(original, "_testbug", False):
         return
-    original = BaseModelLoader.load_model
 
+    # Scaled before the weights are processed into the kernel's format (the CPU build packs
+    # them): a change made after loading would not reach the kernels.
     @functools.wraps(original)
-    def load_model(self, *args, **kwargs):
+    def process_weights_after_loading(model, *args, **kwargs):
         import torch
 
-        model = original(self, *args, **kwargs)
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, factor in specs:
@@ -45,7 +47,7 @@ def register() -> None:
                     raise KeyError(f"{ENV}: no parameter {name!r}; some: {sorted(params)[:8]}")
                 params[name].mul_(factor)
         print(f"tracedump_vllm_testbug: planted {specs}", flush=True)
-        return model
+        return original(model, *args, **kwargs)
 
-    load_model._testbug = True
-    BaseModelLoader.load_model = load_model
+    process_weights_after_loading._testbug = True
+    base_loader.process_weights_after_loading = process_weights_after_loading
