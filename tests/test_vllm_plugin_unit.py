@@ -44,13 +44,17 @@ p.register(); p.register()
 import tracedump.runtime as r
 print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
                   "torch": "torch" in sys.modules, "runtime": r.existing() is not None,
+                  "settings": "tracedump.settings" in sys.modules,
                   "registered": p._registered}))
 """
 
 
 def test_off_is_one_env_lookup_no_vllm_import_no_torch() -> None:
     out = _python(_PROBE)["out"]
-    assert out == {"vllm": [], "torch": False, "runtime": False, "registered": False}
+    assert out == {"vllm": [], "torch": False, "runtime": False, "settings": False, "registered": False}
+    from tracedump.settings import env_name
+
+    assert env_name("dir") == plugin._DIR_VAR  # the one variable is_enabled() looks up
 
 
 def test_on_without_a_known_runner_warns_once_and_patches_nothing(tmp_path: Path) -> None:

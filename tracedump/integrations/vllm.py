@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -56,6 +57,7 @@ PROFILE_METHODS = (
     "warming_up_model",
 )
 _MARK = "_tracedump_patched"
+_DIR_VAR = "TRACEDUMP_DUMP_DIR"  # settings.env_name("dir"): the variable that turns dumping on
 _ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
 
 _registered = False
@@ -63,10 +65,14 @@ _registered = False
 
 def register() -> None:
     """The entry point vLLM calls in each of its processes (possibly more than once)."""
-    from ..settings import is_enabled  # pydantic-settings only; vLLM has imported pydantic already
-
     global _registered
-    if _registered or not is_enabled(None):
+    # Off: the one env lookup that is_enabled() makes, done here first, as the launcher's bootstrap
+    # does: importing the settings (pydantic-settings) would cost every vLLM process ~0.5 s for nothing.
+    if _registered or not os.environ.get(_DIR_VAR, "").strip():
+        return
+    from ..settings import is_enabled
+
+    if not is_enabled(None):
         return
     _registered = True
     try:
