@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -56,6 +57,7 @@ PROFILE_METHODS = (
     "warming_up_model",
 )
 _MARK = "_tracedump_patched"
+_DIR_VAR = "TRACEDUMP_DUMP_DIR"  # settings.env_name("dir"): the variable that turns dumping on
 _ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
 
 _registered = False
@@ -63,10 +65,14 @@ _registered = False
 
 def register() -> None:
     """The entry point vLLM calls in each of its processes (possibly more than once)."""
-    from ..settings import is_enabled  # pydantic-settings only; vLLM has imported pydantic already
-
     global _registered
-    if _registered or not is_enabled(None):
+    # Off: the one env lookup that is_enabled() makes, done here first, as the launcher's bootstrap
+    # does: importing the settings (pydantic-settings) would cost every vLLM process ~0.5 s for nothing.
+    if _registered or not os.environ.get(_DIR_VAR, "").strip():
+        return
+    from ..settings import is_enabled
+
+    if not is_enabled(None):
         return
     _registered = True
     try:
@@ -183,6 +189,7 @@ class RunnerHooks:
         self._scheduler_output: Any = None
         self._profile_depth = 0
         self._lock = threading.Lock()
+        self.wrapped: list[str] = []  # the runner's methods replaced on the instance
         self._wrap("load_model", self._load_model)
         self._wrap("execute_model", self._execute_model)
         self._wrap("sample_tokens", self._sample_tokens)
@@ -202,6 +209,17 @@ class RunnerHooks:
             return wrapper(original, *args, **kwargs)
 
         setattr(self.runner, name, method)
+        self.wrapped.append(name)
+
+    def remove(self) -> None:
+        """Close the dumper and give the runner its own methods back (benchmarks, tests)."""
+        self._end_step()
+        if self.dumper is not None:
+            self.dumper.close()
+            self.dumper = None
+        for name in self.wrapped:
+            self.runner.__dict__.pop(name, None)
+        self.wrapped = []
 
     # -------------------------------------------------------------- attach
 
@@ -308,6 +326,12 @@ class RunnerHooks:
         req_ids = list(runner.input_batch.req_ids)
         counts = [int(scheduled.num_scheduled_tokens[r]) for r in req_ids]
         rows = sum(counts)
+        if input_ids is not None and input_ids.shape[0] != rows:
+            _warn(
+                f"tracedump: a vLLM step ran {input_ids.shape[0]} token rows for {rows} scheduled "
+                "tokens (padding: data parallelism or CUDA-graph sizes); set_batch names the first "
+                f"{rows}, and the padded tensors cannot be aligned by token"
+            )
         if positions is not None and positions.dim() != 1:  # M-RoPE: the runner's plain positions
             buffer = getattr(runner, "positions", None)
             positions = getattr(buffer, "cpu", None)
