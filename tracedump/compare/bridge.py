@@ -54,7 +54,7 @@ _COMBINE = {"sum": " + ", "product": " * "}
 _RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason", "id"})
 _HEADER_KEYS = frozenset({"name", "description", "a", "b", "architectures", "align"})
 _PLACEHOLDER = re.compile(r"\{(\d+)(?:([+-])(\d+))?\}")
-BUILTIN_PACKAGE = "tracedump.bridges"
+BUILTIN_FOLDER = "bridges"  # tracedump/bridges/*.toml, shipped as package data (pyproject.toml)
 
 
 class BridgeError(UsageError):
@@ -290,7 +290,7 @@ def load_bridge(path: str | Path) -> Bridge:
 def builtin_bridges() -> list[Bridge]:
     """The bridges shipped in ``tracedump/bridges/*.toml``, in file name order."""
     found = []
-    folder = resources.files(BUILTIN_PACKAGE)
+    folder = resources.files("tracedump").joinpath(BUILTIN_FOLDER)  # package data, not a package
     for item in sorted(folder.iterdir(), key=lambda p: p.name):
         if item.name.endswith(".toml"):
             data = _toml().loads(item.read_text())
