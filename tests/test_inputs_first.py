@@ -113,3 +113,31 @@ def test_a_prompt_one_token_off_still_pairs_when_the_others_pair_by_tokens(
     finding = report.inputs_differ[0]
     assert (finding["sequence"], finding["sequence_b"], finding["position"]) == (1, "req-b", 2)
     assert report.exit_code == 1 and report.first_divergence is None
+
+
+def test_the_hf_layout_carries_the_token_ids_without_set_batch(
+    model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """HF's batch layout from its root forward's input_ids (no set_batch): a padded batch against
+    the prompts run alone, the second prompt's last token changed."""
+
+    def run(out: Path, batches: list[tuple[list[list[int]], list[list[int]] | None]]) -> Path:
+        dumper = tracedump.attach(model, {"dir": str(out)})
+        assert dumper is not None
+        with torch.no_grad():
+            for ids, mask in batches:
+                kwargs = {"attention_mask": torch.tensor(mask)} if mask is not None else {}
+                model(torch.tensor(ids), **kwargs)
+        dumper.close()
+        return out
+
+    other = [1, 7, 4]
+    padded = [[*PROMPTS[0]], [0, 0, *other]]  # left padding
+    mask = [[1] * 5, [0, 0, 1, 1, 1]]
+    batched = run(tmp_path / "batched", [(padded, mask)])
+    alone = run(tmp_path / "alone", [([PROMPTS[0]], None), ([PROMPTS[1]], None)])
+    report = compare(batched, alone, align="tokens")
+    assert report.exit_code == 1 and report.first_divergence is None
+    finding = report.inputs_differ[0]
+    assert (finding["position"], finding["a"], finding["b"]) == (2, 4, 3)
+    assert len(report.inputs_differ) == 1  # the first prompt agrees; padding is no input

@@ -510,6 +510,10 @@ class Matcher:
     classes_b: Mapping[str, str]
     line: str = ""
     align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
+    # passes of one run usually hold the same names: matched once (names in order -> Matched)
+    _seen: dict[tuple[tuple[str, ...], tuple[str, ...]], Matched] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def class_of(self, side: str, name: str) -> str | None:
         classes = self.classes_a if side == "a" else self.classes_b
@@ -523,7 +527,13 @@ class Matcher:
         return _bare(found) if found else None
 
     def match(self, names_a: Iterable[str], names_b: Iterable[str], options: DiffOptions) -> Matched:
-        names_a, names_b = list(names_a), list(names_b)
+        """The pairs (bridged, then by name), in A's capture order, and the leftovers with why."""
+        key = (tuple(names_a), tuple(names_b))
+        if key not in self._seen:
+            self._seen[key] = self._match(list(key[0]), list(key[1]), options)
+        return self._seen[key]
+
+    def _match(self, names_a: list[str], names_b: list[str], options: DiffOptions) -> Matched:
         mapped = {name: options.map_name(name) for name in names_a}
         original = {m: name for name, m in mapped.items()}
         have = {"a": set(original), "b": set(names_b)}
