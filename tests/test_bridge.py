@@ -565,3 +565,15 @@ def test_the_engine_page_shows_every_built_in_rule() -> None:
             row = f"| {rule.number} | {rule.id} | {rule.op} |"
             assert row in section, row
             assert rule.match.pattern.replace("|", "\\|") in section, rule.match.pattern
+
+
+def test_a_fused_tensor_longer_than_its_pieces_is_an_error_not_a_dropped_remainder(
+    toy: dict[str, Path], tmp_path: Path
+) -> None:
+    a, _b = toy_pair()
+    a["layers.0.qkv[0]"] = torch.cat([a["layers.0.qkv[0]"], torch.ones(TOKENS, 2)], -1)  # 18 columns
+    longer = write_run(tmp_path / "longer", [a], framework="engine")
+    results = by_name(compare(longer, toy["b"], bridge=toy["rules"]))
+    pieces = [r for name, r in results.items() if name.startswith("layers.0.qkv[0][")]
+    assert len(pieces) == 3 and all(r.status == "error" for r in pieces)
+    assert "add up to 16" in pieces[0].message and "has 18" in pieces[0].message

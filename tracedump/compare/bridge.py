@@ -392,6 +392,7 @@ class Expr:
     op: str | None = None  # None (one tensor), sum, product, concat, split
     dim: int = -1
     piece: tuple[int, int] | None = None  # split: [start, stop) along dim
+    whole: int | None = None  # split: what the pieces add up to along dim
 
     @property
     def label(self) -> str:
@@ -440,6 +441,11 @@ class Expr:
             axis = self.dim % len(shape) if shape else 0
             if not shape or self.piece is None or self.piece[1] > shape[axis]:
                 return shape, f"split: {list(shape)} has no [{self.piece}] along dim {self.dim}"
+            if self.whole is not None and self.whole != shape[axis]:
+                return shape, (
+                    f"split: the pieces add up to {self.whole} along dim {self.dim}, "
+                    f"the tensor {list(shape)} has {shape[axis]}"
+                )
             return (*shape[:axis], self.piece[1] - self.piece[0], *shape[axis + 1 :]), None
         if self.op == "concat":
             ndim = len(known[0])
@@ -719,7 +725,19 @@ def size_splits(
             sized = replace(fused, piece=(start, start + size))
             pair = replace(pair, **{which: sized})
         out.append(pair)
-    return out
+    return [_with_whole(pair, offsets) for pair in out]
+
+
+def _with_whole(pair: BridgedPair, offsets: dict[tuple[str, str, int], int]) -> BridgedPair:
+    """Each split piece knows what its pieces add up to: a fused tensor of another size is an
+    error, never a silently dropped remainder."""
+    for which in ("a", "b"):
+        fused: Expr = getattr(pair, which)
+        if fused.op == "split":
+            pair = replace(
+                pair, **{which: replace(fused, whole=offsets.get((which, fused.names[0], fused.dim)))}
+            )
+    return pair
 
 
 def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
