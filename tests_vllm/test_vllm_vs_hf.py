@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PYTHON, SCRIPTS, OfflineRun
+from conftest import BUG_SPEC, PYTHON, SCRIPTS, OfflineRun
 
 HF_LAYOUT = importlib.util.find_spec("tracedump.integrations.hf") is not None  # the HF batch layout
 
@@ -146,3 +146,21 @@ def test_vllm_runs_whose_prompts_differ_are_reported_as_inputs(
     finding = next(f for f in report["summary"]["inputs_differ"] if f["position"] == 3)
     assert finding["a"] == 25 and finding["b"] == clean_dump.result["tokens"][1][0]
     assert "inputs differ:" in out
+
+
+def test_bf16_vllm_against_the_fp32_reference_with_a_bf16_baseline(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    reference, baseline = hf_dump("generate"), hf_dump("generate-bf16", "--dtype", "bfloat16")
+    clean = offline_dump("clean-bf16", args=["--dtype", "bfloat16"])
+    bug = offline_dump("bug-bf16", args=["--dtype", "bfloat16"], env={"TRACEDUMP_TEST_BUG": BUG_SPEC})
+    code, _out, report = diff(tmp_path, clean.dir, reference, "--baseline", baseline)
+    bad = [(t["name"], t["x_noise"]) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, bad
+    measured = [t for t in report["tensors"] if t["rel_diff"] is not None]
+    assert measured and all(t["basis"] == "baseline" for t in measured)
+    assert max(t["rel_diff"] for t in measured) > 1e-6  # the premise: bf16 against fp32 is not exact
+    code, _out, report = diff(tmp_path, bug.dir, reference, "--baseline", baseline)
+    assert code == 1
+    first = report["summary"]["alignment"][0]["first"]
+    assert first["name"].startswith("model.layers.2.mlp"), first
