@@ -577,3 +577,22 @@ def test_a_fused_tensor_longer_than_its_pieces_is_an_error_not_a_dropped_remaind
     pieces = [r for name, r in results.items() if name.startswith("layers.0.qkv[0][")]
     assert len(pieces) == 3 and all(r.status == "error" for r in pieces)
     assert "add up to 16" in pieces[0].message and "has 18" in pieces[0].message
+
+
+def test_a_map_rule_relates_two_classes_as_a_bridge_rule_does(tmp_path: Path) -> None:
+    a = {"blocks.0.norm": torch.ones(TOKENS, HIDDEN), "model.layers.0.norm": torch.ones(TOKENS, HIDDEN)}
+    b = {
+        "model.layers.0.input_layernorm": torch.ones(1, TOKENS, HIDDEN),
+        "model.layers.0.norm": torch.ones(TOKENS, HIDDEN),
+    }
+    side_a = write_run(
+        tmp_path / "a", [a], classes={"blocks.0.norm": "RMSNorm", "model.layers.0.norm": "RMSNorm"}
+    )
+    side_b = write_run(
+        tmp_path / "b",
+        [b],
+        classes={"model.layers.0.input_layernorm": "LlamaRMSNorm", "model.layers.0.norm": "LlamaRMSNorm"},
+    )
+    results = by_name(compare(side_a, side_b, maps=[r"^blocks\.0\.norm$=model.layers.0.input_layernorm"]))
+    assert results["blocks.0.norm"].status == "ok"  # the user's --map said these two compare
+    assert results["model.layers.0.norm"].status == "not_comparable"  # same name, no rule

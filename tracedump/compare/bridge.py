@@ -560,7 +560,10 @@ class Matcher:
             if m not in in_b:
                 out.leftovers.append(Leftover("A", name, NO_NAME_IN_B, m))
                 continue
-            class_a, class_b = self.class_of("a", name), self.class_of("b", m)
+            # one name, two classes: not comparable. A name --map made is the user's rule: compared.
+            class_a, class_b = (
+                (self.class_of("a", name), self.class_of("b", m)) if m == name else (None, None)
+            )
             classes = (class_a, class_b) if class_a and class_b and class_a != class_b else None
             anchored.append((order[m], BridgedPair(Expr((name,)), Expr((m,)), None, classes=classes)))
             claimed["b"].add(m)
