@@ -191,9 +191,12 @@ class CallSites:
         self._local.stack = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        self.stack.append(id(module))
+        if not torch.compiler.is_compiling():  # a traced forward keeps no Python state of ours
+            self.stack.append(id(module))
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         stack = self.stack
         key = id(module)
         for i in range(len(stack) - 1, -1, -1):  # normally the top
