@@ -50,6 +50,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         return {"skipped": SKIP_MESSAGE}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEDUMP_")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+    # One OpenMP thread bound to one core: vLLM's CPU build spins its OMP threads at each barrier,
+    # and on a shared small machine a descheduled thread stalls the whole step (noise 2x and more).
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     command = [python, "-m", "benchmarks.bench_vllm", *(["--quick"] if quick else [])]
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=1200
@@ -92,6 +95,7 @@ def _runner(llm: Any) -> Any:
 
     gc.unfreeze()  # vLLM freezes its start-up objects out of gc's lists
     found = [o for o in gc.get_objects() if isinstance(o, GPUModelRunner)]
+    gc.freeze()  # and back: a collection scanning vLLM's whole heap would land in some rounds only
     if len(found) != 1:
         raise RuntimeError(f"expected one model runner in this process, found {len(found)}")
     return found[0]
@@ -149,7 +153,7 @@ def measure(quick: bool) -> dict[str, Any]:
     )
     hooks_off = _hooks_now(model)
     dumps = work / "dumps"
-    rounds = 3 if quick else 7
+    rounds = 3 if quick else 11
     passes = 0
 
     def full() -> dict[str, float]:
@@ -160,33 +164,61 @@ def measure(quick: bool) -> dict[str, Any]:
             hooks._attach()
         finally:
             os.environ.pop("TRACEDUMP_DUMP_DIR", None)
-        seconds = common.timed(generate)
+        seconds = _clocked(generate)
         passes += hooks.dumper.pass_index if hooks.dumper is not None else 0
-        hooks.remove()
-        return {"s": seconds}
+        hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
+        gc.collect()
+        return seconds
+
+    def plain() -> dict[str, float]:
+        seconds = _clocked(generate)
+        gc.collect()  # as the full round does after its timing: each round starts alike
+        return seconds
 
     with torch.inference_mode():
         samples = common.interleave(
             {
-                "untouched": lambda: {"s": common.timed(generate)},
-                "plugin_off": lambda: {"s": common.timed(generate)},
+                "untouched": plain,
+                "plugin_off": plain,
                 "full": full,
             },
             rounds=rounds,
             warmup=1,
         )
     med = {name: common.median(values["s"]) for name, values in samples.items()}
+    base = samples["untouched"]
     return {
         "model": {**shape, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens},
         "vllm_version": _version(),
         "rounds": rounds,
         "generate_ms": {name: 1e3 * value for name, value in med.items()},
+        "generate_ms_spread": {
+            name: [1e3 * min(values["s"]), 1e3 * max(values["s"])] for name, values in samples.items()
+        },
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "off_ratio": common.paired_ratio(samples["plugin_off"]["s"], samples["untouched"]["s"]),
         "full_ratio": common.paired_ratio(samples["full"]["s"], samples["untouched"]["s"]),
+        **{
+            f"{short}_ratio_{clock}": common.paired_ratio(samples[variant][clock], base[clock])
+            for variant, short in (("plugin_off", "off"), ("full", "full"))
+            for clock in ("thread_cpu", "process_cpu")
+        },
         "register_off_us": register_off_us,
         "off_untouched": bool(untouched and hooks_off == 0),
         "full_passes_per_round": passes / max(1, rounds + 1),
         "quick": quick,
+    }
+
+
+def _clocked(fn: Any) -> dict[str, float]:
+    """Wall time, this thread's CPU time (the engine's: in-process, it steps in this thread) and
+    the process's CPU time (every thread: tracedump's writer too) of one call."""
+    wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+    fn()
+    return {
+        "s": time.perf_counter() - wall,
+        "thread_cpu": time.thread_time() - thread,
+        "process_cpu": time.process_time() - process,
     }
 
 
