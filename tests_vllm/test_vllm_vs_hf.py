@@ -24,14 +24,14 @@ HF_LAYOUT = importlib.util.find_spec("tracedump.integrations.hf") is not None  #
 def hf_dump(
     session_dir: Path, tiny_model: Callable[..., Path], run_engine: Callable[..., Any]
 ) -> Callable[..., Path]:
-    """``hf_dump(name, *args)``: ``scripts/hf_reference.py`` on the fp32 Llama under ``tracedump
-    run --modules all``, once per name per session."""
+    """``hf_dump(name, *args, arch="llama")``: ``scripts/hf_reference.py`` on the fp32 model under
+    ``tracedump run --modules all``, once per name per session."""
     done: dict[str, Path] = {}
 
-    def dump(name: str, *args: str) -> Path:
+    def dump(name: str, *args: str, arch: str = "llama") -> Path:
         if name not in done:
             out = session_dir / "hf" / name
-            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(tiny_model()), *args]
+            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(tiny_model(arch=arch)), *args]
             run_engine(
                 [PYTHON, "-m", "tracedump", "run", "-q", "--dir", str(out), "--modules", "all", "--", *script]
             )
@@ -164,3 +164,17 @@ def test_bf16_vllm_against_the_fp32_reference_with_a_bf16_baseline(
     assert code == 1
     first = report["summary"]["alignment"][0]["first"]
     assert first["name"].startswith("model.layers.2.mlp"), first
+
+
+def test_qwen2_against_hf_with_no_flags(
+    offline_dump: Callable[..., OfflineRun],
+    tiny_model: Callable[..., Path],
+    hf_dump: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    qwen2 = offline_dump("qwen2", model=tiny_model(arch="qwen2"))  # q/k/v with biases
+    code, _out, report = diff(tmp_path, qwen2.dir, hf_dump("qwen2", arch="qwen2"))
+    bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, bad
+    assert report["summary"]["bridge"]["name"] == "vllm-transformers-llama"
+    assert "model.layers.3.self_attn.qkv_proj[0][0:256]" in {t["name"] for t in report["tensors"]}
