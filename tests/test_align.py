@@ -69,7 +69,8 @@ def test_the_engine_steps_mix_requests_chunked_prefill_and_decode(dumps: dict[st
 def test_a_bug_free_batching_engine_matches_the_batch_1_reference(dumps: dict[str, Path]) -> None:
     report = compare(dumps["engine"], dumps["reference"], align="tokens")
     assert report.exit_code == 0, [r.message for r in report.results if r.status != "ok"][:3]
-    assert report.alignment is not None and report.alignment[0]["matched_by"] == "order of first appearance"
+    # the HF reference's rows carry the layout of their forwards (sequences 0, 1, 2 in run order)
+    assert report.alignment is not None and report.alignment[0]["matched_by"] == "seq id"
     assert len(report.alignment[0]["pairs"]) == 3
     lengths = sorted(r.shape_a[0] for r in report.results if r.name == "model.embed_tokens")
     assert lengths == sorted(len(t) for t in batching.fed_tokens(dumps["served"]))  # type: ignore[arg-type]
@@ -96,10 +97,13 @@ def test_a_decode_only_bug_is_named_with_its_layer_sequence_position_and_step(
 def test_against_hf_generate_one_pass_per_token(dumps: dict[str, Path]) -> None:
     report = compare(dumps["engine"], dumps["generate"], align="tokens", filter=r"layers|embed|norm|lm_head")
     pairs = report.alignment[0]["pairs"]  # type: ignore[index]
-    assert pairs[0] == [0, "pass0"]  # generate(): a prefill pass, then one pass per token
+    assert pairs[0] == [0, 0]  # generate(): a prefill pass, then one pass per token, all sequence 0
     assert report.exit_code == 0
-    positions = {r.shape_a[0] for r in report.results if r.root and r.root.startswith("seq 0")}
+    seq0 = [r for r in report.results if r.root and r.root.startswith("seq 0")]
+    positions = {r.shape_a[0] for r in seq0 if r.name != "lm_head"}
     assert positions == {14}  # 11 prompt tokens and 3 decoded ones were fed
+    logits = next(r for r in seq0 if r.name == "lm_head")  # generate() keeps the last row's logits
+    assert logits.status == "ok" and logits.positions == (10, 11, 12, 13)
 
 
 def test_the_loader_gathers_a_sequence_in_position_order(dumps: dict[str, Path]) -> None:
@@ -107,11 +111,11 @@ def test_the_loader_gathers_a_sequence_in_position_order(dumps: dict[str, Path])
     tensors = run.sequence(1)
     served = {r.seq_id: r for r in dumps["served"]}  # type: ignore[attr-defined]
     assert tensors["model.embed_tokens"].shape == (len(served[1].tokens) - 1, 32)
-    reference = tracedump.open_dump(dumps["reference"]).run().sequence("pass1")
+    reference = tracedump.open_dump(dumps["reference"]).run().sequence(1)
     torch.testing.assert_close(
         tensors["model.embed_tokens"], reference["model.embed_tokens"]
     )  # [positions, 32]
-    generated = tracedump.open_dump(dumps["generate"]).run().sequence("pass0")
+    generated = tracedump.open_dump(dumps["generate"]).run().sequence(0)
     assert generated["model.embed_tokens"].shape == (14, 32)  # the prefill's 11 rows, then 3 decode steps
     with pytest.raises(KeyError, match="no sequence 9"):
         run.sequence(9)

@@ -202,7 +202,7 @@ def test_a_real_manifest_validates_as_manifest(full_run: Path, stats_run: Path) 
     for run_dir in (full_run, stats_run):
         data = json.loads((run_dir / fmt.MANIFEST).read_text())
         assert manifest_problems(data, closed=True) == []
-        assert data["format"] == fmt.FORMAT_VERSION == "1"
+        assert data["format"] == fmt.FORMAT_VERSION == "1.1"
         assert list(data) == [k for k in MANIFEST_KEYS if k in data]  # written in the contract's order
         assert tracedump.open_dump(run_dir).run().manifest == data
 

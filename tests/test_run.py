@@ -222,6 +222,8 @@ def test_a_program_that_never_imports_tracedump_is_dumped_with_the_keys_of_an_ex
     assert re.fullmatch(r"rank0_pid\d+", run.name)
     assert run.manifest["root"] == "LlamaForCausalLM"
     assert run.manifest["complete"] is True
+    assert run.framework == "transformers" and run.framework_version  # format 1.1
+    assert run.module_classes["model.layers.0.self_attn.q_proj"] == "Linear"
 
     reference = explicit_llama_dump(tmp_path / "explicit")
     auto_passes = {index: passfile.load() for index, passfile in run.passes.items()}

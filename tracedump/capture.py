@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from .hooks import MAX_DEPTH as _MAX_DEPTH
-from .hooks import HookSet
+from .hooks import CallSites, HookSet
 from .recorder import Plan, Recorder
 from .rundir import ErrorLog
 from .runtime import Warner
-from .selection import ROOT_NAME, candidate_modules, display_name, regex_predicate
+from .selection import ROOT_NAME, candidate_modules, display_name, every_name, regex_predicate, shared_names
 from .sinks import MemorySink
 
 __all__ = ["Capture", "CaptureSpec", "ModuleCapture", "capture", "parse_spec"]
@@ -312,8 +312,18 @@ class Capture:
         sides: dict[Kind, list[tuple[str, nn.Module]]] = {"inputs": [], "outputs": []}
         for name, kind in self._requests:
             sides[kind].append((display_name(name), self._modules[name]))
+        hooked = list(dict.fromkeys(sides["outputs"] + sides["inputs"]))
+        names = every_name(self.model)
+        shared = shared_names(names, hooked)
+        sites = CallSites(self.model, names, shared) if shared else None
         self._hooks = HookSet(
-            self.model, self._recorder, sides["outputs"], sides["inputs"], then=self._captured, passes=False
+            self.model,
+            self._recorder,
+            sides["outputs"],
+            sides["inputs"],
+            then=self._captured,
+            passes=False,
+            sites=sites,
         )
         return self
 
@@ -359,6 +369,8 @@ class Capture:
             raise RuntimeError("Capture.run() must be called inside the `with capture(...)` block")
         if self.early_exit:
             self._pending = set(self._requests)
+        if self._hooks.sites is not None:
+            self._hooks.sites.reset()
         with self._recorder.step():
             try:
                 return self.model(*args, **kwargs)
@@ -409,7 +421,9 @@ class Capture:
             raise ValueError(
                 f"save({str(target)!r}): {e.errors()[0]['msg'].splitlines()[-1].strip()}"
             ) from None
-        fields = model_fields(self.model, type(self.model).__name__, list(self._by_key))
+        captured = [(key, self._modules[name]) for key, name in self._by_key.items()]
+        shared = shared_names(every_name(self.model), captured)
+        fields = model_fields(self.model, type(self.model).__name__, captured, shared)
         warn = self._warn
 
         def quiet_write_error(key: str, message: str) -> None:  # raised below, not warned

@@ -281,6 +281,9 @@ class Controller:
         if self._seen is not None:
             with contextlib.suppress(Exception):  # whatever it holds, it is not this run's order
                 self._last_id = read_order(path).id
+        # A heartbeat from attach on, not from the first step: a server that loads its model and
+        # waits for traffic (vLLM with the plugin) can be armed before its first request.
+        self._heartbeat(0)
 
     def at_boundary(self, step: int) -> tuple[Window | None, bool]:
         """Poll the order file at step ``step``; the armed window this step belongs to (None: idle),

@@ -31,11 +31,12 @@ from torch import nn
 from .control import Controller
 from .cuda import SyncEscape
 from .format import RECORDS_FILE
-from .hooks import HookSet
+from .hooks import CallSites, HookSet
+from .integrations.hf import batch_layout_for
 from .recorder import Plan, Recorder, check_tag
 from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
-from .selection import select_modules
+from .selection import every_name, kept_names, select_modules, shared_names
 from .sequences import batch_metadata
 from .settings import (
     DEFAULT_ENV_PREFIX,
@@ -137,11 +138,13 @@ class Dumper:
         self._closed = False
         # All or nothing: everything that can fail runs before the first hook is registered, and a
         # failure removes the run dir it made, so a bad setting leaves the model as it was.
-        self.modules = select_modules(model, settings, env_prefix)
+        names = every_name(model)
+        self.modules = select_modules(model, settings, env_prefix, names)
         self.graft = self._grafter(model, settings) if settings.graft_from is not None else None
         if self.graft is not None:
             self.modules = self.graft.with_targets(self.modules)
-        fields = model_fields(model, self.root_label, [name for name, _ in self.modules])
+        self.shared = shared_names(names, self.modules)  # modules with several names (vLLM's rotary)
+        fields = model_fields(model, self.root_label, self.modules, self.shared)
         self.model_class = str(fields["model_class"])  # one spelling, the manifest's
         self.rundir = RunDir(settings, env_prefix, fields, self.warn)
         if self.graft is not None:
@@ -164,7 +167,10 @@ class Dumper:
         inputs = (
             self.modules if settings.inputs or control is not None else []
         )  # control: --inputs may arm them
-        self.hooks = HookSet(model, self.recorder, self.modules, inputs)
+        keep = kept_names(settings, self.shared, self.modules)
+        sites = CallSites(model, names, self.shared, keep) if self.shared else None
+        layout = batch_layout_for(model)  # HF: each root forward's batch layout from its inputs
+        self.hooks = HookSet(model, self.recorder, self.modules, inputs, sites=sites, layout=layout)
         if self.graft is not None:
             self.graft.register()
         self.rundir.close_at_exit(self.close)
@@ -215,9 +221,9 @@ class Dumper:
 
     def set_batch(
         self,
-        seq_ids: Sequence[int | str] | torch.Tensor,
-        positions: Sequence[int] | torch.Tensor | None = None,
-        input_ids: Sequence[int] | torch.Tensor | None = None,
+        seq_ids: Sequence[int | str | None] | Sequence[Sequence[int | str | None]] | torch.Tensor,
+        positions: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None = None,
     ) -> None:
         """Say which sequence and position each token row of this step holds, so ``tracedump diff
         --align tokens`` can line a batching engine's steps up with a batch-1 reference.
@@ -228,7 +234,12 @@ class Dumper:
         tokens when the two sides name them differently). Call it inside ``step()`` or just before;
         it is stored in the pass file's metadata (``tracedump.batch``). Pass host lists or CPU
         tensors: a CUDA tensor costs a device sync here. A call with rows that disagree raises
-        ``ValueError``: it is a bug in the engine's bookkeeping, caught where it is made."""
+        ``ValueError``: it is a bug in the engine's bookkeeping, caught where it is made.
+
+        A padded batch (``[batch, seq, hidden]`` tensors) is a grid: nested lists or 2-D tensors of
+        ``[batch, seq]``; a seq id ``None`` marks a padding row, which is never compared. An HF
+        transformers model gets this from each forward's own inputs without any call
+        (:mod:`tracedump.integrations.hf`)."""
         self.recorder.set_batch(batch_metadata(seq_ids, positions, input_ids))
 
     def record(self, tag: str, tensor: torch.Tensor, once: bool = False) -> None:

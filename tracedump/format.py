@@ -22,7 +22,7 @@ from ._version import __version__
 
 # ------------------------------------------------------------------ version
 
-FORMAT_VERSION = "1"  # written in the manifest ("format") and in every pass file (FORMAT_KEY)
+FORMAT_VERSION = "1.1"  # written in the manifest ("format") and in every pass file (FORMAT_KEY)
 READABLE_MAJORS = frozenset({1})
 _VERSION_TEXT = re.compile(r"(\d+)(?:\.\d+)*")
 
@@ -145,7 +145,9 @@ class Key:
 
     ``path`` is where the tensor sits in the module's output (or input, starting with its argument):
     ``""``, ``[0]``, ``[1][a]``, ``[attention_mask]``. ``call`` N is the (N+1)-th call of the module
-    in its pass (0: no suffix). A ``record()`` tag is a key's ``module``.
+    under ``module`` in its pass (0: no suffix). A module with several names (shared by several
+    parents) is keyed by the name of the parent that called it (docs/file-format.md, "Shared
+    modules named where they are called"). A ``record()`` tag is a key's ``module``.
 
     ``Key.parse(text).format() == text`` for every string; ``Key.parse(key.format()) == key`` unless
     the module name (or tag) ends in a suffix of its own or a dict key on the path holds a ``]``: of
@@ -290,8 +292,12 @@ class Manifest(TypedDict, total=False):
     settings: dict[str, Any]
     env_prefix: str
     model_class: str
+    framework: str  # 1.1: the package the model's class comes from ("transformers", "vllm", "torch")
+    framework_version: str | None  # 1.1: that package's version (None when it has none to give)
     root: str
     modules: list[str]
+    module_classes: dict[str, str]  # 1.1: each captured module name (and shared alias) -> class qualname
+    shared_modules: dict[str, list[str]]  # 1.1: a module with several names -> the names it is dumped under
     precision: dict[str, Any]
     pid: int
     rank: int

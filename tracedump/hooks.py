@@ -3,6 +3,10 @@
 Keys: ``<module>`` for a tensor output, ``<module>[i]`` / ``<module>[key]`` inside tuples, lists,
 dicts, dataclasses and HF ``ModelOutput``; ``<module>@in[i]`` / ``<module>@in[kw]`` for inputs; and
 ``::callN`` last for the N-th repeat call of a module in one pass (``name[0]::call2``).
+
+A module registered under several parents (vLLM's one rotary embedding, held by every layer's
+attention) is named by the parent that calls it (:class:`CallSites`): layer 2's call is
+``model.layers.2.self_attn.rotary_emb``, and only a second call by the same parent is ``::call1``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ def forward_calls_on_stack(module: nn.Module) -> int:
             count += 1
         frame = frame.f_back
     return count
+
+
+def forward_kwargs_on_stack(module: nn.Module) -> dict[str, Any]:
+    """The keyword arguments of the innermost running call of ``module`` (its ``_call_impl``
+    frame), ``{}`` when none is found: what a global pre-hook, which sees none, replays."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            kwargs = frame.f_locals.get("kwargs")
+            return dict(kwargs) if isinstance(kwargs, dict) else {}
+        frame = frame.f_back
+    return {}
 
 
 def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -88,6 +104,13 @@ class PassTarget(Protocol):
     def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None: ...
     def open_auto_pass(self, nested: bool = False) -> bool: ...
     def close_pass(self, truncated: bool = False) -> None: ...
+    def lay_out_batch(self, layout: BatchLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
+
+class BatchLayout(Protocol):
+    """Builds a root forward's ``tracedump.batch`` from its inputs (:mod:`tracedump.integrations.hf`)."""
+
+    def observe(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], wanted: bool) -> str | None: ...
 
 
 Then = Callable[[str, bool, Any], None]
@@ -107,6 +130,144 @@ class _ModuleHook:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+class CallSites:
+    """Which of its names a shared module is called under, from the parents running right now.
+
+    A selected module with several names (``named_modules(remove_duplicate=False)``) is named after
+    the parent that calls it. Each of its names ``a.b.c`` has a *site*: the deepest module on that
+    path (not the module itself) that has one name only, so no other path runs through it (for
+    vLLM's rotary embedding, each layer's ``self_attn``). Only those sites get hooks, a pre-hook
+    that pushes the site on a per-thread stack and an ``always_call`` post-hook that pops it; a
+    call of the shared module takes the name whose site is innermost on the stack, else the name
+    whose site is the root, else its first name. Models without shared modules get none of this,
+    and a module with one name is named as it always was.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Mapping[str, nn.Module],
+        shared: Mapping[str, list[str]],
+        keep: Mapping[str, frozenset[str]] | None = None,
+    ) -> None:
+        """``keep``: per shared module, the names whose calls are captured (FILTER); None: all."""
+        self._local = threading.local()
+        self._keep = keep
+        self._root = id(model)
+        counts: dict[int, int] = {}
+        for module in names.values():
+            counts[id(module)] = counts.get(id(module), 0) + 1
+        self.sites: dict[int, nn.Module] = {}  # the modules that get the push/pop hooks
+        self._tables: dict[str, dict[int, str]] = {}  # hooked name -> site id -> the name it calls under
+        for hooked, aliases in shared.items():
+            table: dict[int, str] = {}
+            for alias in aliases:
+                site = _site(alias, names, counts)
+                if site is not None:
+                    table.setdefault(id(site), alias)  # two names under one parent: the first, ::callN
+                    if id(site) != self._root:
+                        self.sites[id(site)] = site
+            self._tables[hooked] = table
+
+    def __bool__(self) -> bool:
+        return bool(self._tables)
+
+    def shared(self, name: str) -> bool:
+        return name in self._tables
+
+    @property
+    def stack(self) -> list[int]:
+        try:
+            return self._local.stack
+        except AttributeError:
+            self._local.stack = []
+            return self._local.stack
+
+    def reset(self) -> None:
+        """At an outermost root forward: a ``BaseException`` (Ctrl-C, capture()'s early exit) may
+        have unwound a site without its post-hook; its entry must not name the next calls."""
+        self._local.stack = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():  # a traced forward keeps no Python state of ours
+            self.stack.append(id(module))
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = self.stack
+        key = id(module)
+        for i in range(len(stack) - 1, -1, -1):  # normally the top
+            if stack[i] == key:
+                del stack[i]
+                return
+
+    def name_for(self, hooked: str) -> str | None:
+        """The name this call of the shared module ``hooked`` is made under; None when the filter
+        keeps no call under that name."""
+        table = self._tables[hooked]
+        name = None
+        for site in reversed(self.stack):
+            name = table.get(site)
+            if name is not None:
+                break
+        else:
+            name = table.get(self._root, hooked)
+        if self._keep is not None and name not in self._keep[hooked]:
+            return None
+        return name
+
+
+def _site(alias: str, names: Mapping[str, nn.Module], counts: Mapping[int, int]) -> nn.Module | None:
+    """The deepest module on the path of ``alias`` (itself excluded) that has one name only."""
+    parts = alias.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        module = names.get(".".join(parts[:end]))
+        if module is not None and counts.get(id(module)) == 1:
+            return module
+    return None
+
+
+class SharedOutputHook(_ModuleHook):
+    """:class:`OutputHook` for a module with several names: named by its calling parent."""
+
+    __slots__ = ("sites",)
+
+    def __init__(self, target: PassTarget, name: str, sites: CallSites, then: Then | None = None) -> None:
+        super().__init__(target, name, then)
+        self.sites = sites
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            traced_by_dynamo()
+            return
+        name = self.sites.name_for(self.name)
+        if name is not None:
+            self.target.on_module_tensors(name, output, is_input=False)
+        if self.then is not None:
+            self.then(self.name, False, output)
+
+
+class SharedInputHook(_ModuleHook):
+    """:class:`InputHook` for a module with several names: named by its calling parent."""
+
+    __slots__ = ("sites",)
+
+    def __init__(self, target: PassTarget, name: str, sites: CallSites, then: Then | None = None) -> None:
+        super().__init__(target, name, then)
+        self.sites = sites
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            traced_by_dynamo()
+            return
+        name = self.sites.name_for(self.name)
+        if name is not None:
+            self.target.on_module_tensors(name, (args, kwargs), is_input=True)
+        if self.then is not None:
+            self.then(self.name, True, (args, kwargs))
 
 
 class OutputHook(_ModuleHook):
@@ -142,11 +303,12 @@ class RootPassHooks:
     opened one with ``dumper.step()``. The post hook is registered with ``always_call=True`` so a
     forward that raises still closes its pass."""
 
-    __slots__ = ("_local", "hooks", "target")
+    __slots__ = ("_local", "hooks", "layout", "target")
 
-    def __init__(self, target: PassTarget, hooks: HookSet) -> None:
+    def __init__(self, target: PassTarget, hooks: HookSet, layout: BatchLayout | None = None) -> None:
         self.target = target
         self.hooks = hooks
+        self.layout = layout  # an HF model's batch layout, read from each outermost forward's inputs
         self._local = threading.local()
 
     @property
@@ -170,7 +332,15 @@ class RootPassHooks:
             opened.clear()
         if not opened:
             self.hooks.keep_last()
+            if self.hooks.sites is not None:
+                self.hooks.sites.reset()
         opened.append(self.target.open_auto_pass(nested=bool(opened)))
+
+    def before_with_kwargs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """:meth:`before`, then the batch layout of an outermost forward from its inputs (HF)."""
+        self.before(module, args)
+        if self.layout is not None and len(self.opened) == 1 and not torch.compiler.is_compiling():
+            self.target.lay_out_batch(self.layout, args, kwargs)
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -196,25 +366,44 @@ class HookSet:
         inputs: Iterable[tuple[str, nn.Module]] = (),
         then: Then | None = None,
         passes: bool = True,
+        sites: CallSites | None = None,
+        layout: BatchLayout | None = None,
     ) -> None:
         """``passes``: each outermost root forward is a pass (``attach()``); without, the owner opens
-        them (``capture()``'s ``run()``) and the root gets no hook."""
+        them (``capture()``'s ``run()``) and the root gets no hook. ``sites``: the call sites of
+        the selected modules that have several names (none: every module is named as selected).
+        ``layout``: each outermost root forward's batch layout comes from its inputs (HF models;
+        the root's pass hook then takes keyword arguments)."""
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
-        self.root = RootPassHooks(target, self)
+        self.root = RootPassHooks(target, self, layout)
+        self.sites = sites if sites else None
         self.handles: list[RemovableHandle] = []
         self._last: list[tuple[dict[int, Any], int]] = []
         self._epoch = -1
         try:
-            if passes:
+            if passes and layout is not None:
+                opener = model.register_forward_pre_hook(
+                    self.root.before_with_kwargs, prepend=True, with_kwargs=True
+                )
+                self.handles.append(opener)
+            elif passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
+            if self.sites is not None:
+                for site in self.sites.sites.values():
+                    self.handles.append(site.register_forward_pre_hook(self.sites.enter))
+                    self.handles.append(site.register_forward_hook(self.sites.leave, always_call=True))
             for name, module in inputs:
-                handle = module.register_forward_pre_hook(InputHook(target, name, then), with_kwargs=True)
+                hook: Any = InputHook(target, name, then)
+                if self.sites is not None and self.sites.shared(name):
+                    hook = SharedInputHook(target, name, self.sites, then)
+                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 self._keep(handle, module._forward_pre_hooks)
             for name, module in outputs:
-                self._keep(
-                    module.register_forward_hook(OutputHook(target, name, then)), module._forward_hooks
-                )
+                hook = OutputHook(target, name, then)
+                if self.sites is not None and self.sites.shared(name):
+                    hook = SharedOutputHook(target, name, self.sites, then)
+                self._keep(module.register_forward_hook(hook), module._forward_hooks)
             if passes:
                 closer = model.register_forward_hook(self.root.after, always_call=True)
                 self._keep(closer, model._forward_hooks)  # the pass closes after all of them

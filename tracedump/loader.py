@@ -36,13 +36,14 @@ from .format import (
     STATS_FILE,
     STATS_PARTIAL,
     DumpReadError,  # defined with the format it guards; tracedump.DumpReadError is found here
+    Key,
     Manifest,
     check_format,
     parse_pass_file_name,
     parse_run_dir_name,
     stats_record_problem,
 )
-from .sequences import Batch, SeqId, Sequence, batches, sequences, token_dim
+from .sequences import Batch, SeqId, Sequence, batches, sequences
 from .stformat import CODES_ON_DISK_ORDER
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
@@ -399,6 +400,37 @@ class Run:
         return str(self.manifest.get("root") or self.manifest.get("model_class") or "")
 
     @property
+    def framework(self) -> str:
+        """The package the model's class came from (manifest ``framework``: ``"transformers"``,
+        ``"vllm"``, ``"torch"``); ``""`` for a dump written before format 1.1."""
+        value = self.manifest.get("framework")
+        return value if isinstance(value, str) else ""
+
+    @property
+    def framework_version(self) -> str | None:
+        """That package's version (manifest ``framework_version``); None when unknown."""
+        value = self.manifest.get("framework_version")
+        return value if isinstance(value, str) else None
+
+    @property
+    def module_classes(self) -> dict[str, str]:
+        """Each captured module name (and each name a shared module was dumped under) -> the
+        ``__qualname__`` of its class (manifest ``module_classes``); ``{}`` before format 1.1."""
+        value = self.manifest.get("module_classes")
+        if not isinstance(value, dict):
+            return {}
+        return {str(k): v for k, v in value.items() if isinstance(v, str)}
+
+    def module_class(self, key: str) -> str | None:
+        """The class of the module a tensor key names (``model.layers.0.mlp[0]::call1`` ->
+        ``"LlamaMLP"``), None when the manifest does not say."""
+        try:
+            module = Key.parse(key).module
+        except ValueError:
+            return None
+        return self.module_classes.get(module)
+
+    @property
     def serial(self) -> int:
         """2, 3, ... for the second, third root of one process (``rank0_pid7-2``); 1 otherwise."""
         name = parse_run_dir_name(self.path.name)
@@ -454,13 +486,15 @@ class Run:
         for index, rows in by_pass.items():
             pass_file = self.passes[index]
             for name in pass_file.names:
-                dim = token_dim(pass_file.info(name).shape, found[index].tokens, self.token_dim)
-                if dim is None:
+                where = found[index].row_dim(pass_file.info(name).shape, self.token_dim)
+                if where is None:
                     dropped.add(name)
                     continue
+                dim, merged = where  # a [batch, seq] grid's two dims merged into one of rows
                 # [len(rows), ...], other size-1 dims dropped: a decode step's [1, 1, hidden] and a
                 # prefill's [1, seq, hidden] line up as rows
-                taken = pass_file[name].index_select(dim, torch.tensor(rows)).movedim(dim, 0)
+                tensor = pass_file[name].reshape(merged)
+                taken = tensor.index_select(dim, torch.tensor(rows)).movedim(dim, 0)
                 gathered.setdefault(name, []).append(
                     taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
                 )

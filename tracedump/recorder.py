@@ -30,7 +30,7 @@ from . import gates
 from .control import Controller
 from .cuda import stream_is_capturing
 from .format import RECORDS_FILE, Key, key_text, stats_record
-from .hooks import flatten_inputs, flatten_tensors
+from .hooks import BatchLayout, flatten_inputs, flatten_tensors
 from .reduce import compute_stats, last_row
 from .runtime import COMPILED_WARNING
 from .sinks import Sink
@@ -231,6 +231,26 @@ class Recorder:
         else:
             self._pending_batch = batch
 
+    def lay_out_batch(self, layout: BatchLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An outermost root forward of an HF model: its batch layout, unless this step's engine
+        gave one with ``set_batch`` (or the pass keeps nothing). The layout's own bookkeeping sees
+        every such forward, kept or not, so its sequence numbers never depend on STEPS."""
+        current = self.current
+        wanted = (
+            current is not None
+            and current.selected
+            and current.batch is None
+            and not current.implicit
+            and current.owner in (None, threading.get_ident())
+            and not self.suspended()
+        )
+        try:
+            batch = layout.observe(args, kwargs, wanted)
+            if batch is not None and current is not None and current is self.current:
+                self.set_batch(batch)
+        except Exception as e:
+            self.report("batch layout", e)
+
     def record(self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False) -> None:
         try:
             self._record(tag, tensor, once=once, numbered=numbered)
@@ -377,6 +397,10 @@ class Recorder:
             self.sink.host_busy(False)
             self.skipped["outside_pass"] += current.kept
             self._implicit_off = True
+            if self.control is not None and current.index == self.boundaries - 1:
+                # It was no engine step (an engine's compute_logits() after the forward): give its
+                # step number back, or an armed window would lose the step after it.
+                self.boundaries -= 1
             return
         self.close_pass()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime as dt
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -17,7 +18,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from .units import human_bytes
 from .writer import Writer, write_json_atomic
 
 # Skips the settings asked for: reported in the summary, not warned about.
-INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass"})
+INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass", "profile"})
 MAX_ERRORS_KEPT = 20  # distinct (where, type) pairs kept in the manifest's "errors"
 WORKER_NOT_CLOSED = (
     "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
@@ -90,12 +91,59 @@ def run_precision(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def model_fields(model: nn.Module, root: str, modules: list[str]) -> dict[str, Any]:
-    """The manifest's description of what was dumped: ``attach()`` and ``capture().save()`` alike."""
+def framework_of(model: nn.Module) -> tuple[str, str | None]:
+    """The package the model's class comes from and its version: ``("transformers", "5.24.0")``,
+    ``("vllm", "0.32.0")``, ``("torch", ...)`` for a plain ``nn.Module`` subclass.
+
+    The first class of the MRO whose top-level package has a version (its ``__version__``, else its
+    distribution's) names it, so a script's ``class MyLM(PreTrainedModel)`` is ``transformers`` and
+    ``class Port(nn.Module)`` in ``__main__`` is ``torch``. The comparator's bridges choose their
+    rules by it. Runs once, at ``attach()``; imports nothing (the package is already loaded)."""
+    for cls in type(model).__mro__:
+        top = (getattr(cls, "__module__", None) or "").partition(".")[0]
+        if not top or top in ("builtins", "__main__"):
+            continue
+        version = _package_version(top)
+        if version is not None:
+            return top, version
+    return "torch", torch.__version__
+
+
+def _package_version(top: str) -> str | None:
+    version = getattr(sys.modules.get(top), "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version(top)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def model_fields(
+    model: nn.Module,
+    root: str,
+    modules: Sequence[tuple[str, nn.Module]],
+    shared: Mapping[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """The manifest's description of what was dumped: ``attach()`` and ``capture().save()`` alike.
+
+    ``module_classes`` names each captured module's class, under each name its captures may carry
+    (``shared``: a module with several names): ``SiluAndMul`` against ``SiLU`` under one name is
+    no pair the comparator may measure."""
+    framework, version = framework_of(model)
+    shared = shared or {}
+    classes: dict[str, str] = {}
+    for name, module in modules:
+        for alias in shared.get(name, [name]):
+            classes.setdefault(alias, type(module).__qualname__)
     return {
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "framework": framework,
+        "framework_version": version,
         "root": root,
-        "modules": modules,
+        "modules": [name for name, _ in modules],
+        "module_classes": classes,
+        "shared_modules": {name: list(aliases) for name, aliases in shared.items()},
         "precision": run_precision(model),
     }
 

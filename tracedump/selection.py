@@ -58,14 +58,27 @@ def _ask(predicate: Predicate, name: str, module: nn.Module, settings: DumpSetti
 
 
 def select_modules(
-    model: nn.Module, settings: DumpSettings, env_prefix: str = DEFAULT_ENV_PREFIX
+    model: nn.Module,
+    settings: DumpSettings,
+    env_prefix: str = DEFAULT_ENV_PREFIX,
+    names: dict[str, nn.Module] | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """The (name, module) pairs to hook, in registration order; warns when a filter matches none."""
+    r"""The (name, module) pairs to hook, in registration order; warns when a filter matches none.
+
+    A module with several names (``names``: :func:`every_name`) is selected when the filter takes
+    any of them: ``FILTER=layers\.2\.`` selects vLLM's shared rotary embedding, whose first name is
+    layer 0's (its calls under the other names are dropped by :func:`kept_names`)."""
     candidates = candidate_modules(model, settings.modules)
     predicate = build_predicate(settings)
     if predicate is None:
         return candidates
-    selected = [(n, m) for n, m in candidates if _ask(predicate, n, m, settings)]
+    aliases = _names_by_module(names or {})
+    selected = [
+        (n, m)
+        for n, m in candidates
+        if _ask(predicate, n, m, settings)
+        or any(_ask(predicate, a, m, settings) for a in aliases.get(id(m), ()) if a != n)
+    ]
     if not selected:
         sample = ", ".join(n for n, _ in candidates[:12])
         warn_once(
@@ -74,3 +87,58 @@ def select_modules(
             f"(modules={settings.modules}); some names: {sample}",
         )
     return selected
+
+
+MAX_NAMES = 100_000  # names walked for shared modules; a tree with more (sharing gone wild) gets none
+
+
+def every_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Every dotted name of every submodule, a module held by several parents once per path
+    (``named_modules(remove_duplicate=False)``: vLLM's one rotary embedding under each layer's
+    attention), in that order. A child that is already on its own path (a cycle) is not walked
+    again, and past :data:`MAX_NAMES` names the walk stops and only the first name of each module
+    is given (``named_modules()``): a bound for attach(), never an error."""
+    names: dict[str, nn.Module] = {}
+    stack: list[tuple[str, nn.Module, frozenset[int]]] = [("", model, frozenset({id(model)}))]
+    while stack:
+        prefix, module, on_path = stack.pop()
+        names[prefix] = module
+        if len(names) > MAX_NAMES:
+            return dict(model.named_modules())
+        children = [(n, c) for n, c in module._modules.items() if c is not None and id(c) not in on_path]
+        for child_name, child in reversed(children):  # popped in registration order: torch's DFS
+            stack.append((f"{prefix}.{child_name}" if prefix else child_name, child, on_path | {id(child)}))
+    return names
+
+
+def _names_by_module(names: dict[str, nn.Module]) -> dict[int, list[str]]:
+    by_module: dict[int, list[str]] = {}
+    for name, module in names.items():
+        by_module.setdefault(id(module), []).append(display_name(name))
+    return by_module
+
+
+def kept_names(
+    settings: DumpSettings, shared: dict[str, list[str]], selected: list[tuple[str, nn.Module]]
+) -> dict[str, frozenset[str]] | None:
+    """With a filter: the names of each shared module whose calls are kept (those the filter
+    takes); None without one (every call is kept)."""
+    predicate = build_predicate(settings)
+    if predicate is None or not shared:
+        return None
+    modules = dict(selected)
+    return {
+        name: frozenset(a for a in aliases if _ask(predicate, a, modules[name], settings))
+        for name, aliases in shared.items()
+    }
+
+
+def shared_names(names: dict[str, nn.Module], selected: list[tuple[str, nn.Module]]) -> dict[str, list[str]]:
+    """Each selected module that has several names -> all of them, its selected name first."""
+    by_module = _names_by_module(names)
+    shared = {}
+    for name, module in selected:
+        aliases = by_module.get(id(module), [])
+        if len(aliases) > 1:
+            shared[name] = [name, *(alias for alias in aliases if alias != name)]
+    return shared

@@ -17,6 +17,11 @@ reference runs one request per forward. To compare them, every row of every pass
 Rows of a tensor are taken along the dim whose size is the pass's token count (the run's
 ``TOKEN_DIM`` when it fits, else the first such dim), so tensors without a token dim, or with
 another per-token shape, are reported rather than guessed.
+
+A batch may also be a ``grid`` ``[batch, seq]`` (a padded HF batch, ``[batch, seq, hidden]``
+tensors): its rows are the grid's cells in row-major order, found in a tensor as two adjacent
+dims of those sizes (or one dim of ``batch * seq``: ``[tokens, hidden]``). A row whose seq id is
+``None`` (JSON ``null``) is padding: it belongs to no sequence and is never compared.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 from .format import BATCH_KEY
 
 SeqId = int | str
+Row = SeqId | None  # None: a padding row
 
 
 class SequenceError(ValueError):
@@ -41,23 +47,43 @@ class Batch:
     """The rows of one pass: per row its sequence id, position, and token id when known."""
 
     pass_index: int
-    seq_ids: tuple[SeqId, ...]
+    seq_ids: tuple[Row, ...]
     positions: tuple[int, ...]
     input_ids: tuple[int, ...] | None
     declared: bool  # from set_batch(); False when inferred (one sequence per pass)
+    grid: tuple[int, int] | None = None  # [batch, seq]: the rows are its cells, row-major
 
     @property
     def tokens(self) -> int:
         return len(self.seq_ids)
 
+    @property
+    def padding(self) -> int:
+        """Rows that belong to no sequence."""
+        return sum(seq is None for seq in self.seq_ids)
+
     def summary(self) -> str:
         """For ``tracedump ls``: ``seq 0: 0-5, seq 1: 3`` (positions held per sequence)."""
         parts = []
-        for seq in dict.fromkeys(self.seq_ids):
+        for seq in dict.fromkeys(s for s in self.seq_ids if s is not None):
             held = [position for s, position in zip(self.seq_ids, self.positions, strict=True) if s == seq]
             span = f"{min(held)}-{max(held)}" if len(held) > 1 else str(held[0])
             parts.append(f"{seq}: {span}")
-        return ", ".join(parts)
+        if self.padding:
+            parts.append(f"{self.padding} padding rows")
+        layout = f"[{self.grid[0]} x {self.grid[1]}] " if self.grid is not None else ""
+        return layout + ", ".join(parts)
+
+    def row_dim(self, shape: tuple[int, ...], preferred: int) -> tuple[int, tuple[int, ...]] | None:
+        """Where a tensor of ``shape`` holds this pass's rows: the dim, and the shape with a grid's
+        two dims merged into it (``[2, 5, 256]`` -> ``(0, (10, 256))``); None when it holds none."""
+        if self.grid is not None:
+            batch, seq = self.grid
+            for dim in range(len(shape) - 1):
+                if shape[dim] == batch and shape[dim + 1] == seq:
+                    return dim, (*shape[:dim], batch * seq, *shape[dim + 2 :])
+        dim = token_dim(shape, self.tokens, preferred)
+        return None if dim is None else (dim, shape)
 
 
 @dataclass
@@ -98,8 +124,18 @@ def parse_batch(pass_index: int, metadata: dict[str, str]) -> dict[str, list[Any
     except (ValueError, RecursionError) as e:
         raise SequenceError(f"pass {pass_index}: {BATCH_KEY} is not JSON ({e})") from e
     seq_ids = raw.get("seq_ids") if isinstance(raw, dict) else None
-    if not isinstance(seq_ids, list) or not all(isinstance(s, (int, str)) for s in seq_ids):
+    if not isinstance(seq_ids, list) or not all(s is None or isinstance(s, (int, str)) for s in seq_ids):
         raise SequenceError(f"pass {pass_index}: {BATCH_KEY} has no list of seq_ids")
+    grid = raw.get("grid")
+    if grid is not None and not (
+        isinstance(grid, list)
+        and len(grid) == 2
+        and all(type(g) is int and g > 0 for g in grid)
+        and grid[0] * grid[1] == len(seq_ids)
+    ):
+        raise SequenceError(
+            f"pass {pass_index}: {BATCH_KEY} grid {grid!r} does not hold its {len(seq_ids)} rows"
+        )
     for name in ("positions", "input_ids"):
         values = raw.get(name)
         if values is not None and (
@@ -140,21 +176,26 @@ def batches(
     out: dict[int, Batch] = {}
     for index in sorted(pass_indices):
         raw = parse_batch(index, metadata_of(index))
-        tokens = token_count(shapes_of(index))
+        shapes = shapes_of(index)
+        tokens = token_count(shapes)
         if raw is not None:
             seq_ids, given, positions = tuple(raw["seq_ids"]), raw.get("positions"), []
             for row, seq in enumerate(seq_ids):  # without given positions, each sequence continues
                 positions.append(next_position.get(seq, 0) if given is None else given[row])
-                next_position[seq] = max(next_position.get(seq, 0), positions[-1] + 1)
-            if tokens is not None and tokens != len(seq_ids):
-                raise SequenceError(
-                    f"pass {index}: set_batch() declared {len(seq_ids)} rows (sequences "
-                    f"{', '.join(map(str, dict.fromkeys(seq_ids)))}) but the pass's tensors hold {tokens}"
-                )
+                if seq is not None:
+                    next_position[seq] = max(next_position.get(seq, 0), positions[-1] + 1)
             input_ids = raw.get("input_ids")
-            out[index] = Batch(
-                index, seq_ids, tuple(positions), tuple(input_ids) if input_ids else None, True
-            )
+            grid = (raw["grid"][0], raw["grid"][1]) if raw.get("grid") is not None else None
+            ids = tuple(input_ids) if input_ids else None
+            batch = Batch(index, seq_ids, tuple(positions), ids, True, grid)
+            if not _rows_fit(batch, shapes, tokens):
+                held = ", ".join(map(str, dict.fromkeys(s for s in seq_ids if s is not None)))
+                rows = f"{len(seq_ids)} rows" if grid is None else f"a {list(grid)} grid of rows"
+                raise SequenceError(
+                    f"pass {index}: set_batch() declared {rows} (sequences {held}) but the "
+                    f"pass's tensors hold {tokens}"
+                )
+            out[index] = batch
             continue
         if tokens is None:
             continue
@@ -166,6 +207,15 @@ def batches(
     return out
 
 
+def _rows_fit(batch: Batch, shapes: list[tuple[int, ...]], tokens: int | None) -> bool:
+    """A declared batch agrees with the pass's tensors: its first tensor of 2+ dims holds the
+    rows (a grid's two dims, or one of its row count)."""
+    if batch.grid is None:
+        return tokens is None or tokens == batch.tokens
+    first = next((shape for shape in shapes if len(shape) >= 2), None)
+    return first is None or batch.row_dim(first, 0) is not None
+
+
 def sequences(found: dict[int, Batch]) -> dict[SeqId, Sequence]:
     """Each sequence's positions over the passes; repeated or jumping positions raise, naming the
     pass and the sequence (a silent mis-alignment would compare the wrong rows)."""
@@ -173,6 +223,8 @@ def sequences(found: dict[int, Batch]) -> dict[SeqId, Sequence]:
     for index in sorted(found):
         batch = found[index]
         for row, (seq, position) in enumerate(zip(batch.seq_ids, batch.positions, strict=True)):
+            if seq is None:  # padding
+                continue
             sequence = out.setdefault(seq, Sequence(seq))
             if position in sequence.rows:
                 earlier = sequence.rows[position][0]
@@ -201,28 +253,43 @@ def _span(positions: list[int]) -> str:
 # ------------------------------------------------------------------ the writing side: set_batch()
 
 
-def _as_list(values: Any) -> list[Any] | None:
-    """A host list of ``values``: a sequence, or a tensor (flattened; a CUDA one costs a sync)."""
+def _as_list(values: Any) -> tuple[list[Any], list[int] | None] | None:
+    """A flat host list of ``values`` and its grid when they were ``[batch, seq]``: a sequence, a
+    sequence of equal-length sequences, or a tensor of 1 or 2 dims (a CUDA one costs a sync)."""
     if values is None:
         return None
     if hasattr(values, "detach"):
-        return values.detach().reshape(-1).cpu().tolist()
-    return list(values)
+        tensor = values.detach()
+        grid = list(tensor.shape) if tensor.dim() == 2 else None
+        return tensor.reshape(-1).cpu().tolist(), grid
+    listed = list(values)
+    if listed and all(isinstance(v, (list, tuple)) for v in listed):
+        widths = {len(v) for v in listed}
+        if len(widths) != 1:
+            raise ValueError(
+                f"tracedump set_batch(): a [batch, seq] grid of rows of lengths {sorted(widths)}"
+            )
+        return [v for row in listed for v in row], [len(listed), widths.pop()]
+    return listed, None
 
 
 def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
     """The ``tracedump.batch`` JSON of one step (lists or tensors in), checked: one entry per token
-    row in every list."""
-    rows = _as_list(seq_ids) or []
-    batch: dict[str, list[Any]] = {"seq_ids": [s if isinstance(s, str) else int(s) for s in rows]}
+    row in every list. ``[batch, seq]`` grids (nested lists, 2-D tensors) are stored flat with
+    their ``grid``; a seq id ``None`` marks a padding row."""
+    rows, grid = _as_list(seq_ids) or ([], None)
+    batch: dict[str, Any] = {"seq_ids": [s if s is None or isinstance(s, str) else int(s) for s in rows]}
     for name, values in (("positions", positions), ("input_ids", input_ids)):
-        listed = _as_list(values)
-        if listed is None:
+        found = _as_list(values)
+        if found is None:
             continue
-        if len(listed) != len(rows):
+        listed, its_grid = found
+        if len(listed) != len(rows) or (its_grid is not None and grid is not None and its_grid != grid):
             raise ValueError(
                 f"tracedump set_batch(): {len(listed)} {name} for {len(rows)} seq_ids; "
                 "give one entry per token row"
             )
         batch[name] = [int(v) for v in listed]
+    if grid is not None and grid[0] * grid[1] > 0:
+        batch["grid"] = grid
     return json.dumps(batch, separators=(",", ":"))

@@ -23,9 +23,21 @@ from typing import Any
 import numpy as np
 
 from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences, token_dim
+from .bridge import Expr, Matcher, matcher_for
+from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
 from .options import DiffOptions, UsageError
-from .plan import Plan, Unit, Unmatched, match_names, pair_roots, pair_tolerance, run_precision, side_entries
+from .plan import (
+    Plan,
+    Unit,
+    Unmatched,
+    bridged_pairs,
+    not_comparable_message,
+    pair_roots,
+    pair_tolerance,
+    run_precision,
+    side_entries,
+)
 from .reader import Stored
 from .results import DiffReport, TensorResult
 from .sources import PassView, RootGroup, Side, open_side
@@ -117,6 +129,11 @@ def _pair_sequences(a: _SideSequences, b: _SideSequences) -> tuple[str, list[tup
                 pairs.append((seq_a, match))
                 taken.add(match)
         if pairs:
+            # the rest in order of first appearance: a prompt that differs by one token still pairs,
+            # and inputs-first reports the difference (inputs.py) instead of "only in A"
+            rest_a = [s for s in a.sequences if s not in {x for x, _ in pairs}]
+            rest_b = [s for s in b.sequences if s not in taken]
+            pairs += list(zip(rest_a, rest_b, strict=False))
             return "input_ids", pairs
     return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False))
 
@@ -155,35 +172,86 @@ def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
     return x[: len(y)] == y[: len(x)]
 
 
+def _sequences_of(batch: Batch) -> list[SeqId]:
+    """The pass's sequences in order of first appearance (padding rows belong to none)."""
+    return [seq for seq in dict.fromkeys(batch.seq_ids) if seq is not None]
+
+
+def _layout(shape: tuple[int, ...], batch: Batch, preferred: int) -> tuple[str, int, tuple[int, ...]] | None:
+    """How a tensor of one pass holds its rows, as (kind, dim, shape with a ``[batch, seq]`` grid's
+    two dims merged into one): one per token row (``tokens``), or one per sequence (``sampled``:
+    logits, computed for each sequence's last token of the step only), or neither (None)."""
+    found = batch.row_dim(shape, preferred)
+    if found is not None:
+        return "tokens", found[0], found[1]
+    seqs = len(_sequences_of(batch))
+    if seqs < batch.tokens:
+        dim = token_dim(shape, seqs, preferred)
+        if dim is not None:
+            return "sampled", dim, shape
+    return None
+
+
+def _last_in_pass(sequence: Sequence, index: int) -> int:
+    return max(p for p, (i, _) in sequence.rows.items() if i == index)
+
+
+def _held(
+    side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
+) -> set[int]:
+    """The positions an expression has a row for: all of them, or, for a tensor with one row per
+    sequence (logits), each pass's last position of the sequence."""
+    held: set[int] = set()
+    for index in sequence.rows_by_pass(positions):
+        entry = expr.entry(side.view(index, options)[1])
+        shape = () if entry is None else entry.meta.shape or ()
+        layout = None if entry is None else _layout(shape, side.batches[index], side.group.token_dim)
+        at = [p for p in positions if sequence.rows[p][0] == index]
+        if layout is not None and layout[0] == "sampled":
+            last = _last_in_pass(sequence, index)
+            held.update(p for p in at if p == last)
+        else:
+            held.update(at)
+    return held
+
+
 def _rows(
-    side: _SideSequences, sequence: Sequence, name: str, positions: list[int], options: DiffOptions
+    side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
 ) -> tuple[Stored | None, str | None, str | None]:
-    """The rows of ``name`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
+    """The rows of ``expr`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
     why they cannot be gathered."""
     pieces: list[np.ndarray] = []
     dtype = None
     for index, rows in sequence.rows_by_pass(positions).items():
         views, entries = side.view(index, options)
-        entry = entries.get(name)
+        entry = expr.entry(entries)
         if entry is None:
             return None, None, f"not in pass {index}"
         if entry.problem is not None:
             return None, None, entry.problem
         shape = entry.meta.shape or ()
-        dim = token_dim(shape, side.batches[index].tokens, side.group.token_dim)
-        if dim is None:
-            return None, None, f"no token dim of size {side.batches[index].tokens} in {list(shape)}"
+        batch = side.batches[index]
+        layout = _layout(tuple(shape), batch, side.group.token_dim)
+        if layout is None:
+            rows_of = f"{batch.tokens}" if batch.grid is None else f"{batch.tokens} ({list(batch.grid)})"
+            return None, None, f"no token dim of size {rows_of} in {list(shape)}"
+        kind, dim, merged = layout  # a [batch, seq] grid's two dims, merged into one of rows
+        if kind == "sampled":  # the sequence's row among the pass's sequences, in order of appearance
+            ordinal = _sequences_of(batch).index(sequence.seq_id)
+            rows = [ordinal] * len(rows)
         stored = assemble(entry, views)
-        taken = np.moveaxis(_take_rows(stored.array, rows, dim), dim, 0)
+        array = stored.array if merged == tuple(shape) else stored.array.reshape(merged)
+        taken = np.moveaxis(_take_rows(array, rows, dim), dim, 0)
         rest = tuple(s for s in taken.shape[1:] if s != 1)
         pieces.append(taken.reshape((len(rows), *rest)))
-        dtype = stored.dtype
+        kept = stored.dtype  # a bridge's float64 sum holds float64 values, shown as its parts' dtype
+        dtype = entry.meta.dtype if entry.op is not None else kept
     if not pieces or dtype is None:
         return None, None, "no rows"
     if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
         return None, None, "rows of different shapes across passes"
     joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    return Stored(joined, dtype), dtype, None
+    return Stored(joined, kept), dtype, None
 
 
 def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
@@ -194,23 +262,34 @@ def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
     return np.take(array, rows, axis=dim)
 
 
-def _names_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> list[str]:
-    """The sequence's tensor names in capture order of the first pass that holds it."""
+def _entries_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> dict[str, SideEntry]:
+    """The entries of the first pass that holds the sequence, in capture order."""
     first_pass = sequence.rows[sequence.positions[0]][0]
-    return list(side.view(first_pass, options)[1])
+    return side.view(first_pass, options)[1]
 
 
-def build_aligned_report(options: DiffOptions) -> DiffReport:
-    side_a = open_side("A", options.a, options)
-    side_b = open_side("B", options.b, options)
+def build_aligned_report(
+    options: DiffOptions,
+    side_a: Side | None = None,
+    side_b: Side | None = None,
+    matcher: Matcher | None = None,
+) -> DiffReport:
+    side_a = side_a if side_a is not None else open_side("A", options.a, options)
+    side_b = side_b if side_b is not None else open_side("B", options.b, options)
+    matcher = matcher if matcher is not None else matcher_for(options, side_a, side_b)
     root_pairs, roots_only_a, roots_only_b = pair_roots(side_a, side_b)
     found = _Found()
+    inputs_differ: list[dict[str, Any]] = []
     alignments: list[Alignment] = []
     opened: list[_SideSequences] = []
+    side_c = open_side("baseline", options.baseline, options) if options.baseline is not None else None
     try:
         for group_a, group_b in root_pairs:
             seq_a, seq_b = _read_side(side_a, group_a), _read_side(side_b, group_b)
             opened += [seq_a, seq_b]
+            if side_c is not None:
+                found.baseline = _baseline_of(side_c, group_b, seq_b)
+                opened.append(found.baseline[0])
             matched_by, pairs = _pair_sequences(seq_a, seq_b)
             paired_a = {a for a, _ in pairs}
             paired_b = {b for _, b in pairs}
@@ -224,11 +303,14 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
                 )
             )
             for name_a, name_b in pairs:
-                _compare_sequence(options, found, seq_a, seq_b, name_a, name_b)
+                finding = sequence_finding(name_a, name_b, seq_a.sequences[name_a], seq_b.sequences[name_b])
+                if finding is not None:
+                    inputs_differ.append(finding)
+                _compare_sequence(options, matcher, found, seq_a, seq_b, name_a, name_b)
     finally:
         for side in opened:
             side.close()
-    if not found.results:
+    if not found.results and not inputs_differ:
         why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
         raise UsageError(f"nothing to compare with --align tokens: {why}")
     plan = Plan(
@@ -241,10 +323,24 @@ def build_aligned_report(options: DiffOptions) -> DiffReport:
         tuple(roots_only_a),
         tuple(roots_only_b),
     )
-    from .diff import report_settings
+    from .diff import bridge_summary, report_settings
 
     report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
-    report.results = judge_all(found.results)
+    report.bridge = bridge_summary(matcher)
+    report.inputs_differ = inputs_differ
+    if side_c is not None:
+        measured = [r for r in found.results if r.metrics is not None]
+        if measured and not found.noise:
+            raise UsageError(
+                f"--baseline {options.baseline}: no tensor of it lines up with B by sequence "
+                "(is it a rerun of the reference? the same prompts, B's names)"
+            )
+        if len(found.noise) < len(measured):
+            report.notes.append(
+                f"--baseline: {len(measured) - len(found.noise)} of {len(measured)} tensor pairs have no "
+                f"counterpart in {options.baseline}: judged by the error upstream instead"
+            )
+    report.results = judge_all(found.results, found.noise if side_c is not None else None)
     first = _first_in_time(report.results, found.steps_of)
     if first is not None:
         report.first_override = first[0]
@@ -263,10 +359,51 @@ class _Found:
     units: list[Unit] = field(default_factory=list)
     only_a: list[Unmatched] = field(default_factory=list)
     only_b: list[Unmatched] = field(default_factory=list)
+    baseline: tuple[_SideSequences, dict[SeqId, SeqId]] | None = None  # C's sequences, B's seq -> C's
+    noise: dict[int, float] = field(default_factory=dict)  # result index -> err(C, B) on its rows
+
+
+def _baseline_of(
+    side_c: Side, group_b: RootGroup, seq_b: _SideSequences
+) -> tuple[_SideSequences, dict[SeqId, SeqId]]:
+    """``--baseline C`` with ``--align tokens``: C is a rerun of the reference B, so its sequences
+    pair with B's (by seq id, tokens or order, as A's do) and its names are B's."""
+    groups = {g.label: g for g in side_c.groups}
+    group_c = groups.get(group_b.label) or (side_c.groups[0] if len(side_c.groups) == 1 else None)
+    if group_c is None:
+        raise UsageError(f"--baseline {side_c.path}: no root {group_b.label!r} (roots: {sorted(groups)})")
+    seq_c = _read_side(side_c, group_c)
+    _, pairs = _pair_sequences(seq_b, seq_c)
+    return seq_c, dict(pairs)
+
+
+def _baseline_noise(
+    found: _Found,
+    seq_b: SeqId,
+    expr: Expr,
+    positions: list[int],
+    rows_b: Stored,
+    metric: str,
+    options: DiffOptions,
+) -> float | None:
+    """err(C, B) of one pair's rows: C's rows of B's expression at the same positions of the
+    sequence C's run paired with B's, or None when C does not hold them alike."""
+    if found.baseline is None:
+        return None
+    side_c, pairs = found.baseline
+    sequence_c = side_c.sequences.get(pairs.get(seq_b)) if seq_b in pairs else None
+    if sequence_c is None or any(p not in sequence_c.rows for p in positions):
+        return None
+    rows_c, _, why = _rows(side_c, sequence_c, expr, positions, options)
+    if rows_c is None or why is not None or rows_c.shape != rows_b.shape:
+        return None
+    metrics, _ = compare_by_row(rows_c, rows_b)
+    return metrics.one_minus_cosine if metric == "cosine" else metrics.rel_diff
 
 
 def _compare_sequence(
     options: DiffOptions,
+    matcher: Matcher,
     found: _Found,
     side_a: _SideSequences,
     side_b: _SideSequences,
@@ -284,17 +421,18 @@ def _compare_sequence(
         run_precision(side_a.view(first_step, options)[0], side_a.group.declared_precision),
         run_precision(side_b.view(step_b, options)[0], side_b.group.declared_precision),
     )
-    steps = tuple(sequence_a.rows[p][0] for p in positions)
-    names_a, names_b = (
-        _names_in_order(side_a, sequence_a, options),
-        _names_in_order(side_b, sequence_b, options),
-    )
-    pairs, only_a, only_b = match_names(names_a, names_b, options, first_step, label)
+    entries_a = _entries_in_order(side_a, sequence_a, options)
+    entries_b = _entries_in_order(side_b, sequence_b, options)
+    pairs, only_a, only_b = bridged_pairs(matcher, entries_a, entries_b, options, first_step, label)
     found.only_a += only_a
     found.only_b += only_b
-    for name, name_b in pairs:
-        rows_a, dtype_a, why_a = _rows(side_a, sequence_a, name, positions, options)
-        rows_b, dtype_b, why_b = _rows(side_b, sequence_b, name_b, positions, options)
+    for bridged, _, _ in pairs:
+        name, name_b = bridged.a.label, bridged.b.label
+        held = _held(side_a, sequence_a, bridged.a, positions, options)
+        held &= _held(side_b, sequence_b, bridged.b, positions, options)
+        rows_at = [p for p in positions if p in held] or positions
+        rows_a, dtype_a, why_a = _rows(side_a, sequence_a, bridged.a, rows_at, options)
+        rows_b, dtype_b, why_b = _rows(side_b, sequence_b, bridged.b, rows_at, options)
         tolerance = pair_tolerance(options, (name, name_b), (dtype_a, dtype_b), precisions)
         base: dict[str, Any] = {
             "index": len(found.results),
@@ -310,18 +448,25 @@ def _compare_sequence(
             "tolerance": tolerance,
             "metric": tolerance.metric,
             "token_dim": 0,
-            "positions": tuple(positions),
+            "positions": tuple(rows_at),
+            "bridge": bridged.describe(),
         }
-        found.steps_of[len(found.results)] = steps
-        if rows_a is None or rows_b is None:
+        found.steps_of[len(found.results)] = tuple(sequence_a.rows[p][0] for p in rows_at)
+        if bridged.classes is not None:
+            message = not_comparable_message(bridged)
+            result = TensorResult(**base, status="not_comparable", message=message)
+        elif rows_a is None or rows_b is None:
             why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
             result = TensorResult(**base, status="not_aligned", message=f"rows not compared: {why}")
         elif rows_a.shape != rows_b.shape:
             message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
             result = TensorResult(**base, status="shape_mismatch", message=message)
         else:
-            metrics, per_token = _measure_rows(rows_a, rows_b, len(positions))
+            metrics, per_token = _measure_rows(rows_a, rows_b, len(rows_at))
             result = TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
+            noise = _baseline_noise(found, seq_b, bridged.b, rows_at, rows_b, tolerance.metric, options)
+            if noise is not None:
+                found.noise[base["index"]] = noise
         found.results.append(result)
 
 

@@ -20,6 +20,8 @@ examples:
   tracedump diff /tmp/dump_engine /tmp/dump_hf
   tracedump diff A B --pass 0 --filter 'layers\\.(0|1)\\.'
   tracedump diff A B --map '^model\\.layers\\.(\\d+)\\.self_attn=transformer.h.\\1.attn'
+  tracedump diff /tmp/dump_vllm /tmp/dump_hf            # the built-in vLLM/HF bridge applies
+  tracedump diff /tmp/dump_port /tmp/dump_hf --bridge my_port.toml
   tracedump diff TP2 TP1 --unshard 'q_proj|k_proj|v_proj|gate_proj|up_proj=cat:-1' \\
                          --unshard 'o_proj|down_proj=sum'
 """
@@ -84,9 +86,17 @@ def add_diff_parser(sub: Any) -> None:
     parser.add_argument(
         "--align",
         choices=("passes", "tokens"),
-        default="passes",
+        default=None,
         help="tokens: compare each sequence's rows gathered over all steps, by position (a batching "
-        "engine against a batch-1 reference; see set_batch)",
+        "engine against a batch-1 reference; see set_batch). Default: passes, or what the bridge "
+        "in use says (tokens for vLLM against HF)",
+    )
+    parser.add_argument(
+        "--bridge",
+        metavar="FILE|none",
+        help="structural rules between two module trees (docs/engines.md): a rule file (TOML or "
+        "JSON) for your engine or port, or none; default: the built-in bridge that fits the two "
+        "manifests' frameworks (vLLM against HF transformers), if any",
     )
     parser.add_argument(
         "--baseline",

@@ -12,8 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .bridge import Matcher, matcher_for
 from .display import print_report, progress_bar
 from .execute import Executor
+from .inputs import inputs_differ_by_pass
 from .local import judge_local
 from .notes import side_notes
 from .options import DiffOptions, UsageError, parse_options
@@ -51,6 +53,7 @@ def report_settings(options: DiffOptions) -> dict[str, Any]:
         "atol_rules": [str(rule) for rule in options.atol_rules],
         "baseline": str(options.baseline) if options.baseline is not None else None,
         "align": options.align,
+        "bridge": "none" if options.bridge == "none" else getattr(options.bridge, "source", None),
         "verdict": {
             "growth": GROWTH,
             "rounding_k": K_ROUNDING,
@@ -77,17 +80,31 @@ def _why_nothing(plan: Plan, options: DiffOptions) -> str:
     )
 
 
+def bridge_summary(matcher: Matcher) -> dict[str, Any] | None:
+    """The bridge in use, for the report: its name, where it came from, why it was chosen."""
+    if matcher.bridge is None:
+        return None
+    return {"name": matcher.bridge.name, "source": matcher.bridge.source, "why": matcher.line}
+
+
 def build_report(options: DiffOptions) -> DiffReport:
-    """Load both sides, plan, execute, judge: the whole comparison, without printing anything."""
+    """Load both sides, plan, execute, judge: the whole comparison, without printing anything.
+
+    The bridge is chosen first (``--bridge``, else by the two manifests): when the user gave no
+    ``--align``, the bridge's own alignment applies (tokens for vLLM against HF), or tokens when
+    a side comes from an engine integration (:func:`.bridge.matcher_for`)."""
+    side_a = open_side("A", options.a, options)
+    side_b = open_side("B", options.b, options)
+    matcher = matcher_for(options, side_a, side_b)
+    if not options.align_given and matcher.align and matcher.align != options.align:
+        options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
     if options.align == "tokens":
         from .align import build_aligned_report
         from .local import refuse_grafted_alignment
 
         refuse_grafted_alignment(options)
-        return build_aligned_report(options)
-    side_a = open_side("A", options.a, options)
-    side_b = open_side("B", options.b, options)
-    plan, workspace = build_plan(side_a, side_b, options)
+        return build_aligned_report(options, side_a, side_b, matcher)
+    plan, workspace = build_plan(side_a, side_b, options, matcher)
     if not plan.pairs:
         workspace.close()
         raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
@@ -96,6 +113,8 @@ def build_report(options: DiffOptions) -> DiffReport:
         settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
     settings["notes"] = side_notes(side_a) + side_notes(side_b)
     report = DiffReport(side_a.describe(), side_b.describe(), settings, plan)
+    report.bridge = bridge_summary(matcher)
+    report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
     with progress_bar(plan, options.progress) as advance:
         executor = Executor(plan, workspace, advance)
         measured = executor.run()
@@ -122,7 +141,7 @@ def _baseline_noise(
     if not tensor_pairs:
         report.notes.append("--baseline applies to tensor pairs; stats pairs keep their fixed rule")
         return None
-    plain = replace(options, a=options.baseline, maps=(), filter=None)
+    plain = replace(options, a=options.baseline, maps=(), filter=None, bridge="none")  # C reruns B: same tree
     side_c = open_side("baseline", options.baseline, plain)
     found = _noise_by_key(side_c, side_b, plain)
     if options.maps:  # C's names that are not B's: as A's, through --map
@@ -220,11 +239,13 @@ def compare(
     rtol: float | str | list[str] | None = None,
     atol: float | str | list[str] | None = None,
     baseline: str | Path | None = None,
-    align: str = "passes",
+    align: str | None = None,
+    bridge: str | Path | None = None,
 ) -> DiffReport:
     """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI.
 
-    ``rtol``/``atol`` take a number (every pair) or ``'REGEX=VALUE'`` rules, as ``--rtol``."""
+    ``rtol``/``atol`` take a number (every pair) or ``'REGEX=VALUE'`` rules, as ``--rtol``;
+    ``align`` None lets the bridge choose, as on the command line."""
     given = {**locals(), "rtol": _as_list(rtol), "atol": _as_list(atol)}  # the arguments, by name
     return build_report(parse_options(**given, progress=False))
 

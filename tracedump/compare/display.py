@@ -10,6 +10,7 @@ from typing import Any
 
 from ..console import console, printable
 from .execute import Progress, pair_bytes
+from .inputs import describe as describe_inputs
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
@@ -30,6 +31,7 @@ STATUS_TEXT = {  # each status as the table and the report page print it
     "routing_flip": "routing flip",
     "routing": "routing differs",
     "not_aligned": "no token rows",
+    "not_comparable": "not comparable",
 }
 _STATUS_STYLE = {  # ok rows keep the table's style
     "diverged": "red",
@@ -39,6 +41,7 @@ _STATUS_STYLE = {  # ok rows keep the table's style
     "routing_flip": "cyan",
     "routing": "dim",
     "not_aligned": "dim",
+    "not_comparable": "dim",
 }
 _LISTED = 10  # names shown per "only in" line
 
@@ -132,9 +135,11 @@ def table(report: DiffReport, max_rows: int) -> Any:
     grid.add_column("name", overflow="fold", min_width=min(longest, 28))
     with_noise = report.settings.get("baseline") is not None
     with_tokens = any(r.per_token for r in report.results)
+    with_bridge = any(r.bridge for r in report.results)
     columns = ["shape", "dtype", "max_abs", "rel_diff", "cosine"]
     columns += ["x noise"] if with_noise else []
     columns += ["worst token"] if with_tokens else []
+    columns += ["bridged"] if with_bridge else []
     for column in (*columns, "status"):
         numeric = column in ("max_abs", "rel_diff", "cosine", "x noise")
         grid.add_column(column, justify="right" if numeric else "left", no_wrap=column != "status")
@@ -156,6 +161,7 @@ def table(report: DiffReport, max_rows: int) -> Any:
             _cosine(result),
             *([_times_noise(result)] if with_noise else []),
             *([_worst_token(result)] if with_tokens else []),
+            *([result.bridge or "-"] if with_bridge else []),
             _status(result, first, growth),
         ]
         style = "bold red reverse" if is_first else _STATUS_STYLE.get(result.status)
@@ -172,12 +178,21 @@ def table(report: DiffReport, max_rows: int) -> Any:
 
 
 def _names(items: tuple[Unmatched, ...]) -> str:
-    shown = [
-        f"{u.name}" + (f" (as {u.mapped})" if u.mapped and u.mapped != u.name else "")
-        for u in items[:_LISTED]
-    ]
-    more = f", ... {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    """Up to ten names, each once (a name missing from every pass or sequence is counted each
+    time, listed once)."""
+    unique = list(
+        dict.fromkeys(
+            f"{u.name}" + (f" (as {u.mapped})" if u.mapped and u.mapped != u.name else "") for u in items
+        )
+    )
+    shown = unique[:_LISTED]
+    more = f", ... {len(unique) - _LISTED} more" if len(unique) > _LISTED else ""
     return ", ".join(shown) + more
+
+
+def _classes(result: TensorResult) -> str:
+    """``A SiluAndMul vs B SiLUActivation``: a not-comparable result's message up to its colon."""
+    return (result.message or "").split(":", 1)[0]
 
 
 def _aligned_where(report: DiffReport) -> str | None:
@@ -197,19 +212,24 @@ def _where(result: TensorResult) -> str:
 def summary_lines(report: DiffReport) -> list[str]:
     """The verdict in a few plain lines (the last thing printed, also what logs keep)."""
     s = report.summary()
+    lines: list[str] = [describe_inputs(finding) for finding in report.inputs_differ]  # inputs first
     if report.alignment is not None:
         count = len(report.plan.units)
         where = f"{count} sequence{'s' if count != 1 else ''}"
     else:
         count = len(s["passes"])
         where = f"{count} pass{'es' if count != 1 else ''}"
-    lines = [
+    lines += [
         f"compared {s['compared']} tensors in {where}: "
         f"{s['diverged']} diverged, {s['shape_mismatch']} shape mismatches, "
         f"{s['rank_mismatch']} rank mismatches, "
         f"{s['errors']} errors; {s['only_in_a']} only in A, {s['only_in_b']} only in B"
     ]
+    if report.bridge is not None:
+        lines.append(f"{report.bridge['why']}: {s['bridged']} tensors bridged (the table's bridged column)")
     first = report.first_divergence
+    if report.inputs_differ:
+        lines.append("first divergence: none named: the two runs were fed different token ids (above)")
     if first is not None:
         lines.append(
             f"first divergence: {_aligned_where(report) or _where(first)}: {_describe_error(first)}"
@@ -245,9 +265,20 @@ def summary_lines(report: DiffReport) -> list[str]:
             lines.append(f"{STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
             break
     plan: Plan = report.plan
+    not_comparable = [r for r in report.results if r.status == "not_comparable"]
+    if not_comparable:
+        lines.append(
+            f"not comparable ({len(not_comparable)}): "
+            + ", ".join(f"{r.label} ({_classes(r)})" for r in not_comparable[:_LISTED])
+            + (f", ... {len(not_comparable) - _LISTED} more" if len(not_comparable) > _LISTED else "")
+        )
     for which, unmatched in (("A", plan.only_in_a), ("B", plan.only_in_b)):
-        if unmatched:
-            lines.append(f"only in {which} ({len(unmatched)}): {_names(unmatched)}")
+        by_reason: dict[str, list[Unmatched]] = {}
+        for item in unmatched:
+            by_reason.setdefault(item.reason, []).append(item)
+        for reason, items in by_reason.items():
+            why = f", {reason}" if reason else ""
+            lines.append(f"only in {which} ({len(items)}{why}): {_names(tuple(items))}")
     for which, passes_only in (("A", plan.passes_only_in_a), ("B", plan.passes_only_in_b)):
         if passes_only:
             lines.append(f"passes only in {which}: {', '.join(map(str, passes_only))}")
@@ -292,9 +323,13 @@ def _describe_error(result: TensorResult) -> str:
 
 def print_report(report: DiffReport, max_rows: int, *, table_too: bool = True, stderr: bool = False) -> None:
     out = console(stderr)
+    lines = summary_lines(report)
+    first = len(report.inputs_differ)  # inputs that differ: said before any number, the table's too
+    for line in lines[:first]:
+        out.print(printable(line), soft_wrap=True, markup=False)
     if table_too and report.results:
         out.print(table(report, max_rows))
-    for line in summary_lines(report):
+    for line in lines[first:]:
         out.print(printable(line), soft_wrap=True, markup=False)
 
 

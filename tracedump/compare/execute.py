@@ -101,6 +101,7 @@ class Executor:
             "metric": pair.tolerance.metric,
             "unshard_a": pair.a.how,
             "unshard_b": pair.b.how,
+            "bridge": pair.bridge,
         }
         if pair.kind not in ("tensor", "stats"):
             return TensorResult(**base, status=pair.kind, message=pair.message)

@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
@@ -216,6 +216,8 @@ class DiffOptions:
     atol_rules: tuple[ToleranceRule, ...] = ()
     baseline: Path | None = None
     align: Literal["passes", "tokens"] = "passes"
+    align_given: bool = True  # False: --align was not given, a bridge may choose (compare/bridge.py)
+    bridge: Any = None  # --bridge: None (choose by the manifests), "none", or a bridge.Bridge
     json_path: str | None = None
     plot_path: Path | None = None
     html_path: Path | None = None
@@ -230,10 +232,6 @@ class DiffOptions:
                 raise UsageError(f"{flag} {value}: expected a non-negative number")
         if self.align not in ("passes", "tokens"):
             raise UsageError(f"--align {self.align!r}: choose passes or tokens")
-        if self.align == "tokens" and self.baseline is not None:
-            raise UsageError(
-                "--align tokens with --baseline is not supported yet: align the baseline's passes"
-            )
         if self.rank is not None and self.rank < 0:
             raise UsageError(f"--rank {self.rank}: expected a non-negative rank")
 
@@ -271,7 +269,8 @@ def parse_options(
     rtol: list[str] | None = None,
     atol: list[str] | None = None,
     baseline: str | Path | None = None,
-    align: str = "passes",
+    align: str | None = "passes",
+    bridge: str | Path | None = None,
     **output: object,
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
@@ -282,6 +281,13 @@ def parse_options(
     atol_value, atol_rules = parse_tolerances(atol, "--atol")
     if baseline is not None and not Path(baseline).exists():
         raise UsageError(f"--baseline {baseline}: no such file or directory")
+    chosen_bridge: Any = None
+    if bridge is not None and str(bridge).lower() == "none":
+        chosen_bridge = "none"
+    elif bridge is not None:
+        from .bridge import load_bridge  # a bad rule file fails here, before any dump is read
+
+        chosen_bridge = load_bridge(bridge)
     return DiffOptions(
         a=Path(a),
         b=Path(b),
@@ -296,6 +302,8 @@ def parse_options(
         rtol_rules=rtol_rules,
         atol_rules=atol_rules,
         baseline=Path(baseline) if baseline is not None else None,
-        align=align,  # type: ignore[arg-type]
+        align=align or "passes",  # type: ignore[arg-type]
+        align_given=align is not None,
+        bridge=chosen_bridge,
         **output,  # type: ignore[arg-type]
     )

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ..format import last_row_dim
+from .bridge import PLAIN_REASONS, BridgedPair, Matcher, matcher_for, size_splits
 from .options import DiffOptions, UsageError
 from .sources import PassView, RootGroup, Side
 from .tolerance import Tolerance, is_integer, pair_precision, resolve, resolve_stats
@@ -38,9 +39,10 @@ class PairPlan:
     unit: int
     a: SideEntry
     b: SideEntry
-    kind: str  # tensor | stats | shape_mismatch | rank_mismatch | error
+    kind: str  # tensor | stats | shape_mismatch | rank_mismatch | error | not_comparable
     tolerance: Tolerance
     message: str | None = None
+    bridge: str | None = None  # how the bridge made this pair (compare/bridge.py), None: by name
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Unmatched:
     root: str | None
     name: str
     mapped: str | None = None
+    reason: str = ""  # why it has no counterpart ("" for the plain case: no such name on the other side)
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {"pass": self.pass_index, "name": self.name}
@@ -58,6 +61,8 @@ class Unmatched:
             data["root"] = self.root
         if self.mapped is not None and self.mapped != self.name:
             data["mapped"] = self.mapped
+        if self.reason:
+            data["reason"] = self.reason
         return data
 
 
@@ -281,8 +286,46 @@ def _pair(
     return PairPlan(unit, a, b, kind, tolerance)
 
 
-def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]:
+def bridged_pairs(
+    matcher: Matcher,
+    entries_a: dict[str, SideEntry],
+    entries_b: dict[str, SideEntry],
+    options: DiffOptions,
+    pass_index: int,
+    root: str | None,
+) -> tuple[list[tuple[BridgedPair, SideEntry, SideEntry]], list[Unmatched], list[Unmatched]]:
+    """The pairs of one pass (by the bridge, then by name) with their entries, and the names left
+    on each side with the reason."""
+    matched = matcher.match(entries_a, entries_b, options)
+    pairs = []
+    for pair in size_splits(matched.pairs, entries_a, entries_b):
+        entry_a, entry_b = pair.a.entry(entries_a), pair.b.entry(entries_b)
+        assert entry_a is not None and entry_b is not None  # the matcher only pairs names it has
+        pairs.append((pair, entry_a, entry_b))
+    only = {
+        side: [
+            Unmatched(pass_index, root, u.name, u.mapped, "" if u.reason in PLAIN_REASONS else u.reason)
+            for u in matched.leftovers
+            if u.side == side
+        ]
+        for side in ("A", "B")
+    }
+    return pairs, only["A"], only["B"]
+
+
+def not_comparable_message(pair: BridgedPair) -> str:
+    assert pair.classes is not None
+    return (
+        f"A {pair.classes[0]} vs B {pair.classes[1]}: two different modules under one name, and no "
+        "bridge rule relates them"
+    )
+
+
+def build_plan(
+    a: Side, b: Side, options: DiffOptions, matcher: Matcher | None = None
+) -> tuple[Plan, Workspace]:
     """Everything to compare, in execution order: pass by pass, roots in A's order inside a pass."""
+    matcher = matcher if matcher is not None else matcher_for(options, a, b)
     root_pairs, roots_only_a, roots_only_b = pair_roots(a, b)
     labelled = len(root_pairs) > 1
     schedule: list[tuple[int, int, int, RootGroup, RootGroup]] = []
@@ -311,10 +354,13 @@ def build_plan(a: Side, b: Side, options: DiffOptions) -> tuple[Plan, Workspace]
             run_precision(views_b, group_b.declared_precision),
         )
         entries_a, entries_b = side_entries(views_a, options), side_entries(views_b, options)
-        names, unmatched_a, unmatched_b = match_names(entries_a, entries_b, options, pass_a, root)
-        for name_a, name_b in names:
-            entry_a, entry_b = _apply_cut(entries_a[name_a], entries_b[name_b], group_a, group_b)
-            pairs.append(_pair(unit, entry_a, entry_b, options, precisions))
+        found, unmatched_a, unmatched_b = bridged_pairs(matcher, entries_a, entries_b, options, pass_a, root)
+        for bridged, entry_a, entry_b in found:
+            entry_a, entry_b = _apply_cut(entry_a, entry_b, group_a, group_b)
+            planned = replace(_pair(unit, entry_a, entry_b, options, precisions), bridge=bridged.describe())
+            if bridged.classes is not None:
+                planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
+            pairs.append(planned)
         only_in_a.extend(unmatched_a)
         only_in_b.extend(unmatched_b)
     plan = Plan(

@@ -16,9 +16,13 @@ Statuses of a tensor pair:
   per-expert calls): not compared;
 - ``not_aligned``: with ``--align tokens``, a tensor whose rows of a sequence cannot be found on
   a side (no dim of the pass's token count, e.g. logits of the last token only): reported, not
-  compared.
+  compared;
+- ``not_comparable``: one name, two module classes (the manifests' ``module_classes``: vLLM's
+  ``SiluAndMul`` against HF's ``SiLUActivation``), and no bridge rule relates them: never measured,
+  listed with both class names (:mod:`.bridge`).
 
-Every status but ``ok``, ``routing_flip``, ``routing`` and ``not_aligned`` makes the exit code 1.
+Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned`` and ``not_comparable``
+makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class TensorResult:
     positions: tuple[int, ...] | None = None  # --align tokens: the sequence position of each row
     pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
     level_before: str | None = None  # a container's own output: explained by the level before this tensor
+    bridge: str | None = None  # how the bridge paired it ("split -1 (rule 4: qkv)"); None: by name
 
     @property
     def label(self) -> str:
@@ -136,6 +141,8 @@ class TensorResult:
             data["stats"] = {name: delta.to_json() for name, delta in self.stats.items()}
         if self.unshard_a or self.unshard_b:
             data["unshard"] = {"a": self.unshard_a, "b": self.unshard_b}
+        if self.bridge is not None:
+            data["bridge"] = self.bridge
         if self.message:
             data["message"] = self.message
         data["basis"] = self.basis
@@ -246,9 +253,14 @@ class DiffReport:
     alignment: list[dict[str, Any]] | None = None  # --align tokens: how sequences were paired
     alignment_lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the summary should say besides findings
+    bridge: dict[str, Any] | None = None  # the bridge in use: name, source (compare/bridge.py)
+    inputs_differ: list[dict[str, Any]] = field(default_factory=list)  # aligned sequences fed other tokens
 
     @property
     def first_divergence(self) -> TensorResult | None:
+        """None when the inputs differ: no module is to blame for what its inputs already carry."""
+        if self.inputs_differ:
+            return None
         return self.first_override or first_divergence(self.results)
 
     @property
@@ -265,7 +277,19 @@ class DiffReport:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_DIVERGED if any(r.status in FAILING for r in self.results) else EXIT_OK
+        failing = self.inputs_differ or any(r.status in FAILING for r in self.results)
+        return EXIT_DIVERGED if failing else EXIT_OK
+
+    def leftovers_by_reason(self) -> dict[str, dict[str, int]]:
+        """Tensors without a counterpart, per side, counted by why (plain: "no tensor of that name")."""
+        counts: dict[str, dict[str, int]] = {}
+        for which, items in (("A", self.plan.only_in_a), ("B", self.plan.only_in_b)):
+            side: dict[str, int] = {}
+            for item in items:
+                reason = item.reason or f"no tensor of that name in {'B' if which == 'A' else 'A'}"
+                side[reason] = side.get(reason, 0) + 1
+            counts[which] = side
+        return counts
 
     def summary(self) -> dict[str, Any]:
         first, growth = self.first_divergence, self.largest_growth
@@ -280,6 +304,11 @@ class DiffReport:
             "routing_flips": [flip.to_json() for flip in self.flips],
             "not_compared_routing": self.count("routing"),
             "not_aligned": self.count("not_aligned"),
+            "not_comparable": self.count("not_comparable"),
+            "bridged": sum(1 for r in self.results if r.bridge is not None),
+            "bridge": self.bridge,
+            "inputs_differ": list(self.inputs_differ),
+            "leftovers": self.leftovers_by_reason(),
             "notes": list(self.notes),
             "unused_rules": list(self.unused_rules),
             **({"alignment": self.alignment} if self.alignment is not None else {}),

@@ -32,6 +32,9 @@ class SideEntry:
     problem: str | None = None  # why this entry cannot be compared, if it cannot
     problem_status: str | None = None  # "rank_mismatch" or "error"
     cut: int | None = None  # cut to the last index along this dim once assembled (vs a last_row dump)
+    op: str | None = None  # a bridge's derived entry (compare/bridge.py): sum, product, concat, split
+    parts: tuple[SideEntry, ...] = ()  # the entries it is derived from
+    piece: tuple[int, int, int] | None = None  # split: (dim, start, stop)
 
 
 def _cat_shape(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...] | str:
@@ -86,8 +89,29 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
 def assemble(entry: SideEntry, views: list[PassView]) -> Stored:
     """The entry's values as compared: joined across ranks as the rule says, then cut to the last
     row when the other side is a ``last_row`` dump."""
-    stored = _join(entry, views)
+    stored = _derive(entry, views) if entry.op is not None else _join(entry, views)
     return stored if entry.cut is None else last_row_cut(stored, entry.cut)
+
+
+def _derive(entry: SideEntry, views: list[PassView]) -> Stored:
+    """A bridge's derived entry from its parts: a slice (split), a concatenation, or an exact
+    float64 sum or product (row for row, so the token rows of a batch stay where they were)."""
+    parts = [assemble(part, views) for part in entry.parts]
+    if entry.op == "split":
+        assert entry.piece is not None
+        dim, start, stop = entry.piece
+        array = parts[0].array
+        axis = dim % array.ndim
+        return Stored(array[(slice(None),) * axis + (slice(start, stop),)], parts[0].dtype)
+    if entry.op == "concat":
+        dim = entry.piece[0] if entry.piece else -1
+        return Stored(np.concatenate([p.array for p in parts], axis=dim), parts[0].dtype)
+    shape = parts[0].shape
+    total = _as_float64(parts[0]).reshape(shape)
+    for part in parts[1:]:
+        values = _as_float64(part).reshape(shape)  # equal once size-1 dims are dropped (plan checks)
+        total = total + values if entry.op == "sum" else total * values
+    return Stored(total, "float64")
 
 
 def _join(entry: SideEntry, views: list[PassView]) -> Stored:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ..dumper import Dumper, original_module
-from ..hooks import RootPassHooks, forward_calls_on_stack, traced_by_dynamo
+from ..hooks import RootPassHooks, forward_calls_on_stack, forward_kwargs_on_stack, traced_by_dynamo
 from ..runtime import runtime, warn_once
 from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, is_enabled, load_settings
 
@@ -258,17 +258,20 @@ def _replay_pre_hooks(dumper: Dumper, module: nn.Module, args: Any) -> None:
     """Run, for this one call, the pre-hooks the new dumper put on ``module`` (the pass opener, and
     the input capture when ``INPUTS=1``): torch chose the call's pre-hooks before ours ran.
 
-    A global pre-hook sees no keyword arguments, so an input capture replayed here records the
-    positional inputs only.
+    A global pre-hook sees no keyword arguments: those of the call are read from its frame, so an
+    HF model's ``generate`` (all keywords) has its first pass's batch layout and input captures.
     """
     hooks = module._forward_pre_hooks
     with_kwargs = module._forward_pre_hooks_with_kwargs
+    kwargs: dict[str, Any] | None = None
     for handle in dumper.hooks.handles:
         if handle.hooks_dict_ref() is not hooks or handle.id not in hooks:
             continue
         hook = hooks[handle.id]
         if handle.id in with_kwargs:
-            hook(module, args, {})
+            if kwargs is None:
+                kwargs = forward_kwargs_on_stack(module)
+            hook(module, args, kwargs)
         else:
             hook(module, args)
 

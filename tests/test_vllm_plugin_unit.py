@@ -1,0 +1,266 @@
+"""The vLLM plugin without vLLM: off is one env lookup, another vLLM gives one warning, and the
+runner instrumentation on fake V1 and V2 model runners shaped like vLLM's (the real engine is
+tested by ``make test-vllm``, tests_vllm/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tracedump
+import tracedump.integrations.vllm as plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, **env: str) -> dict[str, Any]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TRACEDUMP_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return {"out": json.loads(done.stdout.strip().splitlines()[-1]), "stderr": done.stderr}
+
+
+_PROBE = """
+import json, sys
+import tracedump.integrations.vllm as p
+p.register(); p.register()
+import tracedump.runtime as r
+print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
+                  "torch": "torch" in sys.modules, "runtime": r.existing() is not None,
+                  "settings": "tracedump.settings" in sys.modules,
+                  "registered": p._registered}))
+"""
+
+
+def test_off_is_one_env_lookup_no_vllm_import_no_torch() -> None:
+    out = _python(_PROBE)["out"]
+    assert out == {"vllm": [], "torch": False, "runtime": False, "settings": False, "registered": False}
+    from tracedump.settings import env_name
+
+    assert env_name("dir") == plugin._DIR_VAR  # the one variable is_enabled() looks up
+
+
+def test_on_without_a_known_runner_warns_once_and_patches_nothing(tmp_path: Path) -> None:
+    if importlib_has("vllm"):
+        pytest.skip("vLLM is installed here: the real engine's case is tests_vllm/")
+    done = _python(_PROBE, TRACEDUMP_DUMP_DIR=str(tmp_path))
+    assert done["stderr"].count("no model runner found that this plugin knows") == 1
+    assert done["out"]["registered"] is True
+    assert list(tmp_path.iterdir()) == []
+
+
+def importlib_has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+# ----------------------------------------------------------------------------- fake runners
+
+
+class _Model(nn.Module):
+    """vLLM's shape: a forward over flattened tokens, logits computed outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 8)
+        self.body = nn.Linear(8, 8)
+        self.logits_processor = nn.Linear(8, 32)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embed(input_ids))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(hidden)
+
+
+def _scheduled(**tokens: int) -> Any:
+    return types.SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()))
+
+
+class FakeV1Runner:
+    """The V1 runner's protocol: execute_model runs the forward and compute_logits and returns None,
+    sample_tokens follows; dummy runs call the model directly."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.input_batch = types.SimpleNamespace(req_ids=[])
+        self.computed: dict[str, int] = {}
+        self.state: Any = None
+        self.pad = 0  # padding rows after the real ones (a CUDA-graph size or DP would add some)
+
+    def load_model(self) -> None:
+        self.model = _Model()
+
+    def get_model(self) -> nn.Module:
+        assert self.model is not None
+        return self.model
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        if not scheduler_output.total_num_scheduled_tokens:
+            return "empty"
+        self.input_batch.req_ids = list(scheduler_output.num_scheduled_tokens)
+        ids, positions, last = [], [], []
+        for req in self.input_batch.req_ids:
+            start = self.computed.get(req, 0)
+            count = scheduler_output.num_scheduled_tokens[req]
+            positions += range(start, start + count)
+            ids += [(start + k + len(req)) % 32 for k in range(count)]
+            self.computed[req] = start + count
+            last.append(len(ids) - 1)
+        pad = self.pad
+        hidden = self._model_forward(
+            input_ids=torch.tensor(ids + [0] * pad), positions=torch.tensor(positions + [0] * pad)
+        )
+        self.state = self.model.compute_logits(hidden[last])  # type: ignore[union-attr]
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        logits, self.state = self.state, None
+        return logits.argmax(-1)
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> Any:
+        return self.model(input_ids=input_ids, positions=positions)  # type: ignore[misc]
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        self.model(input_ids=torch.zeros(num_tokens, dtype=torch.long), positions=torch.arange(num_tokens))  # type: ignore[misc]
+
+    def profile_run(self) -> None:
+        self._dummy_run(16)
+        self._dummy_run(4)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def patched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """The plugin registered, dumping on, with this file's fake runners as vLLM's."""
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "RUNNERS", ((__name__, "FakeV1Runner"), (__name__, "FakeV2Runner")))
+    for cls in (FakeV1Runner, FakeV2Runner):
+        monkeypatch.setattr(cls, "__init__", cls.__init__)  # undone after the test
+    plugin.register()
+    yield tmp_path
+
+
+def test_padding_rows_are_left_out_of_set_batch_and_said_once(patched: Path) -> None:
+    runner = FakeV1Runner()
+    runner.load_model()
+    runner.pad = 2
+    with pytest.warns(tracedump.TracedumpWarning, match="ran 7 token rows for 5 scheduled"):
+        runner.execute_model(_scheduled(a=3, b=2))
+    runner.sample_tokens(None)
+    runner.shutdown()
+    (pass_file,) = next(patched.glob("rank*")).glob("pass*.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(pass_file), "pt") as handle:
+        batch = json.loads(handle.metadata()["tracedump.batch"])
+        assert handle.get_slice("body").get_shape() == [7, 8]  # the tensors hold the padding rows
+    assert batch["seq_ids"] == ["a", "a", "a", "b", "b"] and batch["input_ids"] == [1, 2, 3, 1, 2]
+
+
+def test_a_v1_runner_gets_a_pass_per_step_with_its_batch_and_logits(patched: Path) -> None:
+    runner = FakeV1Runner()
+    assert runner.model is None and not list(patched.iterdir())
+    runner.load_model()
+    (run_dir,) = patched.glob("rank*")  # the run dir exists from the model's load on
+    runner.profile_run()  # suspended, counted once (the outermost run)
+    assert runner.execute_model(_scheduled()) == "empty"  # no tokens: no pass
+    for step in (_scheduled(a=3, b=2), _scheduled(a=1, b=1), _scheduled(b=1)):
+        assert runner.execute_model(step) is None
+        runner.sample_tokens(None)
+    runner.shutdown()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["skipped"] == {"profile": 1}
+    run = tracedump.open_dump(patched).run()
+    batches = run.batches()
+    assert sorted(batches) == [0, 1, 2]
+    assert batches[0].seq_ids == ("a", "a", "a", "b", "b") and batches[0].positions == (0, 1, 2, 0, 1)
+    assert batches[0].input_ids == (1, 2, 3, 1, 2)  # padding rows left out
+    assert batches[1].seq_ids == ("a", "b") and batches[1].positions == (3, 2)
+    assert batches[2].seq_ids == ("b",) and batches[2].positions == (3,)
+    assert run.passes[0]["logits_processor"].shape == (2, 32)  # computed outside the forward, in the pass
+    assert run.passes[2]["logits_processor"].shape == (1, 32)
+
+
+class FakeV2Runner(FakeV1Runner):
+    """The V2 runner's protocol: prepare_inputs returns the step's InputBatch; dummy runs go through
+    execute_model(dummy_run=True); compute_logits runs in sample_tokens."""
+
+    def execute_model(
+        self, scheduler_output: Any, intermediate_tensors: Any = None, dummy_run: bool = False
+    ) -> Any:
+        if dummy_run:
+            self.model(input_ids=torch.zeros(4, dtype=torch.long), positions=torch.arange(4))  # type: ignore[misc]
+            return None
+        if not scheduler_output.total_num_scheduled_tokens:
+            return "empty"
+        batch = self.prepare_inputs(scheduler_output)
+        self.state = self.model(input_ids=batch.input_ids, positions=torch.zeros(len(batch.input_ids)))  # type: ignore[misc]
+        return None
+
+    def prepare_inputs(self, scheduler_output: Any) -> Any:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+        starts = [self.computed.get(r, 0) for r in req_ids]
+        for r, c in zip(req_ids, counts, strict=True):
+            self.computed[r] = self.computed.get(r, 0) + c
+        ids = torch.arange(sum(counts)) % 32
+        return types.SimpleNamespace(
+            req_ids=req_ids,
+            num_reqs=len(req_ids),
+            num_scheduled_tokens=counts,
+            num_computed_tokens_np=starts,
+            input_ids=ids,
+        )
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        hidden, self.state = self.state, None
+        return self.model.compute_logits(hidden[-1:]).argmax(-1)  # type: ignore[union-attr]
+
+
+def test_a_v2_runner_keeps_the_step_open_across_sample_tokens(patched: Path) -> None:
+    runner = FakeV2Runner()
+    runner.load_model()
+    runner.execute_model(None, dummy_run=True)  # V2's dummy runs: suspended, counted
+    runner.execute_model(_scheduled(x=4))
+    runner.sample_tokens(None)
+    runner.execute_model(_scheduled(x=1))
+    runner.sample_tokens(None)
+    runner.shutdown()
+    run = tracedump.open_dump(patched).run()
+    batches = run.batches()
+    assert [b.positions for b in batches.values()] == [(0, 1, 2, 3), (4,)]
+    assert "logits_processor" in run.passes[0] and "logits_processor" in run.passes[1]
+    manifest = json.loads((next(patched.glob("rank*")) / "manifest.json").read_text())
+    assert manifest["skipped"] == {"profile": 1}
+
+
+def test_bench_vllm_is_skipped_with_a_message_where_vllm_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import bench_vllm
+
+    monkeypatch.setattr(bench_vllm, "VLLM_VENV_PYTHON", ROOT / "no-such-venv" / "python")
+    monkeypatch.setattr(bench_vllm.importlib.util, "find_spec", lambda name: None)
+    assert bench_vllm.run(quick=True) == {"skipped": bench_vllm.SKIP_MESSAGE}

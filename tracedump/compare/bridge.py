@@ -1,0 +1,756 @@
+"""The structural bridge: which tensors of two different module trees compare, and how.
+
+Two implementations of one model rarely share a module tree. vLLM fuses ``q_proj``/``k_proj``/
+``v_proj`` into one ``qkv_proj``, returns ``(out, bias)`` tuples from its linear layers, defers each
+decoder layer's residual add to the next layer's norm, and fuses ``act_fn(gate) * up`` into
+``SiluAndMul``. A bridge says, **as data**, how such tensors relate, so that ``tracedump diff VLLM
+HF`` needs no flag. The rule format (TOML, or JSON with the same keys) is documented in
+docs/engines.md; in short::
+
+    [bridge]
+    name = "vllm-transformers-llama"
+    a = "vllm"                  # the framework whose names the rules call "a"
+    b = "transformers"
+    architectures = ['(Llama|Mistral|Qwen2|Qwen3)ForCausalLM']   # optional, regexes on the root
+    align = "tokens"            # optional: the alignment when this bridge applies and none is asked
+
+    [[rule]]
+    op = "split"                # rename | unwrap | split | concat | sum | product | skip
+    match = 'model\\.layers\\.(\\d+)\\.self_attn\\.qkv_proj\\[0\\]'   # re.fullmatch on side's names
+    b = ["model.layers.{1}.self_attn.q_proj", "model.layers.{1}.self_attn.k_proj", ...]
+
+``match`` is tried on the names of ``side`` ("a", the default, or "b"); ``a`` and ``b`` are
+templates filled with its groups: ``{0}`` is the whole name, ``{1}`` the first group, and
+``{1-1}`` / ``{1+1}`` a captured layer index minus or plus a constant (nothing else: no ``eval``).
+The anchor's own side defaults to ``["{0}"]``. A rule **applies** to a name when every tensor it
+names exists on its side; else the next matching rule is tried (a fallback chain: the ``down_proj``
+input where inputs were dumped, else ``act_fn * up_proj``). A name some rule matched but none could
+apply to is a leftover, counted with the first rule's reason; it is never matched by name.
+
+The order, documented in docs/engines.md: A's names go through ``--map`` first (the user's
+renames), the bridge's rules then see the mapped names and B's names, and what no rule claimed is
+matched by name as always, where two modules of one name and different classes (the manifests'
+``module_classes``) are reported as not comparable instead of being measured against each other.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..format import Key
+from .options import DiffOptions, UsageError
+from .sources import EntryMeta, Side
+from .unshard import SideEntry
+
+OPS = ("rename", "unwrap", "split", "concat", "sum", "product", "skip")
+_COMBINE = {"sum": " + ", "product": " * "}
+_RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason", "id"})
+_HEADER_KEYS = frozenset({"name", "description", "a", "b", "architectures", "align"})
+_PLACEHOLDER = re.compile(r"\{(\d+)(?:([+-])(\d+))?\}")
+BUILTIN_FOLDER = "bridges"  # tracedump/bridges/*.toml, shipped as package data (pyproject.toml)
+
+
+class BridgeError(UsageError):
+    """A rule file that cannot be used: exit 2 with one line naming the file and the rule."""
+
+
+# ------------------------------------------------------------------ templates
+
+
+@dataclass(frozen=True)
+class Template:
+    """A name with ``{N}`` / ``{N+k}`` / ``{N-k}`` placeholders for the match's groups."""
+
+    text: str
+
+    def groups(self) -> list[int]:
+        return [int(m.group(1)) for m in _PLACEHOLDER.finditer(self.text)]
+
+    def fill(self, match: re.Match[str]) -> str | None:
+        """The name for this match; None when ``{N±k}`` meets a group that is not an integer, or
+        the result is a negative index (layer 0 has no layer -1)."""
+        failed = False
+
+        def one(m: re.Match[str]) -> str:
+            nonlocal failed
+            value = match.group(int(m.group(1))) or ""
+            if m.group(2) is None:
+                return value
+            if not value.isdigit():
+                failed = True
+                return ""
+            number = int(value) + (int(m.group(3)) if m.group(2) == "+" else -int(m.group(3)))
+            failed = failed or number < 0
+            return str(number)
+
+        text = _PLACEHOLDER.sub(one, self.text)
+        return None if failed else text
+
+
+# ------------------------------------------------------------------ rules and bridges
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of a bridge (see the module docstring and docs/engines.md)."""
+
+    number: int  # 1-based, in file order: what messages call it
+    op: str
+    side: str  # "a" or "b": whose names `match` is tried on
+    match: re.Pattern[str]
+    a: tuple[Template, ...]
+    b: tuple[Template, ...]
+    dim: int = -1
+    index: int = 0  # unwrap: the tuple element kept
+    reason: str = ""
+    id: str = ""
+
+    @property
+    def title(self) -> str:
+        return f"rule {self.number}: {self.id}" if self.id else f"rule {self.number}"
+
+    def templates(self, side: str) -> tuple[Template, ...]:
+        return self.a if side == "a" else self.b
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """A parsed rule file: which frameworks it joins, for which architectures, and its rules."""
+
+    name: str
+    source: str  # the file it came from, or "built-in NAME"
+    a: str | None
+    b: str | None
+    architectures: tuple[re.Pattern[str], ...]
+    align: str | None
+    rules: tuple[Rule, ...]
+    description: str = ""
+
+    def swapped(self) -> Bridge:
+        """The same bridge for a diff whose A is this bridge's b (``tracedump diff HF VLLM``)."""
+        rules = tuple(replace(r, side="b" if r.side == "a" else "a", a=r.b, b=r.a) for r in self.rules)
+        return replace(self, a=self.b, b=self.a, rules=rules)
+
+
+def _fail(where: str, message: str) -> BridgeError:
+    return BridgeError(f"--bridge {where}: {message}")
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise _fail(str(path), f"cannot read it ({e.strerror or e})") from e
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else _toml().loads(text)
+    except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError both are
+        kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _fail(str(path), f"not valid {kind}: {first}") from e
+    if not isinstance(data, dict):
+        raise _fail(str(path), "expected a table with [bridge] and [[rule]] entries")
+    return data
+
+
+def _toml() -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    try:
+        import tomli
+    except ImportError as e:  # pragma: no cover - Python 3.10 without tomli
+        raise BridgeError("--bridge: TOML rule files need Python 3.11 or the tomli package") from e
+    return tomli
+
+
+def _string_list(value: Any, where: str, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise _fail(where, f"{key!r} must be a name or a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _regex(text: Any, where: str, key: str) -> re.Pattern[str]:
+    if not isinstance(text, str) or not text:
+        raise _fail(where, f"{key!r} must be a regex, got {text!r}")
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise _fail(where, f"{key} {text!r}: invalid regex: {e}") from e
+
+
+def _parse_rule(number: int, raw: Any, where: str) -> Rule:
+    here = f"{where}: rule {number}"
+    if not isinstance(raw, dict):
+        raise _fail(here, "expected a table of keys")
+    unknown = sorted(set(raw) - _RULE_KEYS)
+    if unknown:
+        raise _fail(here, f"unknown key {unknown[0]!r} (keys: {', '.join(sorted(_RULE_KEYS))})")
+    op = raw.get("op")
+    if op not in OPS:
+        raise _fail(here, f"op {op!r}: choose {', '.join(OPS)}")
+    side = raw.get("side", "a")
+    if side not in ("a", "b"):
+        raise _fail(here, f"side {side!r}: choose 'a' or 'b'")
+    match = _regex(raw.get("match"), here, "match")
+    other = "b" if side == "a" else "a"
+    own = _string_list(raw.get(side, "{0}"), here, side)
+    given = raw.get(other)
+    if op == "skip":
+        if given is not None:
+            raise _fail(here, f"skip takes no {other!r}: it names what has no counterpart")
+        theirs: tuple[str, ...] = ()
+    elif op == "unwrap":
+        theirs = _string_list(given if given is not None else "{0}", here, other)
+    else:
+        if given is None:
+            raise _fail(here, f"{op} needs {other!r}: the counterpart's names")
+        theirs = _string_list(given, here, other)
+    counts = {side: len(own), other: len(theirs)}
+    if op in ("rename", "unwrap") and (counts["a"] != 1 or counts["b"] != 1):
+        raise _fail(here, f"{op} pairs one name with one name, got a: {counts['a']}, b: {counts['b']}")
+    if op == "split" and sorted(counts.values())[0] != 1:
+        raise _fail(here, "split cuts one tensor into the other side's pieces: one side must name one")
+    if op == "split" and max(counts.values()) < 2:
+        raise _fail(here, "split needs at least two pieces on the other side")
+    dim, index = raw.get("dim", -1), raw.get("index", 0)
+    for key, value in (("dim", dim), ("index", index)):
+        if type(value) is not int:
+            raise _fail(here, f"{key!r} must be an integer, got {value!r}")
+    reason = raw.get("reason", "")
+    if not isinstance(reason, str) or (op == "skip" and not reason):
+        raise _fail(here, "skip needs a 'reason': the report lists the skipped tensors by it")
+    templates = {side: own, other: theirs}
+    for name in (*own, *theirs):
+        for group in Template(name).groups():
+            if group > match.groups:
+                raise _fail(here, f"{name!r} uses group {group}, but match has {match.groups}")
+    return Rule(
+        number,
+        op,
+        side,
+        match,
+        tuple(Template(t) for t in templates["a"]),
+        tuple(Template(t) for t in templates["b"]),
+        dim,
+        index,
+        reason,
+        str(raw.get("id", "")),
+    )
+
+
+def parse_bridge(data: dict[str, Any], source: str) -> Bridge:
+    """A bridge from a rule file's parsed contents (every error names ``source`` and the rule)."""
+    header = data.get("bridge", {})
+    if not isinstance(header, dict):
+        raise _fail(source, "[bridge] must be a table")
+    unknown = sorted(set(data) - {"bridge", "rule"}) or sorted(set(header) - _HEADER_KEYS)
+    if unknown:
+        raise _fail(source, f"unknown key {unknown[0]!r}")
+    raw_rules = data.get("rule", [])
+    if not isinstance(raw_rules, list) or not raw_rules:
+        raise _fail(source, "no [[rule]] entries")
+    architectures = header.get("architectures", [])
+    architectures = [architectures] if isinstance(architectures, str) else architectures
+    if not isinstance(architectures, list):
+        raise _fail(source, "'architectures' must be a list of regexes")
+    align = header.get("align")
+    if align not in (None, "passes", "tokens"):
+        raise _fail(source, f"align {align!r}: choose passes or tokens")
+    for key in ("a", "b", "name", "description"):
+        if key in header and not isinstance(header[key], str):
+            raise _fail(source, f"[bridge] {key!r} must be a string")
+    return Bridge(
+        name=str(header.get("name") or Path(source).stem),
+        source=source,
+        a=header.get("a"),
+        b=header.get("b"),
+        architectures=tuple(_regex(p, source, "architectures") for p in architectures),
+        align=align,
+        rules=tuple(_parse_rule(i, raw, source) for i, raw in enumerate(raw_rules, 1)),
+        description=str(header.get("description", "")),
+    )
+
+
+def load_bridge(path: str | Path) -> Bridge:
+    """A user's rule file (``--bridge FILE``): TOML, or JSON when it ends in ``.json``."""
+    path = Path(path)
+    return parse_bridge(_read(path), str(path))
+
+
+def builtin_bridges() -> list[Bridge]:
+    """The bridges shipped in ``tracedump/bridges/*.toml``, in file name order."""
+    found = []
+    folder = resources.files("tracedump").joinpath(BUILTIN_FOLDER)  # package data, not a package
+    for item in sorted(folder.iterdir(), key=lambda p: p.name):
+        if item.name.endswith(".toml"):
+            data = _toml().loads(item.read_text())
+            found.append(parse_bridge(data, f"built-in {item.name}"))
+    return found
+
+
+# ------------------------------------------------------------------ which bridge, which classes
+
+
+@dataclass(frozen=True)
+class SideInfo:
+    """What a side's manifest says of its model: framework, root class, each module's class."""
+
+    framework: str
+    root: str
+    classes: Mapping[str, str]
+    integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
+
+
+def _framework(manifest: Mapping[str, Any]) -> str:
+    """The manifest's ``framework``; for dumps written before it, the package of ``model_class``
+    (``vllm.model_executor.models.llama.LlamaForCausalLM`` -> ``vllm``)."""
+    value = manifest.get("framework")
+    if isinstance(value, str) and value:
+        return value
+    model_class = manifest.get("model_class")
+    if isinstance(model_class, str) and "." in model_class:
+        return model_class.split(".", 1)[0]
+    return ""
+
+
+def side_info(side: Side) -> SideInfo:
+    manifest: Mapping[str, Any] = {}
+    for group in side.groups:
+        for run in group.runs:
+            if run.run is not None:
+                manifest = run.run.manifest
+                break
+        if manifest:
+            break
+    else:
+        if side.path.is_file() and (side.path.parent / "manifest.json").is_file():
+            from ..loader import read_manifest
+
+            manifest = read_manifest(side.path.parent)
+    classes = manifest.get("module_classes")
+    model_class = str(manifest.get("model_class") or "")
+    root = str(manifest.get("root") or model_class.rsplit(".", 1)[-1])
+    integration = manifest.get("integration")
+    engine = str(integration.get("name", "")) if isinstance(integration, dict) else ""
+    return SideInfo(_framework(manifest), root, dict(classes) if isinstance(classes, dict) else {}, engine)
+
+
+def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:
+    if bridge.a is not None and bridge.a != a.framework:
+        return False
+    if bridge.b is not None and bridge.b != b.framework:
+        return False
+    return not bridge.architectures or any(
+        p.fullmatch(info.root) for p in bridge.architectures for info in (a, b)
+    )
+
+
+def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tuple[Bridge | None, str]:
+    """The bridge to use and a line saying why: the user's file (as given, or swapped when its
+    frameworks are the other way round), none, or the first built-in whose frameworks and
+    architectures fit the two manifests (either way round)."""
+    if option == "none":
+        return None, "bridge: off (--bridge none)"
+    if isinstance(option, Bridge):
+        if option.a is not None and option.b is not None and _fits(option.swapped(), a, b):
+            return option.swapped(), f"bridge: {option.name} from {option.source} (A is its {option.b})"
+        return option, f"bridge: {option.name} from {option.source}"
+    if not a.framework or not b.framework or a.framework == b.framework:
+        return None, ""
+    for bridge in builtin_bridges():
+        if _fits(bridge, a, b):
+            return bridge, f"bridge: {bridge.name} ({bridge.source}; A {a.framework}, B {b.framework})"
+        if _fits(bridge.swapped(), a, b):
+            return (
+                bridge.swapped(),
+                f"bridge: {bridge.name} ({bridge.source}; A {a.framework}, B {b.framework})",
+            )
+    return None, f"bridge: none built in for A {a.framework} and B {b.framework} ({a.root})"
+
+
+# ------------------------------------------------------------------ expressions: what one side compares
+
+
+@dataclass(frozen=True)
+class Expr:
+    """One side of a pair: a stored tensor, or an op over several of that side's tensors.
+
+    ``label`` is the name the report shows (``model.layers.0[0] + model.layers.0[1]``,
+    ``model.layers.0.self_attn.qkv_proj[0][..., 0:256]``)."""
+
+    names: tuple[str, ...]
+    op: str | None = None  # None (one tensor), sum, product, concat, split
+    dim: int = -1
+    piece: tuple[int, int] | None = None  # split: [start, stop) along dim
+    whole: int | None = None  # split: what the pieces add up to along dim
+
+    @property
+    def label(self) -> str:
+        if self.op in _COMBINE:
+            return _COMBINE[self.op].join(self.names)
+        if self.op == "concat":
+            return f"cat({', '.join(self.names)}, dim={self.dim})"
+        if self.op == "split" and self.piece is not None:
+            where = "" if self.dim == -1 else f"dim {self.dim}: "
+            return f"{self.names[0]}[{where}{self.piece[0]}:{self.piece[1]}]"
+        return self.names[0]
+
+    def entry(self, entries: Mapping[str, SideEntry]) -> SideEntry | None:
+        """This side's entry for one pass (None when a tensor it needs is not in the pass); a
+        derived entry knows its shape from the parts' metadata, its values from :func:`assemble`."""
+        parts = [entries.get(name) for name in self.names]
+        if any(p is None for p in parts):
+            return None
+        found = [p for p in parts if p is not None]
+        if self.op is None:
+            return found[0]
+        first = found[0]
+        problem = next((p.problem for p in found if p.problem is not None), None)
+        if problem is None and any(p.meta.kind != "tensor" for p in found):
+            problem = f"{self.op} needs whole tensors, not statistics"
+        shape, why = self._shape([p.meta.shape for p in found])
+        meta = EntryMeta("tensor", shape, first.meta.dtype)
+        status = next((p.problem_status for p in found if p.problem is not None), None)
+        return SideEntry(
+            self.label,
+            meta,
+            first.how,
+            problem or why,
+            status or ("error" if why else None),
+            op=self.op,
+            parts=tuple(found),
+            piece=(self.dim, *self.piece) if self.piece is not None else (self.dim, 0, 0),
+        )
+
+    def _shape(self, shapes: list[tuple[int, ...] | None]) -> tuple[tuple[int, ...] | None, str | None]:
+        if any(s is None for s in shapes):
+            return None, None
+        known = [s for s in shapes if s is not None]
+        if self.op == "split":
+            shape = known[0]
+            axis = self.dim % len(shape) if shape else 0
+            if not shape or self.piece is None or self.piece[1] > shape[axis]:
+                return shape, f"split: {list(shape)} has no [{self.piece}] along dim {self.dim}"
+            if self.whole is not None and self.whole != shape[axis]:
+                return shape, (
+                    f"split: the pieces add up to {self.whole} along dim {self.dim}, "
+                    f"the tensor {list(shape)} has {shape[axis]}"
+                )
+            return (*shape[:axis], self.piece[1] - self.piece[0], *shape[axis + 1 :]), None
+        if self.op == "concat":
+            ndim = len(known[0])
+            axis = self.dim % ndim if ndim else 0
+            if any(
+                len(s) != ndim or s[:axis] + s[axis + 1 :] != known[0][:axis] + known[0][axis + 1 :]
+                for s in known
+            ):
+                return known[0], f"concat: shapes {[list(s) for s in known]} do not join along dim {self.dim}"
+            return (*known[0][:axis], sum(s[axis] for s in known), *known[0][axis + 1 :]), None
+        squeezed = {tuple(d for d in s if d != 1) for s in known}
+        if len(squeezed) > 1:
+            return known[0], f"{self.op}: shapes differ: {[list(s) for s in known]}"
+        return known[0], None
+
+
+@dataclass(frozen=True)
+class BridgedPair:
+    """One comparison the bridge decided: A's expression, B's, and how (for the table)."""
+
+    a: Expr
+    b: Expr
+    how: str | None  # "split -1", "sum", ... ; None for a pair matched by name
+    rule: str | None = None  # "rule 3 (split)"
+    classes: tuple[str, str] | None = None  # set: not comparable (one name, two classes, no rule)
+
+    def describe(self) -> str | None:
+        """``split -1 (rule 4: qkv)``: what the table's bridge column shows; None for a name match."""
+        if self.how is None:
+            return None
+        return f"{self.how} ({self.rule})" if self.rule else self.how
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A tensor without a counterpart, and why."""
+
+    side: str  # "A" or "B"
+    name: str
+    reason: str
+    mapped: str | None = None
+
+
+@dataclass
+class Matched:
+    """The outcome of matching one pass's names: pairs in A's order, not comparable, leftovers."""
+
+    pairs: list[BridgedPair] = field(default_factory=list)  # with the not comparable, in A's order
+    leftovers: list[Leftover] = field(default_factory=list)
+
+
+NO_NAME_IN_B = "no tensor of that name in B"
+NO_NAME_IN_A = "no tensor of that name in A"
+PLAIN_REASONS = frozenset({NO_NAME_IN_A, NO_NAME_IN_B})
+
+
+def _bare(qualname: str) -> str:
+    return qualname.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Matcher:
+    """Matches two sides' names for one diff: the bridge (if any), then names, with the class
+    check. Built once per diff (:func:`matcher_for`); :meth:`match` runs per pass."""
+
+    bridge: Bridge | None
+    classes_a: Mapping[str, str]
+    classes_b: Mapping[str, str]
+    line: str = ""
+    align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
+    # passes of one run usually hold the same names: matched once (names in order -> Matched)
+    _seen: dict[tuple[tuple[str, ...], tuple[str, ...]], Matched] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def class_of(self, side: str, name: str) -> str | None:
+        classes = self.classes_a if side == "a" else self.classes_b
+        if not classes:
+            return None
+        try:
+            module = Key.parse(name).module
+        except ValueError:
+            return None
+        found = classes.get(module)
+        return _bare(found) if found else None
+
+    def match(self, names_a: Iterable[str], names_b: Iterable[str], options: DiffOptions) -> Matched:
+        """The pairs (bridged, then by name), in A's capture order, and the leftovers with why."""
+        key = (tuple(names_a), tuple(names_b))
+        if key not in self._seen:
+            self._seen[key] = self._match(list(key[0]), list(key[1]), options)
+        return self._seen[key]
+
+    def _match(self, names_a: list[str], names_b: list[str], options: DiffOptions) -> Matched:
+        mapped = {name: options.map_name(name) for name in names_a}
+        original = {m: name for name, m in mapped.items()}
+        have = {"a": set(original), "b": set(names_b)}
+        claimed: dict[str, set[str]] = {"a": set(), "b": set()}
+        out = Matched()
+        anchored: list[tuple[int, BridgedPair]] = []
+        order = {m: i for i, m in enumerate(mapped.values())}
+        for side, names in (("a", list(mapped.values())), ("b", names_b)):
+            for name in names:
+                if name in claimed[side] or self.bridge is None:
+                    continue
+                self._anchor(side, name, have, claimed, out, anchored, order, original)
+        in_b = set(names_b)
+        for name in names_a:
+            m = mapped[name]
+            if m in claimed["a"]:
+                continue
+            if m not in in_b:
+                out.leftovers.append(Leftover("A", name, NO_NAME_IN_B, m))
+                continue
+            # one name, two classes: not comparable. A name --map made is the user's rule: compared.
+            class_a, class_b = (
+                (self.class_of("a", name), self.class_of("b", m)) if m == name else (None, None)
+            )
+            classes = (class_a, class_b) if class_a and class_b and class_a != class_b else None
+            anchored.append((order[m], BridgedPair(Expr((name,)), Expr((m,)), None, classes=classes)))
+            claimed["b"].add(m)
+        for name in names_b:
+            if name not in claimed["b"]:
+                out.leftovers.append(Leftover("B", name, NO_NAME_IN_A))
+        anchored.sort(key=lambda item: item[0])
+        out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
+        out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
+        return out
+
+    def _anchor(
+        self,
+        side: str,
+        name: str,
+        have: dict[str, set[str]],
+        claimed: dict[str, set[str]],
+        out: Matched,
+        anchored: list[tuple[int, BridgedPair]],
+        order: dict[str, int],
+        original: dict[str, str],
+    ) -> None:
+        assert self.bridge is not None
+        first_reason: str | None = None
+        for rule in self.bridge.rules:
+            if rule.side != side:
+                continue
+            if rule.op == "unwrap":
+                applied = _apply_unwrap(rule, name, have)
+                if applied is None:
+                    continue
+            else:
+                found = rule.match.fullmatch(name)
+                if found is None:
+                    continue
+                applied = _apply(rule, found, have)
+            if isinstance(applied, str):
+                first_reason = first_reason or applied
+                continue
+            names_a, names_b, pairs = applied
+            claimed["a"].update(names_a)
+            claimed["b"].update(names_b)
+            if not pairs:  # skip, or a tuple element unwrap does not keep
+                reason = rule.reason or f"element of an (out, bias) tuple that {rule.title} does not keep"
+                out.leftovers.append(_leftover(side, name, f"skipped by {rule.title}: {reason}", original))
+                return
+            position = min((order[n] for n in names_a if n in order), default=len(order))
+            for pair in pairs:
+                a = replace(pair.a, names=tuple(original.get(n, n) for n in pair.a.names))
+                anchored.append((position, replace(pair, a=a)))
+            return
+        if first_reason is not None:
+            claimed[side].add(name)
+            out.leftovers.append(_leftover(side, name, first_reason, original))
+
+
+def _leftover(side: str, name: str, reason: str, original: Mapping[str, str]) -> Leftover:
+    if side == "a":
+        return Leftover("A", original.get(name, name), reason, name)
+    return Leftover("B", name, reason)
+
+
+_ELEMENT = re.compile(r"\[(\d+)\]")
+
+
+def _apply_unwrap(
+    rule: Rule, name: str, have: dict[str, set[str]]
+) -> tuple[list[str], list[str], list[BridgedPair]] | str | None:
+    """``unwrap``: ``match`` is tried on the module part of a tuple element's key (``o_proj`` of
+    ``o_proj[0]``); element ``index`` pairs with the counterpart module (``{0}`` by default) plus
+    the rest of the path and call suffix, the other elements are skipped. None: no match."""
+    try:
+        key = Key.parse(name)
+    except ValueError:
+        return None
+    element = _ELEMENT.match(key.path)
+    found = rule.match.fullmatch(key.module) if element and not key.input else None
+    if found is None or element is None:
+        return None
+    own = "a" if rule.side == "a" else "b"
+    other = "b" if own == "a" else "a"
+    if int(element.group(1)) != rule.index:
+        return ([name], [], []) if own == "a" else ([], [name], [])  # another element: skipped
+    module = rule.templates(other)[0].fill(found)
+    if module is None:
+        return f"{rule.title}: {rule.templates(other)[0].text!r} has no value for {key.module!r}"
+    counterpart = Key(module, key.path[element.end() :], False, key.call).format()
+    if counterpart not in have[other]:
+        return f"{rule.title}: {other.upper()} has no {counterpart}"
+    pair = _unwrap(rule, name, counterpart) if own == "a" else _unwrap(rule, counterpart, name)
+    return ([name], [counterpart], [pair]) if own == "a" else ([counterpart], [name], [pair])
+
+
+def _names(pair: BridgedPair) -> tuple[str, ...]:
+    return (*pair.a.names, *pair.b.names)
+
+
+def _apply(
+    rule: Rule, found: re.Match[str], have: dict[str, set[str]]
+) -> tuple[list[str], list[str], list[BridgedPair]] | str:
+    """The pairs one rule makes of one matched name, or why it cannot apply (a name it needs is
+    not there)."""
+    filled: dict[str, list[str]] = {}
+    for side in ("a", "b"):
+        names = []
+        for template in rule.templates(side):
+            name = template.fill(found)
+            if name is None:
+                return f"{rule.title}: {template.text!r} has no value for {found.group(0)!r}"
+            if name not in have[side]:
+                return f"{rule.title}: {side.upper()} has no {name}"
+            names.append(name)
+        filled[side] = names
+    a, b = filled["a"], filled["b"]
+    if rule.op == "skip":
+        return a if rule.side == "a" else [], b if rule.side == "b" else [], []
+    how = rule.op if rule.op != "split" else f"split {rule.dim}"
+    if rule.op == "unwrap":
+        return a, b, [_unwrap(rule, a[0], b[0])]
+    if rule.op == "rename":
+        return a, b, [BridgedPair(Expr((a[0],)), Expr((b[0],)), how, rule.title)]
+    if rule.op == "split":
+        return a, b, [BridgedPair(x, y, how, rule.title) for x, y in _split_later(rule, a, b)]
+    op = rule.op
+    expr_a = Expr(tuple(a), op if len(a) > 1 else None, rule.dim)
+    expr_b = Expr(tuple(b), op if len(b) > 1 else None, rule.dim)
+    return a, b, [BridgedPair(expr_a, expr_b, how, rule.title)]
+
+
+def _unwrap(rule: Rule, a: str, b: str) -> BridgedPair:
+    return BridgedPair(Expr((a,)), Expr((b,)), f"unwrap [{rule.index}]", rule.title)
+
+
+def _split_later(rule: Rule, a: list[str], b: list[str]) -> list[tuple[Expr, Expr]]:
+    """Split pairs whose pieces are sized later, from the pieces' shapes (:func:`size_splits`):
+    marked with an open piece ``(-1, k)``, k the piece's ordinal."""
+    if len(a) == 1:
+        return [(Expr((a[0],), "split", rule.dim, (-1, k)), Expr((name,))) for k, name in enumerate(b)]
+    return [(Expr((name,)), Expr((b[0],), "split", rule.dim, (-1, k))) for k, name in enumerate(a)]
+
+
+def size_splits(
+    pairs: list[BridgedPair], entries_a: Mapping[str, SideEntry], entries_b: Mapping[str, SideEntry]
+) -> list[BridgedPair]:
+    """Give every split piece its bounds: the counterpart pieces' sizes along the split dim, in order.
+    A piece whose counterpart's shape is unknown keeps an empty bound (reported as an error)."""
+    offsets: dict[tuple[str, str, int], int] = {}
+    out = []
+    for pair in pairs:
+        for which, fused, other, entries in (
+            ("a", pair.a, pair.b, entries_b),
+            ("b", pair.b, pair.a, entries_a),
+        ):
+            if fused.op != "split" or fused.piece is None or fused.piece[0] != -1:
+                continue
+            entry = entries.get(other.names[0])
+            shape = entry.meta.shape if entry is not None else None
+            key = (which, fused.names[0], fused.dim)
+            start = offsets.get(key, 0)
+            size = shape[fused.dim] if shape and -len(shape) <= fused.dim < len(shape) else 0
+            offsets[key] = start + size
+            sized = replace(fused, piece=(start, start + size))
+            pair = replace(pair, **{which: sized})
+        out.append(pair)
+    return [_with_whole(pair, offsets) for pair in out]
+
+
+def _with_whole(pair: BridgedPair, offsets: dict[tuple[str, str, int], int]) -> BridgedPair:
+    """Each split piece knows what its pieces add up to: a fused tensor of another size is an
+    error, never a silently dropped remainder."""
+    for which in ("a", "b"):
+        fused: Expr = getattr(pair, which)
+        if fused.op == "split":
+            pair = replace(
+                pair, **{which: replace(fused, whole=offsets.get((which, fused.names[0], fused.dim)))}
+            )
+    return pair
+
+
+def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
+    """The matcher of one diff: the bridge chosen for its two manifests (or ``--bridge``), with
+    both sides' module classes, and the alignment when the user gave none: the bridge's, else
+    ``tokens`` when a side was dumped by an engine integration (the vLLM plugin's
+    ``set_batch`` in every step), else passes."""
+    info_a, info_b = side_info(side_a), side_info(side_b)
+    bridge, line = select_bridge(options.bridge, info_a, info_b)
+    align = bridge.align if bridge is not None else None
+    if align is None and (info_a.integration or info_b.integration):
+        align = "tokens"  # an engine integration batches requests and records each step's layout
+    return Matcher(bridge, info_a.classes, info_b.classes, line, align)

@@ -1,0 +1,93 @@
+"""Inputs first: aligned sequences that were fed different token ids are reported before any number.
+
+The most common cause of "vLLM differs from HF" is not a kernel but the prompt: a tokenizer or
+chat-template difference, a doubled or missing BOS. Every tensor downstream then differs, and the
+first of them (``embed_tokens``) would be named as the first divergence, which sends the user to
+the wrong place. So the token ids each side recorded (``set_batch``'s ``input_ids``, or the batch
+layout read from an HF model's ``input_ids``) are compared first; when they differ, the report
+says ``inputs differ: seq S, position P: token 1 vs 2``, exits 1 and names no module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..sequences import Batch, SeqId, Sequence, SequenceError
+from .plan import Plan
+from .sources import Side
+
+
+def first_token_difference(a: Sequence, b: Sequence) -> tuple[int, int, int] | None:
+    """(position, A's token, B's token) at the first position both know the token of and where they
+    differ; None when they agree wherever both know it."""
+    for position in sorted(set(a.input_ids) & set(b.input_ids)):
+        if a.input_ids[position] != b.input_ids[position]:
+            return position, a.input_ids[position], b.input_ids[position]
+    return None
+
+
+def sequence_finding(seq_a: SeqId, seq_b: SeqId, a: Sequence, b: Sequence) -> dict[str, Any] | None:
+    """The inputs-differ finding of one aligned pair of sequences, if their tokens differ."""
+    found = first_token_difference(a, b)
+    if found is None:
+        return None
+    position, token_a, token_b = found
+    return {"sequence": seq_a, "sequence_b": seq_b, "position": position, "a": token_a, "b": token_b}
+
+
+def describe(finding: dict[str, Any]) -> str:
+    """``inputs differ: seq 0, position 0: token 1 vs 2`` (B's seq id too when it is another)."""
+    seq = f"seq {finding['sequence']}"
+    if finding.get("sequence_b") is not None and finding["sequence_b"] != finding["sequence"]:
+        seq += f" (B: {finding['sequence_b']})"
+    where = f"pass {finding['pass']}, " if "pass" in finding else ""
+    return (
+        f"inputs differ: {where}{seq}, position {finding['position']}: token {finding['a']} vs {finding['b']}"
+    )
+
+
+def _batches(side: Side, label: str | None) -> dict[int, Batch]:
+    for group in side.groups:
+        if label is not None and group.label != label:
+            continue
+        run = group.runs[0].run
+        if run is None:
+            return {}
+        try:
+            return run.batches()
+        except SequenceError:
+            return {}
+    return {}
+
+
+def inputs_differ_by_pass(side_a: Side, side_b: Side, plan: Plan) -> list[dict[str, Any]]:
+    """``--align passes``: for each compared pass whose two batch layouts both carry token ids, row
+    for row, the first row where they differ (only when both hold the same number of rows)."""
+    found: list[dict[str, Any]] = []
+    single = len(side_a.groups) == 1 and len(side_b.groups) == 1
+    cache: dict[tuple[str, str | None], dict[int, Batch]] = {}
+    for unit in plan.units:
+        label = None if single else unit.root
+        batches_a = cache.setdefault(("A", label), _batches(side_a, label))
+        batches_b = cache.setdefault(("B", label), _batches(side_b, label))
+        a, b = batches_a.get(unit.pass_a), batches_b.get(unit.pass_b)
+        if a is None or b is None or a.input_ids is None or b.input_ids is None:
+            continue
+        if len(a.input_ids) != len(b.input_ids):
+            continue
+        pairs = zip(a.input_ids, b.input_ids, a.seq_ids, b.seq_ids, strict=True)
+        row = next(
+            (i for i, (x, y, s, t) in enumerate(pairs) if x != y and s is not None and t is not None), None
+        )  # padding rows (seq None) hold no input
+        if row is not None:
+            found.append(
+                {
+                    "pass": unit.pass_a,
+                    "sequence": a.seq_ids[row],
+                    "sequence_b": b.seq_ids[row],
+                    "position": a.positions[row],
+                    "a": a.input_ids[row],
+                    "b": b.input_ids[row],
+                }
+            )
+    return found

@@ -1,0 +1,410 @@
+"""vLLM, dumped with no code: the ``vllm.general_plugins`` entry point ``tracedump``.
+
+vLLM calls :func:`register` in every process it starts (the API server, the engine core, each
+worker). With ``TRACEDUMP_DUMP_DIR`` unset that is one env lookup and nothing else: no import of
+vLLM's internals, nothing patched. With it set:
+
+- in the process that builds the engine config, the engine is made eager (``enforce_eager``):
+  compiled graphs and CUDA graphs run no forward hooks, so a dumped engine must not use them
+  (one warning when the user asked otherwise);
+- in each worker, every model runner (V1's ``GPUModelRunner`` and the CPU/XPU runners built on
+  it; the V2 runner where it is used) is instrumented when it is constructed:
+
+  - ``load_model``: ``tracedump.attach(model)`` right after the model is loaded, with the usual
+    env settings; the run dir exists from then on (and ``tracedump arm`` finds it);
+  - ``execute_model`` .. ``sample_tokens``: one ``dumper.step()`` per engine step that schedules
+    tokens, so the logits that ``compute_logits`` produces outside the model's forward are in the
+    step's pass; ``set_batch`` is filled from the step (each row's request id, position and input
+    id, in the order of the flattened token rows, padding rows left out);
+  - the profile, dummy and warm-up runs (``profile_run``, ``_dummy_run``, ``_dummy_sampler_run``,
+    ``capture_model``, ...) run under ``tracedump.profiling()`` and are counted as
+    ``skipped.profile`` (one per outermost run);
+  - ``shutdown``: the dumper is closed (flushed, manifest finished);
+
+- under ``tracedump run``, the launcher's auto-attach steps aside in every vLLM process: the
+  plugin dumps the model, and no other root (vLLM's ``Sampler``) gets a run dir.
+
+Internals not found (another vLLM version) give one warning and an undumped engine; a failure at
+run time is reported once and never raised into the engine. See docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# The model runners instrumented, tried in this order: (module, class). V1's GPU runner is the base
+# of the CPU and XPU runners; V2 (vllm/v1/worker/gpu/) is the runner vLLM picks on GPUs with Triton.
+RUNNERS: tuple[tuple[str, str], ...] = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+)
+REQUIRED = ("load_model", "execute_model")  # without these a runner cannot be dumped
+# Runs that are not engine steps: suspended, counted as skipped.profile (outermost call only).
+PROFILE_METHODS = (
+    "profile_run",
+    "_dummy_run",
+    "_dummy_sampler_run",
+    "_dummy_pooler_run",
+    "capture_model",
+    "profile_cudagraph_memory",
+    "warming_up_model",
+)
+_MARK = "_tracedump_patched"
+_DIR_VAR = "TRACEDUMP_DUMP_DIR"  # settings.env_name("dir"): the variable that turns dumping on
+_ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
+
+_registered = False
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes (possibly more than once)."""
+    global _registered
+    # Off: the one env lookup that is_enabled() makes, done here first, as the launcher's bootstrap
+    # does: importing the settings (pydantic-settings) would cost every vLLM process ~0.5 s for nothing.
+    if _registered or not os.environ.get(_DIR_VAR, "").strip():
+        return
+    from ..settings import is_enabled
+
+    if not is_enabled(None):
+        return
+    _registered = True
+    try:
+        _yield_auto_attach()
+        _force_eager()
+        patched = [cls for cls in map(_find, RUNNERS) if cls is not None and _patch_runner(cls)]
+    except Exception as e:  # never break vLLM's start-up: dumping is a diagnostic
+        _warn(f"tracedump: the vLLM plugin failed to install ({type(e).__name__}: {e}); not dumped")
+        return
+    if not patched:
+        _warn(
+            f"tracedump: vLLM {_vllm_version()}: no model runner found that this plugin knows "
+            f"({', '.join(f'{m}.{c}' for m, c in RUNNERS)} with {', '.join(REQUIRED)}); "
+            "the engine runs undumped"
+        )
+
+
+# ------------------------------------------------------------------------ process-level set-up
+
+
+def _warn(message: str) -> None:
+    from ..runtime import warn_once
+
+    warn_once(f"vllm:{message[:60]}", message)
+
+
+def _vllm_version() -> str:
+    module = sys.modules.get("vllm")
+    return str(getattr(module, "__version__", "?"))
+
+
+def _find(spec: tuple[str, str]) -> type | None:
+    """The class ``module.name`` if it imports and has the methods the plugin wraps, else None."""
+    module_name, class_name = spec
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+    except Exception:  # another version: the module moved, or needs what this host lacks (Triton)
+        return None
+    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in REQUIRED):
+        return None
+    return cls
+
+
+def _yield_auto_attach() -> None:
+    """Under ``tracedump run`` the launcher hooks every root at its first call; in a vLLM process
+    the plugin attaches instead (to the model, after it loads), so the launcher's global hooks are
+    removed before any module runs: one dumper per model, and no run dir for vLLM's ``Sampler``."""
+    auto = sys.modules.get("tracedump.launch.auto")
+    installed = getattr(auto, "_installed", None) if auto is not None else None
+    if installed is not None:
+        installed.remove()
+
+
+def _force_eager() -> None:
+    """Make the engine that this process configures eager: compiled and CUDA graphs run no hooks."""
+    cls = _find_plain(*_ENGINE_ARGS)
+    if cls is None or getattr(cls.create_engine_config, _MARK, False):
+        return
+    original = cls.create_engine_config
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "enforce_eager", True):
+            _warn(
+                "tracedump: dumping vLLM runs it eagerly (enforce_eager=True): torch.compile'd "
+                "and CUDA-graph forwards run no hooks"
+            )
+            self.enforce_eager = True
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _MARK, True)
+    cls.create_engine_config = create_engine_config
+
+
+def _find_plain(module_name: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module_name), name, None)
+    except Exception:
+        return None
+
+
+def _patch_runner(cls: type) -> bool:
+    """Instrument every instance of ``cls`` (and its subclasses) as it is constructed: the wrapped
+    methods are set on the instance, so a subclass's own ``load_model`` (the CPU runner's) is
+    wrapped as well as the base's."""
+    if getattr(cls.__init__, _MARK, False):
+        return True
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if getattr(self, "_tracedump", None) is None:
+            try:
+                self._tracedump = RunnerHooks(self)
+            except Exception as e:
+                _warn(f"tracedump: cannot instrument {type(self).__name__} ({e!r}); not dumped")
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__  # type: ignore[misc]
+    return True
+
+
+# ------------------------------------------------------------------------ one model runner
+
+
+class RunnerHooks:
+    """The plugin's state for one model runner: its dumper and the step that is open."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.dumper: Any = None
+        self._step: contextlib.AbstractContextManager[Any] | None = None
+        self._scheduler_output: Any = None
+        self._profile_depth = 0
+        self._lock = threading.Lock()
+        self.wrapped: list[str] = []  # the runner's methods replaced on the instance
+        self._wrap("load_model", self._load_model)
+        self._wrap("execute_model", self._execute_model)
+        self._wrap("sample_tokens", self._sample_tokens)
+        self._wrap("_model_forward", self._model_forward)  # V1: input ids and positions of the step
+        self._wrap("prepare_inputs", self._prepare_inputs)  # V2: the step's InputBatch
+        self._wrap("shutdown", self._shutdown)
+        for name in PROFILE_METHODS:
+            self._wrap(name, self._profiled)
+
+    def _wrap(self, name: str, wrapper: Callable[..., Any]) -> None:
+        original = getattr(self.runner, name, None)
+        if not callable(original):
+            return
+
+        @functools.wraps(original)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(original, *args, **kwargs)
+
+        setattr(self.runner, name, method)
+        self.wrapped.append(name)
+
+    def remove(self) -> None:
+        """Close the dumper and give the runner its own methods back (benchmarks, tests)."""
+        self._end_step()
+        if self.dumper is not None:
+            self.dumper.close()
+            self.dumper = None
+        for name in self.wrapped:
+            self.runner.__dict__.pop(name, None)
+        self.wrapped = []
+
+    # -------------------------------------------------------------- attach
+
+    def _load_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if self.dumper is None:
+            self._attach()
+        return result
+
+    def _attach(self) -> None:
+        import tracedump
+        from tracedump.settings import ConfigError
+
+        runner = self.runner
+        get_model = getattr(runner, "get_model", None)
+        model = get_model() if callable(get_model) else getattr(runner, "model", None)
+        try:
+            self.dumper = tracedump.attach(model)
+        except ConfigError:
+            raise  # a bad setting fails the engine's start-up, naming the env var and its value
+        except Exception as e:
+            _warn(f"tracedump: attach to vLLM's {type(model).__name__} failed ({e!r}); not dumped")
+            return
+        if self.dumper is None:
+            return
+        self.dumper.rundir.update(
+            integration={"name": "vllm", "version": _vllm_version(), "runner": type(runner).__name__}
+        )
+        self._guard_cuda_graphs()
+
+    def _guard_cuda_graphs(self) -> None:
+        """A runner that will capture CUDA graphs or run a compiled model would dump nothing in
+        those forwards: say so once (the plugin makes the engine eager where it builds the config)."""
+        import tracedump
+
+        config = getattr(self.runner, "compilation_config", None)
+        mode = getattr(getattr(config, "cudagraph_mode", None), "name", "NONE")
+        compiled = getattr(getattr(config, "mode", None), "name", "NONE")
+        if mode != "NONE":
+            tracedump.resolve_cuda_graph(True, self.dumper)
+        if compiled != "NONE":
+            tracedump.resolve_compile(True, self.dumper)
+
+    # -------------------------------------------------------------- steps
+
+    def _execute_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        dumper = self.dumper
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        if dumper is None or kwargs.get("dummy_run"):  # V2 runs its dummy runs through here
+            if kwargs.get("dummy_run") and dumper is not None:
+                return self._profiled(original, *args, **kwargs)
+            return original(*args, **kwargs)
+        self._end_step()  # a step whose sample_tokens never came: it ends here
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            return original(*args, **kwargs)  # no tokens scheduled: no forward, no pass
+        self._begin_step(scheduler_output)
+        try:
+            output = original(*args, **kwargs)
+        except BaseException:
+            self._end_step(sys.exc_info())
+            raise
+        if output is not None:  # the step is complete (pooling, a PP stage, no sampling to come)
+            self._end_step()
+        return output
+
+    def _sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            self._end_step(sys.exc_info())
+            raise
+        finally:
+            self._end_step()
+
+    def _begin_step(self, scheduler_output: Any) -> None:
+        try:
+            step = self.dumper.step()
+            step.__enter__()
+        except Exception as e:
+            _warn(f"tracedump: cannot open a pass for a vLLM step ({e!r})")
+            return
+        self._step, self._scheduler_output = step, scheduler_output
+
+    def _end_step(self, exc_info: Any = (None, None, None)) -> None:
+        step, self._step, self._scheduler_output = self._step, None, None
+        if step is None:
+            return
+        with contextlib.suppress(BaseException):  # the step's own exception is re-raised by the caller
+            step.__exit__(*exc_info)
+
+    # -------------------------------------------------------------- set_batch
+
+    def _model_forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """V1: the forward's ``input_ids`` / ``positions`` are the step's, padding rows last."""
+        if self._step is not None:
+            try:
+                self._set_batch_v1(kwargs.get("input_ids"), kwargs.get("positions"))
+            except Exception as e:
+                self._report("set_batch", e)
+        return original(*args, **kwargs)
+
+    def _set_batch_v1(self, input_ids: Any, positions: Any) -> None:
+        runner, scheduled = self.runner, self._scheduler_output
+        req_ids = list(runner.input_batch.req_ids)
+        counts = [int(scheduled.num_scheduled_tokens[r]) for r in req_ids]
+        rows = sum(counts)
+        if input_ids is not None and input_ids.shape[0] != rows:
+            _warn(
+                f"tracedump: a vLLM step ran {input_ids.shape[0]} token rows for {rows} scheduled "
+                "tokens (padding: data parallelism or CUDA-graph sizes); set_batch names the first "
+                f"{rows}, and the padded tensors cannot be aligned by token"
+            )
+        if positions is not None and positions.dim() != 1:  # M-RoPE: the runner's plain positions
+            buffer = getattr(runner, "positions", None)
+            positions = getattr(buffer, "cpu", None)
+        self._set_batch(req_ids, counts, _head(positions, rows), _head(input_ids, rows))
+
+    def _prepare_inputs(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """V2: the step's ``InputBatch`` says which request each row holds."""
+        batch = original(*args, **kwargs)
+        if self._step is not None and hasattr(batch, "req_ids"):
+            try:
+                counts = [int(c) for c in batch.num_scheduled_tokens[: batch.num_reqs]]
+                starts = [int(c) for c in batch.num_computed_tokens_np[: batch.num_reqs]]
+                positions = [s + i for s, c in zip(starts, counts, strict=True) for i in range(c)]
+                rows = sum(counts)
+                self._set_batch(
+                    list(batch.req_ids[: batch.num_reqs]),
+                    counts,
+                    positions,
+                    _head(getattr(batch, "input_ids", None), rows),
+                )
+            except Exception as e:
+                self._report("set_batch", e)
+        return batch
+
+    def _set_batch(self, req_ids: list[str], counts: list[int], positions: Any, input_ids: Any) -> None:
+        seq_ids = [r for r, c in zip(req_ids, counts, strict=True) for _ in range(c)]
+        self.dumper.set_batch(seq_ids, positions, input_ids)
+
+    # -------------------------------------------------------------- profile runs, shutdown
+
+    def _profiled(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        dumper = self.dumper
+        if dumper is None:
+            return original(*args, **kwargs)
+        with self._profiling(dumper):
+            return original(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _profiling(self, dumper: Any) -> Iterator[None]:
+        import tracedump
+
+        with self._lock:
+            self._profile_depth += 1
+            if self._profile_depth == 1:
+                dumper.skipped["profile"] += 1
+        try:
+            with tracedump.profiling():
+                yield
+        finally:
+            with self._lock:
+                self._profile_depth -= 1
+
+    def _shutdown(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._end_step()
+        if self.dumper is not None:
+            try:
+                self.dumper.close()
+            except Exception as e:
+                _warn(f"tracedump: closing the dump at vLLM's shutdown failed ({e!r})")
+        return original(*args, **kwargs)
+
+    def _report(self, where: str, error: Exception) -> None:
+        recorder = getattr(self.dumper, "recorder", None)
+        if recorder is not None:
+            recorder.report(f"vllm {where}", error)
+        else:
+            _warn(f"tracedump: vLLM {where}: {error!r}")
+
+
+def _head(values: Any, rows: int) -> Any:
+    """The first ``rows`` entries of a tensor or sequence (the rest is padding); None stays None."""
+    if values is None:
+        return None
+    if hasattr(values, "detach"):
+        return values.detach()[:rows].cpu()
+    return list(values)[:rows]
