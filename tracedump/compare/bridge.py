@@ -541,6 +541,7 @@ class Matcher:
 
     def _match(self, names_a: list[str], names_b: list[str], options: DiffOptions) -> Matched:
         mapped = {name: options.map_name(name) for name in names_a}
+        _refuse_map_collisions(mapped, set(names_b), options)
         original = {m: name for name, m in mapped.items()}
         have = {"a": set(original), "b": set(names_b)}
         claimed: dict[str, set[str]] = {"a": set(), "b": set()}
@@ -754,3 +755,22 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     if align is None and (info_a.integration or info_b.integration):
         align = "tokens"  # an engine integration batches requests and records each step's layout
     return Matcher(bridge, info_a.classes, info_b.classes, line, align)
+
+
+def _refuse_map_collisions(mapped: Mapping[str, str], names_b: set[str], options: DiffOptions) -> None:
+    """Several names of A that ``--map`` turns into one name of B would all be compared with the
+    same tensor: an error naming them, before any verdict."""
+    sources: dict[str, list[str]] = {}
+    for name, target in mapped.items():
+        if target in names_b and options.selected(name, target):
+            sources.setdefault(target, []).append(name)
+    clashes = [
+        f"{', '.join(map(repr, names))} -> {target!r}" for target, names in sources.items() if len(names) > 1
+    ]
+    if not clashes:
+        return
+    more = f" (and {len(clashes) - 5} more)" if len(clashes) > 5 else ""
+    raise UsageError(
+        f"--map turns several names of A into one name of B: {'; '.join(clashes[:5])}{more}; "
+        "each name of B can be compared with one name of A only"
+    )

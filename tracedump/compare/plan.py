@@ -12,7 +12,6 @@ The result is a frozen :class:`Plan`; the open :class:`PassView`\\ s it refers t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ..format import last_row_dim
@@ -222,46 +221,6 @@ def pair_tolerance(
     if None not in precisions and precisions[0] != precisions[1]:
         tolerance = replace(tolerance, mixed=True)
     return tolerance
-
-
-def match_names(
-    names_a: Iterable[str], names_b: Iterable[str], options: DiffOptions, pass_index: int, root: str | None
-) -> tuple[list[tuple[str, str]], list[Unmatched], list[Unmatched]]:
-    """(A's name, B's name) pairs in A's order (A's names through ``--map``, both through
-    ``--filter``), and the names left on each side."""
-    names_b = list(names_b)
-    in_b = set(names_b)
-    pairs: list[tuple[str, str]] = []
-    only_a: list[Unmatched] = []
-    for name in names_a:
-        mapped = options.map_name(name)
-        if not options.selected(name, mapped):
-            continue
-        if mapped in in_b:
-            pairs.append((name, mapped))
-        else:
-            only_a.append(Unmatched(pass_index, root, name, mapped))
-    matched = {mapped for _, mapped in pairs}
-    if len(matched) < len(pairs):
-        _refuse_map_collisions(pairs, pass_index)
-    only_b = [Unmatched(pass_index, root, n) for n in names_b if n not in matched and options.selected(n)]
-    return pairs, only_a, only_b
-
-
-def _refuse_map_collisions(pairs: list[tuple[str, str]], pass_index: int) -> None:
-    """Several names of A that ``--map`` turns into one name of B would all be compared with the
-    same tensor: an error naming them, before any verdict."""
-    sources: dict[str, list[str]] = {}
-    for name, mapped in pairs:
-        sources.setdefault(mapped, []).append(name)
-    clashes = [
-        f"{', '.join(map(repr, names))} -> {mapped!r}" for mapped, names in sources.items() if len(names) > 1
-    ]
-    more = f" (and {len(clashes) - 5} more)" if len(clashes) > 5 else ""
-    raise UsageError(
-        f"--map turns several names of A into one name of B (pass {pass_index}): "
-        f"{'; '.join(clashes[:5])}{more}; each name of B can be compared with one name of A only"
-    )
 
 
 def _pair(
