@@ -307,3 +307,20 @@ def test_the_caller_is_found_through_decorators_and_helpers_and_the_root_names_i
     dumper.close()
     names = tracedump.open_dump(tmp_path).run().passes[0].names
     assert names == ["shared", "enc.shared"]  # the root's own call, then the encoder's
+
+
+def test_a_module_graph_with_a_cycle_or_too_many_names_still_attaches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tracedump import selection
+
+    outer = nn.Sequential(nn.Linear(2, 2))
+    outer[0].back = outer  # type: ignore[assignment]  # a child holding its parent: a cycle
+    names = selection.every_name(outer)
+    assert list(names) == ["", "0"]  # the walk does not go round the cycle
+    monkeypatch.setattr(selection, "MAX_NAMES", 3)
+    wide = SharedRotaryLM()  # more than 3 names: the walk gives up sharing, not attach()
+    assert len(selection.every_name(wide)) == len(dict(wide.named_modules()))
+    run = _dump(wide, tmp_path / "d", "leaves")
+    assert run.manifest["shared_modules"] == {}
+    assert "layers.0.self_attn.rotary_emb[0]::call1" in run.passes[0].names  # the old naming
