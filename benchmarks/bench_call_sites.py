@@ -1,10 +1,10 @@
 """What naming shared modules by their caller and reading an HF forward's batch layout cost the host.
 
 * **call sites**: a vLLM-shaped decoder whose layers share one rotary embedding (as ``get_rope``
-  hands out), dumped with ``MODULES=leaves``: the step with call sites (each layer's attention gets
-  a push/pop hook pair, the rotary's hook asks which layer runs) against the same dump with them
-  turned off (every call named ``...rotary_emb::callN`` as before), both against the untouched
-  model; plus the per-call cost of one push/pop pair and one name lookup.
+  hands out), dumped with ``MODULES=leaves``: the step with call sites (the rotary's hook walks up
+  the stack to the calling attention) against the same dump with them turned off (every call
+  named ``...rotary_emb::callN`` as before), both against the untouched model; plus the cost of
+  naming one call in a real forward (no copies), and of the walk when no site runs (fallback).
 * **HF layout**: :class:`tracedump.integrations.hf.HFBatchLayout` once per outermost root forward,
   for a prefill ``[1, 256]`` and a batched decode step ``[8, 1]`` with a 512-column mask, when the
   pass keeps it (``wanted``: builds the JSON) and when it does not (bookkeeping only).
@@ -134,20 +134,14 @@ def run_call_sites(quick: bool) -> dict[str, Any]:
             rounds,
         )
         sites = dumper_on.hooks.sites
-        site = next(iter(sites.sites.values()))
         hooked = next(iter(dumper_on.shared))
-        sites.enter(site, ())
-        lookup_ns = common.per_call_seconds(lambda: sites.name_for(hooked), calls=50_000) * 1e9
-        sites.leave(site, (), None)
-
-        def push_pop() -> None:
-            sites.enter(site, ())
-            sites.leave(site, (), None)
-
-        push_pop_ns = common.per_call_seconds(push_pop, calls=50_000) * 1e9
+        # no site running (a call from the root): the walk goes the whole way up, then falls back
+        fallback_ns = common.per_call_seconds(lambda: sites.name_for(hooked), calls=20_000) * 1e9
         dumper_on.close()
         dumper_off.close()
     step_of = {name: keys["step"] for name, keys in samples.items()}
+    small = SharedRotaryDecoder(64, 8, heads=8, vocab=1000).eval()  # a forward of ~1 ms: µs show
+    naming_us = _naming_us_per_call(small, ids[:8], rounds=20 if quick else 300)
     return {
         "model": {"hidden": hidden, "layers": layers, "tokens": tokens, "shared_calls_per_step": layers},
         "rounds": rounds,
@@ -155,9 +149,39 @@ def run_call_sites(quick: bool) -> dict[str, Any]:
         "sites_vs_no_sites": common.paired_ratio(step_of["sites"], step_of["no_sites"]),
         "sites_vs_untouched": common.paired_ratio(step_of["sites"], step_of["untouched"]),
         "no_sites_vs_untouched": common.paired_ratio(step_of["no_sites"], step_of["untouched"]),
-        "name_lookup_ns": lookup_ns,
-        "push_pop_ns": push_pop_ns,
+        "naming_us_per_shared_call": naming_us,
+        "fallback_lookup_ns": fallback_ns,
     }
+
+
+class _Nothing:
+    """A recorder that keeps nothing: the hooks' own cost, without copies."""
+
+    def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
+        return None
+
+
+def _naming_us_per_call(model: nn.Module, ids: torch.Tensor, rounds: int) -> float:
+    """Microseconds naming one call of the shared rotary by its caller adds, in a real forward: the
+    rotary hooked by a :class:`SharedOutputHook` (walks to the calling attention) against a plain
+    :class:`OutputHook`, both handing to a recorder that keeps nothing; the best forward of each
+    over interleaved rounds (another process only ever adds time), divided by the calls."""
+    from tracedump.hooks import CallSites, OutputHook, SharedOutputHook
+    from tracedump.selection import every_name, shared_names
+
+    names = every_name(model)
+    name, rotary = next((n, m) for n, m in names.items() if n.endswith("rotary_emb"))
+    sites = CallSites(model, names, shared_names(names, [(name, rotary)]))
+    hooks = {"plain": OutputHook(_Nothing(), name), "named": SharedOutputHook(_Nothing(), name, sites)}  # type: ignore[arg-type]
+    best = dict.fromkeys(hooks, float("inf"))
+    with torch.no_grad():
+        for _ in range(rounds):
+            for label, hook in hooks.items():
+                handle = rotary.register_forward_hook(hook)
+                best[label] = min(best[label], common.timed(lambda: model(ids)))
+                handle.remove()
+    calls = sum(1 for m in model.modules() if getattr(m, "rotary_emb", None) is rotary)
+    return (best["named"] - best["plain"]) * 1e6 / calls
 
 
 def run_hf_layout(quick: bool) -> dict[str, Any]:

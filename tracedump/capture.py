@@ -369,8 +369,6 @@ class Capture:
             raise RuntimeError("Capture.run() must be called inside the `with capture(...)` block")
         if self.early_exit:
             self._pending = set(self._requests)
-        if self._hooks.sites is not None:
-            self._hooks.sites.reset()
         with self._recorder.step():
             try:
                 return self.model(*args, **kwargs)

@@ -132,17 +132,24 @@ class _ModuleHook:
         return f"{type(self).__name__}({self.name!r})"
 
 
+MAX_CALLER_FRAMES = 64  # frames walked up from a shared module's call to find its calling parent
+
+
 class CallSites:
     """Which of its names a shared module is called under, from the parents running right now.
 
     A selected module with several names (``named_modules(remove_duplicate=False)``) is named after
     the parent that calls it. Each of its names ``a.b.c`` has a *site*: the deepest module on that
     path (not the module itself) that has one name only, so no other path runs through it (for
-    vLLM's rotary embedding, each layer's ``self_attn``). Only those sites get hooks, a pre-hook
-    that pushes the site on a per-thread stack and an ``always_call`` post-hook that pops it; a
-    call of the shared module takes the name whose site is innermost on the stack, else the name
-    whose site is the root, else its first name. Models without shared modules get none of this,
-    and a module with one name is named as it always was.
+    vLLM's rotary embedding, each layer's ``self_attn``). At each call of the shared module its
+    hook walks up this thread's stack to the nearest running site of one of its names (a frame of
+    a site class's ``forward`` or of ``Module._call_impl`` whose ``self`` is a site), and the call
+    takes that name; with none running, the name whose site is the root, else its first name.
+
+    The sites get no hook (a container under ``MODULES=leaves`` stays hook-free, and a
+    ``BaseException`` that unwinds one leaves nothing behind): only a shared module's own call
+    pays, a few frames' walk. Models without shared modules get none of this, and a module with
+    one name is named as it always was.
     """
 
     def __init__(
@@ -153,13 +160,12 @@ class CallSites:
         keep: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         """``keep``: per shared module, the names whose calls are captured (FILTER); None: all."""
-        self._local = threading.local()
         self._keep = keep
         self._root = id(model)
         counts: dict[int, int] = {}
         for module in names.values():
             counts[id(module)] = counts.get(id(module), 0) + 1
-        self.sites: dict[int, nn.Module] = {}  # the modules that get the push/pop hooks
+        self.sites: dict[int, nn.Module] = {}  # the running parents that name a call
         self._tables: dict[str, dict[int, str]] = {}  # hooked name -> site id -> the name it calls under
         for hooked, aliases in shared.items():
             table: dict[int, str] = {}
@@ -170,6 +176,12 @@ class CallSites:
                     if id(site) != self._root:
                         self.sites[id(site)] = site
             self._tables[hooked] = table
+        # Frames that may hold a site as ``self``: its class's forward, and torch's call of any module.
+        self._codes = {_CALL_IMPL}
+        for site in self.sites.values():
+            code = getattr(type(site).forward, "__code__", None)
+            if code is not None:
+                self._codes.add(code)
 
     def __bool__(self) -> bool:
         return bool(self._tables)
@@ -177,43 +189,24 @@ class CallSites:
     def shared(self, name: str) -> bool:
         return name in self._tables
 
-    @property
-    def stack(self) -> list[int]:
-        try:
-            return self._local.stack
-        except AttributeError:
-            self._local.stack = []
-            return self._local.stack
-
-    def reset(self) -> None:
-        """At an outermost root forward: a ``BaseException`` (Ctrl-C, capture()'s early exit) may
-        have unwound a site without its post-hook; its entry must not name the next calls."""
-        self._local.stack = []
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():  # a traced forward keeps no Python state of ours
-            self.stack.append(id(module))
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        stack = self.stack
-        key = id(module)
-        for i in range(len(stack) - 1, -1, -1):  # normally the top
-            if stack[i] == key:
-                del stack[i]
-                return
-
     def name_for(self, hooked: str) -> str | None:
         """The name this call of the shared module ``hooked`` is made under; None when the filter
-        keeps no call under that name."""
+        keeps no call under that name. Called from its hook, which torch calls from the shared
+        module's own ``_call_impl``: the walk starts above that frame."""
         table = self._tables[hooked]
         name = None
-        for site in reversed(self.stack):
-            name = table.get(site)
-            if name is not None:
+        codes = self._codes
+        frame = sys._getframe(3)
+        for _ in range(MAX_CALLER_FRAMES):
+            if frame is None:
                 break
-        else:
+            if frame.f_code in codes:
+                owner = frame.f_locals.get("self")
+                name = table.get(id(owner)) if owner is not None else None
+                if name is not None:
+                    break
+            frame = frame.f_back
+        if name is None:
             name = table.get(self._root, hooked)
         if self._keep is not None and name not in self._keep[hooked]:
             return None
@@ -332,8 +325,6 @@ class RootPassHooks:
             opened.clear()
         if not opened:
             self.hooks.keep_last()
-            if self.hooks.sites is not None:
-                self.hooks.sites.reset()
         opened.append(self.target.open_auto_pass(nested=bool(opened)))
 
     def before_with_kwargs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -389,10 +380,6 @@ class HookSet:
                 self.handles.append(opener)
             elif passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
-            if self.sites is not None:
-                for site in self.sites.sites.values():
-                    self.handles.append(site.register_forward_pre_hook(self.sites.enter))
-                    self.handles.append(site.register_forward_hook(self.sites.leave, always_call=True))
             for name, module in inputs:
                 hook: Any = InputHook(target, name, then)
                 if self.sites is not None and self.sites.shared(name):

@@ -273,12 +273,18 @@ def _as_list(values: Any) -> tuple[list[Any], list[int] | None] | None:
     return listed, None
 
 
+_SEQ_TYPES = frozenset({int, str, type(None)})
+_INT = frozenset({int})
+
+
 def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
     """The ``tracedump.batch`` JSON of one step (lists or tensors in), checked: one entry per token
     row in every list. ``[batch, seq]`` grids (nested lists, 2-D tensors) are stored flat with
     their ``grid``; a seq id ``None`` marks a padding row."""
     rows, grid = _as_list(seq_ids) or ([], None)
-    batch: dict[str, Any] = {"seq_ids": [s if s is None or isinstance(s, str) else int(s) for s in rows]}
+    if not set(map(type, rows)) <= _SEQ_TYPES:  # numpy ints, tensors' items: plain ints (checked: cheaper)
+        rows = [s if s is None or isinstance(s, str) else int(s) for s in rows]
+    batch: dict[str, Any] = {"seq_ids": rows}
     for name, values in (("positions", positions), ("input_ids", input_ids)):
         found = _as_list(values)
         if found is None:
@@ -289,7 +295,7 @@ def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
                 f"tracedump set_batch(): {len(listed)} {name} for {len(rows)} seq_ids; "
                 "give one entry per token row"
             )
-        batch[name] = [int(v) for v in listed]
+        batch[name] = listed if set(map(type, listed)) <= _INT else list(map(int, listed))
     if grid is not None and grid[0] * grid[1] > 0:
         batch["grid"] = grid
     return json.dumps(batch, separators=(",", ":"))

@@ -85,11 +85,15 @@ class HFBatchLayout:
         if not wanted or batch * seq == 0:
             return None
         positions, real = _positions(mask, _tensor(kwargs.get("position_ids"), 2), batch, seq, past)
-        seq_ids = [[sid if keep else None for keep in row] for sid, row in zip(self.rows, real, strict=True)]
-        positions = [
-            [p if keep else -1 for p, keep in zip(row, keep_row, strict=True)]
-            for row, keep_row in zip(positions, real, strict=True)
-        ]
+        if real is None:  # no padding: every cell is its row's sequence
+            seq_ids: list[list[int | None]] = [[sid] * seq for sid in self.rows]
+        else:
+            cells = zip(self.rows, real, strict=True)
+            seq_ids = [[sid if keep else None for keep in row] for sid, row in cells]
+            positions = [
+                [p if keep else -1 for p, keep in zip(row, keep_row, strict=True)]
+                for row, keep_row in zip(positions, real, strict=True)
+            ]
         return batch_metadata(seq_ids, positions, ids)
 
 
@@ -113,13 +117,14 @@ def _cache_length(kwargs: Mapping[str, Any], mask: torch.Tensor | None, seq: int
 
 def _positions(
     mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, seq: int, past: int
-) -> tuple[list[list[int]], list[list[bool]]]:
-    """Each cell's position in its row's sequence and whether it is a real token."""
+) -> tuple[list[list[int]], list[list[bool]] | None]:
+    """Each cell's position in its row's sequence and whether it is a real token (None: all are)."""
     if mask is not None and mask.shape == (batch, past + seq):
         taken = mask.detach() != 0
+        if bool(taken.all()):  # no padding anywhere (a batch-1 run): positions count on from the cache
+            return [list(range(past, past + seq)) for _ in range(batch)], None
         counted = taken.long().cumsum(-1)[:, -seq:] - 1
         return counted.tolist(), taken[:, -seq:].tolist()
-    real = [[True] * seq for _ in range(batch)]
     if position_ids is not None and position_ids.shape[-1] == seq and position_ids.shape[0] in (1, batch):
-        return position_ids.detach().expand(batch, seq).tolist(), real
-    return [list(range(past, past + seq)) for _ in range(batch)], real
+        return position_ids.detach().expand(batch, seq).tolist(), None
+    return [list(range(past, past + seq)) for _ in range(batch)], None
