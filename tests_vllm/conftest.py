@@ -14,7 +14,9 @@ What other test files use:
   ``<session>/dumps/<name>``, once per name per session: ``.dir``, ``.result`` (prompts, tokens);
 - ``clean_dump`` / ``bug_dump``: the two-prompt fp32 Llama run (prompts of 5 and 3 tokens, greedy,
   4 new tokens each, ``MODULES=all``), clean and with layer 2's MLP x1.05
-  (:data:`BUG_SPEC`, planted in the worker by the test plugin in ``testbug/``).
+  (:data:`BUG_SPEC`, planted in the worker by the test plugin in ``testbug/``); the scheduler may
+  prefill the second prompt a step after the first;
+- ``batched_dump``: the clean run in-process, both prompts prefilled in pass 0.
 """
 
 from __future__ import annotations
@@ -199,6 +201,13 @@ def clean_dump(offline_dump: Callable[..., OfflineRun]) -> OfflineRun:
     """Two prompts (5 and 3 tokens) batched, 4 greedy tokens each, fp32, every module; a dummy
     batch (as data parallelism runs) before the requests."""
     return offline_dump("clean", args=["--dummy-batch"])
+
+
+@pytest.fixture(scope="session")
+def batched_dump(offline_dump: Callable[..., OfflineRun]) -> OfflineRun:
+    """The clean run with the engine in-process: both prompts are queued before the first step, so
+    pass 0 prefills both (8 rows); multiprocess, the second prompt may join a step later."""
+    return offline_dump("batched", args=["--in-process"])
 
 
 @pytest.fixture(scope="session")
