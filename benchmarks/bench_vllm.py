@@ -24,6 +24,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,14 @@ def _hooks_now(model: Any) -> int:
 
 
 def measure(quick: bool) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="tracedump-bench-vllm-"))
+    try:
+        return _measure(quick, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(quick: bool, work: Path) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("TRACEDUMP_DUMP_DIR", None)
     import torch
@@ -117,7 +126,6 @@ def measure(quick: bool) -> dict[str, Any]:
     import tracedump.integrations.vllm as plugin
     from benchmarks import common
 
-    work = Path(tempfile.mkdtemp(prefix="tracedump-bench-vllm-"))
     shape = _save_model(work / "model", quick)
     llm = LLM(
         model=str(work / "model"),
