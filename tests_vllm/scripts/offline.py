@@ -25,10 +25,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="engine and worker in this process: every prompt is queued before the first step, so "
+        "the prompts are prefilled together (multiprocess, the second may arrive a step later)",
+    )
     parser.add_argument("--dummy-batch", action="store_true", help="a dummy run (as DP does) first")
     parser.add_argument("--unknown-internals", action="store_true", help="test: hide the runner")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.unknown_internals:  # another vLLM version, as far as the plugin can tell
         import tracedump.integrations.vllm as plugin
 

@@ -76,17 +76,23 @@ def register() -> None:
         return
     _registered = True
     try:
-        _yield_auto_attach()
-        _force_eager()
         patched = [cls for cls in map(_find, RUNNERS) if cls is not None and _patch_runner(cls)]
+        if patched:
+            _yield_auto_attach()
+            _force_eager()
     except Exception as e:  # never break vLLM's start-up: dumping is a diagnostic
         _warn(f"tracedump: the vLLM plugin failed to install ({type(e).__name__}: {e}); not dumped")
         return
     if not patched:
+        launcher = sys.modules.get("tracedump.launch.auto")
+        fallback = (
+            "only `tracedump run`'s auto-attach dumps it (one pass per root forward, no batch layout)"
+            if getattr(launcher, "_installed", None) is not None
+            else "the engine runs undumped"
+        )
         _warn(
             f"tracedump: vLLM {_vllm_version()}: no model runner found that this plugin knows "
-            f"({', '.join(f'{m}.{c}' for m, c in RUNNERS)} with {', '.join(REQUIRED)}); "
-            "the engine runs undumped"
+            f"({', '.join(f'{m}.{c}' for m, c in RUNNERS)} with {', '.join(REQUIRED)}); {fallback}"
         )
 
 
