@@ -408,11 +408,10 @@ def test_a_report_of_sequences_draws_a_line_per_sequence(
     assert code == 1
     tab = browser.open(page)
     try:
-        assert tab.js("document.querySelector('#legend').innerText").split("\n") == ["seq pass0", "seq pass1"]
+        # an HF model's sequences are its batch rows (integrations/hf.py)
+        assert tab.js("document.querySelector('#legend').innerText").split("\n") == ["seq 0", "seq 1"]
         first = tab.js("document.getElementById('first-divergence').innerText")
-        assert re.match(
-            rf"First divergence: {re.escape(PERTURBED)}, seq pass0, position \d+, step 0\.", first
-        )
+        assert re.match(rf"First divergence: {re.escape(PERTURBED)}, seq 0, position \d+, step 0\.", first)
         assert tab.js("document.querySelector('#tensors thead').innerText").split("\t")[1] == "sequence"
         assert tab.problems() == []
     finally:
