@@ -192,6 +192,36 @@ def test_per_token_error_names_the_position_a_bug_starts(tmp_path: Path) -> None
     assert row["per_token"]["worst"] >= 10 and len(row["per_token"]["rel_diff"]) == 16
 
 
+def test_per_token_error_is_kept_when_inputs_are_dumped(tmp_path: Path) -> None:
+    """With ``INPUTS=1`` the first tensor of a pass is the root's ``[1, seq]`` input ids: an integer
+    tensor, whose second-to-last dim is the batch. The token count comes from the hidden states."""
+    import tracedump
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(layers=2)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def dump(out: Path, bug: bool) -> Path:
+        twin = copy.deepcopy(model)
+        if bug:
+            twin.model.layers[1].mlp.register_forward_hook(
+                lambda m, i, o: torch.cat([o[:, :10], o[:, 10:] * 1.01], 1)
+            )
+        dumper = tracedump.attach(twin, {"dir": str(out), "modules": "all", "inputs": True})
+        assert dumper is not None
+        with torch.no_grad():
+            twin(input_ids=ids)
+        dumper.close()
+        return out
+
+    report = compare(dump(tmp_path / "bug", True), dump(tmp_path / "ref", False))
+    assert report.results[0].dtype_a == "int64" and report.results[0].shape_a == (1, 16)  # the premise
+    first = report.first_divergence
+    assert first is not None and first.name.startswith("model.layers.1.mlp")
+    assert first.per_token is not None and len(first.per_token) == 16 and first.token_dim == 1
+    assert all(v == 0 for v in first.per_token[:10]) and all(v > 0 for v in first.per_token[10:])
+
+
 def test_per_name_rules_first_match_wins_and_unused_rules_warn(
     llama: tuple[Family, dict[str, Path]], capsys: pytest.CaptureFixture[str]
 ) -> None:

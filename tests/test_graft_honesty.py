@@ -308,3 +308,13 @@ def test_tracedump_run_graft_from_and_the_diff_of_its_dump(ref: Path, tmp_path: 
         [*cli, "diff", str(out), str(ref), "--align", "tokens"], capture_output=True, text=True, timeout=120
     )
     assert aligned.returncode == 2 and "grafted dump" in aligned.stderr
+
+
+def test_a_grafted_attach_dumps_every_module_unless_modules_is_set(ref: Path, tmp_path: Path) -> None:
+    """GRAFT_FROM with MODULES unset dumps every module (as ``tracedump.graft()``), so the tensors
+    inside a grafted layer (its MLP) are judged too; an explicit MODULES=leaves is kept."""
+    from tracedump.settings import DumpSettings
+
+    assert DumpSettings(dir=str(tmp_path / "a"), graft_from=str(ref)).modules == "all"
+    assert DumpSettings(dir=str(tmp_path / "a"), graft_from=str(ref), modules="leaves").modules == "leaves"
+    assert DumpSettings(dir=str(tmp_path / "a")).modules == "leaves"

@@ -346,6 +346,16 @@ def test_the_flags_become_dump_env_vars_and_the_bootstrap_goes_first_on_pythonpa
     assert "TORCHDYNAMO_DISABLE" not in env
 
 
+def test_a_grafted_run_dumps_every_module_unless_told_otherwise(tmp_path: Path) -> None:
+    """``--graft-from`` without ``--modules`` dumps every module, as ``tracedump.graft()`` does."""
+    ref = str(tmp_path / "ref")
+    assert child_env({}, run_args(graft_from=ref))["TRACEDUMP_DUMP_MODULES"] == "all"
+    assert child_env({}, run_args(graft_from=ref, modules="leaves"))["TRACEDUMP_DUMP_MODULES"] == "leaves"
+    inherited = child_env({"TRACEDUMP_DUMP_MODULES": "leaves"}, run_args(graft_from=ref))
+    assert inherited["TRACEDUMP_DUMP_MODULES"] == "leaves"
+    assert "TRACEDUMP_DUMP_MODULES" not in child_env({}, run_args())
+
+
 def test_the_dump_dir_defaults_to_the_env_var_then_to_tracedump_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

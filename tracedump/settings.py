@@ -439,7 +439,7 @@ class _DumpFields(BaseModel):
         None,
         description="A reference dump made with `INPUTS=1`: each grafted module runs on the "
         "reference's inputs for its pass and call, so `tracedump diff` judges its local error "
-        "(docs/comparator.md). Off unless DIR is set too.",
+        "(docs/comparator.md). Off unless DIR is set too. With MODULES unset, every module is dumped.",
     )
     graft_level: Annotated[str | None, BeforeValidator(_regex)] = Field(
         None,
@@ -462,6 +462,14 @@ class _DumpFields(BaseModel):
     def _filter_xor_filter_fn(self) -> _DumpFields:
         if self.filter is not None and self.filter_fn is not None:
             raise ValueError("FILTER and FILTER_FN are mutually exclusive: set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _grafted_runs_dump_every_module(self) -> _DumpFields:
+        """With GRAFT_FROM and MODULES unset, every module is dumped (as ``tracedump.graft()``):
+        a grafted level's output alone can hide a small bug inside it under bf16 rounding."""
+        if self.graft_from is not None and "modules" not in self.model_fields_set:
+            self.modules = "all"
         return self
 
     @property

@@ -34,7 +34,7 @@ from .routing import (
 )
 from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
-from .tolerance import Tolerance
+from .tolerance import Tolerance, is_integer
 from .unshard import SideEntry, assemble
 from .verdict import fixed_rule
 
@@ -143,8 +143,8 @@ class Executor:
         if covering is not None:
             covering = merged(covering, self._unit_flips)  # and the tokens earlier routers flipped
             return self._inside_flipped_block(base, covering, (stored_a, stored_b), metrics)
-        if self.per_token and self._tokens is None:
-            self._tokens = self._unit_tokens(stored_a.shape)  # from the unit's first measured tensor
+        if self.per_token and self._tokens is None and not is_integer(pair.a.meta.dtype):
+            self._tokens = self._unit_tokens(stored_a.shape)  # from the unit's first float tensor
         per_token = None if dim is None else self._per_token(stored_a, stored_b, metrics, dim, rows)
         downstream = downstream_of(self._unit_flips, stored_a.shape) if self._unit_flips else None
         if downstream is not None and pair.tolerance.metric in ("rel_diff", "cosine"):
@@ -178,10 +178,11 @@ class Executor:
         )
 
     def _unit_tokens(self, shape: tuple[int, ...]) -> int | None:
-        """The unit's token count: the second-to-last dim of its first measured tensor of 2 or 3
-        dims (``[tokens, hidden]``, ``[batch, seq, hidden]``), or this tensor's when none was
-        measured before it. Units whose tensors are images (4-D and up) get none: their dims are
-        channels and pixels, not tokens."""
+        """The unit's token count: the second-to-last dim of its first measured float tensor of 2
+        or 3 dims (``[tokens, hidden]``, ``[batch, seq, hidden]``), or this tensor's when none was
+        measured before it. Integer tensors (input ids, positions: ``[batch, seq]``, the root's
+        first input with ``INPUTS=1``) have no hidden dim, so they never set it. Units whose
+        tensors are images (4-D and up) get none: their dims are channels and pixels, not tokens."""
         if self._tokens is not None:
             return self._tokens
         return shape[-2] if 2 <= len(shape) <= 3 else None
