@@ -78,6 +78,37 @@ def test_a_backtracking_filter_is_refused_by_the_cli(
     assert not (tmp_path / ORDER_FILE).exists()
 
 
+@pytest.mark.parametrize(
+    "pattern",
+    ["(?:a?){30}a{30}", "(?:(?:.?){16}){16}X", ".?" * 60 + "X", ".{0,16}" * 8 + "X", "(?:.|..)" * 20 + "X"],
+    ids=["optional-under-bounded", "bounded-under-bounded", "optional-60x", "bounded-8x", "branches-20x"],
+)
+def test_a_filter_backtracking_through_bounded_repeats_is_refused(
+    tmp_path: Path, pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bounded repeats (``?``, ``{0,16}``) and alternations are choices too: each of these takes
+    seconds to years on one module name, though no repeat in it is open-ended."""
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", pattern, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--filter" in err and "stall the engine" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"layers\.(3|4)\.", r"^model\..*\.mlp$", ".*(gate|up)_proj.*", r"layers\.\d{1,2}\.", r"mlp(\.o)?$"],
+)
+def test_everyday_filters_are_armed(tmp_path: Path, pattern: str) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", pattern, "--steps", "1"]) == 0
+    dumper.close()
+
+
 def test_a_hand_written_backtracking_filter_is_ignored_by_the_engine(tmp_path: Path) -> None:
     model = _model()
     dumper = _attach(tmp_path, model)

@@ -50,10 +50,16 @@ MAX_RATE = 1e9  # steps per second a heartbeat may claim (a real engine makes at
 # An armed --filter runs on the engine's names: a pattern that backtracks catastrophically would
 # stall the host's step. It is refused unless its cost on a name of n characters is at most
 # O(n ** MAX_FILTER_REPEATS): no repeat inside a repeat, no alternation or backreference under a repeat,
-# at most MAX_FILTER_REPEATS open-ended repeats. Each name is then matched once per order (a memo).
+# at most MAX_FILTER_REPEATS open-ended repeats, and at most MAX_FILTER_WAYS ways to combine every
+# choice (bounded repeats such as ``.?`` or ``{0,16}`` and alternations included: 60 of ``.?`` in a
+# row are 2**60 ways). Each name is then matched once per order (a memo).
 MAX_FILTER_REPEATS = 2
 MAX_FILTER_CHARS = 1000
 _WIDE_REPEAT = 16  # a repeat allowing more than this many copies counts as open-ended
+# The choices a filter's backtracking may combine at one position: an open-ended repeat counts as
+# the length of a long module name, so two of them in a row are the most (a bound, not a timing).
+_NAME_CHARS = 256
+MAX_FILTER_WAYS = 2 * _NAME_CHARS**2
 
 
 class OrderError(ValueError):
@@ -146,27 +152,47 @@ def _sre_parser() -> Any:
 
 
 def _open_repeats(items: Any, under_repeat: bool) -> int:
-    """Open-ended repeats in a parsed pattern; raises _Backtracks where a nested one is found."""
-    total = 0
+    """Open-ended repeats in a parsed pattern; raises _Backtracks where a nested one is found, or
+    where the ways its choices can be combined at one position pass :data:`MAX_FILTER_WAYS`."""
+    wide, ways = _choices(items, under_repeat)
+    if wide <= MAX_FILTER_REPEATS and ways > MAX_FILTER_WAYS:  # too many repeats: the caller says so
+        raise _Backtracks(
+            f"its repeats and alternations combine in more than {MAX_FILTER_WAYS} ways at one position"
+        )
+    return wide
+
+
+def _choices(items: Any, under_repeat: bool) -> tuple[int, float]:
+    """(open-ended repeats, ways to combine the choices) of a sequence: repeats add up, ways multiply.
+
+    A repeat of up to n copies offers n + 1 choices (an open-ended one, :data:`_NAME_CHARS`), an
+    alternation one per branch. Under a repeat of more than one copy a choice of any kind (a repeat of
+    variable count, bounded or not, an alternation) is refused: it multiplies with every copy."""
+    wide_total, ways = 0, 1.0
     for op, arg in items:
         name = str(op)
         if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-            _, high, sub = arg
+            low, high, sub = arg
             wide = high > _WIDE_REPEAT
-            if under_repeat and wide:
+            if under_repeat and (wide or low != high):
                 raise _Backtracks("a repeat inside a repeat")
-            total += int(wide) + _open_repeats(sub, under_repeat or wide)
+            inner_wide, inner_ways = _choices(sub, under_repeat or high > 1)
+            wide_total += int(wide) + inner_wide
+            count = _NAME_CHARS if wide else high - low + 1
+            ways *= count * inner_ways if high <= 1 else count
         elif name == "BRANCH":
             if under_repeat:
                 raise _Backtracks("an alternation under a repeat")
-            total += sum(_open_repeats(branch, under_repeat) for branch in arg[1])
+            branches = [_choices(branch, under_repeat) for branch in arg[1]]
+            wide_total += sum(w for w, _ in branches)
+            ways *= sum(n for _, n in branches)
         elif name in ("GROUPREF", "GROUPREF_EXISTS"):
             raise _Backtracks("a backreference")
-        elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
-            total += _open_repeats(arg[-1], under_repeat)  # the group's pattern comes last
-        elif name == "ATOMIC_GROUP":
-            total += _open_repeats(arg, under_repeat)
-    return total
+        elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT", "ATOMIC_GROUP"):
+            inner_wide, inner_ways = _choices(arg if name == "ATOMIC_GROUP" else arg[-1], under_repeat)
+            wide_total += inner_wide  # the group's pattern comes last
+            ways *= inner_ways
+    return wide_total, ways
 
 
 def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -> Any:
