@@ -167,6 +167,7 @@ def test_hostile_names_and_seq_ids_never_reach_the_terminal_raw(tmp_path: Path) 
         (["ls", str(a)], 0),
         (["show", str(pass_file)], 0),
         (["diff", str(a), str(tmp_path / f"nothing{RED}")], 2),
+        (["diff", str(a), str(b), "--plot", str(tmp_path / "diff.png")], 1),  # matplotlib warns on glyphs
     ):
         done = subprocess.run(
             [sys.executable, "-m", "tracedump", *argv], capture_output=True, text=True, timeout=120
