@@ -168,6 +168,9 @@ def test_hostile_names_and_seq_ids_never_reach_the_terminal_raw(tmp_path: Path) 
         (["show", str(pass_file)], 0),
         (["diff", str(a), str(tmp_path / f"nothing{RED}")], 2),
         (["diff", str(a), str(b), "--plot", str(tmp_path / "diff.png")], 1),  # matplotlib warns on glyphs
+        (["diff", str(a), str(b), "--html", str(tmp_path / f"report{RED}.html")], 1),  # "html report: PATH"
+        (["run", "--dir", str(tmp_path / f"run{RED}"), "--", sys.executable, "-c", "pass"], 0),
+        (["run", "--dir", str(tmp_path / f"run{RED}"), "--", f"nothing{RED}"], 127),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "tracedump", *argv], capture_output=True, text=True, timeout=120

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..console import printable
+
 DEFAULT_DIR = "tracedump_out"
 BOOTSTRAP_DIR = Path(__file__).resolve().parent
 EXIT_USAGE = 2
@@ -96,12 +98,12 @@ def run_command(args: argparse.Namespace) -> int:
     env = child_env(os.environ, args)
     error = validate_settings(env)
     if error:
-        print(f"{error}\ntracedump run: COMMAND not started.", file=sys.stderr)
+        print(printable(f"{error}\ntracedump run: COMMAND not started.", keep_newlines=True), file=sys.stderr)
         return EXIT_USAGE
     dump_dir = Path(env["TRACEDUMP_DUMP_DIR"])
     before = _run_dir_names(dump_dir)
     if not args.quiet:
-        print(f"tracedump run: dumping to {dump_dir}", file=sys.stderr)
+        print(printable(f"tracedump run: dumping to {dump_dir}"), file=sys.stderr)
     status = launch(command, env)
     if not args.quiet:
         _print_summary(dump_dir, before, status)
@@ -167,10 +169,10 @@ def launch(command: Sequence[str], env: Mapping[str, str]) -> int:
     try:
         child = subprocess.Popen([executable or command[0], *command[1:]], env=dict(env))
     except FileNotFoundError:
-        print(f"tracedump run: command not found: {command[0]}", file=sys.stderr)
+        print(printable(f"tracedump run: command not found: {command[0]}"), file=sys.stderr)
         return EXIT_NOT_FOUND
     except PermissionError as error:
-        print(f"tracedump run: cannot execute {command[0]}: {error}", file=sys.stderr)
+        print(printable(f"tracedump run: cannot execute {command[0]}: {error}"), file=sys.stderr)
         return EXIT_NOT_EXECUTABLE
     with _signals_forwarded_to(child):
         returncode = child.wait()
@@ -210,7 +212,7 @@ def _print_summary(dump_dir: Path, before: set[str], status: int) -> None:
         lines += summary_lines(dump_dir, before)
     except Exception as error:  # the summary must never hide COMMAND's status
         lines.append(f"tracedump run: cannot read {dump_dir}: {type(error).__name__}: {error}")
-    print("\n".join(lines), file=sys.stderr)
+    print(printable("\n".join(lines), keep_newlines=True), file=sys.stderr)  # paths, roots: user strings
 
 
 def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
