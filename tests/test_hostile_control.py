@@ -289,6 +289,33 @@ def test_each_distinct_ignored_order_warns_once_and_is_recorded_with_its_reason(
     assert listing.stdout.count("order file ignored:") == 4, listing.stdout
 
 
+def test_an_ignored_order_rewritten_in_place_warns_again(tmp_path: Path) -> None:
+    """`echo ... > control.json` keeps the inode; the same length with other bytes is another order."""
+    import os
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    path = tmp_path / ORDER_FILE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _hand_written(tmp_path, {"id": 5, "action": "arm"}).chmod(0o666)
+        _steps(dumper, model, 2)
+        inode = path.stat().st_ino
+        with open(path, "r+") as handle:  # in place: same inode, same size
+            handle.write(json.dumps({"id": 6, "action": "arm"}))
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a coarse clock
+        assert path.stat().st_ino == inode
+        _steps(dumper, model, 2)
+        os.utime(path)  # touched only: not another
+        _steps(dumper, model, 2)
+    dumper.close()
+    ignored = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(ignored) == 2, ignored
+    manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
+    assert [o["action"] for o in manifest["control"]["orders"]].count("ignored") == 2
+
+
 # ------------------------------------------------------------------ 15, 16: the files control writes
 
 

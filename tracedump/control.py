@@ -25,6 +25,7 @@ Each order and what the process made of it goes into the manifest (``control``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -244,6 +245,23 @@ def read_order(path: Path) -> Order:
     return Order.from_json(data)  # raises OrderError saying what is wrong with the order itself
 
 
+def _identity(path: Path) -> str:
+    """What tells one ignored order file from another: inode, size and, for a regular file, a digest
+    of its first 64 KiB (read without following a link or blocking on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return "unopenable"
+    try:
+        info = os.fstat(fd)
+        digest = hashlib.sha256(os.read(fd, 1 << 16)).hexdigest()[:16] if stat.S_ISREG(info.st_mode) else ""
+        return f"{info.st_ino}:{info.st_size}:{digest}"
+    except OSError:
+        return "unreadable"
+    finally:
+        os.close(fd)
+
+
 def _stamp(path: Path) -> tuple[int, int] | None:
     """What tells a rewritten order file from the one seen before (None: there is none)."""
     try:
@@ -383,12 +401,9 @@ class Controller:
 
     def _ignore(self, path: Path, reason: str, step: int) -> bool:
         """An order file this process may not obey: warned about and recorded in ``control.orders``
-        once per distinct file (its reason, inode and size; touching it again is not another)."""
-        try:
-            info = os.stat(path)
-            key = f"control_order:{reason}:{info.st_ino}:{info.st_size}"
-        except OSError:
-            key = f"control_order:{reason}"
+        once per distinct file (its reason, inode, size and content; touching it again is not
+        another, but rewriting it in place with other bytes of the same length is)."""
+        key = f"control_order:{reason}:{_identity(path)}"
         if key in self._ignored:
             return False
         self._ignored.add(key)
