@@ -558,6 +558,31 @@ def test_html_to_a_directory_is_a_usage_error(
     assert "--html" in capsys.readouterr().err
 
 
+def test_html_into_a_fifo_or_through_a_link_replaces_neither(dumps: dict[str, Path], tmp_path: Path) -> None:
+    """A rename over the target would replace a FIFO, a device (``/dev/stdout``, ``/dev/null``: as
+    root, the device node itself) or a symlink with a plain file: they are written into instead."""
+    import threading
+
+    fifo = tmp_path / "pipe.html"
+    os.mkfifo(fifo, 0o600)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()  # blocks in open() until the report opens the FIFO for writing
+    code = main(["diff", str(dumps["hostile_a"]), str(dumps["hostile_b"]), "--html", str(fifo)])
+    if reader.is_alive():  # the FIFO was never opened: unblock the reader before failing
+        with open(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "w"):
+            pass
+    reader.join(10)
+    assert code == 1 and fifo.is_fifo()
+    assert got and got[0].startswith(b"<!DOCTYPE html>") and got[0].rstrip().endswith(b"</html>")
+    target = tmp_path / "reports" / "real.html"
+    target.parent.mkdir()
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    assert main(["diff", str(dumps["hostile_a"]), str(dumps["hostile_b"]), "--html", str(link)]) == 1
+    assert link.is_symlink() and target.read_text().startswith("<!DOCTYPE html>")
+
+
 def test_the_sides_carry_their_manifests_without_module_lists(dumps: dict[str, Path]) -> None:
     sides = compare(dumps["a"], dumps["b"], passes="0").to_json()["sides"]
     for side in sides.values():

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -260,10 +261,24 @@ def _sha256(text: str) -> str:
 
 
 def write_html(report: DiffReport, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
-    """Write the page atomically (a temp file renamed into place): a reader never sees half of it."""
+    """Write the page atomically (a temp file renamed into place): a reader never sees half of it.
+
+    A target that is a device, a FIFO or a link to one (``/dev/stdout``) is written into, never
+    renamed over (root would replace the device node with a file); a link to a file is followed,
+    so the page lands where it points and the link stays."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = render(report, doc)
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except OSError:  # no such file yet (or a dangling link: followed below)
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with open(path, "w", encoding="utf-8") as out:  # a failure (ENOSPC of /dev/full) is raised
+            out.write(text)
+        return path
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # opened as any new file: the umask applies
     try:
         with open(temp, "w", encoding="utf-8") as out:
