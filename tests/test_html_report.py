@@ -583,6 +583,20 @@ def test_html_into_a_fifo_or_through_a_link_replaces_neither(dumps: dict[str, Pa
     assert link.is_symlink() and target.read_text().startswith("<!DOCTYPE html>")
 
 
+def test_a_nan_only_divergence_says_nan_on_the_page(tmp_path: Path) -> None:
+    """As the terminal (#26 item 10): not "rel_diff 0 > threshold", which is false."""
+    values = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    with_nan = values.clone()
+    with_nan[0, 1] = float("nan")
+    torch.save({"t": with_nan}, tmp_path / "a.pt")
+    torch.save({"t": values}, tmp_path / "b.pt")
+    code, page = _cli_html(tmp_path, tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1
+    text = page.read_text()
+    assert "NaN/Inf only: rel_diff of the finite values 0 ≤ threshold" in text
+    assert "rel_diff 0 &gt; threshold" not in text
+
+
 def test_the_sides_carry_their_manifests_without_module_lists(dumps: dict[str, Path]) -> None:
     sides = compare(dumps["a"], dumps["b"], passes="0").to_json()["sides"]
     for side in sides.values():

@@ -386,7 +386,18 @@ def _why(row: dict[str, Any], factor: object) -> str:
     metric = "1 − cosine" if row["metric"] == "cosine" else row["metric"]
     error, threshold = num(row.get("error")), num(row.get("tolerance"))
     facts: list[tuple[str, str]] = []
-    if row["status"] == "diverged" and error is not None:
+    nonfinite = any(row.get(k) for k in ("nan_a", "nan_b", "inf_a", "inf_b"))
+    if row["status"] == "diverged" and error is not None and nonfinite and not error > (threshold or 0.0):
+        # only the NaN/Inf pattern differs (as the terminal says): "rel_diff 0 > threshold" would be false
+        facts.append(
+            (
+                "why",
+                f"NaN/Inf only: {esc(metric)} of the finite values {fmt(error)} ≤ threshold "
+                f"{fmt(threshold)}; the NaN/Inf positions differ",
+            )
+        )
+        facts.append(("threshold from", esc(_basis(row, factor))))
+    elif row["status"] == "diverged" and error is not None:
         ratio = error / threshold if threshold else math.inf
         facts.append(("why", f"{esc(metric)} {fmt(error)} &gt; threshold {fmt(threshold)} ({fmt(ratio)}×)"))
         facts.append(("threshold from", esc(_basis(row, factor))))
