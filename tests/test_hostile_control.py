@@ -187,6 +187,28 @@ def test_an_out_of_range_step_count_is_refused_by_the_cli(
     assert not (tmp_path / ORDER_FILE).exists()
 
 
+def test_a_request_too_long_for_an_order_is_refused_by_the_cli_and_worded_by_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 70 kB --request was armed (exit 0), then ignored by the engine as 'not valid JSON': it read
+    the first 64 KiB of a valid file."""
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--request", "x" * 70_000, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--request" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+    _hand_written(tmp_path, {"id": 9, "action": "arm", "steps": 1, "filter": "x" * 70_000})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 2)
+    dumper.close()
+    ignored = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(ignored) == 1 and "larger than 65536 bytes" in ignored[0], ignored
+    assert "not valid JSON" not in ignored[0]
+
+
 def test_the_engine_words_an_out_of_range_order_by_its_cause(tmp_path: Path) -> None:
     model = _model()
     dumper = _attach(tmp_path, model)

@@ -56,6 +56,8 @@ MAX_RATE = 1e9  # steps per second a heartbeat may claim (a real engine makes at
 # row are 2**60 ways). Each name is then matched once per order (a memo).
 MAX_FILTER_REPEATS = 2
 MAX_FILTER_CHARS = 1000
+MAX_REQUEST_CHARS = 1000  # a sequence id; the order file it goes into stays far below MAX_ORDER_BYTES
+MAX_ORDER_BYTES = 1 << 16  # what a dumper reads of control.json: a larger file is refused, not cut
 _WIDE_REPEAT = 16  # a repeat allowing more than this many copies counts as open-ended
 # The choices a filter's backtracking may combine at one position: an open-ended repeat counts as
 # the length of a long module name, so two of them in a row are the most (a bound, not a timing).
@@ -112,6 +114,8 @@ class Order:
             raise OrderError(f"--mode {self.mode!r}: choose from {', '.join(MODES)}")
         if self.filter is not None:
             check_filter(self.filter)
+        if self.request is not None and len(self.request) > MAX_REQUEST_CHARS:
+            raise OrderError(f"--request: {len(self.request)} characters, at most {MAX_REQUEST_CHARS}")
 
 
 def check_filter(pattern: str) -> None:
@@ -237,7 +241,9 @@ def read_order(path: Path) -> Order:
         os.close(fd)
         raise
     with os.fdopen(fd, "rb") as handle:
-        text = handle.read(1 << 16)
+        text = handle.read(MAX_ORDER_BYTES + 1)
+    if len(text) > MAX_ORDER_BYTES:  # cut, valid JSON would read as "not valid JSON"
+        raise OrderError(f"larger than {MAX_ORDER_BYTES} bytes: not an order the CLI writes")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -254,7 +260,8 @@ def _identity(path: Path) -> str:
         return "unopenable"
     try:
         info = os.fstat(fd)
-        digest = hashlib.sha256(os.read(fd, 1 << 16)).hexdigest()[:16] if stat.S_ISREG(info.st_mode) else ""
+        regular = stat.S_ISREG(info.st_mode)
+        digest = hashlib.sha256(os.read(fd, MAX_ORDER_BYTES)).hexdigest()[:16] if regular else ""
         return f"{info.st_ino}:{info.st_size}:{digest}"
     except OSError:
         return "unreadable"
