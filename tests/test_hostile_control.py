@@ -172,6 +172,24 @@ def test_steps_with_control_in_a_config_is_refused_too(tmp_path: Path) -> None:
         tracedump.attach(_model(), {"dir": str(tmp_path), "control": True, "steps": "2"})
 
 
+def test_steps_with_control_under_tracedump_run_does_not_start_the_command(tmp_path: Path) -> None:
+    """As every other bad setting: one message and COMMAND not started, not a traceback in it."""
+    import os
+    import subprocess
+    import sys
+
+    marker = tmp_path / "started"
+    done = subprocess.run(
+        [sys.executable, "-m", "tracedump", "run", "--dir", str(tmp_path / "d"), "--steps", "0-5", "--",
+         sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        env={**os.environ, "TRACEDUMP_DUMP_CONTROL": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "TRACEDUMP_DUMP_STEPS='0-5' with TRACEDUMP_DUMP_CONTROL='1'" in done.stderr
+    assert "COMMAND not started" in done.stderr and "Traceback" not in done.stderr
+    assert not marker.exists()
+
+
 # ------------------------------------------------------------------ 11: ranges checked by the CLI
 
 

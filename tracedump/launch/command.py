@@ -147,11 +147,12 @@ def validate_settings(env: Mapping[str, str]) -> str | None:
     """The error message for a bad setting (as the children would meet it), or None."""
     from unittest import mock  # patch.dict: ``env`` is os.environ for the block, then the caller's again
 
-    from ..settings import ConfigError, load_settings
+    from ..settings import ConfigError, check_combination, load_settings
 
     with mock.patch.dict(os.environ, env, clear=True):  # pydantic-settings reads os.environ
         try:
             settings = load_settings(None)
+            check_combination(settings)  # STEPS with CONTROL, as attach() would refuse it in COMMAND
             settings.resolve_callables()  # a FILTER_FN that cannot be imported stops COMMAND too
         except ConfigError as error:
             return str(error)
