@@ -190,6 +190,25 @@ def test_steps_with_control_under_tracedump_run_does_not_start_the_command(tmp_p
     assert not marker.exists()
 
 
+def test_a_dump_dir_component_too_long_under_tracedump_run_does_not_start_the_command(
+    tmp_path: Path,
+) -> None:
+    """#26 item 14 under run: each child would warn 'cannot dump' and run end 'nothing written', exit 0."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "started"
+    done = subprocess.run(
+        [sys.executable, "-m", "tracedump", "run", "--dir", str(tmp_path / "new" / ("x" * 300)), "--",
+         sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "TRACEDUMP_DUMP_DIR=" in done.stderr and "a component of 300 bytes" in done.stderr
+    assert "COMMAND not started" in done.stderr
+    assert not marker.exists() and not (tmp_path / "new").exists()
+
+
 # ------------------------------------------------------------------ 11: ranges checked by the CLI
 
 

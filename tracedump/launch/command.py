@@ -156,6 +156,26 @@ def validate_settings(env: Mapping[str, str]) -> str | None:
             settings.resolve_callables()  # a FILTER_FN that cannot be imported stops COMMAND too
         except ConfigError as error:
             return str(error)
+        problem = _dir_problem(Path(settings.dir).expanduser()) if settings.dir is not None else None
+        if problem:
+            return f"tracedump: bad setting\n  {settings.describe('dir')}: {problem}"
+    return None
+
+
+def _dir_problem(path: Path) -> str | None:
+    """What attach() in COMMAND would meet creating ``path`` that can be seen before it starts: a
+    component longer than the file system allows (ENAMETOOLONG; each child would warn and dump
+    nothing)."""
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    try:
+        longest = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    sizes = [len(os.fsencode(part)) for part in path.parts]
+    if max(sizes, default=0) > longest:
+        return f"cannot create the dump directory: a component of {max(sizes)} bytes (at most {longest})"
     return None
 
 
