@@ -306,6 +306,28 @@ def test_arm_on_a_hostile_heartbeat_is_one_line_and_exit_2(
     assert not (tmp_path / ORDER_FILE).exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero", "huge"])
+def test_arm_on_a_heartbeat_that_is_no_file_of_an_engine_neither_hangs_nor_arms(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO blocked ``arm`` in its read, a link to /dev/zero read without end; no engine writes
+    either, so they are passed over like any run dir without a heartbeat."""
+    import os
+
+    run = tmp_path / "rank0_pid999999"
+    run.mkdir(parents=True)
+    beat = run / STATE_FILE
+    if kind == "fifo":
+        os.mkfifo(beat, 0o600)
+    elif kind == "huge":
+        beat.write_text(" " * (1 << 17) + "{}")
+    else:
+        beat.symlink_to("/dev/zero")
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "1"]) == 2
+    assert "no engine watches it" in capsys.readouterr().err
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
 # ------------------------------------------------------------------ 13: every ignored order is told
 
 

@@ -489,7 +489,7 @@ def watchers(dump_dir: Path) -> list[Watcher]:
     now = time.time()
     for path in sorted(dump_dir.glob(f"rank*_pid*/{STATE_FILE}")):
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(_read_heartbeat(path))
             if not isinstance(data, dict):
                 continue
             when, step, rate = data["time"], data["step"], data.get("rate") or 0.0
@@ -506,6 +506,20 @@ def watchers(dump_dir: Path) -> list[Watcher]:
                 )
             )
     return found
+
+
+def _read_heartbeat(path: Path) -> bytes:
+    """A heartbeat's bytes: a regular file, not a link, at most :data:`MAX_ORDER_BYTES` (OSError
+    otherwise). A FIFO would block ``arm``, a link to ``/dev/zero`` fill its memory; no engine
+    writes either."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        data = handle.read(MAX_ORDER_BYTES + 1)
+    if len(data) > MAX_ORDER_BYTES:
+        raise OSError(f"{path}: larger than {MAX_ORDER_BYTES} bytes")
+    return data
 
 
 def _check_heartbeat(path: Path, when: Any, step: Any, rate: Any) -> None:
