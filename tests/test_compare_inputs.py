@@ -160,7 +160,14 @@ def test_a_stats_line_without_a_module_exits_2_naming_its_line(
 
 
 @pytest.mark.parametrize(
-    "line", ['["not", "an", "object"]', '{"module": "m", "pass": 0, "abs_mean": [1]}', '{"module": "m"}']
+    "line",
+    [
+        '["not", "an", "object"]',
+        '{"module": "m", "pass": 0, "abs_mean": [1]}',
+        '{"module": "m"}',
+        '{"module": "m", "pass": 0, "shape": [-5, -16], "abs_mean": 1.0}',  # as a header's (#26 item 9)
+        '{"module": "m", "pass": 0, "shape": [1.5, 5, 16], "abs_mean": 1.0}',
+    ],
 )
 def test_malformed_stats_lines_are_read_errors(tmp_path: Path, line: str) -> None:
     run = write_run(tmp_path / "a", "stats", stats=[stats_line("m0", 1.0)])

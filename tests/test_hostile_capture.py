@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ class Odd(torch.nn.Module):
             return torch.ones(3, dtype=torch.complex128)
         if self.kind == "sparse":
             return torch.eye(3).to_sparse()
+        if self.kind == "nested":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch: "nested tensors are in prototype stage"
+                return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
         return torch.empty(3, device="meta")
 
 
@@ -48,7 +53,7 @@ def _captured(kind: str) -> tracedump.Capture:
 # ------------------------------------------------------------------ 3: one rule for both paths
 
 
-@pytest.mark.parametrize("kind", ["complex128", "sparse", "meta"])
+@pytest.mark.parametrize("kind", ["complex128", "sparse", "meta", "nested"])
 def test_save_skips_and_counts_what_a_pass_file_cannot_hold_and_writes_the_rest(
     tmp_path: Path, kind: str
 ) -> None:
@@ -61,6 +66,28 @@ def test_save_skips_and_counts_what_a_pass_file_cannot_hold_and_writes_the_rest(
     assert list(run.passes) == [0] and list(run.passes[0]) == ["good"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [run_dir.name]  # no stray run dir
     assert not list(run_dir.glob(".*"))
+
+
+@pytest.mark.parametrize("kind", ["complex128", "sparse", "meta", "nested"])
+def test_attach_skips_and_counts_the_same_tensors_as_save(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other path of the one rule: attach() counts such an output as unsupported_tensor (not as
+    a hook error) and writes the rest."""
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODULES", "all")
+    model = Pair(kind)
+    dumper = tracedump.attach(model)
+    assert dumper is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-line summary of what was skipped
+        with dumper.step():
+            model(torch.ones(2, 4))
+        dumper.close()
+    manifest = json.loads((dumper.run_dir / MANIFEST).read_text())
+    assert manifest["skipped"] == {"unsupported_tensor": 1}
+    run = tracedump.open_dump(tmp_path).run()
+    assert list(run.passes) == [0] and "good" in run.passes[0] and "odd" not in run.passes[0]
 
 
 def test_a_failed_save_leaves_nothing_and_the_next_save_takes_the_plain_name(

@@ -46,6 +46,37 @@ def test_unshard_refuses_ranks_that_are_not_the_world(
     assert named in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("world_size", "named"),
+    [
+        (None, "missing rank(s) [1]"),  # no world_size: the ranks must still be 0..N-1
+        ("two", 'world_size "two"'),
+        (0, "world_size 0"),
+        ("mixed", 'disagree on world_size: "2", 2'),  # was a TypeError from sorted()
+    ],
+    ids=["absent", "string", "zero", "mixed-types"],
+)
+def test_unshard_refuses_a_gap_or_a_bad_world_size_in_the_manifests(
+    tmp_path: Path, world_size: object, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    values = model_tensors()
+    a = _tp2_ranks(tmp_path / "a", values, (0, 2) if world_size is None else (0, 1))
+    for number, run in enumerate(sorted(a.iterdir())):
+        manifest = json.loads((run / "manifest.json").read_text())
+        if world_size is None:
+            del manifest["world_size"]
+        else:
+            manifest["world_size"] = ("2" if number else 2) if world_size == "mixed" else world_size
+        (run / "manifest.json").write_text(json.dumps(manifest))
+    b = tp1(tmp_path / "b", values)
+    with pytest.raises(UsageError) as info:
+        compare(a, b, unshard=UNSHARD)
+    assert named in str(info.value)
+    assert main(["diff", str(a), str(b), "--unshard", UNSHARD[0], "--unshard", UNSHARD[1]]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------ 7: a pass on one rank only
 
 
@@ -167,6 +198,10 @@ def test_hostile_names_and_seq_ids_never_reach_the_terminal_raw(tmp_path: Path) 
         (["ls", str(a)], 0),
         (["show", str(pass_file)], 0),
         (["diff", str(a), str(tmp_path / f"nothing{RED}")], 2),
+        (["diff", str(a), str(b), "--plot", str(tmp_path / "diff.png")], 1),  # matplotlib warns on glyphs
+        (["diff", str(a), str(b), "--html", str(tmp_path / f"report{RED}.html")], 1),  # "html report: PATH"
+        (["run", "--dir", str(tmp_path / f"run{RED}"), "--", sys.executable, "-c", "pass"], 0),
+        (["run", "--dir", str(tmp_path / f"run{RED}"), "--", f"nothing{RED}"], 127),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "tracedump", *argv], capture_output=True, text=True, timeout=120

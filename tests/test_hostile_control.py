@@ -78,6 +78,37 @@ def test_a_backtracking_filter_is_refused_by_the_cli(
     assert not (tmp_path / ORDER_FILE).exists()
 
 
+@pytest.mark.parametrize(
+    "pattern",
+    ["(?:a?){30}a{30}", "(?:(?:.?){16}){16}X", ".?" * 60 + "X", ".{0,16}" * 8 + "X", "(?:.|..)" * 20 + "X"],
+    ids=["optional-under-bounded", "bounded-under-bounded", "optional-60x", "bounded-8x", "branches-20x"],
+)
+def test_a_filter_backtracking_through_bounded_repeats_is_refused(
+    tmp_path: Path, pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bounded repeats (``?``, ``{0,16}``) and alternations are choices too: each of these takes
+    seconds to years on one module name, though no repeat in it is open-ended."""
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", pattern, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--filter" in err and "stall the engine" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"layers\.(3|4)\.", r"^model\..*\.mlp$", ".*(gate|up)_proj.*", r"layers\.\d{1,2}\.", r"mlp(\.o)?$"],
+)
+def test_everyday_filters_are_armed(tmp_path: Path, pattern: str) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--filter", pattern, "--steps", "1"]) == 0
+    dumper.close()
+
+
 def test_a_hand_written_backtracking_filter_is_ignored_by_the_engine(tmp_path: Path) -> None:
     model = _model()
     dumper = _attach(tmp_path, model)
@@ -141,6 +172,43 @@ def test_steps_with_control_in_a_config_is_refused_too(tmp_path: Path) -> None:
         tracedump.attach(_model(), {"dir": str(tmp_path), "control": True, "steps": "2"})
 
 
+def test_steps_with_control_under_tracedump_run_does_not_start_the_command(tmp_path: Path) -> None:
+    """As every other bad setting: one message and COMMAND not started, not a traceback in it."""
+    import os
+    import subprocess
+    import sys
+
+    marker = tmp_path / "started"
+    done = subprocess.run(
+        [sys.executable, "-m", "tracedump", "run", "--dir", str(tmp_path / "d"), "--steps", "0-5", "--",
+         sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        env={**os.environ, "TRACEDUMP_DUMP_CONTROL": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "TRACEDUMP_DUMP_STEPS='0-5' with TRACEDUMP_DUMP_CONTROL='1'" in done.stderr
+    assert "COMMAND not started" in done.stderr and "Traceback" not in done.stderr
+    assert not marker.exists()
+
+
+def test_a_dump_dir_component_too_long_under_tracedump_run_does_not_start_the_command(
+    tmp_path: Path,
+) -> None:
+    """#26 item 14 under run: each child would warn 'cannot dump' and run end 'nothing written', exit 0."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "started"
+    done = subprocess.run(
+        [sys.executable, "-m", "tracedump", "run", "--dir", str(tmp_path / "new" / ("x" * 300)), "--",
+         sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "TRACEDUMP_DUMP_DIR=" in done.stderr and "a component of 300 bytes" in done.stderr
+    assert "COMMAND not started" in done.stderr
+    assert not marker.exists() and not (tmp_path / "new").exists()
+
+
 # ------------------------------------------------------------------ 11: ranges checked by the CLI
 
 
@@ -154,6 +222,28 @@ def test_an_out_of_range_step_count_is_refused_by_the_cli(
     err = capsys.readouterr().err
     assert "--steps 100000000000000000000000" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / ORDER_FILE).exists()
+
+
+def test_a_request_too_long_for_an_order_is_refused_by_the_cli_and_worded_by_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 70 kB --request was armed (exit 0), then ignored by the engine as 'not valid JSON': it read
+    the first 64 KiB of a valid file."""
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    assert tracedump.cli.main(["arm", str(tmp_path), "--request", "x" * 70_000, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--request" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ORDER_FILE).exists()
+    _hand_written(tmp_path, {"id": 9, "action": "arm", "steps": 1, "filter": "x" * 70_000})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(dumper, model, 2)
+    dumper.close()
+    ignored = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(ignored) == 1 and "larger than 65536 bytes" in ignored[0], ignored
+    assert "not valid JSON" not in ignored[0]
 
 
 def test_the_engine_words_an_out_of_range_order_by_its_cause(tmp_path: Path) -> None:
@@ -216,6 +306,28 @@ def test_arm_on_a_hostile_heartbeat_is_one_line_and_exit_2(
     assert not (tmp_path / ORDER_FILE).exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero", "huge"])
+def test_arm_on_a_heartbeat_that_is_no_file_of_an_engine_neither_hangs_nor_arms(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO blocked ``arm`` in its read, a link to /dev/zero read without end; no engine writes
+    either, so they are passed over like any run dir without a heartbeat."""
+    import os
+
+    run = tmp_path / "rank0_pid999999"
+    run.mkdir(parents=True)
+    beat = run / STATE_FILE
+    if kind == "fifo":
+        os.mkfifo(beat, 0o600)
+    elif kind == "huge":
+        beat.write_text(" " * (1 << 17) + "{}")
+    else:
+        beat.symlink_to("/dev/zero")
+    assert tracedump.cli.main(["arm", str(tmp_path), "--steps", "1"]) == 2
+    assert "no engine watches it" in capsys.readouterr().err
+    assert not (tmp_path / ORDER_FILE).exists()
+
+
 # ------------------------------------------------------------------ 13: every ignored order is told
 
 
@@ -256,6 +368,33 @@ def test_each_distinct_ignored_order_warns_once_and_is_recorded_with_its_reason(
         [sys.executable, "-m", "tracedump", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert listing.stdout.count("order file ignored:") == 4, listing.stdout
+
+
+def test_an_ignored_order_rewritten_in_place_warns_again(tmp_path: Path) -> None:
+    """`echo ... > control.json` keeps the inode; the same length with other bytes is another order."""
+    import os
+
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 1)
+    path = tmp_path / ORDER_FILE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _hand_written(tmp_path, {"id": 5, "action": "arm"}).chmod(0o666)
+        _steps(dumper, model, 2)
+        inode = path.stat().st_ino
+        with open(path, "r+") as handle:  # in place: same inode, same size
+            handle.write(json.dumps({"id": 6, "action": "arm"}))
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a coarse clock
+        assert path.stat().st_ino == inode
+        _steps(dumper, model, 2)
+        os.utime(path)  # touched only: not another
+        _steps(dumper, model, 2)
+    dumper.close()
+    ignored = [str(w.message) for w in caught if "ignoring" in str(w.message)]
+    assert len(ignored) == 2, ignored
+    manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
+    assert [o["action"] for o in manifest["control"]["orders"]].count("ignored") == 2
 
 
 # ------------------------------------------------------------------ 15, 16: the files control writes

@@ -557,6 +557,45 @@ def test_html_to_a_directory_is_a_usage_error(
     assert "--html" in capsys.readouterr().err
 
 
+def test_html_into_a_fifo_or_through_a_link_replaces_neither(dumps: dict[str, Path], tmp_path: Path) -> None:
+    """A rename over the target would replace a FIFO, a device (``/dev/stdout``, ``/dev/null``: as
+    root, the device node itself) or a symlink with a plain file: they are written into instead."""
+    import threading
+
+    fifo = tmp_path / "pipe.html"
+    os.mkfifo(fifo, 0o600)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()  # blocks in open() until the report opens the FIFO for writing
+    code = main(["diff", str(dumps["hostile_a"]), str(dumps["hostile_b"]), "--html", str(fifo)])
+    if reader.is_alive():  # the FIFO was never opened: unblock the reader before failing
+        with open(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "w"):
+            pass
+    reader.join(10)
+    assert code == 1 and fifo.is_fifo()
+    assert got and got[0].startswith(b"<!DOCTYPE html>") and got[0].rstrip().endswith(b"</html>")
+    target = tmp_path / "reports" / "real.html"
+    target.parent.mkdir()
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    assert main(["diff", str(dumps["hostile_a"]), str(dumps["hostile_b"]), "--html", str(link)]) == 1
+    assert link.is_symlink() and target.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_nan_only_divergence_says_nan_on_the_page(tmp_path: Path) -> None:
+    """As the terminal (#26 item 10): not "rel_diff 0 > threshold", which is false."""
+    values = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    with_nan = values.clone()
+    with_nan[0, 1] = float("nan")
+    torch.save({"t": with_nan}, tmp_path / "a.pt")
+    torch.save({"t": values}, tmp_path / "b.pt")
+    code, page = _cli_html(tmp_path, tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1
+    text = page.read_text()
+    assert "NaN/Inf only: rel_diff of the finite values 0 ≤ threshold" in text
+    assert "rel_diff 0 &gt; threshold" not in text
+
+
 def test_the_sides_carry_their_manifests_without_module_lists(dumps: dict[str, Path]) -> None:
     sides = compare(dumps["a"], dumps["b"], passes="0").to_json()["sides"]
     for side in sides.values():

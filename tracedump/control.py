@@ -26,6 +26,7 @@ Each order and what the process made of it goes into the manifest (``control``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -51,10 +52,18 @@ MAX_RATE = 1e9  # steps per second a heartbeat may claim (a real engine makes at
 # An armed --filter runs on the engine's names: a pattern that backtracks catastrophically would
 # stall the host's step. It is refused unless its cost on a name of n characters is at most
 # O(n ** MAX_FILTER_REPEATS): no repeat inside a repeat, no alternation or backreference under a repeat,
-# at most MAX_FILTER_REPEATS open-ended repeats. Each name is then matched once per order (a memo).
+# at most MAX_FILTER_REPEATS open-ended repeats, and at most MAX_FILTER_WAYS ways to combine every
+# choice (bounded repeats such as ``.?`` or ``{0,16}`` and alternations included: 60 of ``.?`` in a
+# row are 2**60 ways). Each name is then matched once per order (a memo).
 MAX_FILTER_REPEATS = 2
 MAX_FILTER_CHARS = 1000
+MAX_REQUEST_CHARS = 1000  # a sequence id; the order file it goes into stays far below MAX_ORDER_BYTES
+MAX_ORDER_BYTES = 1 << 16  # what a dumper reads of control.json: a larger file is refused, not cut
 _WIDE_REPEAT = 16  # a repeat allowing more than this many copies counts as open-ended
+# The choices a filter's backtracking may combine at one position: an open-ended repeat counts as
+# the length of a long module name, so two of them in a row are the most (a bound, not a timing).
+_NAME_CHARS = 256
+MAX_FILTER_WAYS = 2 * _NAME_CHARS**2
 
 
 class OrderError(ValueError):
@@ -106,6 +115,8 @@ class Order:
             raise OrderError(f"--mode {self.mode!r}: choose from {', '.join(MODES)}")
         if self.filter is not None:
             check_filter(self.filter)
+        if self.request is not None and len(self.request) > MAX_REQUEST_CHARS:
+            raise OrderError(f"--request: {len(self.request)} characters, at most {MAX_REQUEST_CHARS}")
 
 
 def check_filter(pattern: str) -> None:
@@ -147,27 +158,47 @@ def _sre_parser() -> Any:
 
 
 def _open_repeats(items: Any, under_repeat: bool) -> int:
-    """Open-ended repeats in a parsed pattern; raises _Backtracks where a nested one is found."""
-    total = 0
+    """Open-ended repeats in a parsed pattern; raises _Backtracks where a nested one is found, or
+    where the ways its choices can be combined at one position pass :data:`MAX_FILTER_WAYS`."""
+    wide, ways = _choices(items, under_repeat)
+    if wide <= MAX_FILTER_REPEATS and ways > MAX_FILTER_WAYS:  # too many repeats: the caller says so
+        raise _Backtracks(
+            f"its repeats and alternations combine in more than {MAX_FILTER_WAYS} ways at one position"
+        )
+    return wide
+
+
+def _choices(items: Any, under_repeat: bool) -> tuple[int, float]:
+    """(open-ended repeats, ways to combine the choices) of a sequence: repeats add up, ways multiply.
+
+    A repeat of up to n copies offers n + 1 choices (an open-ended one, :data:`_NAME_CHARS`), an
+    alternation one per branch. Under a repeat of more than one copy a choice of any kind (a repeat of
+    variable count, bounded or not, an alternation) is refused: it multiplies with every copy."""
+    wide_total, ways = 0, 1.0
     for op, arg in items:
         name = str(op)
         if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-            _, high, sub = arg
+            low, high, sub = arg
             wide = high > _WIDE_REPEAT
-            if under_repeat and wide:
+            if under_repeat and (wide or low != high):
                 raise _Backtracks("a repeat inside a repeat")
-            total += int(wide) + _open_repeats(sub, under_repeat or wide)
+            inner_wide, inner_ways = _choices(sub, under_repeat or high > 1)
+            wide_total += int(wide) + inner_wide
+            count = _NAME_CHARS if wide else high - low + 1
+            ways *= count * inner_ways if high <= 1 else count
         elif name == "BRANCH":
             if under_repeat:
                 raise _Backtracks("an alternation under a repeat")
-            total += sum(_open_repeats(branch, under_repeat) for branch in arg[1])
+            branches = [_choices(branch, under_repeat) for branch in arg[1]]
+            wide_total += sum(w for w, _ in branches)
+            ways *= sum(n for _, n in branches)
         elif name in ("GROUPREF", "GROUPREF_EXISTS"):
             raise _Backtracks("a backreference")
-        elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
-            total += _open_repeats(arg[-1], under_repeat)  # the group's pattern comes last
-        elif name == "ATOMIC_GROUP":
-            total += _open_repeats(arg, under_repeat)
-    return total
+        elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT", "ATOMIC_GROUP"):
+            inner_wide, inner_ways = _choices(arg if name == "ATOMIC_GROUP" else arg[-1], under_repeat)
+            wide_total += inner_wide  # the group's pattern comes last
+            ways *= inner_ways
+    return wide_total, ways
 
 
 def _typed(data: dict[str, Any], key: str, kind: type, required: bool = False) -> Any:
@@ -211,12 +242,32 @@ def read_order(path: Path) -> Order:
         os.close(fd)
         raise
     with os.fdopen(fd, "rb") as handle:
-        text = handle.read(1 << 16)
+        text = handle.read(MAX_ORDER_BYTES + 1)
+    if len(text) > MAX_ORDER_BYTES:  # cut, valid JSON would read as "not valid JSON"
+        raise OrderError(f"larger than {MAX_ORDER_BYTES} bytes: not an order the CLI writes")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise OrderError(f"not valid JSON: {e}") from e
     return Order.from_json(data)  # raises OrderError saying what is wrong with the order itself
+
+
+def _identity(path: Path) -> str:
+    """What tells one ignored order file from another: inode, size and, for a regular file, a digest
+    of its first 64 KiB (read without following a link or blocking on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return "unopenable"
+    try:
+        info = os.fstat(fd)
+        regular = stat.S_ISREG(info.st_mode)
+        digest = hashlib.sha256(os.read(fd, MAX_ORDER_BYTES)).hexdigest()[:16] if regular else ""
+        return f"{info.st_ino}:{info.st_size}:{digest}"
+    except OSError:
+        return "unreadable"
+    finally:
+        os.close(fd)
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -361,12 +412,9 @@ class Controller:
 
     def _ignore(self, path: Path, reason: str, step: int) -> bool:
         """An order file this process may not obey: warned about and recorded in ``control.orders``
-        once per distinct file (its reason, inode and size; touching it again is not another)."""
-        try:
-            info = os.stat(path)
-            key = f"control_order:{reason}:{info.st_ino}:{info.st_size}"
-        except OSError:
-            key = f"control_order:{reason}"
+        once per distinct file (its reason, inode, size and content; touching it again is not
+        another, but rewriting it in place with other bytes of the same length is)."""
+        key = f"control_order:{reason}:{_identity(path)}"
         if key in self._ignored:
             return False
         self._ignored.add(key)
@@ -445,7 +493,7 @@ def watchers(dump_dir: Path) -> list[Watcher]:
     now = time.time()
     for path in sorted(dump_dir.glob(f"rank*_pid*/{STATE_FILE}")):
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(_read_heartbeat(path))
             if not isinstance(data, dict):
                 continue
             when, step, rate = data["time"], data["step"], data.get("rate") or 0.0
@@ -462,6 +510,20 @@ def watchers(dump_dir: Path) -> list[Watcher]:
                 )
             )
     return found
+
+
+def _read_heartbeat(path: Path) -> bytes:
+    """A heartbeat's bytes: a regular file, not a link, at most :data:`MAX_ORDER_BYTES` (OSError
+    otherwise). A FIFO would block ``arm``, a link to ``/dev/zero`` fill its memory; no engine
+    writes either."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        data = handle.read(MAX_ORDER_BYTES + 1)
+    if len(data) > MAX_ORDER_BYTES:
+        raise OSError(f"{path}: larger than {MAX_ORDER_BYTES} bytes")
+    return data
 
 
 def _check_heartbeat(path: Path, when: Any, step: Any, rate: Any) -> None:

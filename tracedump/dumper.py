@@ -75,14 +75,10 @@ def attach(
 
 
 def _check_control(settings: DumpSettings) -> None:
-    """``CONTROL`` numbers passes by engine step and arms windows of them; ``STEPS`` would select
-    fixed ones, so an armed window outside them would dump nothing and never end: refused."""
-    if settings.control and settings.steps is not None:
-        raise ConfigError(
-            f"tracedump: bad setting\n  {settings.describe('steps')} with {settings.describe('control')}: "
-            "STEPS cannot be combined with CONTROL (an armed window outside STEPS would dump nothing "
-            "and never end); unset STEPS and choose the steps with `tracedump arm DIR --steps N`"
-        )
+    """STEPS with CONTROL is refused (see :func:`tracedump.settings.check_combination`)."""
+    from .settings import check_combination
+
+    check_combination(settings)
 
 
 def active_dumper() -> Dumper | None:

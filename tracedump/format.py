@@ -250,7 +250,7 @@ def stats_record_problem(record: Any) -> str | None:
         if key in record and type(record[key]) is not kind:
             return f"{key!r} is {record[key]!r}"
     shape = record.get("shape")
-    if shape is not None and not (isinstance(shape, list) and all(type(s) is int for s in shape)):
+    if shape is not None and not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
         return f"'shape' is {shape!r}"
     for name in NUMERIC_STAT_NAMES:
         value = record.get(name)

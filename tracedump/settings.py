@@ -633,3 +633,17 @@ def load_settings(
     except ValidationError as e:
         messages = [item["msg"] for item in e.errors() if item["type"] == "bad_setting"]
         raise ConfigError("\n".join(messages) or str(e)) from e
+
+
+def check_combination(settings: DumpSettings) -> None:
+    """Settings each valid alone that cannot go together (raises :class:`ConfigError`): checked by
+    ``attach()`` and by ``tracedump run`` before it starts COMMAND.
+
+    ``CONTROL`` numbers passes by engine step and arms windows of them; ``STEPS`` would select
+    fixed ones, so an armed window outside them would dump nothing and never end: refused."""
+    if settings.control and settings.steps is not None:
+        raise ConfigError(
+            f"tracedump: bad setting\n  {settings.describe('steps')} with {settings.describe('control')}: "
+            "STEPS cannot be combined with CONTROL (an armed window outside STEPS would dump nothing "
+            "and never end); unset STEPS and choose the steps with `tracedump arm DIR --steps N`"
+        )

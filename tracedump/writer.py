@@ -53,9 +53,11 @@ STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 def storable(tensor: torch.Tensor) -> bool:
     """Whether a pass file can hold ``tensor``: one that cannot (``complex128``, sparse, meta,
-    quantized) would make the whole file unwritable, so it is skipped and counted instead."""
+    quantized, nested: a nested tensor's layout says strided, but it has no sizes) would make the
+    whole file unwritable, so it is skipped and counted instead."""
     return (
         tensor.layout == torch.strided
+        and not tensor.is_nested
         and not tensor.is_quantized
         and tensor.device.type != "meta"
         and tensor.dtype in STORABLE_DTYPES

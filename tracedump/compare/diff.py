@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..console import printable
 from .bridge import Matcher, matcher_for
 from .display import print_report, progress_bar
 from .execute import Executor
@@ -222,7 +223,8 @@ def run(options: DiffOptions) -> int:
         raise UsageError(f"cannot write the report: {e}") from e
     print_report(report, options.max_rows, table_too=not json_to_stdout, stderr=json_to_stdout)
     if options.html_path is not None:
-        print(f"html report: {options.html_path}", file=sys.stderr if json_to_stdout else sys.stdout)
+        shown = printable(f"html report: {options.html_path}")
+        print(shown, file=sys.stderr if json_to_stdout else sys.stdout)
     return report.exit_code
 
 

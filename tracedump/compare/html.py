@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -260,10 +261,24 @@ def _sha256(text: str) -> str:
 
 
 def write_html(report: DiffReport, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
-    """Write the page atomically (a temp file renamed into place): a reader never sees half of it."""
+    """Write the page atomically (a temp file renamed into place): a reader never sees half of it.
+
+    A target that is a device, a FIFO or a link to one (``/dev/stdout``) is written into, never
+    renamed over (root would replace the device node with a file); a link to a file is followed,
+    so the page lands where it points and the link stays."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = render(report, doc)
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except OSError:  # no such file yet (or a dangling link: followed below)
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with open(path, "w", encoding="utf-8") as out:  # a failure (ENOSPC of /dev/full) is raised
+            out.write(text)
+        return path
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # opened as any new file: the umask applies
     try:
         with open(temp, "w", encoding="utf-8") as out:
@@ -371,7 +386,18 @@ def _why(row: dict[str, Any], factor: object) -> str:
     metric = "1 − cosine" if row["metric"] == "cosine" else row["metric"]
     error, threshold = num(row.get("error")), num(row.get("tolerance"))
     facts: list[tuple[str, str]] = []
-    if row["status"] == "diverged" and error is not None:
+    nonfinite = any(row.get(k) for k in ("nan_a", "nan_b", "inf_a", "inf_b"))
+    if row["status"] == "diverged" and error is not None and nonfinite and not error > (threshold or 0.0):
+        # only the NaN/Inf pattern differs (as the terminal says): "rel_diff 0 > threshold" would be false
+        facts.append(
+            (
+                "why",
+                f"NaN/Inf only: {esc(metric)} of the finite values {fmt(error)} ≤ threshold "
+                f"{fmt(threshold)}; the NaN/Inf positions differ",
+            )
+        )
+        facts.append(("threshold from", esc(_basis(row, factor))))
+    elif row["status"] == "diverged" and error is not None:
         ratio = error / threshold if threshold else math.inf
         facts.append(("why", f"{esc(metric)} {fmt(error)} &gt; threshold {fmt(threshold)} ({fmt(ratio)}×)"))
         facts.append(("threshold from", esc(_basis(row, factor))))

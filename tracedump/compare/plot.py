@@ -11,6 +11,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+from ..console import printable
 from .options import UsageError
 from .results import DiffReport
 
@@ -77,7 +78,9 @@ def write_plot(report: DiffReport, path: Path) -> Path:
     metric = report.settings.get("metric", "rel_diff")
     axes.set_xlabel("tensor, in execution order")
     axes.set_ylabel("1 - cosine" if metric == "cosine" else metric)
-    axes.set_title(f"tracedump diff: {report.a['path']} vs {report.b['path']}", fontsize=9)
+    # the labels are escaped as on the terminal: matplotlib warns about a control character's glyph,
+    # and its warning quotes the character raw
+    axes.set_title(printable(f"tracedump diff: {report.a['path']} vs {report.b['path']}"), fontsize=9)
     axes.legend(loc="upper left", fontsize=8)
     if token_rows:
         _token_heatmap(figure.add_subplot(2, 1, 2), token_rows, floor)
@@ -99,7 +102,8 @@ def _mark_passes(axes: object, report: DiffReport) -> None:
 def _mark_findings(axes: object, report: DiffReport) -> None:
     first = report.first_divergence
     if first is not None:
-        axes.axvline(first.index, color="tab:red", linewidth=1.2, label=f"first divergence: {first.label}")  # type: ignore[attr-defined]
+        label = printable(f"first divergence: {first.label}")
+        axes.axvline(first.index, color="tab:red", linewidth=1.2, label=label)  # type: ignore[attr-defined]
     growth = report.largest_growth
     if growth is not None and (first is None or growth.result.index != first.index):
         axes.axvline(
@@ -107,7 +111,7 @@ def _mark_findings(axes: object, report: DiffReport) -> None:
             color="tab:orange",
             linewidth=1.0,
             linestyle=":",  # type: ignore[attr-defined]
-            label=f"largest growth: {growth.result.label}",
+            label=printable(f"largest growth: {growth.result.label}"),
         )
 
 

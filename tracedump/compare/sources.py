@@ -15,6 +15,7 @@ Run selection per side, per root label (``manifest.json`` "root"; several roots 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -326,15 +327,21 @@ def _pick_ranks(where: str, runs: list[Run], options: DiffOptions) -> list[RunSo
 def _check_world(where: str, by_rank: dict[int, Run]) -> None:
     """``--unshard`` joins every rank of one run: the ranks found must be those of its world size
     (a missing rank under a ``sum`` rule would be a wrong value reported as a divergence)."""
-    sizes = {run.manifest.get("world_size") for run in by_rank.values()} - {None}
+    sizes = {json.dumps(run.manifest.get("world_size")) for run in by_rank.values()} - {"null"}
     if len(sizes) > 1:
-        raise UsageError(f"{where}: --unshard: the ranks' manifests disagree on world_size: {sorted(sizes)}")
-    if not sizes or not isinstance(world := next(iter(sizes)), int):
-        return
+        raise UsageError(
+            f"{where}: --unshard: the ranks' manifests disagree on world_size: {', '.join(sorted(sizes))}"
+        )
+    world = json.loads(next(iter(sizes))) if sizes else None
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        raise UsageError(f"{where}: --unshard: world_size {sizes.pop()} in the manifests is not a rank count")
+    # without a world_size (an older or hand-made dump) the ranks must still be 0..N-1: a gap is a lost rank
+    known = world is not None
+    world = world if known else max(by_rank) + 1
     missing = sorted(set(range(world)) - set(by_rank))
     extra = sorted(set(by_rank) - set(range(world)))
     if missing or extra:
-        found = f"ranks {sorted(by_rank)} of world_size {world}"
+        found = f"ranks {sorted(by_rank)} of world_size {world}" if known else f"ranks {sorted(by_rank)}"
         what = "; ".join(
             part
             for part in (

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..console import printable
+
 DEFAULT_DIR = "tracedump_out"
 BOOTSTRAP_DIR = Path(__file__).resolve().parent
 EXIT_USAGE = 2
@@ -96,12 +98,12 @@ def run_command(args: argparse.Namespace) -> int:
     env = child_env(os.environ, args)
     error = validate_settings(env)
     if error:
-        print(f"{error}\ntracedump run: COMMAND not started.", file=sys.stderr)
+        print(printable(f"{error}\ntracedump run: COMMAND not started.", keep_newlines=True), file=sys.stderr)
         return EXIT_USAGE
     dump_dir = Path(env["TRACEDUMP_DUMP_DIR"])
     before = _run_dir_names(dump_dir)
     if not args.quiet:
-        print(f"tracedump run: dumping to {dump_dir}", file=sys.stderr)
+        print(printable(f"tracedump run: dumping to {dump_dir}"), file=sys.stderr)
     status = launch(command, env)
     if not args.quiet:
         _print_summary(dump_dir, before, status)
@@ -148,14 +150,35 @@ def validate_settings(env: Mapping[str, str]) -> str | None:
     """The error message for a bad setting (as the children would meet it), or None."""
     from unittest import mock  # patch.dict: ``env`` is os.environ for the block, then the caller's again
 
-    from ..settings import ConfigError, load_settings
+    from ..settings import ConfigError, check_combination, load_settings
 
     with mock.patch.dict(os.environ, env, clear=True):  # pydantic-settings reads os.environ
         try:
             settings = load_settings(None)
+            check_combination(settings)  # STEPS with CONTROL, as attach() would refuse it in COMMAND
             settings.resolve_callables()  # a FILTER_FN that cannot be imported stops COMMAND too
         except ConfigError as error:
             return str(error)
+        problem = _dir_problem(Path(settings.dir).expanduser()) if settings.dir is not None else None
+        if problem:
+            return f"tracedump: bad setting\n  {settings.describe('dir')}: {problem}"
+    return None
+
+
+def _dir_problem(path: Path) -> str | None:
+    """What attach() in COMMAND would meet creating ``path`` that can be seen before it starts: a
+    component longer than the file system allows (ENAMETOOLONG; each child would warn and dump
+    nothing)."""
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    try:
+        longest = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    sizes = [len(os.fsencode(part)) for part in path.parts]
+    if max(sizes, default=0) > longest:
+        return f"cannot create the dump directory: a component of {max(sizes)} bytes (at most {longest})"
     return None
 
 
@@ -170,10 +193,10 @@ def launch(command: Sequence[str], env: Mapping[str, str]) -> int:
     try:
         child = subprocess.Popen([executable or command[0], *command[1:]], env=dict(env))
     except FileNotFoundError:
-        print(f"tracedump run: command not found: {command[0]}", file=sys.stderr)
+        print(printable(f"tracedump run: command not found: {command[0]}"), file=sys.stderr)
         return EXIT_NOT_FOUND
     except PermissionError as error:
-        print(f"tracedump run: cannot execute {command[0]}: {error}", file=sys.stderr)
+        print(printable(f"tracedump run: cannot execute {command[0]}: {error}"), file=sys.stderr)
         return EXIT_NOT_EXECUTABLE
     with _signals_forwarded_to(child):
         returncode = child.wait()
@@ -213,7 +236,7 @@ def _print_summary(dump_dir: Path, before: set[str], status: int) -> None:
         lines += summary_lines(dump_dir, before)
     except Exception as error:  # the summary must never hide COMMAND's status
         lines.append(f"tracedump run: cannot read {dump_dir}: {type(error).__name__}: {error}")
-    print("\n".join(lines), file=sys.stderr)
+    print(printable("\n".join(lines), keep_newlines=True), file=sys.stderr)  # paths, roots: user strings
 
 
 def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
