@@ -76,8 +76,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_tail_factor_is_one_for_calibrated_sizes_and_wider_for_a_token() -> None:
     assert tail_factor(N_CALIBRATED) == 1.0 and tail_factor(24 * 64) == 1.0 and tail_factor(10**6) == 1.0
-    assert 1.2 < tail_factor(64) < 1.5  # one token of the calibration Llama: sqrt(2/64) at 3 sigma
+    assert 2.0 < tail_factor(128, 1) < 2.6  # one token: one row's spread, not its 128 elements'
+    assert 1.3 < tail_factor(68, 4) < 1.6  # a decode step's attention weights: 4 heads x 17 keys
     assert tail_factor(64) > tail_factor(128) > tail_factor(512) > 1.0
+    assert tail_factor(128, 1) > tail_factor(1536, 12) > 1.0 == tail_factor(1536, 16)
 
 
 @pytest.mark.parametrize("level", [None, LAYER], ids=["leaf", "layer"])
