@@ -86,8 +86,8 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python tools/docs_gen.py --check
-	$(BIN)/ruff check tracedump tests benchmarks examples tools setup.py
-	$(BIN)/ruff format --check tracedump tests benchmarks examples tools setup.py
+	$(BIN)/ruff check tracedump tests tests_vllm benchmarks examples tools setup.py
+	$(BIN)/ruff format --check tracedump tests tests_vllm benchmarks examples tools setup.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info tracedump/compare/*.so
