@@ -346,13 +346,27 @@ def test_the_flags_become_dump_env_vars_and_the_bootstrap_goes_first_on_pythonpa
     assert "TORCHDYNAMO_DISABLE" not in env
 
 
-def test_a_grafted_run_dumps_every_module_unless_told_otherwise(tmp_path: Path) -> None:
-    """``--graft-from`` without ``--modules`` dumps every module, as ``tracedump.graft()`` does."""
-    ref = str(tmp_path / "ref")
-    assert child_env({}, run_args(graft_from=ref))["TRACEDUMP_DUMP_MODULES"] == "all"
-    assert child_env({}, run_args(graft_from=ref, modules="leaves"))["TRACEDUMP_DUMP_MODULES"] == "leaves"
-    inherited = child_env({"TRACEDUMP_DUMP_MODULES": "leaves"}, run_args(graft_from=ref))
-    assert inherited["TRACEDUMP_DUMP_MODULES"] == "leaves"
+def test_a_grafted_run_dumps_every_module_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--graft-from`` without ``--modules`` dumps every module, as ``tracedump.graft()`` does:
+    read through the settings the child builds from the environment the launcher gives it."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+
+    def child_modules(parent: dict[str, str], args: argparse.Namespace) -> str:
+        env = child_env(parent, args)
+        for name in [n for n in os.environ if n.startswith("TRACEDUMP_")]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            if name.startswith("TRACEDUMP_"):
+                monkeypatch.setenv(name, value)
+        return load_settings().modules
+
+    assert child_modules({}, run_args(graft_from=str(ref))) == "all"
+    assert child_modules({}, run_args(graft_from=str(ref), modules="leaves")) == "leaves"
+    assert child_modules({"TRACEDUMP_DUMP_MODULES": "leaves"}, run_args(graft_from=str(ref))) == "leaves"
+    assert child_modules({}, run_args()) == "leaves"
     assert "TRACEDUMP_DUMP_MODULES" not in child_env({}, run_args())
 
 

@@ -130,9 +130,7 @@ def child_env(environ: Mapping[str, str], args: argparse.Namespace) -> dict[str,
         env[env_name("inputs")] = "1"
     if getattr(args, "graft_from", None) is not None:  # the children may chdir: fix the reference now
         env[env_name("graft_from")] = str(Path(args.graft_from).expanduser().resolve())
-        # as tracedump.graft(): every module, so a level's inner tensors (its MLP, the attention
-        # weights) are judged too; its output alone hides a small bug (MLP x 1.02) in bf16 rounding
-        env.setdefault(env_name("modules"), "all")
+        # with MODULES unset the child's settings dump every module (_grafted_runs_dump_every_module)
     if getattr(args, "graft_map", None):
         env[env_name("graft_map")] = json.dumps(args.graft_map)
     if args.no_compile:
