@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from ..format import Key
 from ..sequences import token_dim
@@ -165,17 +166,7 @@ class Executor:
         answer from there on), its whole error joining the level as the block's does."""
         kept_a, kept_b = kept_rows(stored[0], flip), kept_rows(stored[1], flip)
         assert kept_a is not None and kept_b is not None  # downstream_of checked the rows
-        kept = compare_arrays(kept_a, kept_b)
-        return TensorResult(
-            **base,
-            status="routing_flip",
-            error=kept.rel_diff,
-            metrics=metrics,
-            absorbed=metrics.rel_diff,
-            token_dim=dim,
-            per_token=per_token,
-            message=f"compared on the {kept_a.shape[0]} tokens {flip.router} routed alike",
-        )
+        return _on_kept_tokens(base, flip, (kept_a, kept_b), metrics, token_dim=dim, per_token=per_token)
 
     def _unit_tokens(self, shape: tuple[int, ...]) -> int | None:
         """The unit's token count: the second-to-last dim of its first measured float tensor of 2
@@ -277,15 +268,7 @@ class Executor:
                 metrics=metrics,
                 message=f"not compared: {flip.router} routed {len(flip.flipped)} tokens differently",
             )
-        kept = compare_arrays(kept_a, kept_b)
-        return TensorResult(
-            **base,
-            status="routing_flip",
-            error=kept.rel_diff,
-            metrics=metrics,
-            absorbed=metrics.rel_diff,
-            message=f"compared on the {kept_a.shape[0]} tokens {flip.router} routed alike",
-        )
+        return _on_kept_tokens(base, flip, (kept_a, kept_b), metrics)
 
     def _stats_pair(
         self, base: dict, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
@@ -349,3 +332,20 @@ def _rank_disagreement(entry: SideEntry, views: list[PassView], tolerance: Toler
 def pair_bytes(pair: PairPlan) -> int:
     """Bytes a pair reads (for the progress bar): element counts times a typical 2-4 byte width."""
     return sum((_numel(e.meta.shape) or 0) * _WIDTHS.get(e.meta.dtype or "", 4) for e in (pair.a, pair.b))
+
+
+def _on_kept_tokens(
+    base: dict, flip: Flip, kept: tuple[Any, Any], metrics: TensorMetrics, **extra: Any
+) -> TensorResult:
+    """A tensor judged on the tokens ``flip``'s router routed alike: that error is the verdict's,
+    the whole tensor's (``metrics``) joins the level as absorbed."""
+    on_kept = compare_arrays(*kept)
+    return TensorResult(
+        **base,
+        status="routing_flip",
+        error=on_kept.rel_diff,
+        metrics=metrics,
+        absorbed=metrics.rel_diff,
+        message=f"compared on the {kept[0].shape[0]} tokens {flip.router} routed alike",
+        **extra,
+    )
