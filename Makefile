@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test test-numerics test-vllm demo bench calibrate docs lint pin clean
 
-$(STAMP): pyproject.toml setup.py tracedump/compare/kernel.c Makefile $(CONSTRAINTS)
+$(STAMP): pyproject.toml setup.py tracedump/util/kernel.c Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
@@ -90,4 +90,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check tracedump tests tests_vllm benchmarks examples tools setup.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info tracedump/compare/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info tracedump/util/*.so

@@ -1,4 +1,4 @@
-"""The one compiled part: the comparator's one-pass sums (tracedump/compare/kernel.c).
+"""The one compiled part: the one-pass sums (the comparator and stats dumps) (tracedump/util/kernel.c).
 
 Optional: where it does not build (no C compiler, no Python headers), the install goes on and
 the comparator uses its numpy path, which gives the same results more slowly.
@@ -15,8 +15,8 @@ _FLAGS = [] if sys.platform == "win32" else ["-O3", "-std=c99", "-ffp-contract=o
 setup(
     ext_modules=[
         Extension(
-            "tracedump.compare.kernel",
-            ["tracedump/compare/kernel.c"],
+            "tracedump.util.kernel",
+            ["tracedump/util/kernel.c"],
             extra_compile_args=_FLAGS,
             optional=True,
         )

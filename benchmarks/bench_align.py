@@ -49,8 +49,8 @@ def _values(seq: int, k: int, positions: range, hidden: int) -> torch.Tensor:
 
 
 def _write(root: Path, passes: int, tensors: int, rows: int, hidden: int) -> tuple[int, int]:
-    from tracedump.format import BATCH_KEY, MODE_KEY, pass_file_name
-    from tracedump.writer import save_tensors_atomic
+    from tracedump.dump.writer import save_tensors_atomic
+    from tracedump.store.format import BATCH_KEY, MODE_KEY, pass_file_name
 
     engine, reference = root / "a" / "rank0_pid1", root / "b" / "rank0_pid1"
     engine.mkdir(parents=True)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import tracedump
-import tracedump.dumper as tracedump_dumper
+import tracedump.dump.dumper as tracedump_dumper
 from tracedump.integrations.hf import HFBatchLayout
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -166,8 +166,8 @@ def _naming_us_per_call(model: nn.Module, ids: torch.Tensor, rounds: int) -> flo
     rotary hooked by a :class:`SharedOutputHook` (walks to the calling attention) against a plain
     :class:`OutputHook`, both handing to a recorder that keeps nothing; the best forward of each
     over interleaved rounds (another process only ever adds time), divided by the calls."""
-    from tracedump.hooks import CallSites, OutputHook, SharedOutputHook
-    from tracedump.selection import every_name, shared_names
+    from tracedump.dump.hooks import CallSites, OutputHook, SharedOutputHook
+    from tracedump.dump.selection import every_name, shared_names
 
     names = every_name(model)
     name, rotary = next((n, m) for n, m in names.items() if n.endswith("rotary_emb"))

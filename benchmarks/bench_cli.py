@@ -42,8 +42,8 @@ def _write_dump(root: Path) -> Path:
     """A two-pass bf16 + fp32 dump written by tracedump's own writer (no model needed)."""
     import torch
 
-    from tracedump.format import pass_file_name
-    from tracedump.writer import save_tensors_atomic
+    from tracedump.dump.writer import save_tensors_atomic
+    from tracedump.store.format import pass_file_name
 
     run_dir = root / "rank0_pid1"
     run_dir.mkdir(parents=True)

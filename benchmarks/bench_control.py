@@ -42,7 +42,7 @@ def _stepper(model: torch.nn.Module, ids: torch.Tensor, dumper: Any) -> Any:
 
 def _per_call_ns(dumper: Any) -> dict[str, float]:
     """A disarmed output hook's cost, and a step boundary's (stat of the order file included)."""
-    from tracedump.hooks import OutputHook
+    from tracedump.dump.hooks import OutputHook
 
     hook = OutputHook(dumper.recorder, "probe")
     tensor = torch.ones(2)
@@ -58,7 +58,7 @@ def _per_call_ns(dumper: Any) -> dict[str, float]:
 
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     import tracedump
-    from tracedump.control import Order, write_order
+    from tracedump.dump.control import Order, write_order
 
     spec = common.QUICK_SPEC if quick else common.FULL_SPEC
     rounds = rounds or (5 if quick else 15)

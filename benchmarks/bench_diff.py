@@ -55,8 +55,8 @@ def _write_dump(
     within tolerance) so no tensor pair is bit-identical; the run under test has a 1e-3 bug in the
     last tensor of the last pass, the divergence the diff must find.
     """
-    from tracedump.format import pass_file_name
-    from tracedump.writer import save_tensors_atomic
+    from tracedump.dump.writer import save_tensors_atomic
+    from tracedump.store.format import pass_file_name
 
     run_dir = root / "rank0_pid1"
     run_dir.mkdir(parents=True)

@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tracedump
-import tracedump.dumper as tracedump_dumper
-from tracedump.stformat import write_file
+import tracedump.dump.dumper as tracedump_dumper
+from tracedump.store.stformat import write_file
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -259,7 +259,7 @@ class PassCopies:
     ``clone``: ``clone()`` of the pass's tensors one by one (fresh memory each time, like a
     capture): the least any dumper that keeps a private copy must spend in the forward.
     ``write``: the pass written as one file the way the writer thread writes it
-    (``tracedump.stformat.write_file``: header, then the buffers straight to ``os.writev``): one
+    (``tracedump.store.stformat.write_file``: header, then the buffers straight to ``os.writev``): one
     copy per byte, the kernel's into the page cache. ``save_file``: the same file through
     safetensors' ``save_file``, the writer before issue 14. Both files are deleted untimed.
     """

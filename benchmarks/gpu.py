@@ -285,7 +285,7 @@ def _sync_check(fn: Callable[[], Any], *, escape: bool, dumper: Any = None) -> d
     dumper reports a failing capture instead of raising into the forward, so the errors it swallowed
     are counted as well. Compare with the untouched model: the model itself may sync.
     """
-    import tracedump.cuda as tracedump_cuda
+    import tracedump.dump.cuda as tracedump_cuda
 
     if DEVICE != "cuda":
         return {"sync_warnings": None, "raised": "not checked: CPU dry run", "errors_swallowed": None,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tracedump
-import tracedump.cuda
-import tracedump.runtime
+import tracedump.dump.cuda
+import tracedump.dump.runtime
 
 # The numerics tests' model seed: `make test-numerics` reruns them with other seeds, so a premise
 # that holds for one draw of random weights only shows. Read once, at import: the autouse fixture
@@ -112,7 +112,7 @@ def dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``warn_once`` remembers keys for the whole process: start a test as if nothing had warned yet.
     Opt in per file with ``pytestmark = pytest.mark.usefixtures("fresh_warn_once")``."""
-    found = tracedump.runtime.existing()  # none yet: nothing has warned
+    found = tracedump.dump.runtime.existing()  # none yet: nothing has warned
     if found is not None:
         monkeypatch.setattr(found.warn, "_seen", set())
 

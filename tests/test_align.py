@@ -13,7 +13,7 @@ import torch
 import tracedump
 import tracedump.cli
 from tracedump.compare import compare
-from tracedump.compare.options import UsageError
+from tracedump.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import batching

@@ -17,7 +17,7 @@ from conftest import make_tiny_llama
 from torch import nn
 
 import tracedump
-import tracedump.runtime
+import tracedump.dump.runtime
 
 PACKAGE = Path(tracedump.__file__).parent
 
@@ -156,7 +156,7 @@ def test_record_goes_to_the_dumper_whose_pass_this_thread_runs(tmp_path: Path) -
 
 def test_the_off_path_creates_no_runtime_and_registers_nothing() -> None:
     code = (
-        "import os, torch, tracedump, tracedump.runtime as r\n"
+        "import os, torch, tracedump, tracedump.dump.runtime as r\n"
         "os.environ.pop('TRACEDUMP_DUMP_DIR', None)\n"
         "m = torch.nn.Linear(2, 2)\n"
         "assert tracedump.attach(m) is None\n"
@@ -192,7 +192,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
     ("low", "high"), [("hooks", "dumper"), ("hooks", "recorder"), ("runtime", "recorder")]
 )
 def test_lower_layers_never_import_higher_ones(low: str, high: str) -> None:
-    assert all(module.split(".")[-1] != high for module, _ in _imports(PACKAGE / f"{low}.py"))
+    assert all(module.split(".")[-1] != high for module, _ in _imports(PACKAGE / "dump" / f"{low}.py"))
 
 
 def _module_level_imports(path: Path) -> set[str]:

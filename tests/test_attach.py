@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import tracedump
-from tracedump.hooks import flatten_tensors
+from tracedump.dump.hooks import flatten_tensors
 
 
 def _reference_captures(model: nn.Module, names: list[str], run) -> list[dict[str, torch.Tensor]]:
@@ -358,7 +358,7 @@ def test_a_failure_report_never_raises_even_when_warnings_are_errors(tmp_path, m
 
     model = nn.Sequential(nn.Linear(2, 2))
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
-    monkeypatch.setattr(tracedump.runtime.runtime().warn, "_seen", set())
+    monkeypatch.setattr(tracedump.dump.runtime.runtime().warn, "_seen", set())
     dumper = tracedump.attach(model)
     monkeypatch.setattr(dumper.sink, "copy", lambda *a, **k: 1 / 0)
     with warnings.catch_warnings():

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare.bridge import Template, builtin_bridges, load_bridge
-from tracedump.compare.options import UsageError
-from tracedump.format import ORDER_KEY, pass_file_name, pass_metadata
+from tracedump.errors import UsageError
+from tracedump.store.format import ORDER_KEY, pass_file_name, pass_metadata
 
 TOKENS, HIDDEN, KV, FF = 4, 8, 4, 6
 

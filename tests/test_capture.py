@@ -15,7 +15,7 @@ import torch
 from conftest import make_tiny_llama
 from torch import nn
 
-from tracedump.capture import Capture, CaptureSpec, ModuleCapture, capture, parse_spec
+from tracedump.dump.capture import Capture, CaptureSpec, ModuleCapture, capture, parse_spec
 
 pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ try:
     code = main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
-heavy = sorted(m for m in ("torch", "safetensors.torch", "tracedump.dumper") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "safetensors.torch", "tracedump.dump.dumper") if m in sys.modules)
 if os.environ.get("PROBE_LIGHT"):
     heavy += sorted(
         m for m in sys.modules

@@ -1,4 +1,4 @@
-"""The comparator's C kernel (tracedump/compare/kernel.c): built where it can be, and giving what
+"""The comparator's C kernel (tracedump/util/kernel.c): built where it can be, and giving what
 the numpy path gives.
 
 Every arithmetic test of test_compare_metrics.py runs on both paths already; these check the
@@ -32,7 +32,7 @@ def test_the_kernel_is_built_where_a_c_compiler_is() -> None:
     a compiler is, a missing kernel means the build broke and the diff silently got 1.5x slower."""
     if _compiler() is None:
         pytest.skip("no C compiler here: the numpy path is the comparator's arithmetic")
-    assert kernel is not None, "tracedump.compare.kernel did not build: see `pip install -e . -v`"
+    assert kernel is not None, "tracedump.util.kernel did not build: see `pip install -e . -v`"
 
 
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the C kernel was not built here")

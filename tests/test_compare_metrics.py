@@ -19,11 +19,12 @@ import torch
 
 from tracedump.compare import metrics
 from tracedump.compare.metrics import CHUNK, compare_arrays
-from tracedump.compare.options import NameMap, UnshardRule, UsageError, parse_passes
+from tracedump.compare.options import NameMap, UnshardRule, parse_passes
 from tracedump.compare.reader import stored_from_torch
 from tracedump.compare.results import GROWTH_FLOOR, TensorResult, largest_growth
 from tracedump.compare.stats import compare_stats, infer_dtype
 from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
+from tracedump.errors import UsageError
 
 
 @pytest.fixture(autouse=True, params=["kernel", "numpy"])
@@ -273,8 +274,8 @@ def test_rows_too_long_or_too_short_for_the_metrics_pass_are_measured_apart(tmp_
     """Rows longer than a chunk, or too short to pay for a product per chunk (``[tokens, 1]``):
     no row sums from the metrics' pass, and the per-token figures still come, from their own pass."""
     from tracedump.compare import compare
-    from tracedump.format import pass_file_name
-    from tracedump.writer import save_tensors_atomic
+    from tracedump.dump.writer import save_tensors_atomic
+    from tracedump.store.format import pass_file_name
 
     tokens = 3 if row > 1 else 5000
     a = torch.randn(tokens, row, generator=torch.Generator().manual_seed(1))

@@ -16,10 +16,9 @@ import torch
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.options import UsageError
-from tracedump.format import pass_file_name
-from tracedump.loader import DumpReadError
-from tracedump.writer import save_tensors_atomic
+from tracedump.dump.writer import save_tensors_atomic
+from tracedump.errors import DumpReadError, UsageError
+from tracedump.store.format import pass_file_name
 
 WORLD = 2
 UNSHARD = ("qkv=cat:-1", "o_proj=sum")

@@ -21,11 +21,11 @@ from conftest import make_tiny_llama, tracedump_warnings
 from torch import nn
 
 import tracedump
-import tracedump.cuda
+import tracedump.dump.cuda
 from tracedump import TracedumpWarning
+from tracedump.config.settings import load_settings
 from tracedump.launch.auto import AutoAttach
 from tracedump.launch.command import child_env
-from tracedump.settings import load_settings
 
 pytest.importorskip("transformers")
 
@@ -36,7 +36,7 @@ IDS = torch.arange(7).reshape(1, 7)
 def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in [k for k in os.environ if k.startswith("TRACEDUMP_")]:
         monkeypatch.delenv(key)
-    monkeypatch.setattr(tracedump.runtime.runtime().warn, "_seen", set())
+    monkeypatch.setattr(tracedump.dump.runtime.runtime().warn, "_seen", set())
     yield
     torch._dynamo.reset()
 

@@ -18,7 +18,7 @@ from conftest import free_port
 import tracedump
 import tracedump.cli
 import tracedump.compare
-from tracedump.control import ORDER_FILE, Order, watchers, write_order
+from tracedump.dump.control import ORDER_FILE, Order, watchers, write_order
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("fresh_warn_once")

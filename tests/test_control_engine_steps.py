@@ -13,7 +13,7 @@ from torch import nn
 
 import tracedump
 import tracedump.cli
-from tracedump.control import watchers
+from tracedump.dump.control import watchers
 
 pytestmark = pytest.mark.usefixtures("fresh_warn_once")
 

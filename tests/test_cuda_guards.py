@@ -22,9 +22,9 @@ from conftest import tracedump_warnings
 from torch import nn
 
 import tracedump
-import tracedump.cuda
-import tracedump.sinks
-from tracedump.cuda import copy_to_host, stream_is_capturing
+import tracedump.dump.cuda
+import tracedump.dump.sinks
+from tracedump.dump.cuda import copy_to_host, stream_is_capturing
 
 pytest.importorskip("transformers")
 
@@ -154,13 +154,13 @@ def test_hooks_firing_during_graph_capture_copy_nothing_and_warn_once(
         expected = llama(ids).logits
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     copies: list[torch.Tensor] = []
-    real_copy = tracedump.sinks.FileSink.copy
+    real_copy = tracedump.dump.sinks.FileSink.copy
 
     def spy(sink: Any, tensor: torch.Tensor, **kwargs: Any) -> Any:
         copies.append(tensor)
         return real_copy(sink, tensor, **kwargs)
 
-    monkeypatch.setattr(tracedump.sinks.FileSink, "copy", spy)
+    monkeypatch.setattr(tracedump.dump.sinks.FileSink, "copy", spy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with tracedump.attach(llama, tracedump.DumpConfig(dir=tmp_path)) as dumper, torch.inference_mode():

@@ -22,7 +22,7 @@ import pytest
 from pydantic import Field, create_model
 
 from tracedump.cli import build_parser
-from tracedump.settings import DumpSettings
+from tracedump.config.settings import DumpSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])

@@ -16,9 +16,10 @@ from conftest import make_tiny_llama
 from safetensors.torch import save_file
 
 import tracedump
-from tracedump import format as fmt
 from tracedump.cli import main
-from tracedump.format import FormatVersionError, Key, Manifest
+from tracedump.errors import FormatVersionError
+from tracedump.store import format as fmt
+from tracedump.store.format import Key, Manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -338,4 +339,4 @@ def test_no_module_imports_a_private_name_of_another(path: Path) -> None:
 
 def test_the_comparator_reads_the_format_not_the_writer() -> None:
     for path in sorted((ROOT / "tracedump" / "compare").glob("*.py")):
-        assert not [m for _, m, _ in _imports(path) if m == "tracedump.writer"], path.name
+        assert not [m for _, m, _ in _imports(path) if m == "tracedump.dump.writer"], path.name

@@ -14,7 +14,7 @@ from conftest import read_passes
 from torch import nn
 
 import tracedump
-from tracedump.gates import globally_suspended, row_gate_allows, token_count, token_gate_allows
+from tracedump.dump.gates import globally_suspended, row_gate_allows, token_count, token_gate_allows
 
 transformers = pytest.importorskip("transformers")
 

@@ -215,7 +215,7 @@ def test_grafting_is_refused_during_cuda_graph_capture(
     ref: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     capturing = [True]
-    module = importlib.import_module("tracedump.graft")  # `tracedump.graft` is the function
+    module = importlib.import_module("tracedump.dump.graft")  # `tracedump.graft` is the function
     monkeypatch.setattr(module, "stream_is_capturing", lambda: capturing[0])
     with pytest.raises(ConfigError, match="CUDA graph capture"):
         _start(tracedump.graft(make_tiny_llama(), ref, dir=tmp_path / "a"))
@@ -313,7 +313,7 @@ def test_tracedump_run_graft_from_and_the_diff_of_its_dump(ref: Path, tmp_path: 
 def test_a_grafted_attach_dumps_every_module_unless_modules_is_set(ref: Path, tmp_path: Path) -> None:
     """GRAFT_FROM with MODULES unset dumps every module (as ``tracedump.graft()``), so the tensors
     inside a grafted layer (its MLP) are judged too; an explicit MODULES=leaves is kept."""
-    from tracedump.settings import DumpSettings
+    from tracedump.config.settings import DumpSettings
 
     assert DumpSettings(dir=str(tmp_path / "a"), graft_from=str(ref)).modules == "all"
     assert DumpSettings(dir=str(tmp_path / "a"), graft_from=str(ref), modules="leaves").modules == "leaves"

@@ -17,7 +17,7 @@ from torch import nn
 import tracedump
 import tracedump.cli
 from tracedump.integrations.hf import batch_layout_for, is_transformers_model
-from tracedump.sequences import batch_metadata
+from tracedump.store.sequences import batch_metadata
 
 pytest.importorskip("transformers")
 
@@ -224,8 +224,8 @@ def test_set_batch_takes_the_same_grid_and_only_hf_models_get_a_layout(llama: nn
 def test_tracedump_run_gives_the_first_generate_forward_its_layout_too(tmp_path: Path) -> None:
     """Under `tracedump run` the first root call's pre-hooks are replayed by a global hook that sees
     no keyword arguments; generate() passes only keywords, so they are read from the call's frame."""
+    from tracedump.config.settings import load_settings
     from tracedump.launch.auto import AutoAttach
-    from tracedump.settings import load_settings
 
     model = make_tiny_llama(layers=1, seed=2)
     ids, mask = _padded("left")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tracedump
-import tracedump.writer
-from tracedump.writer import MANIFEST
+import tracedump.dump.writer
+from tracedump.dump.writer import MANIFEST
 
 
 class Odd(torch.nn.Module):
@@ -146,7 +146,7 @@ def test_the_manifest_written_from_two_threads_never_fails_and_the_last_state_wi
 
     errors: list[str] = []
     big = {"modules": [f"model.layers.{i}.mlp" for i in range(5000)]}  # encoding takes many switches
-    writer = tracedump.writer.Writer(tmp_path, 1 << 20, big, errors.append)
+    writer = tracedump.dump.writer.Writer(tmp_path, 1 << 20, big, errors.append)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     failures: list[BaseException] = []
@@ -188,7 +188,7 @@ def test_the_manifest_written_from_two_threads_never_fails_and_the_last_state_wi
 
 _INTERRUPTED_FLUSH = r"""
 import os, signal, sys, threading, time
-import torch, tracedump, tracedump.writer as writer
+import torch, tracedump, tracedump.dump.writer as writer
 
 flushing = threading.Event()
 original = writer.save_file

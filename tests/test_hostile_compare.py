@@ -11,7 +11,7 @@ from test_compare_unshard import UNSHARD, model_tensors, tp1, write_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.options import UsageError
+from tracedump.errors import UsageError
 
 
 def _tp2_ranks(base: Path, values: dict[str, torch.Tensor], ranks: tuple[int, ...], passes: int = 1) -> Path:

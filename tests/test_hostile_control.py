@@ -12,7 +12,7 @@ import torch
 
 import tracedump
 import tracedump.cli
-from tracedump.control import ORDER_FILE, STATE_FILE
+from tracedump.dump.control import ORDER_FILE, STATE_FILE
 
 pytestmark = pytest.mark.usefixtures("fresh_warn_once")
 
@@ -443,7 +443,7 @@ def test_arm_and_disarm_on_a_really_full_filesystem(
 ) -> None:
     from hostile_fs import full_filesystem
 
-    import tracedump.control
+    import tracedump.dump.control
 
     with full_filesystem(tmp_path / "full") as full:
         before = sorted(p.name for p in full.iterdir())

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import tracedump
 from tracedump.cli import main
-from tracedump.loader import open_pass
+from tracedump.store.loader import open_pass
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import tracedump
-from tracedump.format import MANIFEST
-from tracedump.rundir import framework_of
+from tracedump.dump.rundir import framework_of
+from tracedump.store.format import MANIFEST
 
 transformers = pytest.importorskip("transformers")
 

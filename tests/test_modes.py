@@ -22,7 +22,7 @@ from conftest import make_tiny_llama
 from torch import nn
 
 import tracedump
-import tracedump.sinks
+import tracedump.dump.sinks
 from tracedump import ConfigError, TracedumpWarning, load_pass, open_dump
 
 ALL_STATS = ("abs_mean", "sum", "min", "max", "mean", "std", "l2", "nan_count", "inf_count", "shape", "dtype")
@@ -422,13 +422,13 @@ def test_stats_mode_moves_only_the_scalars_to_the_host_never_a_whole_tensor(
     monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "stats")
     monkeypatch.setenv("TRACEDUMP_DUMP_STATS", ",".join(ALL_STATS))
     copied: list[int] = []
-    original = tracedump.sinks.FileSink.copy
+    original = tracedump.dump.sinks.FileSink.copy
 
     def counting_copy(sink: Any, tensor: torch.Tensor, **kwargs: Any) -> Any:
         copied.append(tensor.numel())
         return original(sink, tensor, **kwargs)
 
-    monkeypatch.setattr(tracedump.sinks.FileSink, "copy", counting_copy)
+    monkeypatch.setattr(tracedump.dump.sinks.FileSink, "copy", counting_copy)
     model = make_tiny_llama()
 
     run_passes(model, [torch.tensor([[3, 14, 15, 9, 26, 5]])], _leaves(model))

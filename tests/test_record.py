@@ -11,7 +11,7 @@ from conftest import read_passes
 from torch import nn
 
 import tracedump
-import tracedump.dumper
+import tracedump.dump.dumper
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,7 +179,7 @@ def test_record_in_a_steps_unselected_pass_writes_nothing_but_keeps_numbering(
 
 
 def test_module_level_record_without_a_dumper_is_a_no_op(tmp_path: Path) -> None:
-    assert tracedump.dumper.active_dumper() is None
+    assert tracedump.dump.dumper.active_dumper() is None
     assert tracedump.record("logits", torch.ones(3)) is None
     assert tracedump.record("logits", torch.ones(3), once=True) is None
     assert tracedump.record_step("margin", torch.ones(1)) is None
@@ -190,7 +190,7 @@ def test_module_level_record_goes_to_the_active_dumper_until_it_closes(
     llama: nn.Module, tmp_path: Path
 ) -> None:
     with _attach(llama, tmp_path) as dumper, torch.inference_mode():
-        assert tracedump.dumper.active_dumper() is dumper
+        assert tracedump.dump.dumper.active_dumper() is dumper
         with dumper.step():
             llama(_ids(2))
             tracedump.record("token_ids", torch.tensor([11]))

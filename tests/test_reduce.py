@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracedump.reduce import NUMERIC_STATS, compute_stats
+from tracedump.dump.reduce import NUMERIC_STATS, compute_stats
 
 _SETS = [
     ["abs_mean", "sum", "max", "shape"],  # the default
@@ -102,7 +102,7 @@ def test_abs_sum_on_an_accelerator_is_one_fused_reduction(
     """Off the CPU, Σ|x| is ``vector_norm(x, 1)``: |x| is never written out. Checked on a ``meta``
     tensor (any non-CPU device takes that path) with a spy, and the fused kernel's value, run on
     the CPU, against the one the CPU path gives, in the same accumulator dtype."""
-    from tracedump import reduce
+    from tracedump.dump import reduce
 
     calls: list[tuple[torch.device, torch.dtype, torch.dtype | None]] = []
     real = torch.linalg.vector_norm
@@ -130,7 +130,7 @@ _DEFAULT = ["abs_mean", "sum", "max", "shape"]
 
 def _torch_stats(x: torch.Tensor, names: list[str]) -> list[float]:
     """What torch's own kernels give: the path taken without the kernel (or for a NaN or Inf)."""
-    from tracedump import reduce
+    from tracedump.dump import reduce
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reduce, "_kernel", lambda: None)
@@ -144,7 +144,7 @@ def test_cpu_stats_come_from_one_sweep_with_the_numbers_torch_gives(
 ) -> None:
     """Sums, min and max of a CPU tensor from one pass of C (bf16 widened first): min and max
     exactly torch's, the sums torch's float32 sums to float32 rounding, every value numpy's."""
-    from tracedump import reduce
+    from tracedump.dump import reduce
 
     kernel = reduce._kernel()
     if kernel is None:
@@ -179,7 +179,7 @@ def test_a_nan_or_inf_gets_torch_s_answer_not_the_sweep_s(poison: float) -> None
 
 
 def test_stats_the_sweep_cannot_give_still_come_from_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tracedump import reduce
+    from tracedump.dump import reduce
 
     monkeypatch.setattr(
         reduce, "_kernel", lambda: pytest.fail("std, l2, counts and float64 take torch's path")

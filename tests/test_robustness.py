@@ -207,9 +207,9 @@ def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
 ) -> None:
     import errno
 
-    import tracedump.writer
+    import tracedump.dump.writer
 
-    original = tracedump.writer.save_tensors_atomic
+    original = tracedump.dump.writer.save_tensors_atomic
     calls: list[str] = []
 
     def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any) -> int:
@@ -241,12 +241,12 @@ def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
 def test_every_distinct_capture_error_is_kept_in_the_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.sinks
+    import tracedump.dump.sinks
 
     def failing_copy(sink: object, tensor: torch.Tensor, **_: object) -> object:
         raise (ValueError("odd shape") if tensor.shape[-1] == 4 else TypeError("odd type"))
 
-    monkeypatch.setattr(tracedump.sinks.FileSink, "copy", failing_copy)
+    monkeypatch.setattr(tracedump.dump.sinks.FileSink, "copy", failing_copy)
     model = _Two()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -399,7 +399,7 @@ def test_a_config_stats_of_the_wrong_type_is_a_config_error(tmp_path: Path) -> N
 def test_a_manifest_that_cannot_be_written_fails_attach_and_removes_its_run_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.rundir
+    import tracedump.dump.rundir
 
     def unwritable(_path: Path, _data: object) -> None:
         raise TypeError("not JSON serializable")
@@ -421,7 +421,7 @@ def test_env_names_in_another_case_are_refused_not_read_or_ignored(
     monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "full")
     monkeypatch.setenv(name, "stats")
     with pytest.raises(tracedump.ConfigError, match=name):
-        tracedump.settings.load_settings()
+        tracedump.config.settings.load_settings()
 
 
 @pytest.mark.parametrize(
@@ -432,10 +432,10 @@ def test_a_whitespace_only_env_value_is_unset_for_every_field(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, config_value: object
 ) -> None:
     monkeypatch.setenv(f"TRACEDUMP_DUMP_{field.upper()}", "   ")
-    settings = tracedump.settings.load_settings({"dir": tmp_path, field: config_value})
+    settings = tracedump.config.settings.load_settings({"dir": tmp_path, field: config_value})
     assert getattr(settings, field) == config_value  # the config's value, neither cleared nor an error
-    blank_config = tracedump.settings.load_settings({"dir": tmp_path, field: "  "})
-    assert getattr(blank_config, field) == tracedump.settings.DumpSettings.model_fields[field].default
+    blank_config = tracedump.config.settings.load_settings({"dir": tmp_path, field: "  "})
+    assert getattr(blank_config, field) == tracedump.config.settings.DumpSettings.model_fields[field].default
 
 
 @pytest.mark.parametrize(("field", "value"), [("TOKENS", "٣"), ("MAX_ROWS", "٣"), ("STEPS", "٣")])
@@ -443,12 +443,12 @@ def test_non_ascii_digits_are_refused(monkeypatch: pytest.MonkeyPatch, field: st
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", "/tmp/x")
     monkeypatch.setenv(f"TRACEDUMP_DUMP_{field}", value)
     with pytest.raises(tracedump.ConfigError, match=f"TRACEDUMP_DUMP_{field}="):
-        tracedump.settings.load_settings()
+        tracedump.config.settings.load_settings()
 
 
 def test_surrounding_spaces_of_dir_are_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", f"  {tmp_path}/d  ")
-    assert tracedump.settings.load_settings().dir == tmp_path / "d"
+    assert tracedump.config.settings.load_settings().dir == tmp_path / "d"
 
 
 def test_run_with_a_dir_that_is_a_file_exits_2_without_starting_the_command(tmp_path: Path) -> None:
@@ -551,7 +551,7 @@ def test_a_fifo_under_a_pass_file_name_is_refused_not_waited_on(
     _cli_fails_in_one_line(["show", str(fifo)], capsys, "not a regular file")
     _cli_fails_in_one_line(["ls", str(tmp_path / "d")], capsys, "not a regular file")
     _cli_fails_in_one_line(["diff", str(run_dir), str(run_dir)], capsys, "not a regular file")
-    with pytest.raises(tracedump.loader.DumpReadError, match="not a regular file"):
+    with pytest.raises(tracedump.store.loader.DumpReadError, match="not a regular file"):
         tracedump.load_pass(fifo)
     os.mkfifo(tmp_path / "x.pt")
     _cli_fails_in_one_line(["show", str(tmp_path / "x.pt")], capsys, "not a regular file")
@@ -599,7 +599,7 @@ def test_a_plot_path_of_an_unknown_format_fails_before_the_diff(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("matplotlib")
-    import tracedump.compare.diff
+    import tracedump.compare.pipeline
     from tracedump.cli import main
 
     run_dir = _one_pass_dump(tmp_path / "d")
@@ -608,7 +608,7 @@ def test_a_plot_path_of_an_unknown_format_fails_before_the_diff(
     def no_diff(_options: object) -> None:
         raise AssertionError("the diff ran before --plot was checked")
 
-    monkeypatch.setattr(tracedump.compare.diff, "build_report", no_diff)
+    monkeypatch.setattr(tracedump.compare.pipeline, "build_report", no_diff)
     assert main(["diff", str(run_dir), str(run_dir), "--plot", str(tmp_path / "x.txt")]) == 2
     assert "--plot" in capsys.readouterr().err and not (tmp_path / "x.txt").exists()
 
@@ -681,7 +681,7 @@ def test_ls_counts_a_stats_dump_s_bytes_and_every_size_uses_binary_units(
         for _ in range(3):
             model(torch.ones(1, 4))
     closing = capsys.readouterr().err
-    from tracedump.units import human_bytes
+    from tracedump.util.units import human_bytes
 
     size = (dumper.run_dir / "stats.jsonl").stat().st_size
     assert size > 0
@@ -692,7 +692,7 @@ def test_ls_counts_a_stats_dump_s_bytes_and_every_size_uses_binary_units(
 
 
 def test_human_bytes_says_which_units_it_means() -> None:
-    from tracedump.units import human_bytes
+    from tracedump.util.units import human_bytes
 
     assert human_bytes(512) == "512 B"
     assert human_bytes(1536) == "1.5 KiB"
@@ -861,8 +861,8 @@ def test_generate_s_encoder_forward_is_dumped_into_the_first_pass(tmp_path: Path
 
 
 def test_under_tracedump_run_a_part_of_a_known_root_called_alone_is_no_new_root(tmp_path: Path) -> None:
+    from tracedump.config.settings import load_settings
     from tracedump.launch.auto import AutoAttach
-    from tracedump.settings import load_settings
 
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     auto = AutoAttach(load_settings({"dir": tmp_path}))
@@ -917,8 +917,8 @@ class _EncDec(nn.Module):
 def test_under_tracedump_run_parts_called_by_the_model_s_own_methods_belong_to_the_model(
     tmp_path: Path,
 ) -> None:
+    from tracedump.config.settings import load_settings
     from tracedump.launch.auto import AutoAttach
-    from tracedump.settings import load_settings
 
     for method in ("generate", "decode"):
         torch.manual_seed(0)
@@ -946,8 +946,8 @@ def test_under_tracedump_run_parts_called_by_the_model_s_own_methods_belong_to_t
 
 @pytest.mark.usefixtures("_reset_dynamo")
 def test_under_tracedump_run_an_in_place_compiled_model_says_why_nothing_is_dumped(tmp_path: Path) -> None:
+    from tracedump.config.settings import load_settings
     from tracedump.launch.auto import AutoAttach
-    from tracedump.settings import load_settings
 
     model = _Two()
     model.compile(backend="eager")
@@ -982,16 +982,16 @@ class _WithLogits(nn.Module):
 def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.sinks
+    import tracedump.dump.sinks
 
     copies: list[tuple[int, ...]] = []
-    real_copy = tracedump.sinks.FileSink.copy
+    real_copy = tracedump.dump.sinks.FileSink.copy
 
     def counting_copy(sink: object, tensor: torch.Tensor, **kwargs: object) -> object:
         copies.append(tuple(tensor.shape))
         return real_copy(sink, tensor, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tracedump.sinks.FileSink, "copy", counting_copy)
+    monkeypatch.setattr(tracedump.dump.sinks.FileSink, "copy", counting_copy)
     model = _WithLogits()
     with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
         for _ in range(4):
@@ -1005,10 +1005,10 @@ def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards
 def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tracedump.recorder
+    import tracedump.dump.recorder
 
     walks: list[int] = []
-    real_walk = tracedump.recorder._outermost_frame_of
+    real_walk = tracedump.dump.recorder._outermost_frame_of
     monkeypatch.setattr(tracedump.recorder, "_ANCHORLESS_LIMIT", 3)
     monkeypatch.setattr(tracedump.recorder, "_outermost_frame_of", lambda m: walks.append(1) or real_walk(m))
     model = _Two()

@@ -23,11 +23,11 @@ from conftest import make_tiny_llama
 from torch import nn
 
 import tracedump
-import tracedump.cuda
+import tracedump.dump.cuda
 from tracedump.cli import main
+from tracedump.config.settings import load_settings
 from tracedump.launch.auto import AutoAttach
 from tracedump.launch.command import BOOTSTRAP_DIR, DEFAULT_DIR, child_env
-from tracedump.settings import load_settings
 
 pytest.importorskip("transformers")
 
@@ -157,7 +157,7 @@ def no_tracedump_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in [k for k in os.environ if k.startswith("TRACEDUMP_") or k in ("RANK", "WORLD_SIZE")]:
         monkeypatch.delenv(key)
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.setattr(tracedump.runtime.runtime().warn, "_seen", set())
+    monkeypatch.setattr(tracedump.dump.runtime.runtime().warn, "_seen", set())
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel
 
 import tracedump
-from tracedump.settings import load_settings
+from tracedump.config.settings import load_settings
 
 
 def test_defaults_when_only_the_dir_is_set(monkeypatch, tmp_path):
@@ -241,4 +241,4 @@ def test_every_boolean_refuses_words_outside_the_documented_ones(monkeypatch, tm
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv(name, text)
     with pytest.raises(tracedump.ConfigError, match=name):
-        tracedump.settings.load_settings()
+        tracedump.config.settings.load_settings()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import tracedump
-from tracedump.settings import Origin, StepSelection, is_enabled, load_settings
+from tracedump.config.settings import Origin, StepSelection, is_enabled, load_settings
 
 
 class _Two(nn.Module):
@@ -155,7 +155,7 @@ class _CountingEnviron(Mapping[str, str]):
 
 
 def test_off_attach_reads_one_env_variable_and_builds_no_settings(monkeypatch):
-    import tracedump.dumper
+    import tracedump.dump.dumper
 
     model = _Two()
     environ = _CountingEnviron({k: v for k, v in os.environ.items() if not k.startswith("TRACEDUMP_")})

@@ -15,7 +15,7 @@ from torch import nn
 
 import tracedump
 import tracedump.cli
-from tracedump.format import MANIFEST
+from tracedump.store.format import MANIFEST
 
 LAYERS = 3
 TWICE = 2  # the layer whose attention applies the shared rotary twice
@@ -312,7 +312,7 @@ def test_the_caller_is_found_through_decorators_and_helpers_and_the_root_names_i
 def test_a_module_graph_with_a_cycle_or_too_many_names_still_attaches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tracedump import selection
+    from tracedump.dump import selection
 
     outer = nn.Sequential(nn.Linear(2, 2))
     outer[0].back = outer  # type: ignore[assignment]  # a child holding its parent: a cycle

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tracedump import stformat
-from tracedump.writer import STORABLE_DTYPES, save_tensors_atomic
+from tracedump.dump.writer import STORABLE_DTYPES, save_tensors_atomic
+from tracedump.store import stformat
 
 
 def _every_dtype() -> dict[str, torch.Tensor]:

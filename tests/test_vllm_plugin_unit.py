@@ -41,10 +41,10 @@ _PROBE = """
 import json, sys
 import tracedump.integrations.vllm as p
 p.register(); p.register()
-import tracedump.runtime as r
+import tracedump.dump.runtime as r
 print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
                   "torch": "torch" in sys.modules, "runtime": r.existing() is not None,
-                  "settings": "tracedump.settings" in sys.modules,
+                  "settings": "tracedump.config.settings" in sys.modules,
                   "registered": p._registered}))
 """
 
@@ -52,7 +52,7 @@ print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.star
 def test_off_is_one_env_lookup_no_vllm_import_no_torch() -> None:
     out = _python(_PROBE)["out"]
     assert out == {"vllm": [], "torch": False, "runtime": False, "settings": False, "registered": False}
-    from tracedump.settings import env_name
+    from tracedump.config.settings import env_name
 
     assert env_name("dir") == plugin._DIR_VAR  # the one variable is_enabled() looks up
 

@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import tracedump
-import tracedump.writer
+import tracedump.dump.writer
 from tracedump import TracedumpWarning, load_pass, open_dump
-from tracedump.loader import open_pass
-from tracedump.writer import Writer
+from tracedump.dump.writer import Writer
+from tracedump.store.loader import open_pass
 
 PROMPTS = [[3, 14, 15, 9, 26, 5], [7, 1, 2, 8, 4], [1, 2, 3, 4, 5, 6], [9, 9, 2], [5, 6, 7, 8, 9, 10]]
 
@@ -93,7 +93,7 @@ def manifest(run_dir: Path) -> dict[str, Any]:
 
 def slow_saves(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[str]:
     """Make every pass-file write take at least ``delay_s``: a writer that falls behind the forward."""
-    original = tracedump.writer.save_tensors_atomic
+    original = tracedump.dump.writer.save_tensors_atomic
     saved: list[str] = []
 
     def slow_save(
@@ -120,7 +120,7 @@ def test_a_slow_writer_under_a_tiny_cap_makes_the_forward_wait_and_drops_nothing
     waits: list[tuple[int, int]] = []
     after_wait: list[tuple[int, int]] = []
     held_after_submit: list[int] = []
-    original_save = tracedump.writer.save_tensors_atomic
+    original_save = tracedump.dump.writer.save_tensors_atomic
     original_wait, original_submit = Writer.wait_below, Writer.submit
 
     def save_once_the_forward_waits(
@@ -259,7 +259,7 @@ def test_a_write_that_fails_halfway_leaves_no_file_under_the_final_name(
 
 CRASH_SCRIPT = """
 import os, torch
-import tracedump, tracedump.writer
+import tracedump, tracedump.dump.writer
 
 def half_then_die(tensors, path, metadata, **options):
     with open(path, "wb") as f:
@@ -267,7 +267,7 @@ def half_then_die(tensors, path, metadata, **options):
         f.flush()
     os._exit(17)  # the process dies mid-write: no cleanup, no rename
 
-tracedump.writer.save_file = half_then_die
+tracedump.dump.writer.save_file = half_then_die
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())  # the model is beside the point here
 dumper = tracedump.attach(model)
 with torch.no_grad():
@@ -302,7 +302,7 @@ def test_a_process_killed_mid_write_leaves_only_a_dot_temp_file_that_the_loader_
 
 def enospc_on_write(monkeypatch: pytest.MonkeyPatch, failing_call: int) -> list[str]:
     """Pass-file writes succeed except call number ``failing_call`` (1-based), which finds the disk full."""
-    original = tracedump.writer.save_tensors_atomic
+    original = tracedump.dump.writer.save_tensors_atomic
     attempts: list[str] = []
 
     def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any) -> int:
@@ -380,7 +380,7 @@ def test_a_write_error_while_the_forward_waits_for_the_writer_releases_the_wait(
 ) -> None:
     monkeypatch.setenv("TRACEDUMP_DUMP_MAX_PENDING_BYTES", "2KiB")
     enospc_on_write(monkeypatch, failing_call=2)
-    original = tracedump.writer.save_tensors_atomic
+    original = tracedump.dump.writer.save_tensors_atomic
 
     def slow(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], **options: Any) -> int:
         time.sleep(0.02)
@@ -471,7 +471,7 @@ def test_a_real_file_size_limit_stops_the_dump_and_the_host_finishes_cleanly_in_
 def test_a_fork_waits_for_the_writer_to_go_idle_so_the_child_inherits_no_half_done_write(
     tmp_path, monkeypatch
 ):
-    from tracedump import writer as writer_module
+    from tracedump.dump import writer as writer_module
 
     original_run = writer_module.PassJob.run
 
@@ -494,7 +494,7 @@ def test_a_fork_waits_for_the_writer_to_go_idle_so_the_child_inherits_no_half_do
 
 
 def test_later_passes_copy_into_recycled_buffers_and_still_store_their_own_values(tmp_path, monkeypatch):
-    from tracedump.buffers import HostBufferPool
+    from tracedump.dump.buffers import HostBufferPool
 
     reused: list[bool] = []
     original_take = HostBufferPool._take

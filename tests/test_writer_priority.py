@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import tracedump
-import tracedump.sinks
-import tracedump.writer
-from tracedump.writer import Writer
+import tracedump.dump.sinks
+import tracedump.dump.writer
+from tracedump.dump.writer import Writer
 
 
 @dataclass
@@ -29,7 +29,7 @@ class _Probe:
     nbytes: int = 0
     index: int = -1
 
-    def run(self, writer: tracedump.writer.Writer) -> None:
+    def run(self, writer: tracedump.dump.writer.Writer) -> None:
         self.call()
 
 
@@ -47,7 +47,7 @@ def test_the_writer_runs_at_the_lowest_priority_and_the_host_keeps_its_own(dump_
     dumper.rundir.writer.submit(_Probe(lambda: seen.append(_nice())))  # type: ignore[arg-type]
     dumper.close()
 
-    assert seen == [max(tracedump.writer.WRITER_NICE, host)]
+    assert seen == [max(tracedump.dump.writer.WRITER_NICE, host)]
     assert _nice() == host
 
 
@@ -133,7 +133,7 @@ def test_a_forward_with_a_spare_cpu_or_on_an_accelerator_is_written_beside(
 ) -> None:
     told: list[bool] = []
     writer = type("W", (), {"host_busy": staticmethod(told.append)})()
-    sink = tracedump.sinks.FileSink.__new__(tracedump.sinks.FileSink)
+    sink = tracedump.dump.sinks.FileSink.__new__(tracedump.dump.sinks.FileSink)
     sink._rundir = type("RunDir", (), {"writer": writer})()  # type: ignore[assignment]
     sink._off_cpu = False
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

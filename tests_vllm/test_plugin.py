@@ -102,7 +102,7 @@ def test_off_with_the_plugin_installed_registers_nothing_and_writes_nothing(
     report, _ = _in_process(run_engine, tiny_model(), where, {})
     assert report["tokens"] and len(report["tokens"][0]) == 3  # the engine ran
     assert "tracedump.integrations.vllm" in report["tracedump_modules"]  # vLLM loaded the plugin
-    assert "tracedump.dumper" not in report["tracedump_modules"] and not report["runtime_exists"]
+    assert "tracedump.dump.dumper" not in report["tracedump_modules"] and not report["runtime_exists"]
     hooks = report["hooks"]
     assert hooks["modules"] > 40 and hooks["hooked"] == []  # every module of the engine: no hook
     assert hooks["global"] and not any(hooks["global"].values())  # torch's global hook dicts: empty

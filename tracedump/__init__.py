@@ -10,8 +10,6 @@ import this package too, and must start without importing torch (most of a 2 s s
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -21,66 +19,85 @@ _EXPORTS = {
     "profiling": "api",
     "record": "api",
     "record_step": "api",
-    "Capture": "capture",
-    "ModuleCapture": "capture",
-    "capture": "capture",
-    "Graft": "graft",
-    "graft": "graft",
-    "TracedumpWarning": "runtime",
-    "allow_sync": "cuda",
-    "resolve_compile": "cuda",
-    "resolve_cuda_graph": "cuda",
-    "Dumper": "dumper",
-    "attach": "dumper",
-    "Dump": "loader",
-    "DumpReadError": "loader",
-    "PassFile": "loader",
-    "Run": "loader",
-    "load_pass": "loader",
-    "open_dump": "loader",
-    "ConfigError": "settings",
-    "DumpConfig": "settings",
-    "DumpSettings": "settings",
+    "Capture": "dump.capture",
+    "ModuleCapture": "dump.capture",
+    "capture": "dump.capture",
+    "Graft": "dump.graft",
+    "graft": "dump.graft",
+    "TracedumpWarning": "dump.runtime",
+    "allow_sync": "dump.cuda",
+    "resolve_compile": "dump.cuda",
+    "resolve_cuda_graph": "dump.cuda",
+    "Dumper": "dump.dumper",
+    "attach": "dump.dumper",
+    "Dump": "store.loader",
+    "PassFile": "store.loader",
+    "Run": "store.loader",
+    "load_pass": "store.loader",
+    "open_dump": "store.loader",
+    "DumpConfig": "config.settings",
+    "DumpSettings": "config.settings",
+    "TracedumpError": "errors",
+    "ConfigError": "errors",
+    "DumpReadError": "errors",
+    "FormatVersionError": "errors",
+    "UsageError": "errors",
+}
+
+# Modules that lived at the top of the package before it was split into sub-packages
+# (docs/architecture.md lists every move). ``tracedump.loader`` still names the module it was;
+# ``from tracedump.loader import ...`` does not (the import system looks for a file).
+_MOVED = {
+    "settings": "config.settings",
+    **{
+        m: f"dump.{m}"
+        for m in (
+            "dumper",
+            "selection",
+            "hooks",
+            "recorder",
+            "gates",
+            "reduce",
+            "cuda",
+            "runtime",
+            "control",
+            "sinks",
+            "writer",
+            "buffers",
+            "rundir",
+        )
+    },
+    **{m: f"store.{m}" for m in ("format", "fsio", "stformat", "loader", "sequences")},
+    **{m: f"util.{m}" for m in ("console", "units", "cpus")},
 }
 
 if TYPE_CHECKING:
     from .api import profiling, record, record_step
-    from .capture import Capture, ModuleCapture, capture
-    from .cuda import allow_sync, resolve_compile, resolve_cuda_graph
-    from .dumper import Dumper, attach
-    from .graft import Graft, graft
-    from .loader import Dump, DumpReadError, PassFile, Run, load_pass, open_dump
-    from .runtime import TracedumpWarning
-    from .settings import ConfigError, DumpConfig, DumpSettings
+    from .config.settings import DumpConfig, DumpSettings
+    from .dump.capture import Capture, ModuleCapture, capture
+    from .dump.cuda import allow_sync, resolve_compile, resolve_cuda_graph
+    from .dump.dumper import Dumper, attach
+    from .dump.graft import Graft, graft
+    from .dump.runtime import TracedumpWarning
+    from .errors import ConfigError, DumpReadError, FormatVersionError, TracedumpError, UsageError
+    from .store.loader import Dump, PassFile, Run, load_pass, open_dump
 
 
 def __getattr__(name: str) -> Any:
     """Import a public name's module on first access and keep the name here for the next one.
-    A submodule (``tracedump.writer``) is imported when first named, as an eager import made it."""
+    A submodule (``tracedump.dump``) is imported when first named, as an eager import made it."""
     module = _EXPORTS.get(name)
     if module is None:
+        target = _MOVED.get(name, name)
         try:
-            return importlib.import_module(f".{name}", __name__)
+            return importlib.import_module(f".{target}", __name__)
         except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
+            if e.name != f"{__name__}.{target}":
                 raise
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
-
-
-class _Package(types.ModuleType):
-    """``tracedump.capture`` is the function, as it was when this file imported it eagerly: importing
-    the submodule of the same name would otherwise put the module in its place."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:
@@ -95,11 +112,14 @@ __all__ = [
     "DumpReadError",
     "DumpSettings",
     "Dumper",
+    "FormatVersionError",
     "Graft",
     "ModuleCapture",
     "PassFile",
     "Run",
+    "TracedumpError",
     "TracedumpWarning",
+    "UsageError",
     "__version__",
     "allow_sync",
     "attach",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gates import profiling
-from .runtime import open_dumpers, runtime
+from .dump.gates import profiling
+from .dump.runtime import open_dumpers, runtime
 
 __all__ = ["profiling", "record", "record_step"]
 

@@ -16,10 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .console import console, printable
-from .units import human_bytes
-
-EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
+from .errors import ExitCode
+from .util.console import console, printable
+from .util.units import human_bytes
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -28,7 +27,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from .loader import open_dump
+    from .store.loader import open_dump
 
     dump = open_dump(args.dir)
     title = printable(f"tracedump {dump.path}")
@@ -54,14 +53,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for run in dump.runs:
         _print_control(run)
         _print_sequences(run)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _print_control(run: Any) -> None:
     """State and order history of a run started with TRACEDUMP_DUMP_CONTROL=1."""
     import json
 
-    from .control import STATE_FILE
+    from .dump.control import STATE_FILE
 
     control = run.manifest.get("control")
     if not isinstance(control, dict):
@@ -97,7 +96,7 @@ def _print_control(run: Any) -> None:
 
 def _print_sequences(run: Any) -> None:
     """The sequences and positions each pass holds, for runs whose engine called ``set_batch``."""
-    from .sequences import SequenceError
+    from .errors import SequenceError
 
     try:
         found = run.batches()
@@ -122,8 +121,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from .compare.reader import SafetensorsMap, Stored, stored_from_torch
-    from .format import dtype_name
-    from .loader import load_pass, open_pass
+    from .store.format import dtype_name
+    from .store.loader import load_pass, open_pass
 
     pattern = re.compile(args.filter) if args.filter else None
     read: Callable[[str], Stored]
@@ -151,7 +150,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             Text(printable(name)), str(list(shape)), dtype, *cells
         )  # Text: `model[x]` keeps its brackets
     console().print(table)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _summary_cells(read: Callable[[], Any]) -> list[str]:
@@ -173,7 +172,8 @@ def _summary_cells(read: Callable[[], Any]) -> list[str]:
 
 def _watched(directory: Path) -> list[Any]:
     """The engines watching ``directory`` (raises OrderError with a clear message)."""
-    from .control import STALE_SECONDS, OrderError, watchers
+    from .dump.control import STALE_SECONDS, watchers
+    from .errors import OrderError
 
     if not directory.is_dir():
         raise OrderError(f"{directory}: no such directory")
@@ -193,7 +193,8 @@ def cmd_order(args: argparse.Namespace) -> int:
     (each goes idle at its next step boundary)."""
     import time
 
-    from .control import Order, OrderError, start_step, write_order
+    from .dump.control import Order, start_step, write_order
+    from .errors import OrderError
 
     arm = args.command == "arm"
     try:
@@ -206,13 +207,13 @@ def cmd_order(args: argparse.Namespace) -> int:
         write_order(args.dir, order)  # a full disk: an OrderError naming the file
     except OrderError as e:
         print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if arm:
         steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
         print(printable(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}"))
     else:
         print(printable(f"disarmed {len(found)} runs under {args.dir} (from their next step)"))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .loader import DumpReadError
+    from .errors import DumpReadError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -259,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except (DumpReadError, OSError, re.error) as e:  # unreadable input is a usage error, never a trace
         print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
 
 
 if __name__ == "__main__":

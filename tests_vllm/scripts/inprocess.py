@@ -78,7 +78,7 @@ def main() -> None:
 
 
 def _runtime_exists() -> bool:
-    runtime = sys.modules.get("tracedump.runtime")
+    runtime = sys.modules.get("tracedump.dump.runtime")
     return runtime is not None and runtime.existing() is not None
 
 

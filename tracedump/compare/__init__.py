@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def compare(a: str | Path, b: str | Path, **options: Any) -> DiffReport:
-    """Compare dump ``a`` (the run under test) with ``b`` (the reference); see :func:`.diff.compare`."""
-    from .diff import compare as run_compare
+    """Compare dump ``a`` (the run under test) with ``b`` (the reference); see :func:`.pipeline.compare`."""
+    from .pipeline import compare as run_compare
 
     return run_compare(a, b, **options)
 

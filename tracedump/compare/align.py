@@ -2,7 +2,7 @@
 
 A batching engine's step holds rows of several requests; the reference runs one request per
 forward (or ``generate()``, one pass per token). Here every tensor's rows of one sequence are
-gathered over all of a side's passes in position order (:mod:`tracedump.sequences` says which pass
+gathered over all of a side's passes in position order (:mod:`tracedump.store.sequences` says which pass
 and row hold each position), on both sides, and the rows of the positions both sides hold are
 compared, name by name, with the same metrics and verdict as a pass-by-pass diff. Each compared
 row remembers the step (A's pass) it came from, so the first divergence reads as "sequence 2,
@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from ..sequences import Batch, SeqId, Sequence, SequenceError, sequences, token_dim
+from ..errors import SequenceError, UsageError
+from ..store.sequences import Batch, SeqId, Sequence, sequences, token_dim
 from .bridge import Expr, Matcher, matcher_for
 from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
-from .options import DiffOptions, UsageError
+from .options import DiffOptions
 from .plan import (
     Plan,
     Unit,
@@ -323,7 +324,7 @@ def build_aligned_report(
         tuple(roots_only_a),
         tuple(roots_only_b),
     )
-    from .diff import bridge_summary, report_settings
+    from .pipeline import bridge_summary, report_settings
 
     report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
     report.bridge = bridge_summary(matcher)

@@ -44,8 +44,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..format import Key
-from .options import DiffOptions, UsageError
+from ..errors import BridgeError, UsageError
+from ..store.format import Key
+from .options import DiffOptions
 from .sources import EntryMeta, Side
 from .unshard import SideEntry
 
@@ -55,10 +56,6 @@ _RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason
 _HEADER_KEYS = frozenset({"name", "description", "a", "b", "architectures", "align"})
 _PLACEHOLDER = re.compile(r"\{(\d+)(?:([+-])(\d+))?\}")
 BUILTIN_FOLDER = "bridges"  # tracedump/bridges/*.toml, shipped as package data (pyproject.toml)
-
-
-class BridgeError(UsageError):
-    """A rule file that cannot be used: exit 2 with one line naming the file and the rule."""
 
 
 # ------------------------------------------------------------------ templates
@@ -334,7 +331,7 @@ def side_info(side: Side) -> SideInfo:
             break
     else:
         if side.path.is_file() and (side.path.parent / "manifest.json").is_file():
-            from ..loader import read_manifest
+            from ..store.loader import read_manifest
 
             manifest = read_manifest(side.path.parent)
     classes = manifest.get("module_classes")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
+from ..errors import ExitCode
 
 _DESCRIPTION = """\
 Compare dump A (the run under test) with dump B (the reference) and name the first tensor, in
@@ -130,9 +130,10 @@ def add_diff_parser(sub: Any) -> None:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from ..console import printable
-    from .diff import run
-    from .options import UsageError, parse_options
+    from ..errors import UsageError
+    from ..util.console import printable
+    from .options import parse_options
+    from .pipeline import run
 
     # every dest of the diff parser but these is an argument of parse_options, by the same name
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "no_progress")}
@@ -140,7 +141,7 @@ def run_diff(args: argparse.Namespace) -> int:
         return run(parse_options(**given, progress=False if args.no_progress else None))
     except UsageError as e:
         print(printable(f"tracedump diff: {e}", keep_newlines=True), file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
 
 
 def _rows(text: str) -> int:

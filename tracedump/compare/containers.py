@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..format import Key
+from ..store.format import Key
 from .results import TensorResult
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..console import console, printable
+from ..util.console import console, printable
 from .execute import Progress, pair_bytes
 from .inputs import describe as describe_inputs
 from .metrics import WORK_DTYPE_RULE

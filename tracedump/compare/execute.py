@@ -11,15 +11,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..format import Key
-from ..sequences import token_dim
-from .metrics import (
-    RowSums,
-    TensorMetrics,
-    compare_arrays,
-    compare_by_row,
-    per_token_rel_diff,
-)
+from ..store.format import Key
+from ..store.sequences import token_dim
+from .metrics import RowSums, TensorMetrics, compare_arrays, compare_by_row, per_token_rel_diff
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
 from .results import TensorResult

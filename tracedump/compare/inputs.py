@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sequences import Batch, SeqId, Sequence, SequenceError
+from ..errors import SequenceError
+from ..store.sequences import Batch, SeqId, Sequence
 from .plan import Plan
 from .sources import Side
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..format import Key
-from .options import DiffOptions, UsageError
+from ..errors import UsageError
+from ..store.format import Key
+from .options import DiffOptions
 from .results import DiffReport, TensorResult
 from .sources import Side
 from .verdict import NOISE_MODEL, UNIT_ROUNDOFF

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cpus import usable_cpus
+from ..util.cpus import usable_cpus
 from .reader import Stored
 
 try:  # the one-pass C sums (kernel.c); optional at install, the numpy path is the fallback
-    from . import kernel
+    from ..util import kernel
 except ImportError:  # pragma: no cover - exercised where the extension was not built
     kernel = None
 

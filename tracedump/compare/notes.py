@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..format import TRUNCATED_KEY
+from ..store.format import TRUNCATED_KEY
 from .sources import RunSource, Side
 
 
@@ -18,7 +18,7 @@ def _run_notes(which: str, source: RunSource) -> list[str]:
     notes: list[str] = []
     if source.pass_file is not None:
         if source.pass_file.suffix != ".pt":
-            from ..loader import open_pass
+            from ..store.loader import open_pass
 
             if open_pass(source.pass_file).metadata.get(TRUNCATED_KEY) == "true":
                 notes.append(f"{which} {source.name}: the pass was cut short (truncated)")

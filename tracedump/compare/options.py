@@ -12,12 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..errors import UsageError
+
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
-
-
-class UsageError(ValueError):
-    """The command line cannot be honoured (bad option, nothing to compare): exit code 2."""
 
 
 def split_rule(text: str, option: str) -> tuple[str, str]:
@@ -181,7 +179,7 @@ def parse_passes(text: str | None) -> PassSelection | None:
     """``--pass 3`` or ``--pass 0,2,5-7``; None means every pass present in both dumps."""
     if text is None:
         return None
-    from ..settings import StepSelection
+    from ..config.settings import StepSelection
 
     try:
         ranges = StepSelection.parse(text).ranges

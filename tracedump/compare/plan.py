@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..format import last_row_dim
+from ..errors import UsageError
+from ..store.format import last_row_dim
 from .bridge import PLAIN_REASONS, BridgedPair, Matcher, matcher_for, size_splits
-from .options import DiffOptions, UsageError
+from .options import DiffOptions
 from .sources import PassView, RootGroup, Side
 from .tolerance import Tolerance, is_integer, pair_precision, resolve, resolve_stats
 from .unshard import SideEntry, plan_entry

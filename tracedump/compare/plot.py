@@ -11,8 +11,8 @@ import importlib.util
 import math
 from pathlib import Path
 
-from ..console import printable
-from .options import UsageError
+from ..errors import UsageError
+from ..util.console import printable
 from .results import DiffReport
 
 MISSING_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install 'tracedump[plot]'"

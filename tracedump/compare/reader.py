@@ -6,7 +6,7 @@ those to numpy. Here a safetensors file is mapped once and each tensor is a read
 its bytes (the page cache, read once, never copied into anonymous memory); bf16 and fp8 arrays hold
 the raw bits (``uint16``/``uint8``) with the real dtype name beside them (:class:`Stored`), and
 :mod:`.metrics` widens them chunk by chunk. The header (names, shapes, offsets) is the loader's
-(:func:`tracedump.loader.read_header`): this module only maps the data it describes.
+(:func:`tracedump.store.loader.read_header`): this module only maps the data it describes.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format import dtype_name
-from ..loader import SafetensorsHeader
+from ..store.format import dtype_name
+from ..store.loader import SafetensorsHeader
 
 if TYPE_CHECKING:  # `tracedump show` maps files with this module and never imports torch
     import torch

@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format import json_number
+from ..errors import ExitCode
+from ..store.format import json_number
 from .metrics import TensorMetrics
 from .plan import Plan
 from .stats import StatDelta
@@ -39,7 +40,6 @@ from .tolerance import Tolerance
 
 FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
 NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")
-EXIT_OK, EXIT_DIVERGED = 0, 1
 
 
 def _number(value: float | None) -> float | str | None:
@@ -278,7 +278,7 @@ class DiffReport:
     @property
     def exit_code(self) -> int:
         failing = self.inputs_differ or any(r.status in FAILING for r in self.results)
-        return EXIT_DIVERGED if failing else EXIT_OK
+        return ExitCode.DIVERGED if failing else ExitCode.OK
 
     def leftovers_by_reason(self) -> dict[str, dict[str, int]]:
         """Tensors without a counterpart, per side, counted by why (plain: "no tensor of that name")."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..format import Key
+from ..store.format import Key
 from .reader import Stored
 
 TIE_FACTOR = 4.0  # a flip whose top-k margin is within this many x the scores' RMS noise is a tie

@@ -10,7 +10,7 @@ Run selection per side, per root label (``manifest.json`` "root"; several roots 
 - else ``--rank R`` when the side has several ranks (a side with one rank uses it), else rank 0
   (or the lowest rank);
 - two runs of one rank and root (independent processes in one dir) are an error, the same rule as
-  ``Dump.run()`` (:func:`tracedump.loader.runs_by_rank`).
+  ``Dump.run()`` (:func:`tracedump.store.loader.runs_by_rank`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key, dtype_name
-from ..loader import (
-    DumpReadError,
+from ..errors import DumpReadError, UsageError
+from ..store.format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key, dtype_name
+from ..store.loader import (
     PassFile,
     Run,
     default_rank,
@@ -34,7 +34,7 @@ from ..loader import (
     read_manifest,
     runs_by_rank,
 )
-from .options import DiffOptions, UsageError
+from .options import DiffOptions
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
 

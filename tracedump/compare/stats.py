@@ -9,7 +9,7 @@ alarms on statistics that are legitimately near zero:
 - every other statistic by ``max(|a|, |b|)``.
 
 When one side is a full dump, its statistics are computed here with the same code the dumper uses
-(``tracedump.reduce.compute_stats``), so a stats dump of a 70B engine run can be checked against a
+(``tracedump.dump.reduce.compute_stats``), so a stats dump of a 70B engine run can be checked against a
 full dump of the HF reference.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import NUMERIC_STAT_NAMES as NUMERIC_STATS
+from ..store.format import NUMERIC_STAT_NAMES as NUMERIC_STATS
 from .reader import Stored
 
 _EXACT = frozenset({"nan_count", "inf_count"})
@@ -36,7 +36,7 @@ class StatDelta:
     rel_err: float
 
     def to_json(self) -> dict[str, Any]:
-        from ..format import json_number
+        from ..store.format import json_number
 
         return {"a": json_number(self.a), "b": json_number(self.b), "rel_err": json_number(self.rel_err)}
 
@@ -80,7 +80,7 @@ def numeric_stats(record: dict[str, Any]) -> dict[str, float]:
 def stats_of(stored: Stored, names: list[str]) -> dict[str, float]:
     """The statistics a stats-mode dump would have recorded for this tensor (with torch: the
     dumper's own code, so only a full-against-stats diff imports it)."""
-    from ..reduce import compute_stats
+    from ..dump.reduce import compute_stats
 
     wanted = [n for n in names if n in NUMERIC_STATS]
     numeric, values, _ = compute_stats(stored.to_torch(), wanted)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..sequences import batch_metadata
+from ..store.sequences import batch_metadata
 
 
 def is_transformers_model(model: nn.Module) -> bool:

@@ -70,7 +70,7 @@ def register() -> None:
     # does: importing the settings (pydantic-settings) would cost every vLLM process ~0.5 s for nothing.
     if _registered or not os.environ.get(_DIR_VAR, "").strip():
         return
-    from ..settings import is_enabled
+    from ..config.settings import is_enabled
 
     if not is_enabled(None):
         return
@@ -100,7 +100,7 @@ def register() -> None:
 
 
 def _warn(message: str) -> None:
-    from ..runtime import warn_once
+    from ..dump.runtime import warn_once
 
     warn_once(f"vllm:{message[:60]}", message)
 
@@ -237,7 +237,7 @@ class RunnerHooks:
 
     def _attach(self) -> None:
         import tracedump
-        from tracedump.settings import ConfigError
+        from tracedump.errors import ConfigError
 
         runner = self.runner
         get_model = getattr(runner, "get_model", None)

@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from ..dumper import Dumper, original_module
-from ..hooks import RootPassHooks, forward_calls_on_stack, forward_kwargs_on_stack, traced_by_dynamo
-from ..runtime import runtime, warn_once
-from ..settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings, is_enabled, load_settings
+from ..config.settings import DEFAULT_ENV_PREFIX, DumpSettings, is_enabled, load_settings
+from ..dump.dumper import Dumper, original_module
+from ..dump.hooks import RootPassHooks, forward_calls_on_stack, forward_kwargs_on_stack, traced_by_dynamo
+from ..dump.runtime import runtime, warn_once
+from ..errors import ConfigError
 
 _installed: AutoAttach | None = None
 

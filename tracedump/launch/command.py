@@ -21,13 +21,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..console import printable
+from ..errors import ExitCode
+from ..util.console import printable
 
 DEFAULT_DIR = "tracedump_out"
 BOOTSTRAP_DIR = Path(__file__).resolve().parent
-EXIT_USAGE = 2
-EXIT_NOT_EXECUTABLE = 126
-EXIT_NOT_FOUND = 127
 _FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 # (flag, settings field, help). Only flags given on the command line are exported; an env var set by
 # the caller for any other field is inherited unchanged.
@@ -94,12 +92,12 @@ def run_command(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         print("tracedump run: no COMMAND given (tracedump run [options] -- COMMAND ...)", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     env = child_env(os.environ, args)
     error = validate_settings(env)
     if error:
         print(printable(f"{error}\ntracedump run: COMMAND not started.", keep_newlines=True), file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     dump_dir = Path(env["TRACEDUMP_DUMP_DIR"])
     before = _run_dir_names(dump_dir)
     if not args.quiet:
@@ -112,7 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def child_env(environ: Mapping[str, str], args: argparse.Namespace) -> dict[str, str]:
     """The environment of COMMAND: the caller's, the flags as ``TRACEDUMP_DUMP_*``, the bootstrap."""
-    from ..settings import env_name
+    from ..config.settings import env_name
 
     env = dict(environ)
     directory = args.dir or env.get(env_name("dir")) or DEFAULT_DIR
@@ -148,7 +146,8 @@ def validate_settings(env: Mapping[str, str]) -> str | None:
     """The error message for a bad setting (as the children would meet it), or None."""
     from unittest import mock  # patch.dict: ``env`` is os.environ for the block, then the caller's again
 
-    from ..settings import ConfigError, check_combination, load_settings
+    from ..config.settings import check_combination, load_settings
+    from ..errors import ConfigError
 
     with mock.patch.dict(os.environ, env, clear=True):  # pydantic-settings reads os.environ
         try:
@@ -192,10 +191,10 @@ def launch(command: Sequence[str], env: Mapping[str, str]) -> int:
         child = subprocess.Popen([executable or command[0], *command[1:]], env=dict(env))
     except FileNotFoundError:
         print(printable(f"tracedump run: command not found: {command[0]}"), file=sys.stderr)
-        return EXIT_NOT_FOUND
+        return ExitCode.NOT_FOUND
     except PermissionError as error:
         print(printable(f"tracedump run: cannot execute {command[0]}: {error}"), file=sys.stderr)
-        return EXIT_NOT_EXECUTABLE
+        return ExitCode.NOT_EXECUTABLE
     with _signals_forwarded_to(child):
         returncode = child.wait()
     return 128 - returncode if returncode < 0 else returncode
@@ -239,8 +238,8 @@ def _print_summary(dump_dir: Path, before: set[str], status: int) -> None:
 
 def summary_lines(dump_dir: Path, before: set[str]) -> list[str]:
     """One line per run dir written since ``before``: root, rank, pid, passes, bytes, completeness."""
-    from ..loader import open_dump
-    from ..units import human_bytes
+    from ..store.loader import open_dump
+    from ..util.units import human_bytes
 
     new = _run_dir_names(dump_dir) - before
     if not new:

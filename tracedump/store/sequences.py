@@ -32,14 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import SequenceError
 from .format import BATCH_KEY
 
 SeqId = int | str
 Row = SeqId | None  # None: a padding row
-
-
-class SequenceError(ValueError):
-    """Sequence metadata that cannot be lined up (names the pass and the sequence)."""
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def write_file(
     Tensors must be on the CPU; a non-contiguous one is made contiguous first (``save_file`` would
     refuse it). The buffers go to ``os.writev`` straight from the tensors' memory. ``pause`` is
     called before each ``writev`` of at most :data:`PAUSABLE_CHUNK` bytes: the writer thread waits
-    there while the host computes (see :meth:`tracedump.writer.Writer.wait_for_idle_host`).
+    there while the host computes (see :meth:`tracedump.dump.writer.Writer.wait_for_idle_host`).
     """
     if sys.byteorder != "little":  # the format is little-endian: let safetensors swap the bytes
         from safetensors.torch import save_file

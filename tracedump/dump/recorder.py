@@ -3,9 +3,9 @@ is kept.
 
 One pass is one engine step (``step()``) or, when the engine opens none, one outermost root
 forward. The hot path (a selected module's forward hook) runs the gates (profiling, rows, tokens,
-STEPS, CUDA-graph capture, control), names the tensor (:class:`~tracedump.format.Key`), reduces it
+STEPS, CUDA-graph capture, control), names the tensor (:class:`~tracedump.store.format.Key`), reduces it
 (full / last_row / stats), asks the sink for a copy, and keeps host memory under the cap. Where the
-copies go is the sink's business (:mod:`tracedump.sinks`); what happened around the run goes to a
+copies go is the sink's business (:mod:`tracedump.dump.sinks`); what happened around the run goes to a
 :class:`RunLog` (the run dir's manifest, or nothing for ``capture()``).
 
 Nothing here raises into the host's forward: a failure is reported to the log and counted.
@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..store.format import RECORDS_FILE, Key, key_text, stats_record
 from . import gates
 from .control import Controller
 from .cuda import stream_is_capturing
-from .format import RECORDS_FILE, Key, key_text, stats_record
 from .hooks import BatchLayout, flatten_inputs, flatten_tensors
 from .reduce import compute_stats, last_row
 from .runtime import COMPILED_WARNING

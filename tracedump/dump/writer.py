@@ -23,9 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from .buffers import HostBufferPool
-from .cuda import wait_for
-from .format import (
+from ..store.format import (
     MANIFEST,
     ORDER_KEY,
     STATS_FILE,
@@ -36,9 +34,11 @@ from .format import (
     pass_metadata,
     with_numbers,
 )
-from .fsio import atomic_path
-from .stformat import CODES_ON_DISK_ORDER
-from .stformat import write_file as save_file  # safetensors' bytes, written from the buffers
+from ..store.fsio import atomic_path
+from ..store.stformat import CODES_ON_DISK_ORDER
+from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
+from .buffers import HostBufferPool
+from .cuda import wait_for
 
 _MANIFEST_INTERVAL_S = 1.0
 # Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
@@ -78,7 +78,7 @@ def save_tensors_atomic(
 ) -> int:
     """Save as safetensors (no pickle) with the capture order in the metadata; returns bytes written.
 
-    The tensors' memory goes to the kernel as it is (:mod:`tracedump.stformat`): one copy per byte,
+    The tensors' memory goes to the kernel as it is (:mod:`tracedump.store.stformat`): one copy per byte,
     into the page cache, and none of a tensor turned into ``bytes`` first. ``pause`` runs between
     the file's chunks."""
     with atomic_path(path) as tmp:
@@ -118,7 +118,7 @@ class PassJob:
 class StatsJob:
     """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor.
 
-    Each record arrives as its fields but the numbers (a :func:`tracedump.format.stats_record`), the
+    Each record arrives as its fields but the numbers (a :func:`tracedump.store.format.stats_record`), the
     names of its numeric statistics and their values, still on their way to the host."""
 
     index: int

@@ -18,21 +18,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from ._version import __version__
+from .._version import __version__
+from ..errors import FormatVersionError
 
 # ------------------------------------------------------------------ version
 
 FORMAT_VERSION = "1.1"  # written in the manifest ("format") and in every pass file (FORMAT_KEY)
 READABLE_MAJORS = frozenset({1})
 _VERSION_TEXT = re.compile(r"(\d+)(?:\.\d+)*")
-
-
-class DumpReadError(ValueError):
-    """A path is not a readable dump, run dir or pass file."""
-
-
-class FormatVersionError(DumpReadError):
-    """A file was written in a format version whose major this tracedump cannot read."""
 
 
 def format_major(version: object) -> int | None:
@@ -322,7 +315,7 @@ def last_row_dim(shape: tuple[int, ...], token_dim: int) -> int | None:
     """The dim ``last_row`` mode cuts to its last index in a tensor of ``shape``; None when it keeps
     the tensor whole (under 2 dims, or an empty token dim). The comparator cuts full dumps with it,
     so they line up with ``last_row`` dumps exactly as the dumper cut them; here, not in
-    :mod:`tracedump.reduce`, because the comparator reads dumps without torch."""
+    :mod:`tracedump.dump.reduce`, because the comparator reads dumps without torch."""
     if len(shape) < 2:
         return None
     dim = token_dim if len(shape) > token_dim else 0

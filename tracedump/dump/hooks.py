@@ -99,7 +99,7 @@ traced_by_dynamo._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class PassTarget(Protocol):
-    """What the hooks need of a recorder (:class:`tracedump.recorder.Recorder`)."""
+    """What the hooks need of a recorder (:class:`tracedump.dump.recorder.Recorder`)."""
 
     def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None: ...
     def open_auto_pass(self, nested: bool = False) -> bool: ...

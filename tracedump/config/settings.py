@@ -40,7 +40,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .format import NUMERIC_STAT_NAMES
+from ..errors import ConfigError
+from ..store.format import NUMERIC_STAT_NAMES
 
 DEFAULT_ENV_PREFIX = "TRACEDUMP_"
 STAT_NAMES = (*NUMERIC_STAT_NAMES, "shape", "dtype")
@@ -48,10 +49,6 @@ DEFAULT_STATS = ("abs_mean", "sum", "max", "shape")
 FILTER_CHOICE = ("filter", "filter_fn")  # one choice: a source that sets either replaces both
 _BYTE_UNITS = {"": 1, "b": 1} | {u + s: 1024**i for i, u in enumerate("kmgt", 1) for s in ("", "b", "ib")}
 _BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
-
-
-class ConfigError(ValueError):
-    """A setting has a bad value. The message names the env var (or config field) and the value."""
 
 
 # The validators: each raises ValueError meant for a person. A blank value is unset, never parsed.

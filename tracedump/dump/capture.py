@@ -134,7 +134,7 @@ def parse_spec(spec: str) -> CaptureSpec:
 def _rebuild(obj: Any, copies: Iterator[torch.Tensor], depth: int = 0) -> Any:
     """``obj`` with each tensor leaf replaced by the recorder's copy of it.
 
-    Walks in the order :func:`tracedump.hooks.flatten_tensors` named the leaves (mappings by their
+    Walks in the order :func:`tracedump.dump.hooks.flatten_tensors` named the leaves (mappings by their
     items, sequences by index, dataclasses by field), so the n-th copy lands where the n-th leaf
     was. Tuples, lists, dicts, namedtuples, dataclasses and HF ``ModelOutput`` keep their type;
     any other leaf (ints, strings, ``None``, cache objects) is kept as the same object.
@@ -385,7 +385,7 @@ class Capture:
         capture a pass file cannot hold (``complex128``, sparse, meta, quantized) is skipped and
         counted as ``unsupported_tensor``, as ``attach()`` does, and the rest is written. A save that
         fails (a full disk) raises ``OSError`` naming the file and leaves no run dir behind."""
-        from .format import RECORDS_FILE
+        from ..store.format import RECORDS_FILE
         from .writer import PassJob
 
         target = _save_target(directory)
@@ -408,9 +408,10 @@ class Capture:
         """The run dir of :meth:`save`: all of it, or (on any failure) none of it."""
         from pydantic import ValidationError
 
-        from .format import RECORDS_FILE
+        from ..config.settings import DEFAULT_ENV_PREFIX, DumpSettings
+        from ..errors import ConfigError
+        from ..store.format import RECORDS_FILE
         from .rundir import RunDir, model_fields
-        from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings
         from .writer import PassJob
 
         try:

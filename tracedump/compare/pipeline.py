@@ -12,14 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..console import printable
+from ..errors import UsageError
+from ..util.console import printable
 from .bridge import Matcher, matcher_for
 from .display import print_report, progress_bar
 from .execute import Executor
 from .inputs import inputs_differ_by_pass
 from .local import judge_local
 from .notes import side_notes
-from .options import DiffOptions, UsageError, parse_options
+from .options import DiffOptions, parse_options
 from .plan import Plan, build_plan, short_list
 from .plot import check_available, write_plot
 from .results import GROWTH_FACTOR, GROWTH_FLOOR, DiffReport, TensorResult

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from .format import NUMERIC_STAT_NAMES, dtype_name, last_row_dim
+from ..store.format import NUMERIC_STAT_NAMES, dtype_name, last_row_dim
 
 __all__ = ["NUMERIC_STATS", "compute_stats", "dtype_name", "last_row", "last_row_dim"]
 
@@ -134,10 +134,10 @@ def _plan(numeric: tuple[str, ...]) -> _Plan:
 
 @functools.cache
 def _kernel() -> ModuleType | None:
-    """The compiled one-pass sums (``compare/kernel.c``), imported at the first stats of a CPU
+    """The compiled one-pass sums (``util/kernel.c``), imported at the first stats of a CPU
     tensor; optional at install, so None where it was not built."""
     try:
-        from .compare import kernel
+        from ..util import kernel
     except ImportError:
         return None
     return kernel if hasattr(kernel, "stats") else None

@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._version import __version__
-from .format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
+from .._version import __version__
+from ..config.settings import DumpSettings
+from ..errors import ConfigError
+from ..store.format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
+from ..util.units import human_bytes
 from .runtime import Warner
-from .settings import ConfigError, DumpSettings
-from .units import human_bytes
 from .writer import Writer, write_json_atomic
 
 # Skips the settings asked for: reported in the summary, not warned about.

@@ -7,8 +7,8 @@ multi-GB pass touches only that tensor's bytes and a long dump never holds thous
 Importing this module does not import torch: ``tracedump ls`` and ``show`` never need it.
 :func:`read_header` is the one parser of the header; the comparator maps files from it too. Part
 files of a pass too large for the memory cap are reassembled transparently. Names, keys and the
-version check come from :mod:`tracedump.format`: a manifest or pass file written in a format major
-this tracedump cannot read raises :class:`~tracedump.format.FormatVersionError`, a DumpReadError.
+version check come from :mod:`tracedump.store.format`: a manifest or pass file written in a format major
+this tracedump cannot read raises :class:`~tracedump.store.format.FormatVersionError`, a DumpReadError.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import DumpReadError
 from .format import (
     FORMAT_KEY,
     MANIFEST,
@@ -35,7 +36,6 @@ from .format import (
     SEQ_KEY,
     STATS_FILE,
     STATS_PARTIAL,
-    DumpReadError,  # defined with the format it guards; tracedump.DumpReadError is found here
     Key,
     Manifest,
     check_format,
@@ -457,7 +457,7 @@ class Run:
         return value if isinstance(value, int) else 0
 
     def batches(self) -> dict[int, Batch]:
-        """Each pass's rows as (sequence, position) (see :mod:`tracedump.sequences`)."""
+        """Each pass's rows as (sequence, position) (see :mod:`tracedump.store.sequences`)."""
         passes = self.passes
         return batches(
             list(passes),

@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..config.settings import DEFAULT_ENV_PREFIX, DumpSettings
+from ..errors import ConfigError
 from .runtime import warn_once
-from .settings import DEFAULT_ENV_PREFIX, ConfigError, DumpSettings
 
 ROOT_NAME = "root"
 Predicate = Callable[[str, nn.Module], bool]

@@ -11,9 +11,9 @@ Example::
         with dumper.step() if dumper else contextlib.nullcontext():
             model(batch)
 
-The Dumper only wires the parts (see docs/architecture.md): a :class:`~tracedump.rundir.RunDir`
-owns the directory and manifest, a :class:`~tracedump.recorder.Recorder` the passes and the hot
-path, a :class:`~tracedump.sinks.FileSink` the copies and the writer. A failure at run time is
+The Dumper only wires the parts (see docs/architecture.md): a :class:`~tracedump.dump.rundir.RunDir`
+owns the directory and manifest, a :class:`~tracedump.dump.recorder.Recorder` the passes and the hot
+path, a :class:`~tracedump.dump.sinks.FileSink` the copies and the writer. A failure at run time is
 reported once and never raised into the model's forward.
 """
 
@@ -28,24 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config.settings import DEFAULT_ENV_PREFIX, DumpConfig, DumpSettings, is_enabled, load_settings
+from ..errors import ConfigError
+from ..integrations.hf import batch_layout_for
+from ..store.format import RECORDS_FILE
+from ..store.sequences import batch_metadata
 from .control import Controller
 from .cuda import SyncEscape
-from .format import RECORDS_FILE
 from .hooks import CallSites, HookSet
-from .integrations.hf import batch_layout_for
 from .recorder import Plan, Recorder, check_tag
 from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
-from .sequences import batch_metadata
-from .settings import (
-    DEFAULT_ENV_PREFIX,
-    ConfigError,
-    DumpConfig,
-    DumpSettings,
-    is_enabled,
-    load_settings,
-)
 from .sinks import FileSink
 
 
@@ -75,8 +69,8 @@ def attach(
 
 
 def _check_control(settings: DumpSettings) -> None:
-    """STEPS with CONTROL is refused (see :func:`tracedump.settings.check_combination`)."""
-    from .settings import check_combination
+    """STEPS with CONTROL is refused (see :func:`tracedump.config.settings.check_combination`)."""
+    from ..config.settings import check_combination
 
     check_combination(settings)
 

@@ -38,11 +38,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import ConfigError
+from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
-from .format import dtype_name, key_text
 from .hooks import MAX_DEPTH, flatten_inputs
 from .selection import display_name
-from .settings import ConfigError
 
 __all__ = ["Graft", "Grafter", "graft", "parse_graft_map"]
 
@@ -96,7 +96,8 @@ class _Reference:
     """The reference run, read one pass at a time (memory-mapped; only grafted inputs are read)."""
 
     def __init__(self, path: Path, rank: int, root: str) -> None:
-        from .loader import DumpReadError, open_dump
+        from ..errors import DumpReadError
+        from ..store.loader import open_dump
 
         try:
             dump = open_dump(path)
@@ -137,7 +138,7 @@ class _Reference:
     def inputs(self, index: int) -> dict[tuple[str, int], set[str]]:
         """(module, call) -> the input paths the reference dumped for it in pass ``index``."""
         if index != self._inputs_index:
-            from .format import Key
+            from ..store.format import Key
 
             found: dict[tuple[str, int], set[str]] = {}
             pass_file = self.pass_file(index)
@@ -152,7 +153,7 @@ class _Reference:
         """Modules of the reference that take a router's expert indices as an input (an MoE
         block's experts): the module output of a router holds an integer ``[tokens, k]`` tensor,
         and a consumer in the same block takes one of that shape."""
-        from .format import Key
+        from ..store.format import Key
 
         first = min(self.run.passes) if self.run.passes else None
         pass_file = self.pass_file(first) if first is not None else None
@@ -232,7 +233,7 @@ def _check_pair(path: str, own: torch.Tensor, info: Any) -> None:
 
 def _replace(value: Any, path: str, new: Mapping[str, torch.Tensor], depth: int = 0) -> Any:
     """``value`` with each tensor leaf at a path in ``new`` replaced, walked as
-    :func:`tracedump.hooks.flatten_tensors` names the leaves. Plain tuples, lists, namedtuples and
+    :func:`tracedump.dump.hooks.flatten_tensors` names the leaves. Plain tuples, lists, namedtuples and
     dicts are rebuilt; a tensor to replace inside anything else is refused (not rebuilt blindly)."""
     if isinstance(value, torch.Tensor):
         return new.get(path, value)
@@ -339,7 +340,7 @@ class Grafter:
 
     def register(self) -> None:
         """One forward pre-hook (with kwargs) per grafted module. The capture hooks run after it
-        (:meth:`tracedump.hooks.HookSet.keep_last`), so ``INPUTS=1`` records the grafted inputs."""
+        (:meth:`tracedump.dump.hooks.HookSet.keep_last`), so ``INPUTS=1`` records the grafted inputs."""
         for name, module in self.targets:
             hook = _GraftHook(self, name)
             self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -490,8 +491,8 @@ class Graft:
         self.dumper: Any = None
 
     def __enter__(self) -> Graft:
+        from ..config.settings import DumpSettings
         from .dumper import Dumper
-        from .settings import DumpSettings
 
         if self.dumper is not None:
             raise RuntimeError("this graft is already active")

@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .fsio import write_text_atomic
+from ..errors import OrderError
+from ..store.fsio import write_text_atomic
 
 ORDER_FILE = "control.json"
 STATE_FILE = "control.state"
@@ -64,10 +65,6 @@ _WIDE_REPEAT = 16  # a repeat allowing more than this many copies counts as open
 # the length of a long module name, so two of them in a row are the most (a bound, not a timing).
 _NAME_CHARS = 256
 MAX_FILTER_WAYS = 2 * _NAME_CHARS**2
-
-
-class OrderError(ValueError):
-    """An order the CLI refuses, or a file a dumper ignores (says why)."""
 
 
 @dataclass(frozen=True)

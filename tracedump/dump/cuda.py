@@ -92,7 +92,7 @@ def copy_to_host(
     CPU tensors get a plain synchronous copy. Device tensors are copied with ``non_blocking=True``
     into pinned memory on the *current* stream: later kernels on that stream, which may overwrite the
     buffer in place, are ordered after the copy. The writer thread waits on the event, the forward
-    does not. ``pool`` supplies recycled buffers (see :mod:`tracedump.buffers`).
+    does not. ``pool`` supplies recycled buffers (see :mod:`tracedump.dump.buffers`).
     """
     source = tensor.detach()
     if source.device.type == "cpu":

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .cpus import usable_cpus
+from ..util.cpus import usable_cpus
 from .cuda import SyncEscape, allow_sync, copy_to_host
 from .writer import Job, PassJob, storable
 

@@ -1,7 +1,7 @@
 """Atomic files: the one temp-file-and-rename writer of every file tracedump writes.
 
-Pass files, the manifest (:mod:`tracedump.writer`), ``control.json`` and each run's
-``control.state`` (:mod:`tracedump.control`) all go through :func:`atomic_path`, so they share its
+Pass files, the manifest (:mod:`tracedump.dump.writer`), ``control.json`` and each run's
+``control.state`` (:mod:`tracedump.dump.control`) all go through :func:`atomic_path`, so they share its
 guarantees: a reader never sees a half-written file under the final name, the file is ``0600``
 (activations derived from prompts are user data; an order file must be writable by its owner
 only), and a failed write (a full disk) leaves no temp file behind. No torch here: the CLI's
