@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..store.format import RECORDS_FILE, Key, key_text, stats_record
-from . import gates
+from . import gates, suspend
 from .control import Controller
 from .cuda import stream_is_capturing
 from .hooks import BatchLayout, flatten_inputs, flatten_tensors
@@ -115,7 +115,16 @@ class Pass:
         """The entries gathered so far as one file's job; the pass starts gathering afresh."""
         seqs = self.seqs if mode == "stats" else None
         entries, self.entries, self.seqs, nbytes, self.nbytes = self.entries, [], [], self.nbytes, 0
-        return PassJob(self.index, part, mode, entries, nbytes, None, seqs, self.truncated, self.batch)
+        return PassJob(
+            index=self.index,
+            part=part,
+            mode=mode,
+            entries=entries,
+            nbytes=nbytes,
+            seqs=seqs,
+            truncated=self.truncated,
+            batch=self.batch,
+        )
 
     def next_call(self, key: str) -> int:
         call = self.calls[key]
@@ -265,13 +274,15 @@ class Recorder:
             self.close_pass(truncated=interrupted)
         if not self.loose:
             return False
-        self.sink.submit(PassJob(-1, None, "records", self.loose, 0, file_name=RECORDS_FILE))
+        self.sink.submit(
+            PassJob(index=-1, part=None, mode="records", entries=self.loose, nbytes=0, file_name=RECORDS_FILE)
+        )
         return True
 
     # ---------------------------------------------------------------- passes
 
     def suspended(self) -> bool:
-        return self._suspend_depth > 0 or gates.globally_suspended()
+        return self._suspend_depth > 0 or suspend.globally_suspended()
 
     def _open_pass(self) -> bool:
         if self.closed or not self._ready():
