@@ -54,6 +54,7 @@ def host_entries(tensors: Mapping[str, torch.Tensor], skipped: collections.Count
 
 def write_run(
     target: Path,
+    *,
     model: nn.Module,
     captured: list[tuple[str, nn.Module]],
     passes: list[tuple[int, Entries]],

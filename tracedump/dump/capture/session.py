@@ -277,7 +277,15 @@ class Capture:
         ]
         loose = host_entries(self._sink.loose, skipped)
         captured = [(key, self._modules[name]) for key, name in self._by_key.items()]
-        return write_run(target, self.model, captured, passes, loose, skipped, self._warn)
+        return write_run(
+            target,
+            model=self.model,
+            captured=captured,
+            passes=passes,
+            loose=loose,
+            skipped=skipped,
+            warn=self._warn,
+        )
 
     def __repr__(self) -> str:
         state = "active" if self._hooks is not None else "inactive"
