@@ -52,7 +52,7 @@ print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.star
 def test_off_is_one_env_lookup_no_vllm_import_no_torch() -> None:
     out = _python(_PROBE)["out"]
     assert out == {"vllm": [], "torch": False, "runtime": False, "settings": False, "registered": False}
-    from tracedump.config.settings import env_name
+    from tracedump.config.sources import env_name
 
     assert env_name("dir") == plugin._DIR_VAR  # the one variable is_enabled() looks up
 

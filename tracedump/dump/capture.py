@@ -408,7 +408,8 @@ class Capture:
         """The run dir of :meth:`save`: all of it, or (on any failure) none of it."""
         from pydantic import ValidationError
 
-        from ..config.settings import DEFAULT_ENV_PREFIX, DumpSettings
+        from ..config.settings import DumpSettings
+        from ..config.sources import DEFAULT_ENV_PREFIX
         from ..errors import ConfigError
         from ..store.format import RECORDS_FILE
         from .rundir import RunDir, model_fields
