@@ -5,8 +5,22 @@ up one variable by the same rules); :class:`ConfigSource` takes the engine's con
 pydantic-settings' source API, which merges them in that order. :class:`Origin` records where a
 value came from, so that an error names the variable or config field to change.
 
-EnvSource reads ``os.environ`` itself rather than configuring pydantic-settings' own
-``EnvSettingsSource``: see its docstring for the behaviours that one cannot give.
+Why :class:`EnvSource` reads ``os.environ`` itself rather than configuring pydantic-settings' own
+``EnvSettingsSource``: configured fully (``case_sensitive=False``, ``env_prefix``,
+``enable_decoding=False``, then blank values dropped, each value wrapped in :class:`EnvValue` and
+the environment scanned again for unknown names) it passes every settings test, but it is no
+shorter, and it cannot give the rule itself:
+
+- *exactly upper-case names*: case-sensitive, it looks up the field name as written
+  (``TRACEDUMP_DUMP_dir``); case-insensitive, it reads ``tracedump_dump_mode`` as MODE, and the
+  rule would rest on the scan below refusing what the library had read. Upper-case aliases
+  (``validation_alias="DIR"``, prefixed through ``env_prefix_target``) would also become keys
+  that ``DumpConfig`` accepts (``DumpConfig(DIR=...)``);
+- *blank is unset*: ``env_ignore_empty`` drops ``""`` but not ``"   "``;
+- *unknown names refused*: it ignores a prefixed variable that is no field (``..._FILTERS``);
+- *the origin*: it returns plain strings, which lose the variable's name in the merge.
+
+So the scan of ``os.environ`` that the last two need anyway does the reading too (about 15 lines).
 """
 
 from __future__ import annotations
@@ -86,7 +100,8 @@ class EnvSource(_Source):
     """The one reader of the environment for settings: ``<prefix>DUMP_<FIELD>``, ``FIELD`` exactly
     upper-case, blank = unset. Any other name with the prefix in any case (``..._FILTERS``,
     ``tracedump_dump_mode``) goes to :attr:`unknown`, refused by :class:`ConfigSource`: a name in
-    another case is never read, so it cannot silently win or lose against the upper-case one."""
+    another case is never read, so it cannot silently win or lose against the upper-case one.
+    (Why not pydantic-settings' ``EnvSettingsSource``: the module docstring.)"""
 
     def __init__(self, settings_cls: type[BaseSettings], prefix: str) -> None:
         super().__init__(settings_cls)
