@@ -105,8 +105,7 @@ class EnvSource(_Source):
 
     def __init__(self, settings_cls: type[BaseSettings], prefix: str) -> None:
         super().__init__(settings_cls)
-        self.prefix = prefix  # with DUMP_: "TRACEDUMP_DUMP_"
-        names = {prefix + field.upper(): field for field in settings_cls.model_fields}
+        self.names = names = {prefix + field.upper(): field for field in settings_cls.model_fields}
         self.values: dict[str, EnvValue] = {}
         self.unknown: list[str] = []
         for key, text in os.environ.items():
@@ -137,9 +136,9 @@ class ConfigSource(_Source):
         fields = self.settings_cls.model_fields
         unknown = [f"DumpConfig.{key}" for key in values if key not in fields] + self.env.unknown
         if unknown:
-            names = ", ".join(self.env.prefix + field.upper() for field in fields)
             raise ConfigError(
-                f"tracedump: bad setting\n  unknown setting(s): {', '.join(sorted(unknown))}; known: {names}"
+                f"tracedump: bad setting\n  unknown setting(s): {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(self.env.names)}"
             )
         if any(field in self.env.values for field in FILTER_CHOICE):
             values = {key: value for key, value in values.items() if key not in FILTER_CHOICE}
