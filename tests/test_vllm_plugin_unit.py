@@ -44,7 +44,7 @@ p.register(); p.register()
 import tracedump.dump.runtime as r
 print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
                   "torch": "torch" in sys.modules, "runtime": r.existing() is not None,
-                  "settings": sorted(m for m in sys.modules if m.startswith(("tracedump.config.", "pydantic"))),
+                  "settings": [m for m in sys.modules if m.startswith(("tracedump.config.", "pydantic"))],
                   "registered": p._registered}))
 """
 
