@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import UsageError
+from ..util.ranges import IndexRanges
 
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
@@ -130,70 +131,18 @@ def parse_tolerances(values: list[str] | None, option: str) -> tuple[float | Non
     return global_value, tuple(rules)
 
 
-_LISTED_PASSES = 10_000  # a selection up to this size is written to the JSON report as a list
-
-
-@dataclass(frozen=True)
-class PassSelection:
-    """``--pass 0,2,5-7`` as merged ranges, never expanded: ``0-99999999999`` costs two ints, not
-    a 1.5 GB set. Supports what the planner asks: membership, the asked passes a dump holds, and a
-    short text of those it does not (``ranges[0][0]`` is the first)."""
-
-    ranges: tuple[tuple[int, int], ...]
-
-    def __contains__(self, index: object) -> bool:
-        return isinstance(index, int) and any(lo <= index <= hi for lo, hi in self.ranges)
-
-    def __len__(self) -> int:
-        return sum(hi - lo + 1 for lo, hi in self.ranges)
-
-    def __str__(self) -> str:
-        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.ranges)
-
-    def pick(self, present: list[int]) -> list[int]:
-        """The asked passes among ``present``, in order."""
-        return [index for index in present if index in self]
-
-    def missing(self, present: list[int]) -> str:
-        """The asked passes not in ``present``, as ranges (at most 10 shown); "" when none."""
-        have = sorted(set(present))
-        gaps: list[str] = []
-        for lo, hi in self.ranges:
-            start = lo
-            for index in (i for i in have if lo <= i <= hi):
-                if index > start:
-                    gaps.append(str(start) if index - 1 == start else f"{start}-{index - 1}")
-                start = index + 1
-            if start <= hi:
-                gaps.append(str(start) if start == hi else f"{start}-{hi}")
-        return ",".join(gaps[:10]) + (",..." if len(gaps) > 10 else "")
-
-    def as_json(self) -> list[int] | str:
-        """Every index as a list when there are few; the ranges' text when there are many."""
-        if len(self) <= _LISTED_PASSES:
-            return [index for lo, hi in self.ranges for index in range(lo, hi + 1)]
-        return str(self)
-
-
-def parse_passes(text: str | None) -> PassSelection | None:
-    """``--pass 3`` or ``--pass 0,2,5-7``; None means every pass present in both dumps."""
+def parse_passes(text: str | None) -> IndexRanges | None:
+    """``--pass 3`` or ``--pass 0,2,5-7``, as merged ranges (``ranges[0][0]`` is the first pass
+    asked for); None means every pass present in both dumps."""
     if text is None:
         return None
-    from ..config.settings import StepSelection
-
     try:
-        ranges = StepSelection.parse(text).ranges
+        selection = IndexRanges.parse(text)
     except ValueError as e:
         raise UsageError(f"--pass {text!r}: {e}") from e
-    if not ranges:
+    if not selection.ranges:
         raise UsageError(f"--pass {text!r}: expected a pass index such as 3, or a list such as 0,2,5-7")
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return PassSelection(tuple(merged))
+    return selection.merged()
 
 
 @dataclass(frozen=True)
@@ -202,7 +151,7 @@ class DiffOptions:
 
     a: Path
     b: Path
-    passes: PassSelection | None = None
+    passes: IndexRanges | None = None
     rank: int | None = None
     filter: re.Pattern[str] | None = None
     maps: tuple[NameMap, ...] = ()

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.settings import DEFAULT_ENV_PREFIX, DumpConfig, DumpSettings, is_enabled, load_settings
+from ..config.settings import DumpConfig, DumpSettings, load_settings
+from ..config.sources import DEFAULT_ENV_PREFIX, is_enabled
 from ..errors import ConfigError
 from ..integrations.hf import batch_layout_for
 from ..store.format import RECORDS_FILE
