@@ -21,9 +21,10 @@ from tracedump.compare import metrics
 from tracedump.compare.metrics import CHUNK, compare_arrays
 from tracedump.compare.options import NameMap, UnshardRule, parse_passes
 from tracedump.compare.reader import stored_from_torch
-from tracedump.compare.results import GROWTH_FLOOR, TensorResult, largest_growth
+from tracedump.compare.results import TensorResult
 from tracedump.compare.stats import compare_stats, infer_dtype
 from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
+from tracedump.compare.verdict import GROWTH_FLOOR, largest_growth
 from tracedump.errors import UsageError
 
 
@@ -407,9 +408,22 @@ def test_pass_selection_accepts_lists_and_ranges() -> None:
 def _result(index: int, error: float | None, pass_index: int = 0) -> TensorResult:
     tolerance = Tolerance("rel_diff", 1e-2, 0.0, "bfloat16 default")
     return TensorResult(
-        index, pass_index, None, f"t{index}", f"t{index}", "tensor", (4,), (4,), "bfloat16", "float32",
-        "ok", tolerance, "rel_diff", error, 1e-2,
-    )  # fmt: skip
+        index=index,
+        pass_index=pass_index,
+        root=None,
+        name=f"t{index}",
+        name_b=f"t{index}",
+        kind="tensor",
+        shape_a=(4,),
+        shape_b=(4,),
+        dtype_a="bfloat16",
+        dtype_b="float32",
+        status="ok",
+        tolerance=tolerance,
+        metric="rel_diff",
+        error=error,
+        threshold=1e-2,
+    )
 
 
 def test_growth_is_the_first_tenfold_jump_over_the_running_max() -> None:

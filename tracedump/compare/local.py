@@ -32,7 +32,7 @@ from ..errors import UsageError
 from ..store.format import Key
 from .options import DiffOptions
 from .results import DiffReport, TensorResult
-from .sources import Side
+from .sources import Side, open_side
 from .verdict import NOISE_MODEL, UNIT_ROUNDOFF
 
 K_LEAF = 3.0  # roundings a grafted leaf may add, in u^2 (input cast, weights, output)
@@ -45,7 +45,7 @@ ROWS_CALIBRATED = 16  # rows (tokens) of a prefill the constants hold for (set o
 LEAVES = "leaves"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GraftInfo:
     """What one grafted run's manifest says: from which dump, at which modules, what was not."""
 
@@ -69,14 +69,14 @@ class GraftInfo:
             if not calls.get(name):
                 never[name] = missing[name][0][2] if missing[name] else "not grafted"
         return cls(
-            str(entry.get("from", "")),
-            str(entry.get("level") or LEAVES),
-            tuple(str(m) for m in entry.get("modules", [])),
-            missing,
-            never,
-            frozenset(str(m) for m in entry.get("containers", [])),
-            {str(k): frozenset(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
-            frozenset(str(m) for m in dumped or []),
+            source=str(entry.get("from", "")),
+            level=str(entry.get("level") or LEAVES),
+            modules=tuple(str(m) for m in entry.get("modules", [])),
+            not_grafted=missing,
+            never=never,
+            containers=frozenset(str(m) for m in entry.get("containers", [])),
+            inner={str(k): frozenset(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
+            dumped=frozenset(str(m) for m in dumped or []),
         )
 
     @property
@@ -101,7 +101,7 @@ class GraftInfo:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LocalResult(TensorResult):
     """A result of a grafted dump: ``local`` when the tensor is its module's own error."""
 
@@ -178,8 +178,6 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
 def refuse_grafted_alignment(options: DiffOptions) -> None:
     """``--align tokens`` gathers rows of a sequence over steps; a grafted step was fed the
     reference's own rows pass by pass, so the two cannot be combined (yet): exit 2."""
-    from .sources import open_side
-
     for which, path in (("A", options.a), ("B", options.b)):
         if path.is_dir() and graft_infos(open_side(which, path, options)):
             raise UsageError(

@@ -120,7 +120,7 @@ class PassView:
             reader.close()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunSource:
     """A run (or a lone pass file) of one side, with what decides how its entries read."""
 
@@ -268,10 +268,10 @@ def _pass_file_side(which: str, path: Path) -> Side:
     if mode in ("stats", "records"):
         mode = "full"  # a pass file holds whole tensors even in a stats-mode run (records)
     source = RunSource(
-        path.name,
-        int(manifest.get("rank", 0)),
-        mode,
-        token_dim,
+        name=path.name,
+        rank=int(manifest.get("rank", 0)),
+        mode=mode,
+        token_dim=token_dim,
         pass_file=path,
         declared_precision=declared_precision(manifest),
         facts=manifest_facts(manifest),
@@ -283,10 +283,10 @@ def _pass_file_side(which: str, path: Path) -> Side:
 def _run_source(run: Run) -> RunSource:
     mode, token_dim = _mode_of(run.manifest, run)
     return RunSource(
-        run.name,
-        run.rank,
-        mode,
-        token_dim,
+        name=run.name,
+        rank=run.rank,
+        mode=mode,
+        token_dim=token_dim,
         run=run,
         declared_precision=declared_precision(run.manifest),
         facts=manifest_facts(run.manifest),

@@ -41,11 +41,14 @@ Near-tie MoE routing flips are judged in :mod:`.routing`; their effect joins the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from ..errors import ExitCode
 from .containers import anchors
 from .metrics import TensorMetrics
-from .results import TensorResult
+from .results import DiffReport, Findings, FirstInTime, Growth, TensorResult
 from .tolerance import Tolerance
 
 GROWTH = 100.0  # how much one op may amplify the upstream error (rel_diff, i.e. 10x in RMS)
@@ -74,7 +77,7 @@ def rounding_floor(precision: str | None, last_dim: int) -> float:
     return K_ROUNDING * (u_run**2 + max(last_dim, 1) * u_acc**2)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Level:
     """The running error level of one root pair: this pass's, and what earlier passes carried."""
 
@@ -217,6 +220,21 @@ def fixed_rule(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, flo
     return error, threshold, ok and metrics.nonfinite_mismatch == 0
 
 
+def stats_rule(error: float, tolerance: Tolerance) -> tuple[str, float]:
+    """(status, threshold) of a stats pair: its worst statistic's error against ``rtol``, a fixed
+    rule (a statistic is one number per tensor: no noise model applies to it)."""
+    return ("ok" if error <= tolerance.rtol else "diverged"), tolerance.rtol
+
+
+def router_rule(near_tie: bool, flipped: int, metrics: TensorMetrics) -> tuple[str, float, float | None]:
+    """(status, error, threshold) of a router's top-k indices that differ: a flip at a near-tie of
+    its top-k (within the run's noise, :func:`.routing.detect`) is reported, not a divergence, its
+    error the count of tokens flipped; any other flip is a divergence of the indices."""
+    if near_tie:
+        return "routing_flip", float(flipped), None
+    return "diverged", metrics.max_abs, 0.0
+
+
 def _nonfinite_message(result: TensorResult) -> str | None:
     metrics = result.metrics
     if metrics is None or not metrics.nonfinite_mismatch:
@@ -227,10 +245,85 @@ def _nonfinite_message(result: TensorResult) -> str | None:
     )
 
 
-def times_noise(result: TensorResult) -> float | None:
-    """The error as a multiple of the baseline's measured noise (inf over exact-zero noise)."""
-    if result.noise is None or result.error is None:
+# ------------------------------------------------------------------------- the report's findings
+
+# Statuses that make the exit code 1; the others (ok, routing_flip, routing, not_aligned,
+# not_comparable) are reported and never fail the diff.
+FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
+NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")  # the statuses a first divergence may have
+GROWTH_FACTOR = 10.0  # a jump: an error this many times the largest before it in its pass
+# Errors below this are rounding dust: a jump from 1e-16 to 1e-14 is not where a bug starts.
+GROWTH_FLOOR = 1e-12
+
+
+def first_divergence(results: Sequence[TensorResult]) -> TensorResult | None:
+    """The first pair in execution order whose values exceed tolerance (or disagree across ranks)."""
+    return next((r for r in results if r.status in NUMERIC_DIVERGENCE), None)
+
+
+def largest_growth(results: Sequence[TensorResult]) -> Growth | None:
+    """The first tensor whose error exceeds 10x the largest error seen before it in the same pass.
+
+    bf16 noise grows slowly through the layers; a bug shows as a jump. Errors under
+    :data:`GROWTH_FLOOR` neither count as a jump nor set the running maximum.
+    """
+    running: float | None = None
+    unit_key: tuple[int, str | None] | None = None
+    for result in results:
+        if (result.pass_index, result.root) != unit_key:
+            unit_key, running = (result.pass_index, result.root), None
+        error = result.error
+        if error is None or result.metric == "exact" or not math.isfinite(error) or error < GROWTH_FLOOR:
+            continue
+        if running is not None and error > GROWTH_FACTOR * running:
+            return Growth(result, running, error / running)
+        running = error if running is None else max(running, error)
+    return None
+
+
+def first_in_time(
+    results: Sequence[TensorResult], steps_of: dict[int, tuple[int, ...]]
+) -> FirstInTime | None:
+    """``--align tokens``: the diverged row computed earliest, the lowest step (A's pass), then the
+    first module in that step. ``steps_of`` maps a result's index to the step of each of its rows;
+    a result's row is its first beyond the threshold (its worst when none is)."""
+    best: tuple[tuple[int, int], TensorResult, int] | None = None
+    for result in results:
+        if result.status != "diverged" or result.per_token is None:
+            continue
+        per_token = result.per_token
+        threshold = result.threshold or 0.0
+        bad = [i for i, v in enumerate(per_token) if v > threshold]
+        row = bad[0] if bad else max(range(len(per_token)), key=lambda i: per_token[i])
+        key = (steps_of[result.index][row], result.index)
+        if best is None or key < best[0]:
+            best = (key, result, row)
+    if best is None:
         return None
-    if result.noise == 0:
-        return 0.0 if result.error == 0 else math.inf
-    return result.error / result.noise
+    (step, _), result, row = best
+    return FirstInTime(result=result, row=row, step=step)
+
+
+def exit_code(results: Sequence[TensorResult], inputs_differ: Sequence[Any]) -> ExitCode:
+    """1 when a pair failed (:data:`FAILING`) or aligned sequences were fed other tokens, else 0."""
+    failing = bool(inputs_differ) or any(r.status in FAILING for r in results)
+    return ExitCode.DIVERGED if failing else ExitCode.OK
+
+
+def conclude(report: DiffReport, steps_of: dict[int, tuple[int, ...]] | None = None) -> Findings:
+    """Decide the report's findings from its final results and store them on it.
+
+    The first divergence is none when the inputs differ (no module is to blame for what its inputs
+    already carry); with ``--align tokens`` (``steps_of`` given) it is the diverged row computed
+    earliest (:func:`first_in_time`), else the first in execution order."""
+    in_time = first_in_time(report.results, steps_of) if steps_of is not None else None
+    first = None
+    if not report.inputs_differ:
+        first = in_time.result if in_time is not None else first_divergence(report.results)
+    report.findings = Findings(
+        first_divergence=first,
+        largest_growth=largest_growth(report.results),
+        exit_code=exit_code(report.results, report.inputs_differ),
+        first_in_time=in_time,
+    )
+    return report.findings
