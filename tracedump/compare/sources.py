@@ -37,6 +37,7 @@ from ..store.loader import (
 from .options import DiffOptions
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
+from .tolerance import pair_precision
 
 if TYPE_CHECKING:  # torch is imported where a .pt file is read: a diff of pass files never needs it
     import torch
@@ -227,8 +228,6 @@ def _mode_of(manifest: dict[str, Any], run: Run | None) -> tuple[str, int]:
 def declared_precision(manifest: dict[str, Any]) -> str | None:
     """The least precise float the manifest's ``precision`` declares: its parameters' dtypes, and
     ``tfloat32`` for an fp32 run whose CUDA matmuls were allowed TF32."""
-    from .tolerance import pair_precision
-
     precision = manifest.get("precision")
     if not isinstance(precision, dict):
         return None
