@@ -10,10 +10,11 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from ..errors import UsageError
 from ..util.ranges import IndexRanges
+from .bridge_rules import Bridge, load_bridge
 
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
@@ -145,7 +146,7 @@ def parse_passes(text: str | None) -> IndexRanges | None:
     return selection.merged()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DiffOptions:
     """Everything that decides what is compared and how; frozen so no stage can change it."""
 
@@ -164,7 +165,7 @@ class DiffOptions:
     baseline: Path | None = None
     align: Literal["passes", "tokens"] = "passes"
     align_given: bool = True  # False: --align was not given, a bridge may choose (compare/bridge.py)
-    bridge: Any = None  # --bridge: None (choose by the manifests), "none", or a bridge.Bridge
+    bridge: Bridge | Literal["none"] | None = None  # --bridge: None chooses by the manifests
     json_path: str | None = None
     plot_path: Path | None = None
     html_path: Path | None = None
@@ -218,23 +219,25 @@ def parse_options(
     baseline: str | Path | None = None,
     align: str | None = "passes",
     bridge: str | Path | None = None,
-    **output: object,
+    json_path: str | None = None,
+    plot_path: Path | None = None,
+    html_path: Path | None = None,
+    max_rows: int = 500,
+    progress: bool | None = None,
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
 
-    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``html_path``,
-    ``max_rows``, ``progress``."""
+    ``json_path``, ``plot_path``, ``html_path``, ``max_rows`` and ``progress`` only change the
+    report: where it is written, how many table rows, whether a progress bar shows."""
     rtol_value, rtol_rules = parse_tolerances(rtol, "--rtol")
     atol_value, atol_rules = parse_tolerances(atol, "--atol")
     if baseline is not None and not Path(baseline).exists():
         raise UsageError(f"--baseline {baseline}: no such file or directory")
-    chosen_bridge: Any = None
+    chosen_bridge: Bridge | Literal["none"] | None = None
     if bridge is not None and str(bridge).lower() == "none":
         chosen_bridge = "none"
     elif bridge is not None:
-        from .bridge import load_bridge  # a bad rule file fails here, before any dump is read
-
-        chosen_bridge = load_bridge(bridge)
+        chosen_bridge = load_bridge(bridge)  # a bad rule file fails here, before any dump is read
     return DiffOptions(
         a=Path(a),
         b=Path(b),
@@ -252,5 +255,9 @@ def parse_options(
         align=align or "passes",  # type: ignore[arg-type]
         align_given=align is not None,
         bridge=chosen_bridge,
-        **output,  # type: ignore[arg-type]
+        json_path=json_path,
+        plot_path=plot_path,
+        html_path=html_path,
+        max_rows=max_rows,
+        progress=progress,
     )
