@@ -157,10 +157,11 @@ def _summary_cells(read: Callable[[], Any]) -> list[str]:
     """min, max, mean, abs_mean as text (in float64); ``-`` for a dtype numpy cannot widen (float4)."""
     import numpy as np
 
-    from .compare.routing import as_float
+    from .compare.reader import widen
 
     try:
-        values = np.asarray(as_float(read()), dtype=np.float64).reshape(-1)
+        stored = read()
+        values = np.asarray(widen(stored.array, stored.dtype), dtype=np.float64).reshape(-1)
     except (ValueError, TypeError, RuntimeError, NotImplementedError):
         return ["-"] * 4
     if not values.size:

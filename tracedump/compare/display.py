@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..store.dtypes import SHORT_NAMES as SHORT_DTYPES  # the tables' and the report page's spelling
 from ..util.console import console, printable
 from .execute import Progress, pair_bytes
 from .inputs import describe as describe_inputs
@@ -15,12 +16,6 @@ from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
 
-SHORT_DTYPES = {  # the tables' and the report page's dtype spelling
-    "float64": "fp64",
-    "float32": "fp32",
-    "float16": "fp16",
-    "bfloat16": "bf16",
-}
 STATUS_TEXT = {  # each status as the table and the report page print it
     "ok": "ok",
     "diverged": "DIVERGED",

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..store.dtypes import WIDER_THAN_FLOAT32
 from ..util.cpus import usable_cpus
-from .reader import Stored
+from .reader import Stored, widen
 
 try:  # the one-pass C sums (kernel.c); optional at install, the numpy path is the fallback
     from ..util import kernel
@@ -46,12 +47,8 @@ _MIN_ROW = 32  # shorter rows are summed by per_token_rel_diff, not by the metri
 _PARALLEL_CHUNKS = 8  # tensors of at least this many chunks are split across worker threads
 _MAX_WORKERS = 4  # the arithmetic is memory-bound: more threads than this buy nothing
 _UNDERFLOW = 1e-30  # fp32 squares below this lose digits: redo the chunk in float64
-_WIDE_DTYPES = frozenset({"float64", "int64", "uint64", "int32", "uint32"})
 # What _work_dtype does, in words, for the summary line and the docs.
 WORK_DTYPE_RULE = "in float32 (float64 when either side is float64 or a 32/64-bit integer)"
-# 8-bit floats torch widens (float8_e8m0fnu: power-of-two scales). float4_e2m1fn_x2, which torch
-# cannot widen, stays as its byte values: compared bitwise, any difference is a divergence.
-_FP8 = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
 
 
 @dataclass(frozen=True)
@@ -92,31 +89,8 @@ class _Sums:
 
 
 def _work_dtype(dtype_a: str, dtype_b: str) -> type:
-    return np.float64 if dtype_a in _WIDE_DTYPES or dtype_b in _WIDE_DTYPES else np.float32
-
-
-def _widen(raw: np.ndarray, dtype: str, work: type, buffer: np.ndarray) -> np.ndarray:
-    """A chunk of stored values as ``work`` floats (bf16 bits shifted into fp32, exactly)."""
-    out = buffer[: raw.shape[0]]
-    if dtype == "bfloat16":
-        bits = out.view(np.uint32) if work is np.float32 else np.empty(raw.shape[0], np.uint32)
-        np.left_shift(raw, 16, out=bits, dtype=np.uint32)
-        if work is np.float32:
-            return out
-        np.copyto(out, bits.view(np.float32))
-        return out
-    if dtype in _FP8:  # through torch, imported here: a diff without fp8 never loads it
-        import torch
-
-        real = getattr(torch, dtype, None)
-        if real is None:  # a dump from a newer torch: its bytes are no numbers to this one
-            raise ValueError(f"torch {torch.__version__} has no {dtype} to widen")
-        np.copyto(out, torch.from_numpy(raw.copy()).view(real).float().numpy())
-        return out
-    if raw.dtype == work:
-        return raw
-    np.copyto(out, raw, casting="unsafe")
-    return out
+    wide = WIDER_THAN_FLOAT32
+    return np.float64 if dtype_a in wide or dtype_b in wide else np.float32
 
 
 class _Buffers:
@@ -291,8 +265,9 @@ def _sum_chunks(pair: _Pair, claims: Iterable[int], table: np.ndarray) -> _Sums:
     with np.errstate(all="ignore"):  # overflow and NaN are detected and handled, not warned about
         for index in claims:
             start = index * pair.chunk
-            x = _widen(pair.flat_a[start : start + pair.chunk], pair.dtype_a, pair.work, buffers.a)
-            y = _widen(pair.flat_b[start : start + pair.chunk], pair.dtype_b, pair.work, buffers.b)
+            raw_a, raw_b = pair.flat_a[start : start + pair.chunk], pair.flat_b[start : start + pair.chunk]
+            x = widen(raw_a, pair.dtype_a, pair.work, buffers.a[: raw_a.shape[0]])
+            y = widen(raw_b, pair.dtype_b, pair.work, buffers.b[: raw_b.shape[0]])
             chunk_sums = _fast_chunk(x, y, start, sums, buffers, pair)
             table[index] = chunk_sums if chunk_sums is not None else _careful_chunk(x, y, start, sums, pair)
     return sums
@@ -522,8 +497,6 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = No
     are redone over their finite positions in float64."""
     if rows is not None:
         return _per_token_from_rows(rows, a.shape, dim)
-    from .routing import as_float
-
     tokens = a.shape[dim]
     moved_a, moved_b = np.moveaxis(a.array, dim, 0), np.moveaxis(b.array, dim, 0)
     per_row = max(1, math.prod(a.shape) // max(tokens, 1))
@@ -531,8 +504,8 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = No
     dd, norm = np.empty(tokens), np.empty(tokens)
     with np.errstate(all="ignore"):
         for start in range(0, tokens, step):
-            x = as_float(Stored(moved_a[start : start + step], a.dtype)).reshape(-1, per_row)
-            y = as_float(Stored(moved_b[start : start + step], b.dtype)).reshape(-1, per_row)
+            x = widen(moved_a[start : start + step], a.dtype).reshape(-1, per_row)
+            y = widen(moved_b[start : start + step], b.dtype).reshape(-1, per_row)
             d = x - y
             # float64 for the rows redone below: their sums can exceed float32 (values ~1e20)
             rows_dd = np.einsum("ij,ij->i", d, d).astype(np.float64)

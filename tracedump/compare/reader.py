@@ -4,8 +4,9 @@ The comparator computes with numpy on cache-sized chunks (see :mod:`.metrics`), 
 views of the file's bytes, not torch tensors: numpy has no bf16 or fp8, and torch refuses to hand
 those to numpy. Here a safetensors file is mapped once and each tensor is a read-only numpy view of
 its bytes (the page cache, read once, never copied into anonymous memory); bf16 and fp8 arrays hold
-the raw bits (``uint16``/``uint8``) with the real dtype name beside them (:class:`Stored`), and
-:mod:`.metrics` widens them chunk by chunk. The header (names, shapes, offsets) is the loader's
+the raw bits (``uint16``/``uint8``) with the real dtype name beside them (:class:`Stored`), and :func:`widen`
+makes them numbers (:mod:`.metrics` chunk by chunk). The storage of each dtype comes from the one
+dtype table, :mod:`tracedump.store.dtypes`. The header (names, shapes, offsets) is the loader's
 (:func:`tracedump.store.loader.read_header`): this module only maps the data it describes.
 """
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..store.dtypes import BITS_STORED, NUMPY_STORAGE, TORCH_WIDENED
 from ..store.format import dtype_name
 from ..store.loader import SafetensorsHeader
 
@@ -25,30 +27,7 @@ if TYPE_CHECKING:  # `tracedump show` maps files with this module and never impo
     import torch
 
 # dtype name -> numpy storage dtype (bit patterns for the float types numpy does not have)
-_STORAGE: dict[str, Any] = {
-    "float64": np.float64,
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-    "float8_e4m3fnuz": np.uint8,
-    "float8_e5m2fnuz": np.uint8,
-    "float8_e8m0fnu": np.uint8,
-    "float4_e2m1fn_x2": np.uint8,  # compared bitwise: torch cannot widen it
-    "complex64": np.float32,  # as (real, imag) pairs: twice the values, each compared as a float
-    "int64": np.int64,
-    "int32": np.int32,
-    "int16": np.int16,
-    "int8": np.int8,
-    "uint64": np.uint64,
-    "uint32": np.uint32,
-    "uint16": np.uint16,
-    "uint8": np.uint8,
-    "bool": np.bool_,
-}
-# torch dtypes numpy cannot hold: stored as their bits, in the same-width unsigned ints of _STORAGE.
-_BITS_VIEW = frozenset(name for name in _STORAGE if name.startswith(("bfloat", "float8", "float4")))
+_STORAGE: dict[str, np.dtype[Any]] = {name: np.dtype(storage) for name, storage in NUMPY_STORAGE.items()}
 
 
 @dataclass(frozen=True)
@@ -79,12 +58,49 @@ def stored_from_torch(tensor: torch.Tensor) -> Stored:
 
     tensor = tensor.detach().cpu().contiguous()
     dtype = dtype_name(tensor.dtype)
-    if dtype in _BITS_VIEW:
+    if dtype in BITS_STORED:
         bits = torch.int16 if tensor.element_size() == 2 else torch.int8
         return Stored(tensor.view(bits).numpy().view(_STORAGE[dtype]), dtype)
     if tensor.dtype == torch.complex64:
         return Stored(torch.view_as_real(tensor).numpy(), dtype)
     return Stored(tensor.numpy(), dtype)
+
+
+def widen(
+    values: np.ndarray, dtype: str, work: type | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The numbers stored ``values`` of ``dtype`` hold, as floats of ``work``; the one widening of
+    the comparator (metrics' chunks, token rows, routers, unshard sums, ``tracedump show``).
+
+    bf16 bits are shifted into fp32 (exactly); the fp8s go through torch, imported here, so a diff
+    without fp8 never loads it; every other dtype is converted by numpy (float4's bytes stay byte
+    values: compared bitwise). ``work`` None: float32, float64 kept. ``out``, a ``work`` buffer as
+    long as ``values``, is written into instead of a new array; values already in ``work`` come
+    back as they are (a view, never a copy)."""
+    target = np.dtype(work if work is not None else np.float64 if values.dtype == np.float64 else np.float32)
+    if dtype == "bfloat16" and out is not None and target == np.float32:
+        np.left_shift(values, 16, out=out.view(np.uint32), dtype=np.uint32)
+        return out
+    if dtype == "bfloat16":
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    elif dtype in TORCH_WIDENED:
+        values = _widened_by_torch(values, dtype)
+    if values.dtype == target:
+        return values
+    if out is None:
+        return values.astype(target)
+    np.copyto(out, values, casting="unsafe")
+    return out
+
+
+def _widened_by_torch(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """An fp8 tensor's bits as float32, widened by torch (numpy has no fp8)."""
+    import torch
+
+    real = getattr(torch, dtype, None)
+    if real is None:  # a dump from a newer torch: its bytes are no numbers to this one
+        raise ValueError(f"torch {torch.__version__} has no {dtype} to widen")
+    return torch.from_numpy(np.array(bits, copy=True)).view(real).float().numpy()
 
 
 def last_row_cut(stored: Stored, dim: int) -> Stored:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..store.format import Key
-from .reader import Stored
+from .reader import Stored, widen
 
 TIE_FACTOR = 4.0  # a flip whose top-k margin is within this many x the scores' RMS noise is a tie
 
@@ -31,16 +31,6 @@ TIE_FACTOR = 4.0  # a flip whose top-k margin is within this many x the scores' 
 def module_of(name: str) -> str:
     """The module a tensor name belongs to: ``a.gate[2]::call1`` -> ``a.gate``."""
     return Key.parse(name).module
-
-
-def as_float(stored: Stored) -> np.ndarray:
-    """The values as float32 (float64 kept), whole: routers and token rows are small."""
-    raw = stored.array
-    if stored.dtype == "bfloat16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    if stored.dtype.startswith("float8"):
-        return stored.to_torch().float().numpy()
-    return raw if raw.dtype == np.float64 else raw.astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -138,7 +128,7 @@ def detect(
         return Flip(router, block, tokens, tuple(int(r) for r in rows), (), 0.0, inherited)
     if scores is None:
         return None
-    score_a, score_b = (as_float(s).reshape(tokens, -1) for s in scores)
+    score_a, score_b = (widen(s.array, s.dtype).reshape(tokens, -1) for s in scores)  # whole: small
     if score_b.shape[1] <= k:
         return None
     clean = np.ones(tokens, dtype=bool)

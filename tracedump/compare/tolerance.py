@@ -29,48 +29,32 @@ How ``--rtol``/``--atol`` apply to each metric:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+from ..store.dtypes import BY_NAME, INTEGER_DTYPES, PRECISION_ORDER
+
+_T = TypeVar("_T")
+
+
+def _rated(value: _T | None) -> _T:
+    """A default of a dtype with a precision rank: the table gives each of them all three."""
+    assert value is not None
+    return value
+
+
+# The per-dtype defaults, from the one dtype table (tracedump/store/dtypes.py), most precise first.
+# PRECISION_ORDER is the table's explicit precision_rank: anything not listed that is not an integer
+# is treated as float32. "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32
+# (recorded in the manifest).
 # rel_diff (and 1 - cosine) thresholds, by the less precise dtype of the pair.
-REL_DIFF_DEFAULTS: dict[str, float] = {
-    "float64": 1e-10,
-    "float32": 1e-8,
-    "tfloat32": 2e-4,
-    "float16": 2e-4,
-    "bfloat16": 1e-2,
-    "float8_e4m3fn": 5e-2,
-    "float8_e4m3fnuz": 5e-2,
-    "float8_e5m2": 2e-1,
-    "float8_e5m2fnuz": 2e-1,
-}
+REL_DIFF_DEFAULTS: dict[str, float] = {name: _rated(BY_NAME[name].rel_diff) for name in PRECISION_ORDER}
 # (rtol, atol) for the max_abs metric: torch.testing.assert_close's defaults, fp8 from its epsilon.
 MAX_ABS_DEFAULTS: dict[str, tuple[float, float]] = {
-    "float64": (1e-7, 1e-7),
-    "float32": (1.3e-6, 1e-5),
-    "tfloat32": (1e-3, 1e-5),
-    "float16": (1e-3, 1e-5),
-    "bfloat16": (1.6e-2, 1e-5),
-    "float8_e4m3fn": (1.25e-1, 1e-3),
-    "float8_e4m3fnuz": (1.25e-1, 1e-3),
-    "float8_e5m2": (2.5e-1, 1e-3),
-    "float8_e5m2fnuz": (2.5e-1, 1e-3),
+    name: _rated(BY_NAME[name].max_abs) for name in PRECISION_ORDER
 }
 # Relative tolerance on each statistic of a stats-mode dump (abs_mean, sum, max, ...).
-STATS_DEFAULTS: dict[str, float] = {
-    "float64": 1e-6,
-    "float32": 1e-5,
-    "tfloat32": 2e-2,
-    "float16": 2e-2,
-    "bfloat16": 1e-1,
-    "float8_e4m3fn": 3e-1,
-    "float8_e4m3fnuz": 3e-1,
-    "float8_e5m2": 5e-1,
-    "float8_e5m2fnuz": 5e-1,
-}
-# Most precise first, as the tables above list them; anything not listed that is not an integer is
-# treated as float32. "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32 (recorded
-# in the manifest).
-PRECISION_ORDER = tuple(REL_DIFF_DEFAULTS)
-INTEGER_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64"})
+STATS_DEFAULTS: dict[str, float] = {name: _rated(BY_NAME[name].stats) for name in PRECISION_ORDER}
+_RANK: dict[str, int] = {name: _rated(BY_NAME[name].precision_rank) for name in PRECISION_ORDER}
 # A stats record without a `dtype` stat has its dtype guessed from its max/min (stats.infer_dtype);
 # with neither, assume the common engine dtype, so two bf16 runs are not flagged for bf16 noise.
 UNKNOWN_DTYPE = "bfloat16"
@@ -89,7 +73,7 @@ def pair_precision(*dtypes: str | None) -> str:
 
 
 def _rank(dtype: str) -> int:
-    return PRECISION_ORDER.index(dtype) if dtype in PRECISION_ORDER else 1
+    return _RANK.get(dtype, _RANK["float32"])
 
 
 def less_precise(dtype_a: str | None, dtype_b: str | None) -> str:

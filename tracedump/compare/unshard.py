@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .options import UnshardRule
-from .reader import Stored, last_row_cut
-from .routing import as_float
+from .reader import Stored, last_row_cut, widen
 from .sources import EntryMeta, PassView
 
 
@@ -125,9 +124,11 @@ def _derive(entry: SideEntry, views: list[PassView]) -> Stored:
         dim = entry.piece[0] if entry.piece else -1
         return Stored(np.concatenate([p.array for p in parts], axis=dim), parts[0].dtype)
     shape = parts[0].shape
-    total = _as_float64(parts[0]).reshape(shape)
+    total = widen(parts[0].array, parts[0].dtype, np.float64).reshape(shape)
     for part in parts[1:]:
-        values = _as_float64(part).reshape(shape)  # equal once size-1 dims are dropped (plan checks)
+        values = widen(part.array, part.dtype, np.float64).reshape(
+            shape
+        )  # equal once size-1 dims are dropped (plan checks)
         total = total + values if entry.op == "sum" else total * values
     return Stored(total, "float64")
 
@@ -140,13 +141,7 @@ def _join(entry: SideEntry, views: list[PassView]) -> Stored:
     if entry.how == "sum":
         total = np.zeros(parts[0].shape, np.float64)
         for part in parts:
-            total += _as_float64(part)
+            total += widen(part.array, part.dtype, np.float64)
         return Stored(total, "float64")
     dim = int(entry.how.split(":", 1)[1])
     return Stored(np.concatenate([p.array for p in parts], axis=dim), parts[0].dtype)
-
-
-def _as_float64(stored: Stored) -> np.ndarray:
-    """Exactly: bf16 and fp8 widened from their bits, other dtypes converted directly."""
-    narrow = stored.dtype == "bfloat16" or stored.dtype.startswith("float8")
-    return (as_float(stored) if narrow else stored.array).astype(np.float64)

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ExitCode
+from ..store.dtypes import UNIT_ROUNDOFF
 from .containers import anchors
 from .metrics import TensorMetrics
 from .results import DiffReport, Findings, FirstInTime, Growth, TensorResult
@@ -67,18 +68,6 @@ GROWTH = 100.0  # how much one op may amplify the upstream error (rel_diff, i.e.
 CARRY_GROWTH = 10.0  # how much one step of a loop may grow a tensor's own error past the ceiling
 K_ROUNDING = 3.0  # roundings one op may add, in units of u^2 (rel_diff of one rounding ~ u^2/3)
 BASELINE_FACTOR = 10.0  # x the measured noise err(C, B) (about 3x in RMS error)
-# Unit roundoff of each precision (half the spacing of numbers near 1).
-UNIT_ROUNDOFF: dict[str, float] = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "tfloat32": 2.0**-11,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-    "float8_e4m3fn": 2.0**-4,
-    "float8_e4m3fnuz": 2.0**-4,
-    "float8_e5m2": 2.0**-3,
-    "float8_e5m2fnuz": 2.0**-3,
-}
 NOISE_MODEL = ("rel_diff", "cosine")  # metrics the noise model judges; the others keep fixed rules
 
 

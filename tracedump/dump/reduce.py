@@ -28,11 +28,14 @@ def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
     return tensor if dim is None else tensor.narrow(dim, tensor.shape[dim] - 1, 1)
 
 
-def _as_float(tensor: torch.Tensor) -> torch.Tensor:
-    """Integers and complex numbers as float64 (exact for counts and indices); floats as they are,
-    except narrow floats on the CPU: its reductions of bf16/fp16 into a float32 accumulator are
-    slower than one widening copy followed by float32 kernels (docs/performance.md), while on a GPU the
-    reductions read the narrow values directly, half the bytes of a widened copy."""
+def _reduction_input(tensor: torch.Tensor) -> torch.Tensor:
+    """What the reductions read. No widening of stored bits (that is the comparator's
+    ``compare.reader.widen``, on host numpy arrays): a live tensor, on its own device, kept narrow
+    where its kernels read it narrow. Integers and complex numbers as float64 (exact for counts and
+    indices); floats as they are, except narrow floats on the CPU: its reductions of bf16/fp16 into
+    a float32 accumulator are slower than one widening copy followed by float32 kernels
+    (docs/performance.md), while on a GPU the reductions read the narrow values directly, half the
+    bytes of a widened copy."""
     if tensor.is_floating_point():
         narrow = tensor.dtype not in (torch.float32, _F64)
         return tensor.float() if narrow and tensor.device.type == "cpu" else tensor
@@ -204,7 +207,7 @@ def compute_stats(
     if not numeric:
         return numeric, torch.empty(0, dtype=_F64), extras
     recipe = _recipe(tuple(numeric))
-    x = _as_float(source)
+    x = _reduction_input(source)
     swept = _swept(x, recipe)
     if swept is not None:
         return numeric, torch.mul(swept, _scale(recipe, x.numel(), x.device)), extras

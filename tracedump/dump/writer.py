@@ -23,6 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from ..store.dtypes import CODES_ON_DISK_ORDER
 from ..store.format import (
     MANIFEST,
     ORDER_KEY,
@@ -35,7 +36,6 @@ from ..store.format import (
     with_numbers,
 )
 from ..store.fsio import atomic_path
-from ..store.stformat import CODES_ON_DISK_ORDER
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
 from .cuda import wait_for

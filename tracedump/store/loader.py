@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DumpReadError
+from .dtypes import CODES_ON_DISK_ORDER, ELEMENT_BYTES
 from .format import (
     FORMAT_KEY,
     MANIFEST,
@@ -44,15 +45,10 @@ from .format import (
     stats_record_problem,
 )
 from .sequences import Batch, SeqId, Sequence, batches, sequences
-from .stformat import CODES_ON_DISK_ORDER
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
     import torch
 
-# Bytes per element of each safetensors dtype code; the others of CODES_ON_DISK_ORDER take one byte
-# (F4 too, as torch shapes it: float4_e2m1fn_x2 holds a pair of values a byte).
-_WIDTHS = {**dict.fromkeys(("F64", "I64", "U64", "C64"), 8), **dict.fromkeys(("F32", "I32", "U32"), 4)}
-_WIDTHS |= dict.fromkeys(("BF16", "F16", "I16", "U16"), 2)
 _MAX_HEADER = 1 << 28  # bytes; a real header is names and offsets, far below this
 
 
@@ -148,7 +144,7 @@ def _parse_header(path: Path, header: Any, data_start: int, size: int) -> Safete
 def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
     raw = str(spec["dtype"])
     name = CODES_ON_DISK_ORDER.get(raw, raw.lower())
-    width = _WIDTHS.get(raw, 1 if raw in CODES_ON_DISK_ORDER else 0)  # 0: a code we do not know
+    width = ELEMENT_BYTES.get(raw, 0)  # 0: a code we do not know (F4: a byte, a pair of values)
     dims = spec["shape"]
     if not isinstance(dims, list) or any(type(d) is not int or d < 0 for d in dims):
         raise ValueError(f"shape {dims!r}: expected a list of non-negative integers")

@@ -25,35 +25,13 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .dtypes import CODES_ON_DISK_ORDER, DTYPES
+
 if TYPE_CHECKING:
     import torch
 
-# safetensors dtype code -> torch dtype name, in the order safetensors lays tensors out on disk
-# (its ``Dtype`` enum, descending; tensors of one dtype by name). Checked against ``save_file``.
-CODES_ON_DISK_ORDER: dict[str, str] = {
-    "U64": "uint64",
-    "I64": "int64",
-    "F64": "float64",
-    "C64": "complex64",
-    "F32": "float32",
-    "U32": "uint32",
-    "I32": "int32",
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "U16": "uint16",
-    "I16": "int16",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I8": "int8",
-    "U8": "uint8",
-    "F4": "float4_e2m1fn_x2",
-    "BOOL": "bool",
-}
 _CODE_OF = {name: code for code, name in CODES_ON_DISK_ORDER.items()}
-_RANK = {code: rank for rank, code in enumerate(CODES_ON_DISK_ORDER)}
+_RANK = {d.code: d.disk_rank for d in DTYPES if d.code is not None}  # safetensors' on-disk order
 _IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 _MAX_WRITE = 1 << 30  # bytes per writev call, below the kernel's 2 GiB cap on a single write
 PAUSABLE_CHUNK = 8 << 20  # bytes per writev call when the caller may pause between calls (~1 ms)
