@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SequenceError, UsageError
-from ..store.sequences import Batch, SeqId, Sequence, sequences, token_dim
+from ..store.sequences import Batch, RowCut, SeqId, Sequence, sequence_rows, sequences
 from .bridge import Expr, Matcher, matcher_for
 from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
@@ -174,26 +174,6 @@ def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
     return x[: len(y)] == y[: len(x)]
 
 
-def _sequences_of(batch: Batch) -> list[SeqId]:
-    """The pass's sequences in order of first appearance (padding rows belong to none)."""
-    return [seq for seq in dict.fromkeys(batch.seq_ids) if seq is not None]
-
-
-def _layout(shape: tuple[int, ...], batch: Batch, preferred: int) -> tuple[str, int, tuple[int, ...]] | None:
-    """How a tensor of one pass holds its rows, as (kind, dim, shape with a ``[batch, seq]`` grid's
-    two dims merged into one): one per token row (``tokens``), or one per sequence (``sampled``:
-    logits, computed for each sequence's last token of the step only), or neither (None)."""
-    found = batch.row_dim(shape, preferred)
-    if found is not None:
-        return "tokens", found[0], found[1]
-    seqs = len(_sequences_of(batch))
-    if seqs < batch.tokens:
-        dim = token_dim(shape, seqs, preferred)
-        if dim is not None:
-            return "sampled", dim, shape
-    return None
-
-
 def _last_in_pass(sequence: Sequence, index: int) -> int:
     return max(p for p, (i, _) in sequence.rows.items() if i == index)
 
@@ -207,7 +187,7 @@ def _held(
     for index in sequence.rows_by_pass(positions):
         entry = expr.entry(side.view(index, options)[1])
         shape = () if entry is None else entry.meta.shape or ()
-        layout = None if entry is None else _layout(shape, side.batches[index], side.group.token_dim)
+        layout = None if entry is None else side.batches[index].layout(shape, side.group.token_dim)
         at = [p for p in positions if sequence.rows[p][0] == index]
         if layout is not None and layout[0] == "sampled":
             last = _last_in_pass(sequence, index)
@@ -221,39 +201,35 @@ def _rows(
     side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
 ) -> tuple[Stored | None, str | None, str | None]:
     """The rows of ``expr`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
-    why they cannot be gathered."""
-    pieces: list[np.ndarray] = []
-    dtype = None
-    for index, rows in sequence.rows_by_pass(positions).items():
-        views, entries = side.view(index, options)
-        entry = expr.entry(entries)
+    why they cannot be gathered (:func:`~tracedump.store.sequences.sequence_rows` says which)."""
+    dtypes: list[tuple[str, str | None]] = []  # per pass: the values' dtype, and the one shown
+
+    def shape_in(index: int) -> tuple[int, ...] | str:
+        entry = expr.entry(side.view(index, options)[1])
         if entry is None:
-            return None, None, f"not in pass {index}"
-        if entry.problem is not None:
-            return None, None, entry.problem
-        shape = entry.meta.shape or ()
-        batch = side.batches[index]
-        layout = _layout(tuple(shape), batch, side.group.token_dim)
-        if layout is None:
-            rows_of = f"{batch.tokens}" if batch.grid is None else f"{batch.tokens} ({list(batch.grid)})"
-            return None, None, f"no token dim of size {rows_of} in {list(shape)}"
-        kind, dim, merged = layout  # a [batch, seq] grid's two dims, merged into one of rows
-        if kind == "sampled":  # the sequence's row among the pass's sequences, in order of appearance
-            ordinal = _sequences_of(batch).index(sequence.seq_id)
-            rows = [ordinal] * len(rows)
+            return f"not in pass {index}"
+        return entry.problem if entry.problem is not None else tuple(entry.meta.shape or ())
+
+    def take(cut: RowCut) -> np.ndarray:
+        views, entries = side.view(cut.pass_index, options)
+        entry = expr.entry(entries)
+        assert entry is not None  # shape_in found it
         stored = assemble(entry, views)
-        array = stored.array if merged == tuple(shape) else stored.array.reshape(merged)
-        taken = np.moveaxis(_take_rows(array, rows, dim), dim, 0)
-        rest = tuple(s for s in taken.shape[1:] if s != 1)
-        pieces.append(taken.reshape((len(rows), *rest)))
-        kept = stored.dtype  # a bridge's float64 sum holds float64 values, shown as its parts' dtype
-        dtype = entry.meta.dtype if entry.op is not None else kept
-    if not pieces or dtype is None:
+        # a bridge's float64 sum holds float64 values, shown as its parts' dtype
+        dtypes.append((stored.dtype, entry.meta.dtype if entry.op is not None else stored.dtype))
+        same = cut.shape == tuple(entry.meta.shape or ())
+        array = stored.array if same else stored.array.reshape(cut.shape)
+        return np.moveaxis(_take_rows(array, list(cut.rows), cut.dim), cut.dim, 0)
+
+    found = sequence_rows(
+        sequence, positions, side.batches, shape_in, take, side.group.token_dim, sampled=True
+    )
+    if isinstance(found, str):
+        return None, None, found
+    kept, dtype = dtypes[-1]
+    if dtype is None:
         return None, None, "no rows"
-    if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
-        return None, None, "rows of different shapes across passes"
-    joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    return Stored(joined, kept), dtype, None
+    return Stored(found[0] if len(found) == 1 else np.concatenate(found), kept), dtype, None
 
 
 def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:

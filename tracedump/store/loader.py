@@ -44,7 +44,7 @@ from .format import (
     parse_run_dir_name,
     stats_record_problem,
 )
-from .sequences import Batch, SeqId, Sequence, batches, sequences
+from .sequences import Batch, RowCut, SeqId, Sequence, batches, sequence_rows, sequences
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
     import torch
@@ -476,31 +476,28 @@ class Run:
         sequence = sequences(found).get(seq_id)
         if sequence is None:
             raise KeyError(f"{self.path}: no sequence {seq_id!r} (sequences: {list(sequences(found))})")
-        by_pass = sequence.rows_by_pass(sequence.positions)
-        gathered: dict[str, list[torch.Tensor]] = {}
-        dropped: set[str] = set()
-        for index, rows in by_pass.items():
-            pass_file = self.passes[index]
-            for name in pass_file.names:
-                where = found[index].row_dim(pass_file.info(name).shape, self.token_dim)
-                if where is None:
-                    dropped.add(name)
-                    continue
-                dim, merged = where  # a [batch, seq] grid's two dims merged into one of rows
-                # [len(rows), ...], other size-1 dims dropped: a decode step's [1, 1, hidden] and a
-                # prefill's [1, seq, hidden] line up as rows
-                tensor = pass_file[name].reshape(merged)
-                taken = tensor.index_select(dim, torch.tensor(rows)).movedim(dim, 0)
-                gathered.setdefault(name, []).append(
-                    taken.reshape(len(rows), *[s for s in taken.shape[1:] if s != 1])
-                )
-        return {
-            name: torch.cat(parts)
-            for name, parts in gathered.items()
-            if name not in dropped
-            and len(parts) == len(by_pass)
-            and all(p.shape[1:] == parts[0].shape[1:] for p in parts)
-        }
+        first = self.passes[sequence.rows[sequence.positions[0]][0]]  # a sequence holds a position
+        gathered = {name: self._sequence_rows(name, sequence, found) for name in first.names}
+        return {name: torch.cat(rows) for name, rows in gathered.items() if not isinstance(rows, str)}
+
+    def _sequence_rows(
+        self, name: str, sequence: Sequence, found: dict[int, Batch]
+    ) -> list[torch.Tensor] | str:
+        """The rows of ``name`` a sequence occupies, one tensor per pass (or why there are none)."""
+        import torch
+
+        def shape_in(index: int) -> tuple[int, ...] | str:
+            held = self.passes[index]
+            return held.info(name).shape if name in held else f"not in pass {index}"
+
+        def take(cut: RowCut) -> torch.Tensor:
+            # a [batch, seq] grid's two dims merged into one of rows
+            tensor = self.passes[cut.pass_index][name].reshape(cut.shape)
+            return tensor.index_select(cut.dim, torch.tensor(cut.rows)).movedim(cut.dim, 0)
+
+        return sequence_rows(
+            sequence, sequence.positions, found, shape_in, take, self.token_dim, sampled=False
+        )
 
 
 def runs_by_rank(runs: Iterable[Run], where: str) -> dict[int, Run]:

@@ -30,7 +30,7 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..errors import SequenceError
 from .format import BATCH_KEY
@@ -81,6 +81,26 @@ class Batch:
                     return dim, (*shape[:dim], batch * seq, *shape[dim + 2 :])
         dim = token_dim(shape, self.tokens, preferred)
         return None if dim is None else (dim, shape)
+
+    @property
+    def sequence_ids(self) -> list[SeqId]:
+        """The pass's sequences in order of first appearance (padding rows belong to none)."""
+        return [seq for seq in dict.fromkeys(self.seq_ids) if seq is not None]
+
+    def layout(self, shape: tuple[int, ...], preferred: int) -> tuple[str, int, tuple[int, ...]] | None:
+        """How a tensor of this pass holds its rows, as (kind, dim, shape with a ``[batch, seq]``
+        grid's two dims merged into one): one per token row (``tokens``), or one per sequence
+        (``sampled``: logits, computed for each sequence's last token of the step only), or
+        neither (None)."""
+        found = self.row_dim(shape, preferred)
+        if found is not None:
+            return "tokens", found[0], found[1]
+        seqs = len(self.sequence_ids)
+        if seqs < self.tokens:
+            dim = token_dim(shape, seqs, preferred)
+            if dim is not None:
+                return "sampled", dim, shape
+        return None
 
 
 @dataclass
@@ -241,6 +261,77 @@ def sequences(found: dict[int, Batch]) -> dict[SeqId, Sequence]:
                 f"(positions held: {_span(positions)})"
             )
     return out
+
+
+class _Rows(Protocol):
+    """A numpy array or a torch tensor: what the gathering below needs of either."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def reshape(self, shape: tuple[int, ...], /) -> Any: ...
+
+
+_Array = TypeVar("_Array", bound=_Rows)
+
+
+@dataclass(frozen=True)
+class RowCut:
+    """Where one pass holds a sequence's rows in one tensor: reshaped to ``shape`` (a ``[batch,
+    seq]`` grid's two dims merged into one), the ``rows`` along ``dim``."""
+
+    pass_index: int
+    dim: int
+    shape: tuple[int, ...]
+    rows: tuple[int, ...]
+
+
+def sequence_rows(
+    sequence: Sequence,
+    positions: list[int],
+    found: dict[int, Batch],
+    shape_in: Callable[[int], tuple[int, ...] | str],
+    take: Callable[[RowCut], _Array],
+    preferred: int,
+    *,
+    sampled: bool,
+) -> list[_Array] | str:
+    """One tensor's rows of ``sequence`` at ``positions``, one piece per pass in position order,
+    each ``[rows, ...]`` with its other size-1 dims dropped (a decode step's ``[1, 1, hidden]`` and
+    a prefill's ``[1, seq, hidden]`` line up as rows); or why they cannot be gathered.
+
+    The one gathering of a sequence's rows: ``Run.sequence`` (torch) and ``diff --align tokens``
+    (numpy) differ only in their arrays. ``shape_in(pass)`` is the tensor's shape in that pass (a
+    string: why it has none there); ``take(cut)`` returns its ``cut.rows`` along ``cut.dim``, that
+    dim moved first. ``sampled``: a tensor with one row per sequence (logits) gives that row for
+    each position the pass holds."""
+    pieces: list[_Array] = []
+    for index, rows in sequence.rows_by_pass(positions).items():
+        shape = shape_in(index)
+        if isinstance(shape, str):
+            return shape
+        batch = found[index]
+        layout = batch.layout(shape, preferred) if sampled else _tokens_layout(batch, shape, preferred)
+        if layout is None:
+            rows_of = f"{batch.tokens}" if batch.grid is None else f"{batch.tokens} ({list(batch.grid)})"
+            return f"no token dim of size {rows_of} in {list(shape)}"
+        kind, dim, merged = layout
+        if kind == "sampled":  # the sequence's row among the pass's sequences, in order of appearance
+            rows = [batch.sequence_ids.index(sequence.seq_id)] * len(rows)
+        taken = take(RowCut(index, dim, merged, tuple(rows)))
+        pieces.append(taken.reshape((len(rows), *[s for s in taken.shape[1:] if s != 1])))
+    if not pieces:
+        return "no rows"
+    if any(tuple(p.shape[1:]) != tuple(pieces[0].shape[1:]) for p in pieces):
+        return "rows of different shapes across passes"
+    return pieces
+
+
+def _tokens_layout(
+    batch: Batch, shape: tuple[int, ...], preferred: int
+) -> tuple[str, int, tuple[int, ...]] | None:
+    found = batch.row_dim(shape, preferred)
+    return None if found is None else ("tokens", *found)
 
 
 def _span(positions: list[int]) -> str:
