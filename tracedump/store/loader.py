@@ -500,12 +500,18 @@ class Run:
         )
 
 
+def group_by_rank(runs: Iterable[Run]) -> dict[int, list[Run]]:
+    """The runs of each rank, ranks in order of first appearance, runs in their order."""
+    groups: dict[int, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.rank, []).append(run)
+    return groups
+
+
 def runs_by_rank(runs: Iterable[Run], where: str) -> dict[int, Run]:
     """The runs of one root, by rank. Two runs of one rank and root are two independent processes
     dumped into one dir: which one is meant cannot be guessed, so that raises DumpReadError."""
-    by_rank: dict[int, list[Run]] = {}
-    for run in runs:
-        by_rank.setdefault(run.rank, []).append(run)
+    by_rank = group_by_rank(runs)
     for rank, same in sorted(by_rank.items()):
         if len(same) > 1:
             root = f" for root {same[0].root!r}" if same[0].root else ""
@@ -546,10 +552,8 @@ class Dump:
         return by_rank[wanted]
 
     def by_rank(self) -> dict[int, list[Run]]:
-        groups: dict[int, list[Run]] = {}
-        for run in self.runs:
-            groups.setdefault(run.rank, []).append(run)
-        return groups
+        """Every run (all roots) by rank."""
+        return group_by_rank(self.runs)
 
 
 def read_manifest(run_dir: Path) -> Manifest:
