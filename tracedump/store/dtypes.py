@@ -69,6 +69,34 @@ def _int(name: str, code: str, disk_rank: int, nbytes: int) -> DType:
     )
 
 
+def _fp8(
+    name: str,
+    code: str,
+    disk_rank: int,
+    significand_bits: int,
+    *,
+    rank: int | None = None,
+    rel_diff: float | None = None,
+    max_abs: tuple[float, float] | None = None,
+    stats: float | None = None,
+) -> DType:
+    """An 8-bit float: its byte stored as a uint8, made a number by torch."""
+    return DType(
+        name=name,
+        kind="float",
+        significand_bits=significand_bits,
+        code=code,
+        disk_rank=disk_rank,
+        bytes=1,
+        storage="uint8",
+        torch_widens=True,
+        precision_rank=rank,
+        rel_diff=rel_diff,
+        max_abs=max_abs,
+        stats=stats,
+    )
+
+
 # fmt: off
 DTYPES: tuple[DType, ...] = (
     DType(name="float64", kind="float", significand_bits=53, code="F64", disk_rank=2, bytes=8,
@@ -86,21 +114,12 @@ DTYPES: tuple[DType, ...] = (
     DType(name="bfloat16", kind="float", significand_bits=8, code="BF16", disk_rank=7, bytes=2,
           storage="uint16", precision_rank=4, rel_diff=1e-2, max_abs=(1.6e-2, 1e-5), stats=1e-1,
           short="bf16"),
-    DType(name="float8_e4m3fn", kind="float", significand_bits=4, code="F8_E4M3", disk_rank=14, bytes=1,
-          storage="uint8", torch_widens=True,
-          precision_rank=5, rel_diff=5e-2, max_abs=(1.25e-1, 1e-3), stats=3e-1),
-    DType(name="float8_e4m3fnuz", kind="float", significand_bits=4, code="F8_E4M3FNUZ", disk_rank=12, bytes=1,
-          storage="uint8", torch_widens=True,
-          precision_rank=6, rel_diff=5e-2, max_abs=(1.25e-1, 1e-3), stats=3e-1),
-    DType(name="float8_e5m2", kind="float", significand_bits=3, code="F8_E5M2", disk_rank=15, bytes=1,
-          storage="uint8", torch_widens=True,
-          precision_rank=7, rel_diff=2e-1, max_abs=(2.5e-1, 1e-3), stats=5e-1),
-    DType(name="float8_e5m2fnuz", kind="float", significand_bits=3, code="F8_E5M2FNUZ", disk_rank=11, bytes=1,
-          storage="uint8", torch_widens=True,
-          precision_rank=8, rel_diff=2e-1, max_abs=(2.5e-1, 1e-3), stats=5e-1),
+    _fp8("float8_e4m3fn", "F8_E4M3", 14, 4, rank=5, rel_diff=5e-2, max_abs=(1.25e-1, 1e-3), stats=3e-1),
+    _fp8("float8_e4m3fnuz", "F8_E4M3FNUZ", 12, 4, rank=6, rel_diff=5e-2, max_abs=(1.25e-1, 1e-3), stats=3e-1),
+    _fp8("float8_e5m2", "F8_E5M2", 15, 3, rank=7, rel_diff=2e-1, max_abs=(2.5e-1, 1e-3), stats=5e-1),
+    _fp8("float8_e5m2fnuz", "F8_E5M2FNUZ", 11, 3, rank=8, rel_diff=2e-1, max_abs=(2.5e-1, 1e-3), stats=5e-1),
     # power-of-two scales (MX formats): a value is an exponent alone
-    DType(name="float8_e8m0fnu", kind="float", significand_bits=1, code="F8_E8M0", disk_rank=13, bytes=1,
-          storage="uint8", torch_widens=True),
+    _fp8("float8_e8m0fnu", "F8_E8M0", 13, 1),
     # torch cannot widen it: kept as its byte values, compared bitwise (any difference diverges)
     DType(name="float4_e2m1fn_x2", kind="packed", significand_bits=2, code="F4", disk_rank=18, bytes=1,
           storage="uint8"),
