@@ -58,15 +58,10 @@ class DType:
 
 def _int(name: str, code: str, disk_rank: int, nbytes: int) -> DType:
     bits = 8 * nbytes - (not name.startswith("uint"))  # the sign bit holds no value
-    return DType(
-        name=name,
-        kind="int",
-        significand_bits=bits,
-        code=code,
-        disk_rank=disk_rank,
-        bytes=nbytes,
-        storage=name,
-    )
+    # fmt: off
+    return DType(name=name, kind="int", significand_bits=bits, code=code, disk_rank=disk_rank, bytes=nbytes,
+                 storage=name)
+    # fmt: on
 
 
 def _fp8(
