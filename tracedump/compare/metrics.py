@@ -89,8 +89,7 @@ class _Sums:
 
 
 def _work_dtype(dtype_a: str, dtype_b: str) -> type:
-    wide = WIDER_THAN_FLOAT32
-    return np.float64 if dtype_a in wide or dtype_b in wide else np.float32
+    return np.float64 if {dtype_a, dtype_b} & WIDER_THAN_FLOAT32 else np.float32
 
 
 class _Buffers:

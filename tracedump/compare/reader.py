@@ -4,9 +4,9 @@ The comparator computes with numpy on cache-sized chunks (see :mod:`.metrics`), 
 views of the file's bytes, not torch tensors: numpy has no bf16 or fp8, and torch refuses to hand
 those to numpy. Here a safetensors file is mapped once and each tensor is a read-only numpy view of
 its bytes (the page cache, read once, never copied into anonymous memory); bf16 and fp8 arrays hold
-the raw bits (``uint16``/``uint8``) with the real dtype name beside them (:class:`Stored`), and :func:`widen`
-makes them numbers (:mod:`.metrics` chunk by chunk). The storage of each dtype comes from the one
-dtype table, :mod:`tracedump.store.dtypes`. The header (names, shapes, offsets) is the loader's
+the raw bits (``uint16``/``uint8``) with the real dtype name beside them (:class:`Stored`), and
+:func:`widen` makes them numbers (:mod:`.metrics` chunk by chunk). Each dtype's storage comes from
+the one dtype table, :mod:`tracedump.store.dtypes`. The header (names, shapes, offsets) is the loader's
 (:func:`tracedump.store.loader.read_header`): this module only maps the data it describes.
 """
 
@@ -77,7 +77,9 @@ def widen(
     values: compared bitwise). ``work`` None: float32, float64 kept. ``out``, a ``work`` buffer as
     long as ``values``, is written into instead of a new array; values already in ``work`` come
     back as they are (a view, never a copy)."""
-    target = np.dtype(work if work is not None else np.float64 if values.dtype == np.float64 else np.float32)
+    if work is None:
+        work = np.float64 if values.dtype == np.float64 else np.float32
+    target = np.dtype(work)
     if dtype == "bfloat16" and out is not None and target == np.float32:
         np.left_shift(values, 16, out=out.view(np.uint32), dtype=np.uint32)
         return out

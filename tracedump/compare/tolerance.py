@@ -42,9 +42,9 @@ def _rated(value: _T | None) -> _T:
     return value
 
 
-# The per-dtype defaults, from the one dtype table (tracedump/store/dtypes.py), most precise first.
-# PRECISION_ORDER is the table's explicit precision_rank: anything not listed that is not an integer
-# is treated as float32. "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32
+# The per-dtype defaults, read from the one dtype table (tracedump/store/dtypes.py) in its
+# PRECISION_ORDER (its explicit precision_rank, most precise first); a float dtype without a rank is
+# judged as float32. "tfloat32" is no storage dtype: an fp32 run whose matmuls ran in TF32
 # (recorded in the manifest).
 # rel_diff (and 1 - cosine) thresholds, by the less precise dtype of the pair.
 REL_DIFF_DEFAULTS: dict[str, float] = {name: _rated(BY_NAME[name].rel_diff) for name in PRECISION_ORDER}
@@ -54,6 +54,7 @@ MAX_ABS_DEFAULTS: dict[str, tuple[float, float]] = {
 }
 # Relative tolerance on each statistic of a stats-mode dump (abs_mean, sum, max, ...).
 STATS_DEFAULTS: dict[str, float] = {name: _rated(BY_NAME[name].stats) for name in PRECISION_ORDER}
+# Each ranked dtype's precision rank (0: most precise): the larger one decides a pair.
 _RANK: dict[str, int] = {name: _rated(BY_NAME[name].precision_rank) for name in PRECISION_ORDER}
 # A stats record without a `dtype` stat has its dtype guessed from its max/min (stats.infer_dtype);
 # with neither, assume the common engine dtype, so two bf16 runs are not flagged for bf16 noise.

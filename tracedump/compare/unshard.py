@@ -126,9 +126,8 @@ def _derive(entry: SideEntry, views: list[PassView]) -> Stored:
     shape = parts[0].shape
     total = widen(parts[0].array, parts[0].dtype, np.float64).reshape(shape)
     for part in parts[1:]:
-        values = widen(part.array, part.dtype, np.float64).reshape(
-            shape
-        )  # equal once size-1 dims are dropped (plan checks)
+        # equal once size-1 dims are dropped (plan checks)
+        values = widen(part.array, part.dtype, np.float64).reshape(shape)
         total = total + values if entry.op == "sum" else total * values
     return Stored(total, "float64")
 

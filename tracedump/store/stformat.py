@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     import torch
 
 _CODE_OF = {name: code for code, name in CODES_ON_DISK_ORDER.items()}
-_RANK = {d.code: d.disk_rank for d in DTYPES if d.code is not None}  # safetensors' on-disk order
+# safetensors lays tensors out by dtype (its ``Dtype`` enum, descending), then by name; checked
+# against ``save_file`` (tests/test_stformat.py)
+_RANK = {d.code: d.disk_rank for d in DTYPES if d.code is not None}
 _IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 _MAX_WRITE = 1 << 30  # bytes per writev call, below the kernel's 2 GiB cap on a single write
 PAUSABLE_CHUNK = 8 << 20  # bytes per writev call when the caller may pause between calls (~1 ms)
