@@ -28,7 +28,7 @@ from torch import nn
 
 from .hooks import MAX_DEPTH as _MAX_DEPTH
 from .hooks import CallSites, HookSet
-from .recorder import Plan, Recorder
+from .recorder import KeepPolicy, Recorder
 from .rundir import ErrorLog
 from .runtime import Warner
 from .selection import ROOT_NAME, candidate_modules, display_name, every_name, regex_predicate, shared_names
@@ -252,7 +252,7 @@ class Capture:
         self._sink = MemorySink(self.device)
         self._recorder = Recorder(
             model,
-            Plan(inputs=True, implicit_passes=False, keep_outside=True),
+            KeepPolicy(inputs=True, implicit_passes=False, keep_outside=True),
             self._sink,
             _MemoryLog(self._warn),
             self._warn,

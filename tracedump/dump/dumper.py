@@ -36,7 +36,7 @@ from ..store.sequences import batch_metadata
 from .control import Controller
 from .cuda import SyncEscape
 from .hooks import CallSites, HookSet
-from .recorder import Plan, Recorder, check_tag
+from .recorder import KeepPolicy, Recorder, check_tag
 from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
@@ -146,7 +146,7 @@ class Dumper:
         self.sink = FileSink(self.rundir, sync_escape, settings.max_pending_bytes)
         self.recorder = Recorder(
             model,
-            Plan.from_settings(settings),
+            KeepPolicy.from_settings(settings),
             self.sink,
             self.rundir,
             self.warn,
