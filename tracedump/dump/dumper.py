@@ -41,6 +41,7 @@ from .rundir import RunDir, model_fields
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
 from .sinks import FileSink
+from .torch_compat import compiled_original
 
 
 def attach(
@@ -86,10 +87,8 @@ def active_dumper() -> Dumper | None:
 
 def original_module(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs; any other module itself."""
-    original = getattr(module, "_orig_mod", None)
-    if isinstance(original, nn.Module) and type(module).__name__ == "OptimizedModule":
-        return original
-    return module
+    original = compiled_original(module)
+    return original if original is not None else module
 
 
 def _unwrap_compiled(model: nn.Module) -> nn.Module:

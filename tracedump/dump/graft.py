@@ -43,6 +43,7 @@ from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
 from .hooks import MAX_DEPTH, flatten_inputs
 from .selection import display_name
+from .torch_compat import compiled_in_place, compiled_original
 
 __all__ = ["Graft", "Grafter", "graft", "parse_graft_map"]
 
@@ -69,9 +70,7 @@ def parse_graft_map(rules: Iterable[str]) -> list[tuple[re.Pattern[str], str]]:
 
 def is_compiled(model: nn.Module) -> bool:
     """``torch.compile(model)`` (an ``OptimizedModule``) or ``model.compile()`` (in place)."""
-    original = getattr(model, "_orig_mod", None)
-    wrapped = type(model).__name__ == "OptimizedModule" and isinstance(original, nn.Module)
-    return wrapped or getattr(model, "_compiled_call_impl", None) is not None
+    return compiled_original(model) is not None or compiled_in_place(model)
 
 
 def refuse_unsafe(model: nn.Module) -> None:

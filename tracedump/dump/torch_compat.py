@@ -9,9 +9,12 @@ whose docstring says what it relies on, and ``tests/test_torch_compat.py`` check
 by itself, so an upgrade fails there first and says which API broke.
 
 Versions: every assumption is **run** against torch 2.13.0+cpu and safetensors 0.8.0 (the test
-suite); the source of ``torch/nn/modules/module.py`` and ``torch/utils/hooks.py`` was **read**
-back to torch 2.3 (the oldest ``pyproject.toml`` allows), not run. Frame walking
-(``sys._getframe``) is CPython's own and works on every supported Python.
+suite). ``pyproject.toml`` allows torch >= 2.3; for older releases the source was only **read**,
+never run: ``torch/utils/hooks.py`` (``next_id`` taken and incremented per handle) and
+``torch/nn/modules/module.py`` (``__call__ = _wrapped_call_impl`` -> ``_compiled_call_impl`` or
+``_call_impl(self, *args, **kwargs)``; hook dicts created as ``OrderedDict()``;
+``_forward_pre_hooks_with_kwargs``), in undated stored revisions of pytorch/pytorch and copies of
+the ``typing.Dict``-era file. Frame walking (``sys._getframe``) is CPython's own.
 """
 
 from __future__ import annotations
@@ -73,10 +76,9 @@ def outermost_frame_of(owner: object, depth: int = 0) -> FrameType | None:
 # ------------------------------------------------------------------------------ Module._call_impl
 
 CALL_IMPL_CODE = nn.Module._call_impl.__code__
-"""The code of ``nn.Module._call_impl``: torch runs every module call (with or without hooks)
+"""The code of ``nn.Module._call_impl``: torch runs every eager module call (with or without hooks)
 inside one frame of it, whose locals hold the module as ``self`` and the call's keyword arguments
-as ``kwargs``. Read in torch 2.3-2.13 (``__call__ = _wrapped_call_impl`` -> ``_call_impl(self,
-*args, **kwargs)``), run in 2.13."""
+as ``kwargs`` (``__call__ = _wrapped_call_impl`` -> ``_call_impl(self, *args, **kwargs)``)."""
 
 
 def call_impl_frames(module: nn.Module, start: FrameType | None) -> Iterator[FrameType]:
@@ -106,8 +108,9 @@ def hook_registrations() -> int:
 
 
 def forward_pre_hooks(module: nn.Module) -> OrderedDict[int, Any]:
-    """``module._forward_pre_hooks``: handle id -> pre-hook, in the order torch runs them."""
-    return module._forward_pre_hooks  # type: ignore[return-value]
+    """``module._forward_pre_hooks``: handle id -> pre-hook, in the order torch runs them (empty
+    for an object whose ``nn.Module.__init__`` never ran)."""
+    return getattr(module, "_forward_pre_hooks", OrderedDict())
 
 
 def forward_hooks(module: nn.Module) -> OrderedDict[int, Any]:
