@@ -28,16 +28,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.settings import DEFAULT_ENV_PREFIX, DumpConfig, DumpSettings, is_enabled, load_settings
+from ..config.settings import (
+    DEFAULT_ENV_PREFIX,
+    DumpConfig,
+    DumpSettings,
+    check_combination,
+    is_enabled,
+    load_settings,
+)
 from ..errors import ConfigError
-from ..integrations.hf import batch_layout_for
 from ..store.format import RECORDS_FILE
 from ..store.sequences import batch_metadata
 from .control import Controller
 from .cuda import SyncEscape
+from .grafter import Grafter, check_not_into_reference, refuse_unsafe
+from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
 from .recorder import KeepPolicy, Recorder, check_tag
-from .rundir import RunDir, model_fields
+from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
 from .sinks import FileSink
@@ -63,16 +71,12 @@ def attach(
     if not settings.enabled:
         return None
     if settings.graft_from is not None:  # grafting refuses a compiled model rather than unwrap it
-        from .graft import refuse_unsafe
-
         refuse_unsafe(model)
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
 def _check_control(settings: DumpSettings) -> None:
     """STEPS with CONTROL is refused (see :func:`tracedump.config.settings.check_combination`)."""
-    from ..config.settings import check_combination
-
     check_combination(settings)
 
 
@@ -228,7 +232,7 @@ class Dumper:
         A padded batch (``[batch, seq, hidden]`` tensors) is a grid: nested lists or 2-D tensors of
         ``[batch, seq]``; a seq id ``None`` marks a padding row, which is never compared. An HF
         transformers model gets this from each forward's own inputs without any call
-        (:mod:`tracedump.integrations.hf`)."""
+        (:mod:`tracedump.dump.hf_layout`)."""
         self.recorder.set_batch(batch_metadata(seq_ids, positions, input_ids))
 
     def record(self, tag: str, tensor: torch.Tensor, once: bool = False) -> None:
@@ -311,11 +315,8 @@ class Dumper:
         if self.graft is not None:
             self.graft.remove()
 
-    def _grafter(self, model: nn.Module, settings: DumpSettings) -> Any:
+    def _grafter(self, model: nn.Module, settings: DumpSettings) -> Grafter:
         """GRAFT_FROM: the grafter, checked (reference, level, map, target dir) before any hook."""
-        from .graft import Grafter, check_not_into_reference
-        from .rundir import rank_and_world
-
         grafter = Grafter(
             model,
             settings.graft_from,  # type: ignore[arg-type]

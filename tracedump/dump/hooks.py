@@ -107,7 +107,7 @@ class PassTarget(Protocol):
 
 
 class BatchLayout(Protocol):
-    """Builds a root forward's ``tracedump.batch`` from its inputs (:mod:`tracedump.integrations.hf`)."""
+    """Builds a root forward's ``tracedump.batch`` from its inputs (:mod:`tracedump.dump.hf_layout`)."""
 
     def observe(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], wanted: bool) -> str | None: ...
 
