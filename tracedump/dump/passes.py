@@ -48,7 +48,7 @@ class _Everything:
         return True
 
 
-@dataclass
+@dataclass(kw_only=True)
 class KeepPolicy:
     """What to keep: the part of the settings the recorder reads (mode, gates, STEPS, passes)."""
 
