@@ -12,9 +12,10 @@ Example::
             model(batch)
 
 The Dumper only wires the parts (see docs/architecture.md): a :class:`~tracedump.dump.rundir.RunDir`
-owns the directory and manifest, a :class:`~tracedump.dump.recorder.Recorder` the passes and the hot
-path, a :class:`~tracedump.dump.sinks.FileSink` the copies and the writer. A failure at run time is
-reported once and never raised into the model's forward.
+owns the directory and manifest, a :class:`~tracedump.dump.recorder.Recorder` the hot path on the
+pass state machine (:mod:`tracedump.dump.passes`), a :class:`~tracedump.dump.sinks.FileSink` the
+copies and the writer, a :class:`~tracedump.dump.grafter.Grafter` the grafted inputs (``GRAFT_FROM``).
+A failure at run time is reported once and never raised into the model's forward.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from .cuda import SyncEscape
 from .grafter import Grafter, check_not_into_reference, refuse_unsafe
 from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
-from .recorder import KeepPolicy, Recorder, check_tag
+from .passes import KeepPolicy
+from .recorder import Recorder, check_tag
 from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names

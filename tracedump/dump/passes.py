@@ -138,7 +138,7 @@ class PassMachine:
     def __init__(
         self,
         model: nn.Module,
-        plan: KeepPolicy,
+        keep: KeepPolicy,
         sink: Sink,
         log: RunLog,
         warn: Callable[[str, str], None],
@@ -147,7 +147,7 @@ class PassMachine:
         control: Controller | None = None,
         label: str = "",
     ) -> None:
-        self.plan = plan
+        self.keep = keep
         self.sink = sink
         self.log = log
         self.warn = warn
@@ -156,8 +156,8 @@ class PassMachine:
         self.anchors = AnchorSearch()  # implicit passes: how an outside capture finds its method
         self._ready = ready  # the owner's check before a pass opens (fork, rank): False = none
         self._root_ref = weakref.ref(model)
-        self.mode = plan.mode
-        self.inputs = plan.inputs
+        self.mode = keep.mode
+        self.inputs = keep.inputs
         self.name_filter: Callable[[str], bool] | None = None  # an armed order's --filter (memoised)
         self.boundaries = 0  # step boundaries seen (control: the pass index is the step number)
         self.step_depth = 0  # open step() blocks
@@ -177,7 +177,7 @@ class PassMachine:
         self.anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
         self._local = threading.local()  # per thread: was its current root forward refused?
         self._explicit_passes = 0  # passes opened by a root forward or step() (see settle_implicit)
-        self._implicit_off = not self.plan.implicit_passes
+        self._implicit_off = not self.keep.implicit_passes
         self._anchorless = 0  # outside captures that no method of the model made
         self._anchored = 0  # ... and those one did
 
@@ -267,7 +267,7 @@ class PassMachine:
             if not self._arm(index):
                 return False
         # After a write error a pass still counts as selected: its captures are counted as lost.
-        self.current = Pass(index, selected=index in self.plan.steps)
+        self.current = Pass(index, selected=index in self.keep.steps)
         self.sink.host_busy(True)
         self.current.batch, self._pending_batch = self._pending_batch, None
         if self.current.batch is not None:
@@ -407,7 +407,7 @@ class PassMachine:
         by the step's latest ``set_batch``)."""
         held = self.control.holds_request(batch) if self.control is not None else None
         if held is not None:
-            current.selected = current.index in self.plan.steps and held
+            current.selected = current.index in self.keep.steps and held
 
     def _arm(self, step: int) -> bool:
         """Control mode, at a step boundary: whether this step is armed, with the order's overrides.
@@ -420,7 +420,7 @@ class PassMachine:
         if armed is not None and armed.mode and armed.mode != self.mode:
             self.mode = armed.mode
             self.log.update(settings={**self.log.manifest.get("settings", {}), "mode": self.mode})
-        self.inputs = bool(armed and armed.inputs) or self.plan.inputs
+        self.inputs = bool(armed and armed.inputs) or self.keep.inputs
         self.name_filter = armed.name_filter if armed is not None else None
         if changed:
             self.log.update(control=self.control.state())

@@ -110,7 +110,7 @@ class Recorder(PassMachine):
             self.report(name, e)
 
     def _outside_pass(self, name: str, value: Any, is_input: bool) -> None:
-        if not self.plan.keep_outside:
+        if not self.keep.keep_outside:
             self.skipped["outside_pass"] += 1
             return
         try:
@@ -126,11 +126,11 @@ class Recorder(PassMachine):
         The gates also run in passes that STEPS does not keep, copying nothing: a warm-up step must
         take no pass index even when that index is unselected, or every later pass number shifts.
         """
-        plan = self.plan
-        if not gates.row_gate_allows(self.rows, plan.max_rows):
+        keep = self.keep
+        if not gates.row_gate_allows(self.rows, keep.max_rows):
             return self._refuse(current, "row_gate")
         leaves = _leaves(value, is_input)
-        if leaves and not gates.token_gate_allows(leaves[0][1], plan.tokens, plan.token_dim):
+        if leaves and not gates.token_gate_allows(leaves[0][1], keep.tokens, keep.token_dim):
             return self._refuse(current, "token_gate")
         return leaves
 
@@ -163,7 +163,7 @@ class Recorder(PassMachine):
             if self.mode == "stats":
                 self._keep_stats(current, name, suffix, call, tensor, is_input)
                 continue
-            kept = last_row(tensor, self.plan.token_dim) if self.mode == "last_row" else tensor
+            kept = last_row(tensor, self.keep.token_dim) if self.mode == "last_row" else tensor
             host, event = self.sink.copy(kept)
             current.add(key_text(name, leaf_path(suffix, is_input), is_input, call), host, event)
             self._make_room(current)
@@ -171,7 +171,7 @@ class Recorder(PassMachine):
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
     ) -> None:
-        numeric, values, extras = compute_stats(tensor, self.plan.stats)
+        numeric, values, extras = compute_stats(tensor, self.keep.stats)
         host, event = self.sink.copy(values, pooled=False)
         key = Key(name, leaf_path(suffix, is_input), is_input, call)
         record = stats_record(key, current.index, current.next_seq(), extras)
@@ -186,7 +186,7 @@ class Recorder(PassMachine):
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self.idle or self.closed or self.suspended() or (once and tag in self._once_tags):
             return
-        if not gates.row_gate_allows(self.rows, self.plan.max_rows):
+        if not gates.row_gate_allows(self.rows, self.keep.max_rows):
             self.skipped["row_gate"] += 1  # a warm-up call uses no record_step number either
             return
         if numbered:
