@@ -68,7 +68,7 @@ class KeepPolicy:
         return cls(steps=settings.step_selection, **{name: getattr(settings, name) for name in fields})
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Pass:
     """What one open pass has gathered so far."""
 
@@ -105,7 +105,16 @@ class Pass:
         """The entries gathered so far as one file's job; the pass starts gathering afresh."""
         seqs = self.seqs if mode == "stats" else None
         entries, self.entries, self.seqs, nbytes, self.nbytes = self.entries, [], [], self.nbytes, 0
-        return PassJob(self.index, part, mode, entries, nbytes, None, seqs, self.truncated, self.batch)
+        return PassJob(
+            index=self.index,
+            part=part,
+            mode=mode,
+            entries=entries,
+            nbytes=nbytes,
+            seqs=seqs,
+            truncated=self.truncated,
+            batch=self.batch,
+        )
 
     def next_call(self, key: str) -> int:
         call = self.calls[key]
@@ -267,7 +276,7 @@ class PassMachine:
             if not self._arm(index):
                 return False
         # After a write error a pass still counts as selected: its captures are counted as lost.
-        self.current = Pass(index, selected=index in self.keep.steps)
+        self.current = Pass(index=index, selected=index in self.keep.steps)
         self.sink.host_busy(True)
         self.current.batch, self._pending_batch = self._pending_batch, None
         if self.current.batch is not None:
@@ -323,7 +332,7 @@ class PassMachine:
                 part = current.parts + 1 if current.parts else None
                 self.sink.submit(current.take_job(part, self.mode))
             if current.stats:
-                self.sink.submit(StatsJob(current.index, current.stats))
+                self.sink.submit(StatsJob(index=current.index, records=current.stats))
             self.sink.pass_closed(self.skipped)
         except Exception as e:
             self.report(f"pass {current.index}", e)

@@ -64,7 +64,10 @@ class Recorder(PassMachine):
             self.close_pass(truncated=interrupted)
         if not self.loose:
             return False
-        self.sink.submit(PassJob(-1, None, "records", self.loose, 0, file_name=RECORDS_FILE))
+        job = PassJob(
+            index=-1, part=None, mode="records", entries=self.loose, nbytes=0, file_name=RECORDS_FILE
+        )
+        self.sink.submit(job)
         return True
 
     # ---------------------------------------------------------------- hot path
