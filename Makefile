@@ -80,7 +80,7 @@ calibrate: $(STAMP)
 	$(BIN)/python benchmarks/calibrate.py --markdown --out benchmarks/calibration.json
 	$(BIN)/python benchmarks/calibrate_graft.py --markdown --out benchmarks/calibration_graft.json
 
-# docs/settings.md is generated from tracedump.settings.DumpSettings (tests/test_docs.py checks it).
+# docs/settings.md is generated from the fields in tracedump/config/fields.py (tests/test_docs.py checks it).
 docs: $(STAMP)
 	$(BIN)/python tools/docs_gen.py
 

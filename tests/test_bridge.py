@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.bridge import Template, builtin_bridges, load_bridge
+from tracedump.compare.bridge_rules import Template, builtin_bridges, load_bridge
 from tracedump.errors import UsageError
 from tracedump.store.format import ORDER_KEY, pass_file_name, pass_metadata
 

@@ -11,6 +11,7 @@ import functools
 import math
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +21,13 @@ import torch
 from tracedump.compare import metrics
 from tracedump.compare.metrics import CHUNK, compare_arrays
 from tracedump.compare.options import NameMap, UnshardRule, parse_passes
+from tracedump.compare.plan import Plan
 from tracedump.compare.reader import stored_from_torch
-from tracedump.compare.results import GROWTH_FLOOR, TensorResult, largest_growth
+from tracedump.compare.results import DiffReport, TensorResult
 from tracedump.compare.stats import compare_stats, infer_dtype
 from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
-from tracedump.errors import UsageError
+from tracedump.compare.verdict import GROWTH_FLOOR, conclude, largest_growth
+from tracedump.errors import ExitCode, UsageError
 
 
 @pytest.fixture(autouse=True, params=["kernel", "numpy"])
@@ -407,9 +410,22 @@ def test_pass_selection_accepts_lists_and_ranges() -> None:
 def _result(index: int, error: float | None, pass_index: int = 0) -> TensorResult:
     tolerance = Tolerance("rel_diff", 1e-2, 0.0, "bfloat16 default")
     return TensorResult(
-        index, pass_index, None, f"t{index}", f"t{index}", "tensor", (4,), (4,), "bfloat16", "float32",
-        "ok", tolerance, "rel_diff", error, 1e-2,
-    )  # fmt: skip
+        index=index,
+        pass_index=pass_index,
+        root=None,
+        name=f"t{index}",
+        name_b=f"t{index}",
+        kind="tensor",
+        shape_a=(4,),
+        shape_b=(4,),
+        dtype_a="bfloat16",
+        dtype_b="float32",
+        status="ok",
+        tolerance=tolerance,
+        metric="rel_diff",
+        error=error,
+        threshold=1e-2,
+    )
 
 
 def test_growth_is_the_first_tenfold_jump_over_the_running_max() -> None:
@@ -425,6 +441,20 @@ def test_growth_ignores_rounding_dust_and_restarts_each_pass() -> None:
     assert GROWTH_FLOOR == 1e-12
     passes = [_result(0, 1e-3, 0), _result(1, 1e-6, 1), _result(2, 2e-6, 1)]
     assert largest_growth(passes) is None  # pass 1 starts over; 1e-6 -> 2e-6 is no jump
+
+
+def test_the_findings_are_the_verdicts_and_a_report_is_read_only_once_concluded() -> None:
+    results = [replace(_result(0, 1e-6), status="ok"), replace(_result(1, 5e-2), status="diverged")]
+    plan = Plan(units=(), pairs=(), only_in_a=(), only_in_b=(), passes_only_in_a=(), passes_only_in_b=())
+    report = DiffReport(a={"path": "a"}, b={"path": "b"}, settings={}, plan=plan, results=results)
+    with pytest.raises(RuntimeError, match="conclude"):
+        _ = report.exit_code
+    findings = conclude(report)
+    assert report.first_divergence is results[1] and report.exit_code == ExitCode.DIVERGED
+    assert findings.largest_growth is not None and findings.first_in_time is None
+    report.inputs_differ = [{"sequence": 0}]
+    conclude(report)  # inputs that differ: no module is to blame, and the diff still fails
+    assert report.first_divergence is None and report.exit_code == ExitCode.DIVERGED
 
 
 # ------------------------------------------------------------------------------------------ stats

@@ -78,7 +78,7 @@ def test_the_docs_generator_is_a_tool_outside_the_installed_package() -> None:
 def test_settings_doc_is_current() -> None:
     assert docs_gen.check(), (
         f"docs/settings.md is stale: run `{docs_gen.REGENERATE}` and commit the result\n"
-        "(or fix the field description in tracedump/settings.py)"
+        "(or fix the field description in tracedump/config/fields.py)"
     )
 
 

@@ -14,7 +14,8 @@ from conftest import read_passes
 from torch import nn
 
 import tracedump
-from tracedump.dump.gates import globally_suspended, row_gate_allows, token_count, token_gate_allows
+from tracedump.dump.gates import row_gate_allows, token_count, token_gate_allows
+from tracedump.dump.suspend import globally_suspended
 
 transformers = pytest.importorskip("transformers")
 

@@ -99,11 +99,9 @@ def test_an_empty_tensor_warns_nothing_into_the_host_log() -> None:
 def test_abs_sum_on_an_accelerator_is_one_fused_reduction(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
-    """Off the CPU, Σ|x| is ``vector_norm(x, 1)``: |x| is never written out. Checked on a ``meta``
-    tensor (any non-CPU device takes that path) with a spy, and the fused kernel's value, run on
-    the CPU, against the one the CPU path gives, in the same accumulator dtype."""
-    from tracedump.dump import reduce
-
+    """Off the CPU, Σ|x| (``abs_mean``'s sum) is ``vector_norm(x, 1)`` in the accumulator dtype: |x|
+    is never written out. Checked on a ``meta`` tensor (any non-CPU device takes that path) with a
+    spy, and the fused kernel's value, run on the CPU, against the one the CPU path gives."""
     calls: list[tuple[torch.device, torch.dtype, torch.dtype | None]] = []
     real = torch.linalg.vector_norm
 
@@ -112,15 +110,17 @@ def test_abs_sum_on_an_accelerator_is_one_fused_reduction(
         return real(x, ord, *args, dtype=dtype)
 
     monkeypatch.setattr(torch.linalg, "vector_norm", spy)
-    out = reduce._abs_sum(torch.empty(64, 32, dtype=dtype, device="meta"))
+    _, out, _ = compute_stats(torch.empty(64, 32, dtype=dtype, device="meta"), ["abs_mean"])
     accumulator = torch.float64 if dtype == torch.float64 else torch.float32
-    assert calls == [(torch.device("meta"), dtype, accumulator)] and out.dtype == accumulator
+    assert calls == [(torch.device("meta"), dtype, accumulator)]
+    assert out.device.type == "meta" and out.dtype == torch.float64 and out.shape == (1,)
     x = torch.randn(256, 1376, generator=torch.Generator().manual_seed(4)).to(dtype)
-    on_cpu = reduce._abs_sum(x)
+    _, mean_on_cpu, _ = compute_stats(x, ["abs_mean"])
+    on_cpu = mean_on_cpu.item() * x.numel()
     assert len(calls) == 1  # the CPU path makes |x| and sums it
     fused = real(x, 1, dtype=accumulator)
-    assert fused.item() == pytest.approx(on_cpu.item(), rel=1e-5)
-    assert on_cpu.item() == pytest.approx(x.double().abs().sum().item(), rel=1e-5)
+    assert fused.item() == pytest.approx(on_cpu, rel=1e-5)
+    assert on_cpu == pytest.approx(x.double().abs().sum().item(), rel=1e-5)
 
 
 # ------------------------------------------------------------------ the one-pass C sweep on the CPU

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 import tracedump
-from tracedump.config.settings import Origin, StepSelection, is_enabled, load_settings
+from tracedump.config.settings import load_settings
+from tracedump.config.sources import Origin, is_enabled
+from tracedump.util.ranges import IndexRanges
 
 
 class _Two(nn.Module):
@@ -103,10 +105,10 @@ def test_an_error_names_the_origin_of_each_bad_value_even_after_normalising(monk
 
 def test_steps_is_parsed_once_into_a_step_selection():
     config = tracedump.DumpConfig(steps=" 0, 3,10-20 ")
-    assert config.steps == StepSelection(((0, 0), (3, 3), (10, 20)))
+    assert config.steps == IndexRanges(((0, 0), (3, 3), (10, 20)))
     assert 15 in config.step_selection and 4 not in config.step_selection
-    assert tracedump.DumpConfig(steps=[1, 2]).steps == StepSelection(((1, 1), (2, 2)))
-    assert tracedump.DumpConfig(steps=4).steps == StepSelection(((4, 4),))
+    assert tracedump.DumpConfig(steps=[1, 2]).steps == IndexRanges(((1, 1), (2, 2)))
+    assert tracedump.DumpConfig(steps=4).steps == IndexRanges(((4, 4),))
     assert tracedump.DumpConfig(steps=",").steps is None  # nothing selected: every pass
     assert 123 in tracedump.DumpConfig().step_selection
 

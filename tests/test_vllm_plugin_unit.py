@@ -44,15 +44,15 @@ p.register(); p.register()
 import tracedump.dump.runtime as r
 print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
                   "torch": "torch" in sys.modules, "runtime": r.existing() is not None,
-                  "settings": "tracedump.config.settings" in sys.modules,
+                  "settings": [m for m in sys.modules if m.startswith(("tracedump.config.", "pydantic"))],
                   "registered": p._registered}))
 """
 
 
 def test_off_is_one_env_lookup_no_vllm_import_no_torch() -> None:
     out = _python(_PROBE)["out"]
-    assert out == {"vllm": [], "torch": False, "runtime": False, "settings": False, "registered": False}
-    from tracedump.config.settings import env_name
+    assert out == {"vllm": [], "torch": False, "runtime": False, "settings": [], "registered": False}
+    from tracedump.config.sources import env_name
 
     assert env_name("dir") == plugin._DIR_VAR  # the one variable is_enabled() looks up
 

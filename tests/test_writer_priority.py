@@ -70,7 +70,7 @@ def held(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     original = Writer.wait_for_idle_host
 
     def noting(self: Writer) -> None:
-        if self._host_busy and not self._host_waits:
+        if self.host_is_busy and not self.host_waiting:
             reached.set()
         original(self)
 
@@ -133,20 +133,22 @@ def test_a_forward_with_a_spare_cpu_or_on_an_accelerator_is_written_beside(
 ) -> None:
     told: list[bool] = []
     writer = type("W", (), {"host_busy": staticmethod(told.append)})()
-    sink = tracedump.dump.sinks.FileSink.__new__(tracedump.dump.sinks.FileSink)
-    sink._rundir = type("RunDir", (), {"writer": writer})()  # type: ignore[assignment]
-    sink._off_cpu = False
+    rundir = type("RunDir", (), {"writer": writer, "failure": None})()
+
+    def sink_with(cores: int) -> tracedump.dump.sinks.FileSink:
+        return tracedump.dump.sinks.FileSink(rundir, None, 1 << 20, cores=cores)  # type: ignore[arg-type]
+
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
 
-    sink._cores = torch.get_num_threads() + 1  # a free CPU (an SMT sibling, say)
-    sink.host_busy(True)
-    sink._cores = torch.get_num_threads()
+    sink_with(torch.get_num_threads() + 1).host_busy(True)  # a free CPU (an SMT sibling, say)
+    sink = sink_with(torch.get_num_threads())
+    assert sink.off_cpu is False
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the forward runs on the GPU
     sink.host_busy(True)
     sink.host_busy(False)  # the end of a pass always reaches the writer
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     sink.host_busy(True)  # every CPU taken, nothing on an accelerator: hold back
-    sink._off_cpu = True  # a capture came from an accelerator (MPS, XPU, ...)
+    sink.off_cpu = True  # a capture came from an accelerator (MPS, XPU, ...)
     sink.host_busy(True)
 
     assert told == [False, True]
@@ -259,7 +261,7 @@ def test_every_end_of_a_pass_releases_the_writer(
     if ending == "warm-up":
         assert dumper.skipped["token_gate"] == 1 and dumper.pass_index == 0  # it was one
     dumper.close()
-    assert seen[:1] == [True] and writer._host_busy is False
+    assert seen[:1] == [True] and writer.host_is_busy is False
 
 
 def test_once_a_pass_waited_too_long_the_writer_catches_up_before_holding_back_again(

@@ -19,9 +19,9 @@ _EXPORTS = {
     "profiling": "api",
     "record": "api",
     "record_step": "api",
-    "Capture": "dump.capture",
-    "ModuleCapture": "dump.capture",
-    "capture": "dump.capture",
+    "Capture": "dump.capture.session",
+    "ModuleCapture": "dump.capture.session",
+    "capture": "dump.capture.session",
     "Graft": "dump.graft",
     "graft": "dump.graft",
     "TracedumpWarning": "dump.runtime",
@@ -74,7 +74,7 @@ _MOVED = {
 if TYPE_CHECKING:
     from .api import profiling, record, record_step
     from .config.settings import DumpConfig, DumpSettings
-    from .dump.capture import Capture, ModuleCapture, capture
+    from .dump.capture.session import Capture, ModuleCapture, capture
     from .dump.cuda import allow_sync, resolve_compile, resolve_cuda_graph
     from .dump.dumper import Dumper, attach
     from .dump.graft import Graft, graft

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dump.gates import profiling
 from .dump.runtime import open_dumpers, runtime
+from .dump.suspend import profiling
 
 __all__ = ["profiling", "record", "record_step"]
 

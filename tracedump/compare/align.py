@@ -40,13 +40,14 @@ from .plan import (
     side_entries,
 )
 from .reader import Stored
+from .report import bridge_summary, report_settings
 from .results import DiffReport, TensorResult
 from .sources import PassView, RootGroup, Side, open_side
 from .unshard import SideEntry, assemble
-from .verdict import judge_all
+from .verdict import conclude, judge_all
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _SideSequences:
     """One side's passes, batches and sequences, for one root group."""
 
@@ -72,7 +73,7 @@ class _SideSequences:
         return any(b.declared for b in self.batches.values())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Alignment:
     """How the sequences of A and B were paired, and where the first divergence happened."""
 
@@ -106,7 +107,7 @@ def _read_side(side: Side, group: RootGroup) -> _SideSequences:
     assert run is not None
     try:
         found = run.batches()
-        return _SideSequences(group, found, sequences(found))
+        return _SideSequences(group=group, batches=found, sequences=sequences(found))
     except SequenceError as e:
         raise UsageError(f"{side.which} {side.path}: {e}") from e
 
@@ -296,10 +297,10 @@ def build_aligned_report(
             paired_b = {b for _, b in pairs}
             alignments.append(
                 Alignment(
-                    matched_by,
-                    tuple(pairs),
-                    tuple(s for s in seq_a.sequences if s not in paired_a),
-                    tuple(s for s in seq_b.sequences if s not in paired_b),
+                    matched_by=matched_by,
+                    pairs=tuple(pairs),
+                    only_in_a=tuple(s for s in seq_a.sequences if s not in paired_a),
+                    only_in_b=tuple(s for s in seq_b.sequences if s not in paired_b),
                     notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by)),
                 )
             )
@@ -315,18 +316,18 @@ def build_aligned_report(
         why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
         raise UsageError(f"nothing to compare with --align tokens: {why}")
     plan = Plan(
-        tuple(found.units),
-        (),
-        tuple(found.only_a),
-        tuple(found.only_b),
-        (),
-        (),
-        tuple(roots_only_a),
-        tuple(roots_only_b),
+        units=tuple(found.units),
+        pairs=(),
+        only_in_a=tuple(found.only_a),
+        only_in_b=tuple(found.only_b),
+        passes_only_in_a=(),
+        passes_only_in_b=(),
+        roots_only_in_a=tuple(roots_only_a),
+        roots_only_in_b=tuple(roots_only_b),
     )
-    from .pipeline import bridge_summary, report_settings
-
-    report = DiffReport(side_a.describe(), side_b.describe(), report_settings(options), plan)
+    report = DiffReport(
+        a=side_a.describe(), b=side_b.describe(), settings=report_settings(options), plan=plan
+    )
     report.bridge = bridge_summary(matcher)
     report.inputs_differ = inputs_differ
     if side_c is not None:
@@ -342,16 +343,15 @@ def build_aligned_report(
                 f"counterpart in {options.baseline}: judged by the error upstream instead"
             )
     report.results = judge_all(found.results, found.noise if side_c is not None else None)
-    first = _first_in_time(report.results, found.steps_of)
-    if first is not None:
-        report.first_override = first[0]
-        alignments[0] = replace(alignments[0], first=first[1])
+    in_time = conclude(report, found.steps_of).first_in_time
+    if in_time is not None:
+        alignments[0] = replace(alignments[0], first=in_time.to_json())
     report.alignment = [a.to_json() for a in alignments]
     report.alignment_lines = [_describe(a) for a in alignments]
     return report
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Found:
     """What the sequence pairs of every root pair gave, in order."""
 
@@ -435,39 +435,39 @@ def _compare_sequence(
         rows_a, dtype_a, why_a = _rows(side_a, sequence_a, bridged.a, rows_at, options)
         rows_b, dtype_b, why_b = _rows(side_b, sequence_b, bridged.b, rows_at, options)
         tolerance = pair_tolerance(options, (name, name_b), (dtype_a, dtype_b), precisions)
-        base: dict[str, Any] = {
-            "index": len(found.results),
-            "pass_index": first_step,
-            "root": label,
-            "name": name,
-            "name_b": name_b,
-            "kind": "tensor",
-            "shape_a": rows_a.shape if rows_a is not None else None,
-            "shape_b": rows_b.shape if rows_b is not None else None,
-            "dtype_a": dtype_a,
-            "dtype_b": dtype_b,
-            "tolerance": tolerance,
-            "metric": tolerance.metric,
-            "token_dim": 0,
-            "positions": tuple(rows_at),
-            "bridge": bridged.describe(),
-        }
-        found.steps_of[len(found.results)] = tuple(sequence_a.rows[p][0] for p in rows_at)
+        base = TensorResult(
+            index=len(found.results),
+            pass_index=first_step,
+            root=label,
+            name=name,
+            name_b=name_b,
+            kind="tensor",
+            shape_a=rows_a.shape if rows_a is not None else None,
+            shape_b=rows_b.shape if rows_b is not None else None,
+            dtype_a=dtype_a,
+            dtype_b=dtype_b,
+            status="measured",  # kept when the rows are measured, else replaced below
+            tolerance=tolerance,
+            metric=tolerance.metric,
+            token_dim=0,
+            positions=tuple(rows_at),
+            bridge=bridged.describe(),
+        )
+        found.steps_of[base.index] = tuple(sequence_a.rows[p][0] for p in rows_at)
         if bridged.classes is not None:
-            message = not_comparable_message(bridged)
-            result = TensorResult(**base, status="not_comparable", message=message)
+            result = replace(base, status="not_comparable", message=not_comparable_message(bridged))
         elif rows_a is None or rows_b is None:
             why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
-            result = TensorResult(**base, status="not_aligned", message=f"rows not compared: {why}")
+            result = replace(base, status="not_aligned", message=f"rows not compared: {why}")
         elif rows_a.shape != rows_b.shape:
             message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
-            result = TensorResult(**base, status="shape_mismatch", message=message)
+            result = replace(base, status="shape_mismatch", message=message)
         else:
             metrics, per_token = _measure_rows(rows_a, rows_b, len(rows_at))
-            result = TensorResult(**base, status="measured", metrics=metrics, per_token=per_token)
+            result = replace(base, metrics=metrics, per_token=per_token)
             noise = _baseline_noise(found, seq_b, bridged.b, rows_at, rows_b, tolerance.metric, options)
             if noise is not None:
-                found.noise[base["index"]] = noise
+                found.noise[base.index] = noise
         found.results.append(result)
 
 
@@ -478,33 +478,6 @@ def _measure_rows(rows_a: Stored, rows_b: Stored, tokens: int) -> tuple[TensorMe
     if metrics.rel_diff == 0:
         return metrics, (0.0,) * tokens
     return metrics, per_token_rel_diff(rows_a, rows_b, 0, sums)
-
-
-def _first_in_time(
-    results: list[TensorResult], steps_of: dict[int, tuple[int, ...]]
-) -> tuple[TensorResult, dict[str, Any]] | None:
-    """The diverged row computed earliest: the lowest step, then the first module in that step."""
-    best: tuple[tuple[int, int], TensorResult, int] | None = None
-    for result in results:
-        if result.status != "diverged" or result.per_token is None:
-            continue
-        threshold = result.threshold or 0.0
-        bad = [i for i, v in enumerate(result.per_token) if v > threshold]
-        row = bad[0] if bad else max(range(len(result.per_token)), key=lambda i: result.per_token[i])  # type: ignore[index]
-        key = (steps_of[result.index][row], result.index)
-        if best is None or key < best[0]:
-            best = (key, result, row)
-    if best is None:
-        return None
-    (step, _), result, row = best
-    position = result.positions[row] if result.positions else row
-    return result, {
-        "sequence": result.root,
-        "position": position,
-        "step": step,
-        "name": result.name,
-        "rel_diff": result.per_token[row] if result.per_token else None,
-    }
 
 
 def _describe(alignment: Alignment) -> str:

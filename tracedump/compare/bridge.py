@@ -35,270 +35,25 @@ matched by name as always, where two modules of one name and different classes (
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-from ..errors import BridgeError, UsageError
+from ..errors import UsageError
 from ..store.format import Key
+from .bridge_rules import Bridge, Rule, builtin_bridges
 from .options import DiffOptions
 from .sources import EntryMeta, Side
 from .unshard import SideEntry
 
-OPS = ("rename", "unwrap", "split", "concat", "sum", "product", "skip")
 _COMBINE = {"sum": " + ", "product": " * "}
-_RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason", "id"})
-_HEADER_KEYS = frozenset({"name", "description", "a", "b", "architectures", "align"})
-_PLACEHOLDER = re.compile(r"\{(\d+)(?:([+-])(\d+))?\}")
-BUILTIN_FOLDER = "bridges"  # tracedump/bridges/*.toml, shipped as package data (pyproject.toml)
-
-
-# ------------------------------------------------------------------ templates
-
-
-@dataclass(frozen=True)
-class Template:
-    """A name with ``{N}`` / ``{N+k}`` / ``{N-k}`` placeholders for the match's groups."""
-
-    text: str
-
-    def groups(self) -> list[int]:
-        return [int(m.group(1)) for m in _PLACEHOLDER.finditer(self.text)]
-
-    def fill(self, match: re.Match[str]) -> str | None:
-        """The name for this match; None when ``{N±k}`` meets a group that is not an integer, or
-        the result is a negative index (layer 0 has no layer -1)."""
-        failed = False
-
-        def one(m: re.Match[str]) -> str:
-            nonlocal failed
-            value = match.group(int(m.group(1))) or ""
-            if m.group(2) is None:
-                return value
-            if not value.isdigit():
-                failed = True
-                return ""
-            number = int(value) + (int(m.group(3)) if m.group(2) == "+" else -int(m.group(3)))
-            failed = failed or number < 0
-            return str(number)
-
-        text = _PLACEHOLDER.sub(one, self.text)
-        return None if failed else text
-
-
-# ------------------------------------------------------------------ rules and bridges
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One rule of a bridge (see the module docstring and docs/engines.md)."""
-
-    number: int  # 1-based, in file order: what messages call it
-    op: str
-    side: str  # "a" or "b": whose names `match` is tried on
-    match: re.Pattern[str]
-    a: tuple[Template, ...]
-    b: tuple[Template, ...]
-    dim: int = -1
-    index: int = 0  # unwrap: the tuple element kept
-    reason: str = ""
-    id: str = ""
-
-    @property
-    def title(self) -> str:
-        return f"rule {self.number}: {self.id}" if self.id else f"rule {self.number}"
-
-    def templates(self, side: str) -> tuple[Template, ...]:
-        return self.a if side == "a" else self.b
-
-
-@dataclass(frozen=True)
-class Bridge:
-    """A parsed rule file: which frameworks it joins, for which architectures, and its rules."""
-
-    name: str
-    source: str  # the file it came from, or "built-in NAME"
-    a: str | None
-    b: str | None
-    architectures: tuple[re.Pattern[str], ...]
-    align: str | None
-    rules: tuple[Rule, ...]
-    description: str = ""
-
-    def swapped(self) -> Bridge:
-        """The same bridge for a diff whose A is this bridge's b (``tracedump diff HF VLLM``)."""
-        rules = tuple(replace(r, side="b" if r.side == "a" else "a", a=r.b, b=r.a) for r in self.rules)
-        return replace(self, a=self.b, b=self.a, rules=rules)
-
-
-def _fail(where: str, message: str) -> BridgeError:
-    return BridgeError(f"--bridge {where}: {message}")
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise _fail(str(path), f"cannot read it ({e.strerror or e})") from e
-    try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else _toml().loads(text)
-    except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError both are
-        kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise _fail(str(path), f"not valid {kind}: {first}") from e
-    if not isinstance(data, dict):
-        raise _fail(str(path), "expected a table with [bridge] and [[rule]] entries")
-    return data
-
-
-def _toml() -> Any:
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib
-    try:
-        import tomli
-    except ImportError as e:  # pragma: no cover - Python 3.10 without tomli
-        raise BridgeError("--bridge: TOML rule files need Python 3.11 or the tomli package") from e
-    return tomli
-
-
-def _string_list(value: Any, where: str, key: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise _fail(where, f"{key!r} must be a name or a list of names, got {value!r}")
-    return tuple(value)
-
-
-def _regex(text: Any, where: str, key: str) -> re.Pattern[str]:
-    if not isinstance(text, str) or not text:
-        raise _fail(where, f"{key!r} must be a regex, got {text!r}")
-    try:
-        return re.compile(text)
-    except re.error as e:
-        raise _fail(where, f"{key} {text!r}: invalid regex: {e}") from e
-
-
-def _parse_rule(number: int, raw: Any, where: str) -> Rule:
-    here = f"{where}: rule {number}"
-    if not isinstance(raw, dict):
-        raise _fail(here, "expected a table of keys")
-    unknown = sorted(set(raw) - _RULE_KEYS)
-    if unknown:
-        raise _fail(here, f"unknown key {unknown[0]!r} (keys: {', '.join(sorted(_RULE_KEYS))})")
-    op = raw.get("op")
-    if op not in OPS:
-        raise _fail(here, f"op {op!r}: choose {', '.join(OPS)}")
-    side = raw.get("side", "a")
-    if side not in ("a", "b"):
-        raise _fail(here, f"side {side!r}: choose 'a' or 'b'")
-    match = _regex(raw.get("match"), here, "match")
-    other = "b" if side == "a" else "a"
-    own = _string_list(raw.get(side, "{0}"), here, side)
-    given = raw.get(other)
-    if op == "skip":
-        if given is not None:
-            raise _fail(here, f"skip takes no {other!r}: it names what has no counterpart")
-        theirs: tuple[str, ...] = ()
-    elif op == "unwrap":
-        theirs = _string_list(given if given is not None else "{0}", here, other)
-    else:
-        if given is None:
-            raise _fail(here, f"{op} needs {other!r}: the counterpart's names")
-        theirs = _string_list(given, here, other)
-    counts = {side: len(own), other: len(theirs)}
-    if op in ("rename", "unwrap") and (counts["a"] != 1 or counts["b"] != 1):
-        raise _fail(here, f"{op} pairs one name with one name, got a: {counts['a']}, b: {counts['b']}")
-    if op == "split" and sorted(counts.values())[0] != 1:
-        raise _fail(here, "split cuts one tensor into the other side's pieces: one side must name one")
-    if op == "split" and max(counts.values()) < 2:
-        raise _fail(here, "split needs at least two pieces on the other side")
-    dim, index = raw.get("dim", -1), raw.get("index", 0)
-    for key, value in (("dim", dim), ("index", index)):
-        if type(value) is not int:
-            raise _fail(here, f"{key!r} must be an integer, got {value!r}")
-    reason = raw.get("reason", "")
-    if not isinstance(reason, str) or (op == "skip" and not reason):
-        raise _fail(here, "skip needs a 'reason': the report lists the skipped tensors by it")
-    templates = {side: own, other: theirs}
-    for name in (*own, *theirs):
-        for group in Template(name).groups():
-            if group > match.groups:
-                raise _fail(here, f"{name!r} uses group {group}, but match has {match.groups}")
-    return Rule(
-        number,
-        op,
-        side,
-        match,
-        tuple(Template(t) for t in templates["a"]),
-        tuple(Template(t) for t in templates["b"]),
-        dim,
-        index,
-        reason,
-        str(raw.get("id", "")),
-    )
-
-
-def parse_bridge(data: dict[str, Any], source: str) -> Bridge:
-    """A bridge from a rule file's parsed contents (every error names ``source`` and the rule)."""
-    header = data.get("bridge", {})
-    if not isinstance(header, dict):
-        raise _fail(source, "[bridge] must be a table")
-    unknown = sorted(set(data) - {"bridge", "rule"}) or sorted(set(header) - _HEADER_KEYS)
-    if unknown:
-        raise _fail(source, f"unknown key {unknown[0]!r}")
-    raw_rules = data.get("rule", [])
-    if not isinstance(raw_rules, list) or not raw_rules:
-        raise _fail(source, "no [[rule]] entries")
-    architectures = header.get("architectures", [])
-    architectures = [architectures] if isinstance(architectures, str) else architectures
-    if not isinstance(architectures, list):
-        raise _fail(source, "'architectures' must be a list of regexes")
-    align = header.get("align")
-    if align not in (None, "passes", "tokens"):
-        raise _fail(source, f"align {align!r}: choose passes or tokens")
-    for key in ("a", "b", "name", "description"):
-        if key in header and not isinstance(header[key], str):
-            raise _fail(source, f"[bridge] {key!r} must be a string")
-    return Bridge(
-        name=str(header.get("name") or Path(source).stem),
-        source=source,
-        a=header.get("a"),
-        b=header.get("b"),
-        architectures=tuple(_regex(p, source, "architectures") for p in architectures),
-        align=align,
-        rules=tuple(_parse_rule(i, raw, source) for i, raw in enumerate(raw_rules, 1)),
-        description=str(header.get("description", "")),
-    )
-
-
-def load_bridge(path: str | Path) -> Bridge:
-    """A user's rule file (``--bridge FILE``): TOML, or JSON when it ends in ``.json``."""
-    path = Path(path)
-    return parse_bridge(_read(path), str(path))
-
-
-def builtin_bridges() -> list[Bridge]:
-    """The bridges shipped in ``tracedump/bridges/*.toml``, in file name order."""
-    found = []
-    folder = resources.files("tracedump").joinpath(BUILTIN_FOLDER)  # package data, not a package
-    for item in sorted(folder.iterdir(), key=lambda p: p.name):
-        if item.name.endswith(".toml"):
-            data = _toml().loads(item.read_text())
-            found.append(parse_bridge(data, f"built-in {item.name}"))
-    return found
 
 
 # ------------------------------------------------------------------ which bridge, which classes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SideInfo:
     """What a side's manifest says of its model: framework, root class, each module's class."""
 
@@ -339,7 +94,12 @@ def side_info(side: Side) -> SideInfo:
     root = str(manifest.get("root") or model_class.rsplit(".", 1)[-1])
     integration = manifest.get("integration")
     engine = str(integration.get("name", "")) if isinstance(integration, dict) else ""
-    return SideInfo(_framework(manifest), root, dict(classes) if isinstance(classes, dict) else {}, engine)
+    return SideInfo(
+        framework=_framework(manifest),
+        root=root,
+        classes=dict(classes) if isinstance(classes, dict) else {},
+        integration=engine,
+    )
 
 
 def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:
@@ -378,7 +138,7 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
 # ------------------------------------------------------------------ expressions: what one side compares
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Expr:
     """One side of a pair: a stored tensor, or an op over several of that side's tensors.
 
@@ -419,11 +179,11 @@ class Expr:
         meta = EntryMeta("tensor", shape, first.meta.dtype)
         status = next((p.problem_status for p in found if p.problem is not None), None)
         return SideEntry(
-            self.label,
-            meta,
-            first.how,
-            problem or why,
-            status or ("error" if why else None),
+            name=self.label,
+            meta=meta,
+            how=first.how,
+            problem=problem or why,
+            problem_status=status or ("error" if why else None),
             op=self.op,
             parts=tuple(found),
             piece=(self.dim, *self.piece) if self.piece is not None else (self.dim, 0, 0),
@@ -459,7 +219,7 @@ class Expr:
         return known[0], None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BridgedPair:
     """One comparison the bridge decided: A's expression, B's, and how (for the table)."""
 
@@ -476,7 +236,7 @@ class BridgedPair:
         return f"{self.how} ({self.rule})" if self.rule else self.how
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Leftover:
     """A tensor without a counterpart, and why."""
 
@@ -503,7 +263,7 @@ def _bare(qualname: str) -> str:
     return qualname.rsplit(".", 1)[-1]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Matcher:
     """Matches two sides' names for one diff: the bridge (if any), then names, with the class
     check. Built once per diff (:func:`matcher_for`); :meth:`match` runs per pass."""
@@ -556,18 +316,20 @@ class Matcher:
             if m in claimed["a"]:
                 continue
             if m not in in_b:
-                out.leftovers.append(Leftover("A", name, NO_NAME_IN_B, m))
+                out.leftovers.append(Leftover(side="A", name=name, reason=NO_NAME_IN_B, mapped=m))
                 continue
             # one name, two classes: not comparable. A name --map made is the user's rule: compared.
             class_a, class_b = (
                 (self.class_of("a", name), self.class_of("b", m)) if m == name else (None, None)
             )
             classes = (class_a, class_b) if class_a and class_b and class_a != class_b else None
-            anchored.append((order[m], BridgedPair(Expr((name,)), Expr((m,)), None, classes=classes)))
+            anchored.append(
+                (order[m], BridgedPair(a=Expr(names=(name,)), b=Expr(names=(m,)), how=None, classes=classes))
+            )
             claimed["b"].add(m)
         for name in names_b:
             if name not in claimed["b"]:
-                out.leftovers.append(Leftover("B", name, NO_NAME_IN_A))
+                out.leftovers.append(Leftover(side="B", name=name, reason=NO_NAME_IN_A))
         anchored.sort(key=lambda item: item[0])
         out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
         out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
@@ -620,8 +382,8 @@ class Matcher:
 
 def _leftover(side: str, name: str, reason: str, original: Mapping[str, str]) -> Leftover:
     if side == "a":
-        return Leftover("A", original.get(name, name), reason, name)
-    return Leftover("B", name, reason)
+        return Leftover(side="A", name=original.get(name, name), reason=reason, mapped=name)
+    return Leftover(side="B", name=name, reason=reason)
 
 
 _ELEMENT = re.compile(r"\[(\d+)\]")
@@ -682,25 +444,31 @@ def _apply(
     if rule.op == "unwrap":
         return a, b, [_unwrap(rule, a[0], b[0])]
     if rule.op == "rename":
-        return a, b, [BridgedPair(Expr((a[0],)), Expr((b[0],)), how, rule.title)]
+        return a, b, [BridgedPair(a=Expr(names=(a[0],)), b=Expr(names=(b[0],)), how=how, rule=rule.title)]
     if rule.op == "split":
-        return a, b, [BridgedPair(x, y, how, rule.title) for x, y in _split_later(rule, a, b)]
+        return a, b, [BridgedPair(a=x, b=y, how=how, rule=rule.title) for x, y in _split_later(rule, a, b)]
     op = rule.op
-    expr_a = Expr(tuple(a), op if len(a) > 1 else None, rule.dim)
-    expr_b = Expr(tuple(b), op if len(b) > 1 else None, rule.dim)
-    return a, b, [BridgedPair(expr_a, expr_b, how, rule.title)]
+    expr_a = Expr(names=tuple(a), op=op if len(a) > 1 else None, dim=rule.dim)
+    expr_b = Expr(names=tuple(b), op=op if len(b) > 1 else None, dim=rule.dim)
+    return a, b, [BridgedPair(a=expr_a, b=expr_b, how=how, rule=rule.title)]
 
 
 def _unwrap(rule: Rule, a: str, b: str) -> BridgedPair:
-    return BridgedPair(Expr((a,)), Expr((b,)), f"unwrap [{rule.index}]", rule.title)
+    return BridgedPair(a=Expr(names=(a,)), b=Expr(names=(b,)), how=f"unwrap [{rule.index}]", rule=rule.title)
 
 
 def _split_later(rule: Rule, a: list[str], b: list[str]) -> list[tuple[Expr, Expr]]:
     """Split pairs whose pieces are sized later, from the pieces' shapes (:func:`size_splits`):
     marked with an open piece ``(-1, k)``, k the piece's ordinal."""
     if len(a) == 1:
-        return [(Expr((a[0],), "split", rule.dim, (-1, k)), Expr((name,))) for k, name in enumerate(b)]
-    return [(Expr((name,)), Expr((b[0],), "split", rule.dim, (-1, k))) for k, name in enumerate(a)]
+        return [
+            (Expr(names=(a[0],), op="split", dim=rule.dim, piece=(-1, k)), Expr(names=(name,)))
+            for k, name in enumerate(b)
+        ]
+    return [
+        (Expr(names=(name,)), Expr(names=(b[0],), op="split", dim=rule.dim, piece=(-1, k)))
+        for k, name in enumerate(a)
+    ]
 
 
 def size_splits(
@@ -751,7 +519,7 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     align = bridge.align if bridge is not None else None
     if align is None and (info_a.integration or info_b.integration):
         align = "tokens"  # an engine integration batches requests and records each step's layout
-    return Matcher(bridge, info_a.classes, info_b.classes, line, align)
+    return Matcher(bridge=bridge, classes_a=info_a.classes, classes_b=info_b.classes, line=line, align=align)
 
 
 def _refuse_map_collisions(mapped: Mapping[str, str], names_b: set[str], options: DiffOptions) -> None:

@@ -14,7 +14,6 @@ from .inputs import describe as describe_inputs
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
-from .verdict import times_noise
 
 SHORT_DTYPES = {  # the tables' and the report page's dtype spelling
     "float64": "fp64",
@@ -66,7 +65,7 @@ def _cosine(result: TensorResult) -> str:
 
 
 def _times_noise(result: TensorResult) -> str:
-    ratio = times_noise(result)
+    ratio = result.times_noise
     return "-" if ratio is None else f"{ratio:.3g}x"
 
 
@@ -300,7 +299,7 @@ def _basis(result: TensorResult) -> str:
     """Why the threshold is what it is, in a few words."""
     precision = result.tolerance.precision or "?"
     if result.basis == "baseline":
-        return f"{_num(times_noise(result))}x the baseline's noise {_num(result.noise)}, {precision} run"
+        return f"{_num(result.times_noise)}x the baseline's noise {_num(result.noise)}, {precision} run"
     if result.basis == "upstream":
         return f"what the error upstream explains at {precision} run precision"
     return result.tolerance.source

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ..store.format import Key
@@ -31,7 +32,7 @@ from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
 from .tolerance import Tolerance, is_integer
 from .unshard import SideEntry, assemble
-from .verdict import fixed_rule
+from .verdict import fixed_rule, router_rule, stats_rule
 
 Progress = Callable[[int], None]  # called with the bytes just compared
 _WIDTHS = {"float64": 8, "int64": 8, "bfloat16": 2, "float16": 2}  # bytes per element; others count 4
@@ -80,35 +81,18 @@ class Executor:
     def _one(self, index: int, pair: PairPlan) -> TensorResult:
         unit = self.plan.units[pair.unit]
         views_a, views_b = self.workspace.views[pair.unit]
-        base = {
-            "index": index,
-            "pass_index": unit.pass_a,
-            "pass_b": unit.pass_b,
-            "root": unit.root,
-            "name": pair.a.name,
-            "name_b": pair.b.name,
-            "kind": "stats" if pair.tolerance.metric == "stats" else "tensor",
-            "shape_a": pair.a.meta.shape,
-            "shape_b": pair.b.meta.shape,
-            "dtype_a": pair.a.meta.dtype,
-            "dtype_b": pair.b.meta.dtype,
-            "tolerance": pair.tolerance,
-            "metric": pair.tolerance.metric,
-            "unshard_a": pair.a.how,
-            "unshard_b": pair.b.how,
-            "bridge": pair.bridge,
-        }
+        base = _planned(index, unit.pass_a, unit.pass_b, unit.root, pair)
         if pair.kind not in ("tensor", "stats"):
-            return TensorResult(**base, status=pair.kind, message=pair.message)
+            return replace(base, status=pair.kind, message=pair.message)
         try:
             if pair.kind == "stats":
                 return self._stats_pair(base, pair, views_a, views_b)
             return self._tensor_pair(base, pair, views_a, views_b)
         except (ValueError, OSError, RuntimeError) as e:
-            return TensorResult(**base, status="error", message=f"{type(e).__name__}: {e}")
+            return replace(base, status="error", message=f"{type(e).__name__}: {e}")
 
     def _tensor_pair(
-        self, base: dict, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
+        self, base: TensorResult, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
     ) -> TensorResult:
         stored_a, stored_b = assemble(pair.a, views_a), assemble(pair.b, views_b)
         want_max_b = pair.tolerance.metric == "max_abs"
@@ -122,8 +106,8 @@ class Executor:
             disagreement = _rank_disagreement(entry, views, pair.tolerance)
             if disagreement is not None:
                 error, threshold, _ = fixed_rule(metrics, pair.tolerance)
-                return TensorResult(
-                    **base,
+                return replace(
+                    base,
                     status="rank_mismatch",
                     error=error,
                     threshold=threshold,
@@ -144,11 +128,11 @@ class Executor:
         downstream = downstream_of(self._unit_flips, stored_a.shape) if self._unit_flips else None
         if downstream is not None and pair.tolerance.metric in ("rel_diff", "cosine"):
             return self._after_flip(base, downstream, (stored_a, stored_b), metrics, dim, per_token)
-        return TensorResult(**base, status="measured", metrics=metrics, token_dim=dim, per_token=per_token)
+        return replace(base, metrics=metrics, token_dim=dim, per_token=per_token)
 
     def _after_flip(
         self,
-        base: dict,
+        base: TensorResult,
         flip: Flip,
         stored: tuple[Stored, Stored],
         metrics: TensorMetrics,
@@ -193,7 +177,7 @@ class Executor:
 
     def _router_flip(
         self,
-        base: dict,
+        base: TensorResult,
         pair: PairPlan,
         indices: tuple[Stored, Stored],
         metrics: TensorMetrics,
@@ -213,11 +197,9 @@ class Executor:
         self.flips.append(flip)
         if flip.near_tie:  # not a divergence: the block's tensors are compared on the kept tokens
             self._unit_flips.append(flip)
-            status, error, threshold = "routing_flip", float(len(flip.flipped)), None
-        else:
-            status, error, threshold = "diverged", metrics.max_abs, 0.0
-        return TensorResult(
-            **base,
+        status, error, threshold = router_rule(flip.near_tie, len(flip.flipped), metrics)
+        return replace(
+            base,
             status=status,
             error=error,
             threshold=threshold,
@@ -251,13 +233,13 @@ class Executor:
         return None
 
     def _inside_flipped_block(
-        self, base: dict, flip: Flip, stored: tuple[Stored, Stored], metrics: TensorMetrics
+        self, base: TensorResult, flip: Flip, stored: tuple[Stored, Stored], metrics: TensorMetrics
     ) -> TensorResult:
         """A tensor of a MoE block whose router flipped at a near-tie: compared on the kept tokens."""
         kept_a, kept_b = kept_rows(stored[0], flip), kept_rows(stored[1], flip)
         if kept_a is None or kept_b is None:
-            return TensorResult(
-                **base,
+            return replace(
+                base,
                 status="routing",
                 metrics=metrics,
                 message=f"not compared: {flip.router} routed {len(flip.flipped)} tokens differently",
@@ -265,25 +247,25 @@ class Executor:
         return _on_kept_tokens(base, flip, (kept_a, kept_b), metrics)
 
     def _stats_pair(
-        self, base: dict, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
+        self, base: TensorResult, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
     ) -> TensorResult:
         stats_b_raw = _stats_or_none(pair.b, views_b)
         stats_a_raw = _stats_or_none(pair.a, views_a)
         recorded = [stats for stats in (stats_a_raw, stats_b_raw) if stats is not None]
         names = [name for name in recorded[0] if all(name in stats for stats in recorded)]
         if not names:
-            return TensorResult(**base, status="error", message=_no_common_stats(stats_a_raw, stats_b_raw))
+            return replace(base, status="error", message=_no_common_stats(stats_a_raw, stats_b_raw))
         stats_a = stats_a_raw if stats_a_raw is not None else stats_of(assemble(pair.a, views_a), names)
         stats_b = stats_b_raw if stats_b_raw is not None else stats_of(assemble(pair.b, views_b), names)
         numel = _numel(pair.b.meta.shape) or _numel(pair.a.meta.shape)
         error, deltas = compare_stats(stats_a, stats_b, numel, pair.tolerance.atol)  # fixed rule
-        ok = error <= pair.tolerance.rtol
-        worst = max(deltas, key=lambda n: deltas[n].rel_err) if deltas and not ok else None
-        return TensorResult(
-            **base,
-            status="ok" if ok else "diverged",
+        status, threshold = stats_rule(error, pair.tolerance)
+        worst = max(deltas, key=lambda n: deltas[n].rel_err) if deltas and status != "ok" else None
+        return replace(
+            base,
+            status=status,
             error=error,
-            threshold=pair.tolerance.rtol,
+            threshold=threshold,
             stats=deltas,
             message=f"{worst}: {deltas[worst].a:.6g} vs {deltas[worst].b:.6g}" if worst else None,
         )
@@ -329,17 +311,47 @@ def pair_bytes(pair: PairPlan) -> int:
 
 
 def _on_kept_tokens(
-    base: dict, flip: Flip, kept: tuple[Any, Any], metrics: TensorMetrics, **extra: Any
+    base: TensorResult,
+    flip: Flip,
+    kept: tuple[Any, Any],
+    metrics: TensorMetrics,
+    token_dim: int | None = None,
+    per_token: tuple[float, ...] | None = None,
 ) -> TensorResult:
     """A tensor judged on the tokens ``flip``'s router routed alike: that error is the verdict's,
     the whole tensor's (``metrics``) joins the level as absorbed."""
     on_kept = compare_arrays(*kept)
-    return TensorResult(
-        **base,
+    return replace(
+        base,
         status="routing_flip",
         error=on_kept.rel_diff,
         metrics=metrics,
         absorbed=metrics.rel_diff,
         message=f"compared on the {kept[0].shape[0]} tokens {flip.router} routed alike",
-        **extra,
+        token_dim=token_dim,
+        per_token=per_token,
+    )
+
+
+def _planned(index: int, pass_a: int, pass_b: int | None, root: str | None, pair: PairPlan) -> TensorResult:
+    """The pair as planned, before anything is read: its names, shapes, dtypes and tolerance, with
+    the status ``measured`` that reading it then keeps or replaces (``dataclasses.replace``)."""
+    return TensorResult(
+        index=index,
+        pass_index=pass_a,
+        pass_b=pass_b,
+        root=root,
+        name=pair.a.name,
+        name_b=pair.b.name,
+        kind="stats" if pair.tolerance.metric == "stats" else "tensor",
+        shape_a=pair.a.meta.shape,
+        shape_b=pair.b.meta.shape,
+        dtype_a=pair.a.meta.dtype,
+        dtype_b=pair.b.meta.dtype,
+        status="measured",
+        tolerance=pair.tolerance,
+        metric=pair.tolerance.metric,
+        unshard_a=pair.a.how,
+        unshard_b=pair.b.how,
+        bridge=pair.bridge,
     )

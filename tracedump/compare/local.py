@@ -14,7 +14,10 @@ dtype, the weights held at that dtype, its output's own rounding. Inside a graft
 decoder layer, its leaves running on the layer's own values) each tensor may carry what the
 ``ops`` leaves of the level that ran before it (its own included, counted in execution order) each
 added, up to the level's most; the level's own grafted inputs are one cast. The constants are
-calibrated by ``benchmarks/calibrate_graft.py`` (docs/comparator.md).
+calibrated by ``benchmarks/calibrate_graft.py`` (docs/comparator.md); they, the allowance and the
+status it gives live in :mod:`.verdict` (:func:`.verdict.local_allowance_of`,
+:func:`.verdict.judge_locally`). Here: which tensors are local (the manifest's graft record, the
+leaves run so far in each grafted level), and what the report says of the graft.
 
 Tensors *inside* a grafted module are local to it: they depend on nothing but its grafted input.
 Everything else (modules outside every graft, calls that were not grafted, with the reason from
@@ -24,7 +27,7 @@ to a report that :mod:`.verdict` judged; it changes nothing for a dump that was 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +35,13 @@ from ..errors import UsageError
 from ..store.format import Key
 from .options import DiffOptions
 from .results import DiffReport, TensorResult
-from .sources import Side
-from .verdict import NOISE_MODEL, UNIT_ROUNDOFF
+from .sources import Side, open_side
+from .verdict import K_LEAF, K_LEVEL, K_OP, judge_locally, local_allowance_of, local_judgeable
 
-K_LEAF = 3.0  # roundings a grafted leaf may add, in u^2 (input cast, weights, output)
-K_OP = 1.0  # what each leaf run inside a grafted level may add to what follows it, in u^2
-K_LEVEL = 10.0  # the most the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
-TAIL_Z = 3.0  # sigmas of a mean of n squared roundings (chi-square: relative spread sqrt(2/n))
-N_CALIBRATED = 1024  # elements of the smallest tensor the constants were set on (16 tokens x 64)
-ROW_K = 3.4  # TAIL_Z x one row's relative spread (measured on prefill rows: up to 1.13, attention weights)
-ROWS_CALIBRATED = 16  # rows (tokens) of a prefill the constants hold for (set on 24, checked on 16)
 LEAVES = "leaves"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GraftInfo:
     """What one grafted run's manifest says: from which dump, at which modules, what was not."""
 
@@ -69,14 +65,14 @@ class GraftInfo:
             if not calls.get(name):
                 never[name] = missing[name][0][2] if missing[name] else "not grafted"
         return cls(
-            str(entry.get("from", "")),
-            str(entry.get("level") or LEAVES),
-            tuple(str(m) for m in entry.get("modules", [])),
-            missing,
-            never,
-            frozenset(str(m) for m in entry.get("containers", [])),
-            {str(k): frozenset(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
-            frozenset(str(m) for m in dumped or []),
+            source=str(entry.get("from", "")),
+            level=str(entry.get("level") or LEAVES),
+            modules=tuple(str(m) for m in entry.get("modules", [])),
+            not_grafted=missing,
+            never=never,
+            containers=frozenset(str(m) for m in entry.get("containers", [])),
+            inner={str(k): frozenset(str(n) for n in v) for k, v in (entry.get("leaves") or {}).items()},
+            dumped=frozenset(str(m) for m in dumped or []),
         )
 
     @property
@@ -101,7 +97,7 @@ class GraftInfo:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LocalResult(TensorResult):
     """A result of a grafted dump: ``local`` when the tensor is its module's own error."""
 
@@ -126,38 +122,6 @@ class LocalResult(TensorResult):
         return data
 
 
-def level_roundings(ops: int | None) -> float:
-    """In u^2: what a tensor of a grafted level may carry after ``ops`` leaves of that level ran
-    (its own included): ``K_OP`` each, at most ``K_LEVEL``; ``K_LEVEL`` when the depth is unknown."""
-    return K_LEVEL if ops is None else min(K_OP * (1 + ops), K_LEVEL)
-
-
-def tail_factor(elements: int, rows: int | None = None) -> float:
-    """How much wider than the calibrated constants a tensor of ``elements`` values in ``rows``
-    rows (tokens: its elements over its last dim) may read.
-
-    rel_diff is a mean of squared roundings. Over ``elements`` independent values its relative
-    spread is about ``sqrt(2 / elements)`` (chi-square); but a row's values share its norm scale and
-    its input's cast, so a row is one draw too, of spread ``ROW_K / TAIL_Z`` (measured on
-    prefill passes' per-token rel_diff). The constants were set on prefill passes of at least
-    ``N_CALIBRATED`` elements and ``ROWS_CALIBRATED`` rows, whose spread they already cover; a
-    smaller tensor (a decode pass of one token) is allowed the extra ``TAIL_Z`` sigmas of its own,
-    the wider of the two. The factor is 1 for every tensor as large as the calibrated ones (no
-    looser there) and grows as ``1 / sqrt(n)`` below that."""
-    spread = 1 + TAIL_Z * (2 / max(elements, 1)) ** 0.5
-    by_elements = spread / (1 + TAIL_Z * (2 / N_CALIBRATED) ** 0.5)
-    rows = max(rows if rows is not None else elements, 1)
-    by_rows = (1 + ROW_K / rows**0.5) / (1 + ROW_K / ROWS_CALIBRATED**0.5)
-    return max(1.0, by_elements, by_rows)
-
-
-def local_allowance(precision: str | None, last_dim: int, roundings: float) -> float:
-    """What ``roundings`` (in u^2) at ``precision`` come to, plus fp32 accumulation over ``last_dim``."""
-    u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
-    u_acc = UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
-    return roundings * u_run**2 + max(last_dim, 1) * u_acc**2
-
-
 # ------------------------------------------------------------------------------------ reading
 
 
@@ -178,8 +142,6 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
 def refuse_grafted_alignment(options: DiffOptions) -> None:
     """``--align tokens`` gathers rows of a sequence over steps; a grafted step was fed the
     reference's own rows pass by pass, so the two cannot be combined (yet): exit 2."""
-    from .sources import open_side
-
     for which, path in (("A", options.a), ("B", options.b)):
         if path.is_dir() and graft_infos(open_side(which, path, options)):
             raise UsageError(
@@ -270,13 +232,6 @@ class _Depth:
         return len(self.ran.get((result.pass_index, result.root, owner), ()))
 
 
-def _numel(shape: tuple[int, ...] | list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
-
-
 def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
     key = Key.parse(result.name)
     owner = info.owner(key.module)
@@ -287,56 +242,22 @@ def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
     why = info.why_not(owner, result.pass_index, call)
     if why is not None:
         return _as_local(result, False, grafted_at=owner, not_grafted=why)
-    judgeable = (
-        result.metrics is not None
-        and result.kind == "tensor"
-        and result.status in ("ok", "diverged", "routing_flip")
-        and result.tolerance.metric in NOISE_MODEL
-        and not result.tolerance.fixed
-    )
-    if not judgeable:  # integers (exact), max_abs, a user's --rtol, routing: their own rules stand
+    if not local_judgeable(result):  # integers (exact), max_abs, a user's --rtol: their own rules stand
         return _as_local(result, True, grafted_at=owner)
-    metrics, tolerance = result.metrics, result.tolerance
-    assert metrics is not None
-    error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
-    flipped = result.status == "routing_flip"  # after a near-tie flip: the tokens routed alike
-    if flipped and result.error is not None:
-        error = result.error
     leaf = info.is_leaf_level and key.module == owner and owner not in info.containers
-    shape = result.shape_b or result.shape_a or ()
-    if leaf:
-        roundings = K_LEAF
-    elif key.module == owner and key.input:
-        roundings = K_OP  # the level's own input: the cast of the reference's, one rounding
-    else:
-        roundings = level_roundings(ops)
-    elements = _numel(shape)
-    tail = tail_factor(elements, elements // max(shape[-1], 1) if shape else 1)
-    threshold = local_allowance(tolerance.precision, shape[-1] if shape else 1, roundings * tail)
-    ok = (error <= threshold or metrics.max_abs <= tolerance.atol) and metrics.nonfinite_mismatch == 0
+    allowance = local_allowance_of(result, leaf=leaf, own_input=key.module == owner and key.input, ops=ops)
     what = owner if key.module == owner else f"{owner} (which {key.module} is inside)"
     how = (
         "a grafted leaf" if leaf else f"a grafted level, {ops if ops is not None else '?'} of its leaves run"
     )
+    tail = allowance.tail
     source = (
-        f"local error: what {what} alone may add at {tolerance.precision} run precision "
-        f"({roundings * tail:.3g} u^2, {how}"
-        + (f", x{tail:.3g} for {elements} elements" if tail > 1 else "")
+        f"local error: what {what} alone may add at {result.tolerance.precision} run precision "
+        f"({allowance.roundings * tail:.3g} u^2, {how}"
+        + (f", x{tail:.3g} for {allowance.elements} elements" if tail > 1 else "")
         + ")"
     )
-    return _as_local(
-        replace(
-            result,
-            status=("routing_flip" if flipped else "ok") if ok else "diverged",
-            error=error,
-            threshold=threshold,
-            basis="local",
-            noise=None,
-            tolerance=replace(tolerance, source=source),
-        ),
-        True,
-        grafted_at=owner,
-    )
+    return _as_local(judge_locally(result, allowance, source), True, grafted_at=owner)
 
 
 def _summarise(report: DiffReport, judged: list[TensorResult], infos: dict[str, GraftInfo]) -> None:

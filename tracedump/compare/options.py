@@ -10,9 +10,11 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from ..errors import UsageError
+from ..util.ranges import IndexRanges
+from .bridge_rules import Bridge, load_bridge
 
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
@@ -130,79 +132,27 @@ def parse_tolerances(values: list[str] | None, option: str) -> tuple[float | Non
     return global_value, tuple(rules)
 
 
-_LISTED_PASSES = 10_000  # a selection up to this size is written to the JSON report as a list
-
-
-@dataclass(frozen=True)
-class PassSelection:
-    """``--pass 0,2,5-7`` as merged ranges, never expanded: ``0-99999999999`` costs two ints, not
-    a 1.5 GB set. Supports what the planner asks: membership, the asked passes a dump holds, and a
-    short text of those it does not (``ranges[0][0]`` is the first)."""
-
-    ranges: tuple[tuple[int, int], ...]
-
-    def __contains__(self, index: object) -> bool:
-        return isinstance(index, int) and any(lo <= index <= hi for lo, hi in self.ranges)
-
-    def __len__(self) -> int:
-        return sum(hi - lo + 1 for lo, hi in self.ranges)
-
-    def __str__(self) -> str:
-        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.ranges)
-
-    def pick(self, present: list[int]) -> list[int]:
-        """The asked passes among ``present``, in order."""
-        return [index for index in present if index in self]
-
-    def missing(self, present: list[int]) -> str:
-        """The asked passes not in ``present``, as ranges (at most 10 shown); "" when none."""
-        have = sorted(set(present))
-        gaps: list[str] = []
-        for lo, hi in self.ranges:
-            start = lo
-            for index in (i for i in have if lo <= i <= hi):
-                if index > start:
-                    gaps.append(str(start) if index - 1 == start else f"{start}-{index - 1}")
-                start = index + 1
-            if start <= hi:
-                gaps.append(str(start) if start == hi else f"{start}-{hi}")
-        return ",".join(gaps[:10]) + (",..." if len(gaps) > 10 else "")
-
-    def as_json(self) -> list[int] | str:
-        """Every index as a list when there are few; the ranges' text when there are many."""
-        if len(self) <= _LISTED_PASSES:
-            return [index for lo, hi in self.ranges for index in range(lo, hi + 1)]
-        return str(self)
-
-
-def parse_passes(text: str | None) -> PassSelection | None:
-    """``--pass 3`` or ``--pass 0,2,5-7``; None means every pass present in both dumps."""
+def parse_passes(text: str | None) -> IndexRanges | None:
+    """``--pass 3`` or ``--pass 0,2,5-7``, as merged ranges (``ranges[0][0]`` is the first pass
+    asked for); None means every pass present in both dumps."""
     if text is None:
         return None
-    from ..config.settings import StepSelection
-
     try:
-        ranges = StepSelection.parse(text).ranges
+        selection = IndexRanges.parse(text)
     except ValueError as e:
         raise UsageError(f"--pass {text!r}: {e}") from e
-    if not ranges:
+    if not selection.ranges:
         raise UsageError(f"--pass {text!r}: expected a pass index such as 3, or a list such as 0,2,5-7")
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return PassSelection(tuple(merged))
+    return selection.merged()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DiffOptions:
     """Everything that decides what is compared and how; frozen so no stage can change it."""
 
     a: Path
     b: Path
-    passes: PassSelection | None = None
+    passes: IndexRanges | None = None
     rank: int | None = None
     filter: re.Pattern[str] | None = None
     maps: tuple[NameMap, ...] = ()
@@ -215,7 +165,7 @@ class DiffOptions:
     baseline: Path | None = None
     align: Literal["passes", "tokens"] = "passes"
     align_given: bool = True  # False: --align was not given, a bridge may choose (compare/bridge.py)
-    bridge: Any = None  # --bridge: None (choose by the manifests), "none", or a bridge.Bridge
+    bridge: Bridge | Literal["none"] | None = None  # --bridge: None chooses by the manifests
     json_path: str | None = None
     plot_path: Path | None = None
     html_path: Path | None = None
@@ -269,23 +219,25 @@ def parse_options(
     baseline: str | Path | None = None,
     align: str | None = "passes",
     bridge: str | Path | None = None,
-    **output: object,
+    json_path: str | None = None,
+    plot_path: Path | None = None,
+    html_path: Path | None = None,
+    max_rows: int = 500,
+    progress: bool | None = None,
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
 
-    ``output`` holds what only changes the report: ``json_path``, ``plot_path``, ``html_path``,
-    ``max_rows``, ``progress``."""
+    ``json_path``, ``plot_path``, ``html_path``, ``max_rows`` and ``progress`` only change the
+    report: where it is written, how many table rows, whether a progress bar shows."""
     rtol_value, rtol_rules = parse_tolerances(rtol, "--rtol")
     atol_value, atol_rules = parse_tolerances(atol, "--atol")
     if baseline is not None and not Path(baseline).exists():
         raise UsageError(f"--baseline {baseline}: no such file or directory")
-    chosen_bridge: Any = None
+    chosen_bridge: Bridge | Literal["none"] | None = None
     if bridge is not None and str(bridge).lower() == "none":
         chosen_bridge = "none"
     elif bridge is not None:
-        from .bridge import load_bridge  # a bad rule file fails here, before any dump is read
-
-        chosen_bridge = load_bridge(bridge)
+        chosen_bridge = load_bridge(bridge)  # a bad rule file fails here, before any dump is read
     return DiffOptions(
         a=Path(a),
         b=Path(b),
@@ -303,5 +255,9 @@ def parse_options(
         align=align or "passes",  # type: ignore[arg-type]
         align_given=align is not None,
         bridge=chosen_bridge,
-        **output,  # type: ignore[arg-type]
+        json_path=json_path,
+        plot_path=plot_path,
+        html_path=html_path,
+        max_rows=max_rows,
+        progress=progress,
     )

@@ -1,7 +1,10 @@
-"""The pipeline: load -> plan (metadata) -> execute (data) -> report (text, JSON, plot).
+"""The pipeline: load -> bridge -> plan (metadata) -> execute (data) -> judge -> report (text, JSON,
+plot, html).
 
-:func:`run` is what ``tracedump diff`` calls and returns the exit code; :func:`compare` is the same
-pipeline for Python callers and returns the :class:`DiffReport`.
+:func:`run` is what ``tracedump diff`` calls and returns the exit code; :func:`build_report` is the
+whole comparison without printing, which :func:`tracedump.compare.compare` calls for Python callers.
+``--align tokens`` goes to :mod:`.align` instead of the plan and executor; both end in
+:func:`.verdict.judge_all` and :func:`.verdict.conclude`.
 """
 
 from __future__ import annotations
@@ -14,57 +17,20 @@ from typing import Any
 
 from ..errors import UsageError
 from ..util.console import printable
-from .bridge import Matcher, matcher_for
+from .align import build_aligned_report
+from .bridge import matcher_for
 from .display import print_report, progress_bar
 from .execute import Executor
 from .inputs import inputs_differ_by_pass
-from .local import judge_local
+from .local import judge_local, refuse_grafted_alignment
 from .notes import side_notes
-from .options import DiffOptions, parse_options
+from .options import DiffOptions
 from .plan import Plan, build_plan, short_list
 from .plot import check_available, write_plot
-from .results import GROWTH_FACTOR, GROWTH_FLOOR, DiffReport, TensorResult
+from .report import bridge_summary, report_settings
+from .results import DiffReport, TensorResult
 from .sources import Side, open_side
-from .tolerance import table_rows
-from .verdict import BASELINE_FACTOR, GROWTH, K_ROUNDING, judge_all
-
-
-def report_settings(options: DiffOptions) -> dict[str, Any]:
-    if options.rtol is None and options.atol is None:
-        tolerance = (
-            f"{options.metric} by the noise measured in --baseline"
-            if options.baseline is not None
-            else f"{options.metric} by the error upstream at the run precision"
-        )
-    else:
-        given = ", ".join(
-            f"{k} {v:g}" for k, v in (("--rtol", options.rtol), ("--atol", options.atol)) if v is not None
-        )
-        tolerance = f"{options.metric} with {given}"
-    return {
-        "metric": options.metric,
-        "rtol": options.rtol,
-        "atol": options.atol,
-        "tolerance": tolerance,
-        "passes": options.passes.as_json() if options.passes is not None else None,
-        "rank": options.rank,
-        "filter": options.filter.pattern if options.filter else None,
-        "map": [str(rule) for rule in options.maps],
-        "unshard": [str(rule) for rule in options.unshard],
-        "rtol_rules": [str(rule) for rule in options.rtol_rules],
-        "atol_rules": [str(rule) for rule in options.atol_rules],
-        "baseline": str(options.baseline) if options.baseline is not None else None,
-        "align": options.align,
-        "bridge": "none" if options.bridge == "none" else getattr(options.bridge, "source", None),
-        "verdict": {
-            "growth": GROWTH,
-            "rounding_k": K_ROUNDING,
-            "baseline_factor": BASELINE_FACTOR,
-        },
-        "growth_factor": GROWTH_FACTOR,
-        "growth_floor": GROWTH_FLOOR,
-        "defaults": table_rows(),
-    }
+from .verdict import conclude, judge_all
 
 
 def _why_nothing(plan: Plan, options: DiffOptions) -> str:
@@ -82,13 +48,6 @@ def _why_nothing(plan: Plan, options: DiffOptions) -> str:
     )
 
 
-def bridge_summary(matcher: Matcher) -> dict[str, Any] | None:
-    """The bridge in use, for the report: its name, where it came from, why it was chosen."""
-    if matcher.bridge is None:
-        return None
-    return {"name": matcher.bridge.name, "source": matcher.bridge.source, "why": matcher.line}
-
-
 def build_report(options: DiffOptions) -> DiffReport:
     """Load both sides, plan, execute, judge: the whole comparison, without printing anything.
 
@@ -101,9 +60,6 @@ def build_report(options: DiffOptions) -> DiffReport:
     if not options.align_given and matcher.align and matcher.align != options.align:
         options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
     if options.align == "tokens":
-        from .align import build_aligned_report
-        from .local import refuse_grafted_alignment
-
         refuse_grafted_alignment(options)
         return build_aligned_report(options, side_a, side_b, matcher)
     plan, workspace = build_plan(side_a, side_b, options, matcher)
@@ -114,7 +70,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     if options.unshard:
         settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
     settings["notes"] = side_notes(side_a) + side_notes(side_b)
-    report = DiffReport(side_a.describe(), side_b.describe(), settings, plan)
+    report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
     report.bridge = bridge_summary(matcher)
     report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
     with progress_bar(plan, options.progress) as advance:
@@ -129,6 +85,7 @@ def build_report(options: DiffOptions) -> DiffReport:
         for rule in (*options.rtol_rules, *options.atol_rules)
         if not any(rule.matches(r.name, r.name_b) for r in report.results)
     ]
+    conclude(report)
     return report
 
 
@@ -227,35 +184,3 @@ def run(options: DiffOptions) -> int:
         shown = printable(f"html report: {options.html_path}")
         print(shown, file=sys.stderr if json_to_stdout else sys.stdout)
     return report.exit_code
-
-
-def compare(
-    a: str | Path,
-    b: str | Path,
-    *,
-    passes: str | None = None,
-    rank: int | None = None,
-    filter: str | None = None,
-    maps: list[str] | tuple[str, ...] = (),
-    unshard: list[str] | tuple[str, ...] = (),
-    metric: str = "rel_diff",
-    rtol: float | str | list[str] | None = None,
-    atol: float | str | list[str] | None = None,
-    baseline: str | Path | None = None,
-    align: str | None = None,
-    bridge: str | Path | None = None,
-) -> DiffReport:
-    """Compare dump ``a`` (under test) with ``b`` (reference) from Python; same rules as the CLI.
-
-    ``rtol``/``atol`` take a number (every pair) or ``'REGEX=VALUE'`` rules, as ``--rtol``;
-    ``align`` None lets the bridge choose, as on the command line."""
-    given = {**locals(), "rtol": _as_list(rtol), "atol": _as_list(atol)}  # the arguments, by name
-    return build_report(parse_options(**given, progress=False))
-
-
-def _as_list(value: float | str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    return [repr(value) if isinstance(value, float) else str(value)]

@@ -32,7 +32,7 @@ class Unit:
     pass_b: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PairPlan:
     """One comparison to make. ``kind`` says how: values, statistics, or not at all (and why)."""
 
@@ -45,7 +45,7 @@ class PairPlan:
     bridge: str | None = None  # how the bridge made this pair (compare/bridge.py), None: by name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Unmatched:
     """A name present on one side only (for A, with the name ``--map`` made of it, when it differs)."""
 
@@ -66,7 +66,7 @@ class Unmatched:
         return data
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     units: tuple[Unit, ...]
     pairs: tuple[PairPlan, ...]
@@ -236,14 +236,19 @@ def _pair(
     for side, entry in (("A", a), ("B", b)):
         if entry.problem is not None:
             return PairPlan(
-                unit, a, b, entry.problem_status or "error", tolerance, f"{side}: {entry.problem}"
+                unit=unit,
+                a=a,
+                b=b,
+                kind=entry.problem_status or "error",
+                tolerance=tolerance,
+                message=f"{side}: {entry.problem}",
             )
     shape_a, shape_b = squeeze(a.meta.shape), squeeze(b.meta.shape)
     if shape_a is not None and shape_b is not None and shape_a != shape_b:
         message = f"shapes {list(a.meta.shape or ())} vs {list(b.meta.shape or ())}"
-        return PairPlan(unit, a, b, "shape_mismatch", tolerance, message)
+        return PairPlan(unit=unit, a=a, b=b, kind="shape_mismatch", tolerance=tolerance, message=message)
     kind = "stats" if tolerance.metric == "stats" else "tensor"
-    return PairPlan(unit, a, b, kind, tolerance)
+    return PairPlan(unit=unit, a=a, b=b, kind=kind, tolerance=tolerance)
 
 
 def bridged_pairs(
@@ -264,7 +269,13 @@ def bridged_pairs(
         pairs.append((pair, entry_a, entry_b))
     only = {
         side: [
-            Unmatched(pass_index, root, u.name, u.mapped, "" if u.reason in PLAIN_REASONS else u.reason)
+            Unmatched(
+                pass_index=pass_index,
+                root=root,
+                name=u.name,
+                mapped=u.mapped,
+                reason="" if u.reason in PLAIN_REASONS else u.reason,
+            )
             for u in matched.leftovers
             if u.side == side
         ]
@@ -324,14 +335,14 @@ def build_plan(
         only_in_a.extend(unmatched_a)
         only_in_b.extend(unmatched_b)
     plan = Plan(
-        tuple(units),
-        tuple(pairs),
-        tuple(only_in_a),
-        tuple(only_in_b),
-        tuple(sorted(passes_only_a)),
-        tuple(sorted(passes_only_b)),
-        tuple(roots_only_a),
-        tuple(roots_only_b),
+        units=tuple(units),
+        pairs=tuple(pairs),
+        only_in_a=tuple(only_in_a),
+        only_in_b=tuple(only_in_b),
+        passes_only_in_a=tuple(sorted(passes_only_a)),
+        passes_only_in_b=tuple(sorted(passes_only_b)),
+        roots_only_in_a=tuple(roots_only_a),
+        roots_only_in_b=tuple(roots_only_b),
     )
     return plan, workspace
 

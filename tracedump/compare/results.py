@@ -22,7 +22,9 @@ Statuses of a tensor pair:
   listed with both class names (:mod:`.bridge`).
 
 Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned`` and ``not_comparable``
-makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`).
+makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`). Those rules, the
+first divergence and the largest growth are decided in :mod:`.verdict` (:func:`.verdict.conclude`);
+this module holds what they decide, as :class:`Findings`.
 """
 
 from __future__ import annotations
@@ -37,9 +39,6 @@ from .metrics import TensorMetrics
 from .plan import Plan
 from .stats import StatDelta
 from .tolerance import Tolerance
-
-FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
-NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")
 
 
 def _number(value: float | None) -> float | str | None:
@@ -58,7 +57,7 @@ def unravel(flat: int | None, shape: tuple[int, ...] | None) -> list[int] | None
     return list(reversed(coords))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorResult:
     """The verdict on one pair, with every measurement behind it."""
 
@@ -149,10 +148,8 @@ class TensorResult:
         if self.level_before is not None:
             data["level_before"] = self.level_before
         if self.noise is not None:
-            from .verdict import times_noise
-
             data["noise"] = _number(self.noise)
-            data["x_noise"] = _number(times_noise(self))
+            data["x_noise"] = _number(self.times_noise)
         if self.per_token is not None:
             worst = self.worst_token
             data["per_token"] = {
@@ -163,6 +160,16 @@ class TensorResult:
                 "worst_rel_diff": _number(worst[1]) if worst else None,
             }
         return data
+
+    @property
+    def times_noise(self) -> float | None:
+        """The error as a multiple of the baseline's measured noise (inf over exact-zero noise): a
+        reading of the verdict's two numbers, not a third one it judges by."""
+        if self.noise is None or self.error is None:
+            return None
+        if self.noise == 0:
+            return 0.0 if self.error == 0 else math.inf
+        return self.error / self.noise
 
     @property
     def worst_token(self) -> tuple[int, float] | None:
@@ -208,37 +215,36 @@ def _finding(result: TensorResult) -> dict[str, Any]:
     return data
 
 
-GROWTH_FACTOR = 10.0
-# Errors below this are rounding dust: a jump from 1e-16 to 1e-14 is not where a bug starts.
-GROWTH_FLOOR = 1e-12
+@dataclass(frozen=True, kw_only=True)
+class FirstInTime:
+    """``--align tokens``: the diverged row computed earliest (:func:`.verdict.first_in_time`)."""
+
+    result: TensorResult
+    row: int  # the row of ``result``'s gathered rows
+    step: int  # A's pass that computed that row
+
+    def to_json(self) -> dict[str, Any]:
+        result, row = self.result, self.row
+        return {
+            "sequence": result.root,
+            "position": result.positions[row] if result.positions else row,
+            "step": self.step,
+            "name": result.name,
+            "rel_diff": result.per_token[row] if result.per_token else None,
+        }
 
 
-def first_divergence(results: list[TensorResult]) -> TensorResult | None:
-    """The first pair in execution order whose values exceed tolerance (or disagree across ranks)."""
-    return next((r for r in results if r.status in NUMERIC_DIVERGENCE), None)
+@dataclass(frozen=True, kw_only=True)
+class Findings:
+    """What :func:`.verdict.conclude` decided of a report's judged results."""
+
+    first_divergence: TensorResult | None  # None when the inputs differ: no module is to blame
+    largest_growth: Growth | None
+    exit_code: ExitCode
+    first_in_time: FirstInTime | None = None  # --align tokens: the earliest diverged row
 
 
-def largest_growth(results: list[TensorResult]) -> Growth | None:
-    """The first tensor whose error exceeds 10x the largest error seen before it in the same pass.
-
-    bf16 noise grows slowly through the layers; a bug shows as a jump. Errors under
-    :data:`GROWTH_FLOOR` neither count as a jump nor set the running maximum.
-    """
-    running: float | None = None
-    unit_key: tuple[int, str | None] | None = None
-    for result in results:
-        if (result.pass_index, result.root) != unit_key:
-            unit_key, running = (result.pass_index, result.root), None
-        error = result.error
-        if error is None or result.metric == "exact" or not math.isfinite(error) or error < GROWTH_FLOOR:
-            continue
-        if running is not None and error > GROWTH_FACTOR * running:
-            return Growth(result, running, error / running)
-        running = error if running is None else max(running, error)
-    return None
-
-
-@dataclass
+@dataclass(kw_only=True)
 class DiffReport:
     """Everything a diff found; :meth:`to_json` is the ``--json`` document."""
 
@@ -249,23 +255,27 @@ class DiffReport:
     results: list[TensorResult] = field(default_factory=list)
     flips: list[Any] = field(default_factory=list)  # routing.Flip of every router whose top-k differed
     unused_rules: list[str] = field(default_factory=list)  # --rtol/--atol rules that matched no name
-    first_override: TensorResult | None = None  # --align tokens: the first divergence in time
     alignment: list[dict[str, Any]] | None = None  # --align tokens: how sequences were paired
     alignment_lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the summary should say besides findings
     bridge: dict[str, Any] | None = None  # the bridge in use: name, source (compare/bridge.py)
     inputs_differ: list[dict[str, Any]] = field(default_factory=list)  # aligned sequences fed other tokens
+    findings: Findings | None = None  # set by verdict.conclude once the results are final
+
+    @property
+    def concluded(self) -> Findings:
+        """The verdict's findings; a report is read only after :func:`.verdict.conclude`."""
+        if self.findings is None:
+            raise RuntimeError("the report has no findings yet: verdict.conclude(report) decides them")
+        return self.findings
 
     @property
     def first_divergence(self) -> TensorResult | None:
-        """None when the inputs differ: no module is to blame for what its inputs already carry."""
-        if self.inputs_differ:
-            return None
-        return self.first_override or first_divergence(self.results)
+        return self.concluded.first_divergence
 
     @property
     def largest_growth(self) -> Growth | None:
-        return largest_growth(self.results)
+        return self.concluded.largest_growth
 
     def count(self, status: str) -> int:
         return sum(1 for r in self.results if r.status == status)
@@ -277,8 +287,7 @@ class DiffReport:
 
     @property
     def exit_code(self) -> int:
-        failing = self.inputs_differ or any(r.status in FAILING for r in self.results)
-        return ExitCode.DIVERGED if failing else ExitCode.OK
+        return self.concluded.exit_code
 
     def leftovers_by_reason(self) -> dict[str, dict[str, int]]:
         """Tensors without a counterpart, per side, counted by why (plain: "no tensor of that name")."""

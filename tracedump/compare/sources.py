@@ -37,6 +37,7 @@ from ..store.loader import (
 from .options import DiffOptions
 from .reader import SafetensorsMap, Stored, stored_from_torch
 from .stats import infer_dtype
+from .tolerance import pair_precision
 
 if TYPE_CHECKING:  # torch is imported where a .pt file is read: a diff of pass files never needs it
     import torch
@@ -120,7 +121,7 @@ class PassView:
             reader.close()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunSource:
     """A run (or a lone pass file) of one side, with what decides how its entries read."""
 
@@ -227,8 +228,6 @@ def _mode_of(manifest: dict[str, Any], run: Run | None) -> tuple[str, int]:
 def declared_precision(manifest: dict[str, Any]) -> str | None:
     """The least precise float the manifest's ``precision`` declares: its parameters' dtypes, and
     ``tfloat32`` for an fp32 run whose CUDA matmuls were allowed TF32."""
-    from .tolerance import pair_precision
-
     precision = manifest.get("precision")
     if not isinstance(precision, dict):
         return None
@@ -268,10 +267,10 @@ def _pass_file_side(which: str, path: Path) -> Side:
     if mode in ("stats", "records"):
         mode = "full"  # a pass file holds whole tensors even in a stats-mode run (records)
     source = RunSource(
-        path.name,
-        int(manifest.get("rank", 0)),
-        mode,
-        token_dim,
+        name=path.name,
+        rank=int(manifest.get("rank", 0)),
+        mode=mode,
+        token_dim=token_dim,
         pass_file=path,
         declared_precision=declared_precision(manifest),
         facts=manifest_facts(manifest),
@@ -283,10 +282,10 @@ def _pass_file_side(which: str, path: Path) -> Side:
 def _run_source(run: Run) -> RunSource:
     mode, token_dim = _mode_of(run.manifest, run)
     return RunSource(
-        run.name,
-        run.rank,
-        mode,
-        token_dim,
+        name=run.name,
+        rank=run.rank,
+        mode=mode,
+        token_dim=token_dim,
         run=run,
         declared_precision=declared_precision(run.manifest),
         facts=manifest_facts(run.manifest),

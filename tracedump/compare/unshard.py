@@ -22,7 +22,7 @@ from .routing import as_float
 from .sources import EntryMeta, PassView
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SideEntry:
     """One side's entry for one name, as the comparison sees it (after unsharding)."""
 
@@ -56,34 +56,52 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
     present = [m for m in metas if m is not None]
     first = present[0]
     if len(views) == 1:
-        return SideEntry(name, first)
+        return SideEntry(name=name, meta=first)
     missing = [view.rank for view, meta in zip(views, metas, strict=True) if meta is None]
     if missing:
-        return SideEntry(name, first, None, f"missing on rank(s) {missing}", "rank_mismatch")
+        return SideEntry(
+            name=name,
+            meta=first,
+            how=None,
+            problem=f"missing on rank(s) {missing}",
+            problem_status="rank_mismatch",
+        )
     if any(m.kind == "stats" for m in present):
         if rule is not None:
-            return SideEntry(name, first, str(rule), "--unshard needs whole tensors, not statistics", "error")
-        return SideEntry(name, first, "replicated")
+            return SideEntry(
+                name=name,
+                meta=first,
+                how=str(rule),
+                problem="--unshard needs whole tensors, not statistics",
+                problem_status="error",
+            )
+        return SideEntry(name=name, meta=first, how="replicated")
     shapes = [m.shape or () for m in present]
     if rule is None:
         if len(set(shapes)) > 1:
             return SideEntry(
-                name,
-                first,
-                "replicated",
-                f"no --unshard rule and shapes differ across ranks: {shapes}",
-                "rank_mismatch",
+                name=name,
+                meta=first,
+                how="replicated",
+                problem=f"no --unshard rule and shapes differ across ranks: {shapes}",
+                problem_status="rank_mismatch",
             )
-        return SideEntry(name, first, "replicated")
+        return SideEntry(name=name, meta=first, how="replicated")
     how = "sum" if rule.op == "sum" else f"cat:{rule.dim}"
     if rule.op == "sum":
         if len(set(shapes)) > 1:
-            return SideEntry(name, first, how, f"sum needs equal shapes, got {shapes}", "error")
-        return SideEntry(name, EntryMeta("tensor", shapes[0], first.dtype), how)
+            return SideEntry(
+                name=name,
+                meta=first,
+                how=how,
+                problem=f"sum needs equal shapes, got {shapes}",
+                problem_status="error",
+            )
+        return SideEntry(name=name, meta=EntryMeta("tensor", shapes[0], first.dtype), how=how)
     shape = _cat_shape(shapes, rule.dim or 0)
     if isinstance(shape, str):
-        return SideEntry(name, first, how, shape, "error")
-    return SideEntry(name, EntryMeta("tensor", shape, first.dtype), how)
+        return SideEntry(name=name, meta=first, how=how, problem=shape, problem_status="error")
+    return SideEntry(name=name, meta=EntryMeta("tensor", shape, first.dtype), how=how)
 
 
 def assemble(entry: SideEntry, views: list[PassView]) -> Stored:

@@ -1,5 +1,17 @@
 """The verdict: which measured error is a divergence, judged by the numerical physics of the run.
 
+Every decision the comparator makes on the numbers it measured is here, in this order:
+
+- each pair's threshold and status (:func:`judge_all`: the noise model below, the fixed rules of
+  :func:`fixed_rule`, a stats pair's :func:`stats_rule`, a router's :func:`router_rule`);
+- a grafted dump's local error (:func:`local_allowance_of`, :func:`judge_locally`; :mod:`.local`
+  says which tensors are local);
+- the report's findings (:func:`conclude`): the first divergence (in execution order, or with
+  ``--align tokens`` the diverged row computed earliest), the largest growth, the exit code.
+
+Whether a router's flip is a near-tie is measured in :mod:`.routing` (its margins against its
+scores' noise, ``TIE_FACTOR``); what that flip then means for the pair is decided here.
+
 A fixed threshold per dtype cannot be right. Two bf16 runs of the same code agree *exactly* up to
 a bug, and a one-layer bug then shows as an error of ~1e-4 (rel_diff) after exact zeros: far below
 a bf16 threshold that must also pass bf16-vs-fp32 noise, which reaches ~1e-4 after a few layers
@@ -35,17 +47,20 @@ noise is not overruled. The error is reported as "x noise".
 
 A user ``--rtol`` (global, or a ``REGEX=VALUE`` rule matching the name) fixes that pair's threshold
 instead; ``max_abs`` is an allclose test and keeps its fixed rule; integers compare exactly.
-Near-tie MoE routing flips are judged in :mod:`.routing`; their effect joins the running level.
+A near-tie MoE routing flip's effect joins the running level.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from ..errors import ExitCode
 from .containers import anchors
 from .metrics import TensorMetrics
-from .results import TensorResult
+from .results import DiffReport, Findings, FirstInTime, Growth, TensorResult
 from .tolerance import Tolerance
 
 GROWTH = 100.0  # how much one op may amplify the upstream error (rel_diff, i.e. 10x in RMS)
@@ -74,7 +89,7 @@ def rounding_floor(precision: str | None, last_dim: int) -> float:
     return K_ROUNDING * (u_run**2 + max(last_dim, 1) * u_acc**2)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Level:
     """The running error level of one root pair: this pass's, and what earlier passes carried."""
 
@@ -217,6 +232,21 @@ def fixed_rule(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, flo
     return error, threshold, ok and metrics.nonfinite_mismatch == 0
 
 
+def stats_rule(error: float, tolerance: Tolerance) -> tuple[str, float]:
+    """(status, threshold) of a stats pair: its worst statistic's error against ``rtol``, a fixed
+    rule (a statistic is one number per tensor: no noise model applies to it)."""
+    return ("ok" if error <= tolerance.rtol else "diverged"), tolerance.rtol
+
+
+def router_rule(near_tie: bool, flipped: int, metrics: TensorMetrics) -> tuple[str, float, float | None]:
+    """(status, error, threshold) of a router's top-k indices that differ: a flip at a near-tie of
+    its top-k (within the run's noise, :func:`.routing.detect`) is reported, not a divergence, its
+    error the count of tokens flipped; any other flip is a divergence of the indices."""
+    if near_tie:
+        return "routing_flip", float(flipped), None
+    return "diverged", metrics.max_abs, 0.0
+
+
 def _nonfinite_message(result: TensorResult) -> str | None:
     metrics = result.metrics
     if metrics is None or not metrics.nonfinite_mismatch:
@@ -227,10 +257,199 @@ def _nonfinite_message(result: TensorResult) -> str | None:
     )
 
 
-def times_noise(result: TensorResult) -> float | None:
-    """The error as a multiple of the baseline's measured noise (inf over exact-zero noise)."""
-    if result.noise is None or result.error is None:
+# ------------------------------------------------------------------------- the report's findings
+
+# Statuses that make the exit code 1; the others (ok, routing_flip, routing, not_aligned,
+# not_comparable) are reported and never fail the diff.
+FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
+NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")  # the statuses a first divergence may have
+GROWTH_FACTOR = 10.0  # a jump: an error this many times the largest before it in its pass
+# Errors below this are rounding dust: a jump from 1e-16 to 1e-14 is not where a bug starts.
+GROWTH_FLOOR = 1e-12
+
+
+def first_divergence(results: Sequence[TensorResult]) -> TensorResult | None:
+    """The first pair in execution order whose values exceed tolerance (or disagree across ranks)."""
+    return next((r for r in results if r.status in NUMERIC_DIVERGENCE), None)
+
+
+def largest_growth(results: Sequence[TensorResult]) -> Growth | None:
+    """The first tensor whose error exceeds 10x the largest error seen before it in the same pass.
+
+    bf16 noise grows slowly through the layers; a bug shows as a jump. Errors under
+    :data:`GROWTH_FLOOR` neither count as a jump nor set the running maximum.
+    """
+    running: float | None = None
+    unit_key: tuple[int, str | None] | None = None
+    for result in results:
+        if (result.pass_index, result.root) != unit_key:
+            unit_key, running = (result.pass_index, result.root), None
+        error = result.error
+        if error is None or result.metric == "exact" or not math.isfinite(error) or error < GROWTH_FLOOR:
+            continue
+        if running is not None and error > GROWTH_FACTOR * running:
+            return Growth(result, running, error / running)
+        running = error if running is None else max(running, error)
+    return None
+
+
+def first_in_time(
+    results: Sequence[TensorResult], steps_of: dict[int, tuple[int, ...]]
+) -> FirstInTime | None:
+    """``--align tokens``: the diverged row computed earliest, the lowest step (A's pass), then the
+    first module in that step. ``steps_of`` maps a result's index to the step of each of its rows;
+    a result's row is its first beyond the threshold (its worst when none is)."""
+    best: tuple[tuple[int, int], TensorResult, int] | None = None
+    for result in results:
+        if result.status != "diverged" or result.per_token is None:
+            continue
+        per_token = result.per_token
+        threshold = result.threshold or 0.0
+        bad = [i for i, v in enumerate(per_token) if v > threshold]
+        row = bad[0] if bad else max(range(len(per_token)), key=lambda i: per_token[i])
+        key = (steps_of[result.index][row], result.index)
+        if best is None or key < best[0]:
+            best = (key, result, row)
+    if best is None:
         return None
-    if result.noise == 0:
-        return 0.0 if result.error == 0 else math.inf
-    return result.error / result.noise
+    (step, _), result, row = best
+    return FirstInTime(result=result, row=row, step=step)
+
+
+def exit_code(results: Sequence[TensorResult], inputs_differ: Sequence[Any]) -> ExitCode:
+    """1 when a pair failed (:data:`FAILING`) or aligned sequences were fed other tokens, else 0."""
+    failing = bool(inputs_differ) or any(r.status in FAILING for r in results)
+    return ExitCode.DIVERGED if failing else ExitCode.OK
+
+
+def conclude(report: DiffReport, steps_of: dict[int, tuple[int, ...]] | None = None) -> Findings:
+    """Decide the report's findings from its final results and store them on it.
+
+    The first divergence is none when the inputs differ (no module is to blame for what its inputs
+    already carry); with ``--align tokens`` (``steps_of`` given) it is the diverged row computed
+    earliest (:func:`first_in_time`), else the first in execution order."""
+    in_time = first_in_time(report.results, steps_of) if steps_of is not None else None
+    first = None
+    if not report.inputs_differ:
+        first = in_time.result if in_time is not None else first_divergence(report.results)
+    report.findings = Findings(
+        first_divergence=first,
+        largest_growth=largest_growth(report.results),
+        exit_code=exit_code(report.results, report.inputs_differ),
+        first_in_time=in_time,
+    )
+    return report.findings
+
+
+# ------------------------------------------------------------------------- grafted dumps: local error
+# A grafted module ran on the reference's own inputs: it is judged by what it alone may add at the
+# run precision (:mod:`.local` says which tensors are local and why; the allowance is decided here).
+
+K_LEAF = 3.0  # roundings a grafted leaf may add, in u^2 (input cast, weights, output)
+K_OP = 1.0  # what each leaf run inside a grafted level may add to what follows it, in u^2
+K_LEVEL = 10.0  # the most the ops inside a grafted level may add, in u^2 (calibrate_graft.py)
+TAIL_Z = 3.0  # sigmas of a mean of n squared roundings (chi-square: relative spread sqrt(2/n))
+N_CALIBRATED = 1024  # elements of the smallest tensor the constants were set on (16 tokens x 64)
+ROW_K = 3.4  # TAIL_Z x one row's relative spread (measured on prefill rows: up to 1.13, attention weights)
+ROWS_CALIBRATED = 16  # rows (tokens) of a prefill the constants hold for (set on 24, checked on 16)
+
+
+def level_roundings(ops: int | None) -> float:
+    """In u^2: what a tensor of a grafted level may carry after ``ops`` leaves of that level ran
+    (its own included): ``K_OP`` each, at most ``K_LEVEL``; ``K_LEVEL`` when the depth is unknown."""
+    return K_LEVEL if ops is None else min(K_OP * (1 + ops), K_LEVEL)
+
+
+def tail_factor(elements: int, rows: int | None = None) -> float:
+    """How much wider than the calibrated constants a tensor of ``elements`` values in ``rows``
+    rows (tokens: its elements over its last dim) may read.
+
+    rel_diff is a mean of squared roundings. Over ``elements`` independent values its relative
+    spread is about ``sqrt(2 / elements)`` (chi-square); but a row's values share its norm scale and
+    its input's cast, so a row is one draw too, of spread ``ROW_K / TAIL_Z`` (measured on
+    prefill passes' per-token rel_diff). The constants were set on prefill passes of at least
+    ``N_CALIBRATED`` elements and ``ROWS_CALIBRATED`` rows, whose spread they already cover; a
+    smaller tensor (a decode pass of one token) is allowed the extra ``TAIL_Z`` sigmas of its own,
+    the wider of the two. The factor is 1 for every tensor as large as the calibrated ones (no
+    looser there) and grows as ``1 / sqrt(n)`` below that."""
+    spread = 1 + TAIL_Z * (2 / max(elements, 1)) ** 0.5
+    by_elements = spread / (1 + TAIL_Z * (2 / N_CALIBRATED) ** 0.5)
+    rows = max(rows if rows is not None else elements, 1)
+    by_rows = (1 + ROW_K / rows**0.5) / (1 + ROW_K / ROWS_CALIBRATED**0.5)
+    return max(1.0, by_elements, by_rows)
+
+
+def local_allowance(precision: str | None, last_dim: int, roundings: float) -> float:
+    """What ``roundings`` (in u^2) at ``precision`` come to, plus fp32 accumulation over ``last_dim``."""
+    u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
+    u_acc = UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
+    return roundings * u_run**2 + max(last_dim, 1) * u_acc**2
+
+
+def _numel(shape: tuple[int, ...] | list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalAllowance:
+    """What one grafted tensor may differ by: ``roundings`` x ``tail`` in u^2, as ``threshold``."""
+
+    roundings: float  # K_LEAF, K_OP or level_roundings(ops)
+    tail: float  # tail_factor of its size (1 for tensors as large as the calibrated ones)
+    elements: int
+    threshold: float
+
+
+def local_judgeable(result: TensorResult) -> bool:
+    """Whether the local rule judges ``result``: a measured float tensor under the noise model;
+    integers (exact), ``max_abs``, a user's ``--rtol`` and routing keep their own rules."""
+    return (
+        result.metrics is not None
+        and result.kind == "tensor"
+        and result.status in ("ok", "diverged", "routing_flip")
+        and result.tolerance.metric in NOISE_MODEL
+        and not result.tolerance.fixed
+    )
+
+
+def local_allowance_of(
+    result: TensorResult, *, leaf: bool, own_input: bool, ops: int | None
+) -> LocalAllowance:
+    """The allowance of a grafted tensor: a leaf's ``K_LEAF``, a grafted level's own input one cast
+    (``K_OP``), any other tensor of a level what its ``ops`` leaves run so far may add."""
+    if leaf:
+        roundings = K_LEAF
+    elif own_input:
+        roundings = K_OP  # the level's own input: the cast of the reference's, one rounding
+    else:
+        roundings = level_roundings(ops)
+    shape = result.shape_b or result.shape_a or ()
+    elements = _numel(shape)
+    tail = tail_factor(elements, elements // max(shape[-1], 1) if shape else 1)
+    threshold = local_allowance(result.tolerance.precision, shape[-1] if shape else 1, roundings * tail)
+    return LocalAllowance(roundings=roundings, tail=tail, elements=elements, threshold=threshold)
+
+
+def judge_locally(result: TensorResult, allowance: LocalAllowance, source: str) -> TensorResult:
+    """``result`` judged by its local error (no growth allowance, no baseline); ``source`` says so
+    in its tolerance. After a near-tie routing flip the error is the kept tokens'."""
+    metrics, tolerance = result.metrics, result.tolerance
+    assert metrics is not None
+    error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
+    flipped = result.status == "routing_flip"  # after a near-tie flip: the tokens routed alike
+    if flipped and result.error is not None:
+        error = result.error
+    threshold = allowance.threshold
+    ok = (error <= threshold or metrics.max_abs <= tolerance.atol) and metrics.nonfinite_mismatch == 0
+    return replace(
+        result,
+        status=("routing_flip" if flipped else "ok") if ok else "diverged",
+        error=error,
+        threshold=threshold,
+        basis="local",
+        noise=None,
+        tolerance=replace(tolerance, source=source),
+    )

@@ -1,11 +1,12 @@
 """Recycled host buffers for captures.
 
-A fresh host buffer per capture costs a page fault per 4 KiB page on first touch: measured here, a
-clone into new memory ran at 2.6 GB/s against 15 GB/s for a copy into memory already mapped. Passes
-of one engine repeat the same tensor sizes, so the writer hands each buffer back once its pass is on
-disk and the next pass copies into it. Free buffers count against the pending-bytes cap together
-with the passes not yet written and the open pass: when a capture would exceed the cap the pool is
-emptied first (``Dumper._apply_back_pressure``), so pooling keeps the bound of cap + one tensor.
+A fresh host buffer per capture costs a page fault per 4 KiB page on first touch: a clone into new
+memory runs several times slower than a copy into memory already mapped (docs/performance.md).
+Passes of one engine repeat the same tensor sizes, so the writer hands each buffer back once its
+pass is on disk and the next pass copies into it. Free buffers count against the pending-bytes cap
+together with the passes not yet written and the open pass: when a capture would exceed the cap
+the pool is emptied first (:meth:`tracedump.dump.sinks.FileSink.make_room`), so pooling keeps the
+bound of cap + one tensor.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import torch
 
 
 class HostBufferPool:
-    """Free host storages keyed by (bytes, pinned), bounded by a byte budget shared with the writer."""
+    """Free host storages keyed by (bytes, pinned), bounded by a byte budget shared with the writer.
+
+    ``reused`` and ``allocated`` count the buffers :meth:`empty_like` handed out from the pool and
+    freshly: whether recycling works is read there (tests, benchmarks), not inferred from timing.
+    """
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
         self._free_bytes = 0
         self._lock = threading.Lock()
+        self.reused = 0
+        self.allocated = 0
 
     @property
     def free_bytes(self) -> int:
@@ -33,7 +40,9 @@ class HostBufferPool:
         nbytes = source.numel() * source.element_size()
         storage = self._take(nbytes, pinned)
         if storage is None:
+            self.allocated += 1
             return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
+        self.reused += 1
         return torch.empty(0, dtype=source.dtype).set_(storage, 0, source.shape)
 
     def give_back(self, tensors: Iterable[torch.Tensor], room: int) -> None:

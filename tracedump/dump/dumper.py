@@ -29,14 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.settings import (
-    DEFAULT_ENV_PREFIX,
-    DumpConfig,
-    DumpSettings,
-    check_combination,
-    is_enabled,
-    load_settings,
-)
+from ..config.settings import DumpConfig, DumpSettings, check_combination, load_settings
+from ..config.sources import DEFAULT_ENV_PREFIX, is_enabled
 from ..errors import ConfigError
 from ..store.format import RECORDS_FILE
 from ..store.sequences import batch_metadata

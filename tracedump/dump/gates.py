@@ -1,36 +1,13 @@
-"""Gates that keep a dump comparable with a batch-1 reference, and the profiling suspend.
+"""Gates that keep a dump comparable with a batch-1 reference: the token gate and the row gate.
 
-An engine runs forwards that a reference never runs: a dummy profile forward, warm-up batches with
-padded shapes. The gates drop those captures so the remaining passes line up with the reference.
+An engine runs forwards that a reference never runs: warm-up batches with padded shapes, whose
+captures the gates drop so that the remaining passes line up with the reference, and a dummy
+profile forward, switched off as a whole by ``tracedump.profiling()`` (:mod:`tracedump.dump.suspend`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
-
 import torch
-
-# Per thread (and per asyncio task): a profile run on one thread must not suspend another's forward.
-_suspension: ContextVar[int] = ContextVar("tracedump_suspension", default=0)
-
-
-@contextlib.contextmanager
-def profiling() -> Iterator[None]:
-    """Suspend every dumper for the block: nothing is captured and no pass index is used.
-
-    Wrap an engine's dummy profile forward in it. Works whether or not a dumper exists.
-    """
-    token = _suspension.set(_suspension.get() + 1)
-    try:
-        yield
-    finally:
-        _suspension.reset(token)
-
-
-def globally_suspended() -> bool:
-    return _suspension.get() > 0
 
 
 def token_count(tensor: torch.Tensor, token_dim: int) -> int | None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from . import gates
+from . import suspend
 from .control import Controller
 from .hooks import BatchLayout
 from .runtime import COMPILED_WARNING
@@ -264,7 +264,7 @@ class PassMachine:
     # ---------------------------------------------------------------- passes
 
     def suspended(self) -> bool:
-        return self._suspend_depth > 0 or gates.globally_suspended()
+        return self._suspend_depth > 0 or suspend.globally_suspended()
 
     def _open_pass(self) -> bool:
         if self.closed or not self._ready():

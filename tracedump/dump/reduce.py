@@ -31,7 +31,7 @@ def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
 def _as_float(tensor: torch.Tensor) -> torch.Tensor:
     """Integers and complex numbers as float64 (exact for counts and indices); floats as they are,
     except narrow floats on the CPU: its reductions of bf16/fp16 into a float32 accumulator are
-    slower than one widening copy followed by float32 kernels (measured 1.5-2x), while on a GPU the
+    slower than one widening copy followed by float32 kernels (docs/performance.md), while on a GPU the
     reductions read the narrow values directly, half the bytes of a widened copy."""
     if tensor.is_floating_point():
         narrow = tensor.dtype not in (torch.float32, _F64)
@@ -53,8 +53,8 @@ _FUSED_L1_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torc
 def _abs_sum(x: torch.Tensor) -> torch.Tensor:
     """Σ|x| in the accumulator dtype. On an accelerator, ``vector_norm(x, 1)`` is one fused pass
     that reads x once (|x| is never written out: on a GPU that saves a write and a read of every
-    activation, and an allocation). On the CPU that kernel is not vectorised (3.5-4.5x slower than
-    ``x.abs().sum()``, measured on torch 2.13), so there |x| is made and summed, exact in x's dtype."""
+    activation, and an allocation). On the CPU that kernel is not vectorised (several times slower
+    than ``x.abs().sum()``: docs/performance.md), so there |x| is made and summed, exact in x's dtype."""
     accumulator = _accumulator(x)
     if x.device.type == "cpu" or x.dtype not in _FUSED_L1_DTYPES:
         return x.abs().sum(dtype=accumulator)
@@ -66,9 +66,10 @@ def _nan_if_empty(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[t
 
 
 # The reductions, one call each over the tensor. Each accumulates in float32 (float64 for float64
-# inputs) without a widened copy of the tensor: a float64 copy of every tensor made stats mode 1.35x
-# slower. ``mean`` and ``abs_mean`` are sums scaled by 1/numel in the final multiply, so ``sum`` and
-# ``mean`` together cost one pass, and no mean runs a second division kernel.
+# inputs) without a widened copy of the tensor: a float64 copy of every tensor made stats mode
+# markedly slower (docs/performance.md). ``mean`` and ``abs_mean`` are sums scaled by 1/numel in
+# the final multiply, so ``sum`` and ``mean`` together cost one pass, and no mean runs a second
+# division kernel.
 _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sum": lambda x: x.sum(dtype=_accumulator(x)),
     "abs_sum": _abs_sum,
@@ -104,9 +105,10 @@ assert tuple(_STAT_OF) == NUMERIC_STAT_NAMES
 _SWEEP = ("sum", "abs_sum", "min", "max")
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The reductions one list of statistics needs, each run once, and where each statistic reads."""
+@dataclass(frozen=True, kw_only=True)
+class _StatsRecipe:
+    """How to compute one list of statistics: the reductions it needs, each run once, and where
+    each statistic reads its value. Made once per distinct list, then looked up (``_recipe``)."""
 
     reductions: tuple[str, ...]
     picks: tuple[int, ...]  # statistic i is reductions[picks[i]]
@@ -114,22 +116,24 @@ class _Plan:
     sweep: tuple[int, ...] | None  # statistic i is the sweep's value sweep[i]; None: not all are there
 
 
-_PLANS: dict[tuple[str, ...], _Plan] = {}
-_SCALES: dict[tuple[_Plan, int, torch.device], torch.Tensor] = {}
+_RECIPES: dict[tuple[str, ...], _StatsRecipe] = {}
+_SCALES: dict[tuple[_StatsRecipe, int, torch.device], torch.Tensor] = {}
 _MAX_SCALES = 4096  # distinct (stats, numel, device) seen; an engine repeats a few hundred shapes
 
 
-def _plan(numeric: tuple[str, ...]) -> _Plan:
-    plan = _PLANS.get(numeric)
-    if plan is None:
+def _recipe(numeric: tuple[str, ...]) -> _StatsRecipe:
+    recipe = _RECIPES.get(numeric)
+    if recipe is None:
         both = "min" in numeric and "max" in numeric
         kinds = ["minmax" if both and n in ("min", "max") else _STAT_OF[n][0] for n in numeric]
         reductions = tuple(dict.fromkeys(kinds))
         picks = tuple(reductions.index(kind) for kind in kinds)
         sources = [_STAT_OF[n][0] for n in numeric]
         sweep = tuple(_SWEEP.index(k) for k in sources) if all(k in _SWEEP for k in sources) else None
-        plan = _PLANS[numeric] = _Plan(reductions, picks, tuple(_STAT_OF[n][1] for n in numeric), sweep)
-    return plan
+        recipe = _RECIPES[numeric] = _StatsRecipe(
+            reductions=reductions, picks=picks, means=tuple(_STAT_OF[n][1] for n in numeric), sweep=sweep
+        )
+    return recipe
 
 
 @functools.cache
@@ -143,17 +147,18 @@ def _kernel() -> ModuleType | None:
     return kernel if hasattr(kernel, "stats") else None
 
 
-def _swept(x: torch.Tensor, plan: _Plan) -> torch.Tensor | None:
+def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
     """The statistics from one pass of C over a contiguous float32 CPU tensor, or None (another
     device or dtype, a tensor subclass, no kernel, a NaN or Inf in it) to let torch compute them.
 
     Why: torch's CPU path for the default ``abs_mean,sum,max`` reads the tensor four times and
     writes ``|x|`` once; without AVX-512 its kernels are half as wide. One sweep reads it once
-    (measured 3x less time than those kernels over a pass of the bench model, AVX-512 and AVX2
-    alike). The numbers mean what they did: sums accumulated in float32 lanes (flushed to float64
-    every 2048 elements) and rounded to float32, as torch's float32 reduction returns them; min
-    and max exact. Where the tensor holds a NaN or an Inf, torch's reductions say what they are."""
-    if plan.sweep is None or type(x) is not torch.Tensor or x.device.type != "cpu":
+    (a fraction of those kernels' time over a pass of the bench model, AVX-512 and AVX2 alike:
+    docs/performance.md). The numbers mean what they did: sums accumulated in float32 lanes
+    (flushed to float64 every 2048 elements) and rounded to float32, as torch's float32 reduction
+    returns them; min and max exact. Where the tensor holds a NaN or an Inf, torch's reductions
+    say what they are."""
+    if recipe.sweep is None or type(x) is not torch.Tensor or x.device.type != "cpu":
         return None
     if x.dtype != torch.float32 or not x.numel() or not x.is_contiguous() or x.is_neg():
         return None
@@ -164,19 +169,19 @@ def _swept(x: torch.Tensor, plan: _Plan) -> torch.Tensor | None:
     if not math.isfinite(values[1]):  # Σ|x| is finite exactly when every element is
         return None
     rounded = torch.tensor(values, dtype=torch.float32)  # the sums as a float32 reduction returns them
-    return rounded[list(plan.sweep)].to(_F64)
+    return rounded[list(recipe.sweep)].to(_F64)
 
 
-def _scale(plan: _Plan, numel: int, device: torch.device) -> torch.Tensor:
+def _scale(recipe: _StatsRecipe, numel: int, device: torch.device) -> torch.Tensor:
     """float64 factors per statistic (1, or 1/numel for means; NaN for the mean of nothing), cached:
     the final multiply both widens the stacked scalars to float64 and turns sums into means."""
-    key = (plan, numel, device)
+    key = (recipe, numel, device)
     scale = _SCALES.get(key)
     if scale is None:
         if len(_SCALES) >= _MAX_SCALES:
             _SCALES.clear()
         inverse = 1.0 / numel if numel else float("nan")
-        factors = [inverse if mean else 1.0 for mean in plan.means]
+        factors = [inverse if mean else 1.0 for mean in recipe.means]
         scale = _SCALES[key] = torch.tensor(factors, dtype=_F64, device=device)
     return scale
 
@@ -198,18 +203,20 @@ def compute_stats(
         extras["dtype"] = dtype_name(source.dtype)
     if not numeric:
         return numeric, torch.empty(0, dtype=_F64), extras
-    plan = _plan(tuple(numeric))
+    recipe = _recipe(tuple(numeric))
     x = _as_float(source)
-    swept = _swept(x, plan)
+    swept = _swept(x, recipe)
     if swept is not None:
-        return numeric, torch.mul(swept, _scale(plan, x.numel(), x.device)), extras
-    computed = [_REDUCTIONS[kind](x) for kind in plan.reductions]
+        return numeric, torch.mul(swept, _scale(recipe, x.numel(), x.device)), extras
+    computed = [_REDUCTIONS[kind](x) for kind in recipe.reductions]
     scalars = [
         computed[i] if kind != "minmax" else computed[i][0 if name == "min" else 1]
-        for name, i, kind in zip(numeric, plan.picks, (plan.reductions[i] for i in plan.picks), strict=True)
+        for name, i, kind in zip(
+            numeric, recipe.picks, (recipe.reductions[i] for i in recipe.picks), strict=True
+        )
     ]
     # Floats of different widths (a bf16 max beside float32 sums) promote exactly inside the stack;
     # integer counts beside floats would be rounded to float32 there, so those are widened first.
     if any(not s.is_floating_point() for s in scalars) and any(s.is_floating_point() for s in scalars):
         scalars = [s.to(_F64) for s in scalars]
-    return numeric, torch.mul(torch.stack(scalars), _scale(plan, x.numel(), x.device)), extras
+    return numeric, torch.mul(torch.stack(scalars), _scale(recipe, x.numel(), x.device)), extras

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..config.settings import DEFAULT_ENV_PREFIX, DumpSettings
+from ..config.settings import DumpSettings
+from ..config.sources import DEFAULT_ENV_PREFIX
 from ..errors import ConfigError
 from .runtime import warn_once
 

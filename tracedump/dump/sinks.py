@@ -1,7 +1,8 @@
 """Where the recorder's copies go: files on disk (``attach()``) or memory (``capture()``).
 
 The recorder decides *whether* and *under which key* a tensor is kept; a sink decides *how it is
-copied* and *where it ends up*. Tests inject failures by handing the recorder a sink of their own.
+copied* and *where it ends up*. Tests inject failures by handing the recorder a sink of their own,
+and a :class:`FileSink` a run dir (and a core count) of their own.
 """
 
 from __future__ import annotations
@@ -48,14 +49,27 @@ class Sink(Protocol):
 
 
 class FileSink:
-    """Copies into recycled (pinned) host buffers; a writer thread writes the pass files."""
+    """Copies into recycled (pinned) host buffers; a writer thread writes the pass files.
 
-    def __init__(self, rundir: RunDir, sync_escape: SyncEscape | None, max_pending_bytes: int) -> None:
+    ``rundir`` is anything with a ``writer`` and a ``failure`` (a :class:`RunDir` in production).
+    ``cores``: the CPUs this process may run on, by default read once here (an engine sets its
+    affinity before it attaches). ``off_cpu`` becomes True at the first capture from an
+    accelerator: from then on its forwards are taken to leave the CPU free (see :meth:`host_busy`).
+    """
+
+    def __init__(
+        self,
+        rundir: RunDir,
+        sync_escape: SyncEscape | None,
+        max_pending_bytes: int,
+        *,
+        cores: int | None = None,
+    ) -> None:
         self._rundir = rundir
         self._sync_escape = sync_escape
         self._cap = max_pending_bytes
-        self._cores = usable_cpus()  # read once: an engine sets its affinity before it attaches
-        self._off_cpu = False  # a capture came from an accelerator: its forwards leave the CPU free
+        self.cores = usable_cpus() if cores is None else cores
+        self.off_cpu = False
 
     @property
     def failure(self) -> str | None:
@@ -67,7 +81,7 @@ class FileSink:
 
     def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
         if not tensor.is_cpu:
-            self._off_cpu = True
+            self.off_cpu = True
         pool = self._rundir.writer.buffers if pooled else None
         return copy_to_host(tensor, self._sync_escape, pool)
 
@@ -96,7 +110,7 @@ class FileSink:
         for every CPU this process may run on. Where torch leaves CPUs free (its default is one
         thread per physical core, so on SMT machines the siblings are free), the writer runs on
         one of them without taking a core from torch's threads, and writes beside the forward."""
-        if busy and (self._off_cpu or torch.cuda.is_initialized() or torch.get_num_threads() < self._cores):
+        if busy and (self.off_cpu or torch.cuda.is_initialized() or torch.get_num_threads() < self.cores):
             return
         self._rundir.writer.host_busy(busy)
 

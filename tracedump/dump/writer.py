@@ -87,18 +87,19 @@ def save_tensors_atomic(
         return tmp.stat().st_size  # the rename still happens, on leaving the block
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class PassJob:
-    """One pass file (or one part of a pass too large for the memory cap)."""
+    """One pass file (or one part of a pass too large for the memory cap). Built by keyword: nine
+    fields, several of the same type, that a positional call would silently swap."""
 
     index: int
     part: int | None
     mode: str
     entries: list[tuple[str, torch.Tensor, Any]]
-    nbytes: int
-    file_name: str | None = None
+    nbytes: int  # what the job holds against the memory cap (not always its entries' size)
+    file_name: str | None = None  # a file other than the pass's own (records.safetensors)
     seqs: list[int] | None = None  # stats mode: where each entry stands in the pass's capture order
-    truncated: bool = False  # the forward that made the pass was cut short (see Dumper._close_pass)
+    truncated: bool = False  # the forward that made the pass was cut short (Recorder.close_pass)
     batch: str | None = None  # Dumper.set_batch(): each token row's sequence, position, token id
 
     def run(self, writer: Writer) -> None:
@@ -137,8 +138,11 @@ class StatsJob:
 Job = PassJob | StatsJob
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WriterTotals:
+    """What the writer wrote and dropped, for the manifest and the summary line. Mutable (the writer
+    counts into it), so not frozen; keyword-only like every record of more than three fields."""
+
     passes: set[int] = field(default_factory=set)
     bytes: int = 0
     files: int = 0
@@ -160,10 +164,11 @@ def _yield_cpu_to_host() -> None:
     value is its own.
 
     Why: torch keeps every core busy during a forward, and its intra-op threads meet at a barrier
-    after each parallel op, so a writer thread that takes a core from one of them stalls them all.
-    At the host's priority, six back-to-back steps of the bench model took 1.4-2.4x the untouched
-    time while the writer worked beside them; at nice 19 it mostly waits for idle time (between
-    steps, or while the host waits on the memory cap or a flush, when it runs at full speed), and
+    after each parallel op, so a writer thread that takes a core from one of them stalls them all
+    (at the host's priority, back-to-back steps of the bench model ran far slower while the
+    writer worked beside them: docs/performance.md, issue 14); at nice 19 it mostly waits for idle
+    time (between steps, or while the host waits on the memory cap or a flush, when it runs at
+    full speed), and
     :meth:`Writer.host_busy` makes it wait outright while such a forward runs. Nothing is dropped:
     the memory cap still bounds what waits.
     Unprivileged, so it cannot fail for lack of rights; any error leaves the priority as it was."""
@@ -214,6 +219,16 @@ class Writer:
     def pending_bytes(self) -> int:
         return self._pending
 
+    @property
+    def host_is_busy(self) -> bool:
+        """What the host last said through :meth:`host_busy`: a forward that takes every core runs."""
+        return self._host_busy
+
+    @property
+    def host_waiting(self) -> bool:
+        """Whether a host thread waits on the writer now (the cap, a flush): it never holds back then."""
+        return self._host_waits > 0
+
     def submit(self, job: Job) -> None:
         """Queue a job; waits while the cap would be exceeded (a lone oversized job still goes)."""
         with self._cond:
@@ -245,13 +260,13 @@ class Writer:
 
         Why the writer holds back then: torch's intra-op threads meet at a barrier after each
         parallel op, and a writer that takes a core from one of them stalls them all; at nice 19
-        it still got that core often enough that six back-to-back steps of the bench model took
-        1.5-1.9x the untouched time. Written between forwards instead, the same bytes cost what
-        they cost on their own. The host never waits for this: a pass waits in the queue, and the
-        writer goes on at once when the host waits on it (the cap, a flush, exit), and once a pass
-        has waited :data:`MAX_HOLD_BACK_S` since it was queued it writes beside the forwards until
-        the queue is empty (at nice 19 it gets little CPU then; holding back again for each of the
-        passes behind, it fell further behind with every one)."""
+        it still got that core often enough to slow back-to-back steps of the bench model
+        markedly (docs/performance.md, issue 14, second round). Written between forwards instead,
+        the same bytes cost what they cost on their own. The host never waits for this: a pass
+        waits in the queue, and the writer goes on at once when the host waits on it (the cap, a
+        flush, exit), and once a pass has waited :data:`MAX_HOLD_BACK_S` since it was queued it
+        writes beside the forwards until the queue is empty (at nice 19 it gets little CPU then;
+        holding back again for each of the passes behind, it fell further behind with every one)."""
         if busy:
             self._host_busy = True
         elif self._host_busy:

@@ -57,7 +57,7 @@ PROFILE_METHODS = (
     "warming_up_model",
 )
 _MARK = "_tracedump_patched"
-_DIR_VAR = "TRACEDUMP_DUMP_DIR"  # settings.env_name("dir"): the variable that turns dumping on
+_DIR_VAR = "TRACEDUMP_DUMP_DIR"  # sources.env_name("dir"): the variable that turns dumping on
 _ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
 
 _registered = False
@@ -70,7 +70,7 @@ def register() -> None:
     # does: importing the settings (pydantic-settings) would cost every vLLM process ~0.5 s for nothing.
     if _registered or not os.environ.get(_DIR_VAR, "").strip():
         return
-    from ..config.settings import is_enabled
+    from ..config.sources import is_enabled
 
     if not is_enabled(None):
         return
