@@ -215,7 +215,7 @@ def test_grafting_is_refused_during_cuda_graph_capture(
     ref: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     capturing = [True]
-    module = importlib.import_module("tracedump.dump.graft")  # `tracedump.graft` is the function
+    module = importlib.import_module("tracedump.dump.grafter")  # where the capture check runs
     monkeypatch.setattr(module, "stream_is_capturing", lambda: capturing[0])
     with pytest.raises(ConfigError, match="CUDA graph capture"):
         _start(tracedump.graft(make_tiny_llama(), ref, dir=tmp_path / "a"))

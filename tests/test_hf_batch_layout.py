@@ -16,7 +16,7 @@ from torch import nn
 
 import tracedump
 import tracedump.cli
-from tracedump.integrations.hf import batch_layout_for, is_transformers_model
+from tracedump.dump.hf_layout import batch_layout_for, is_transformers_model
 from tracedump.store.sequences import batch_metadata
 
 pytest.importorskip("transformers")

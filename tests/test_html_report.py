@@ -408,7 +408,7 @@ def test_a_report_of_sequences_draws_a_line_per_sequence(
     assert code == 1
     tab = browser.open(page)
     try:
-        # an HF model's sequences are its batch rows (integrations/hf.py)
+        # an HF model's sequences are its batch rows (dump/hf_layout.py)
         assert tab.js("document.querySelector('#legend').innerText").split("\n") == ["seq 0", "seq 1"]
         first = tab.js("document.getElementById('first-divergence').innerText")
         assert re.match(rf"First divergence: {re.escape(PERTURBED)}, seq 0, position \d+, step 0\.", first)

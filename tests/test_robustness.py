@@ -1002,17 +1002,17 @@ def test_parts_called_after_each_forward_keep_the_pass_numbering_of_the_forwards
     assert copies.count((1, 8)) == 1  # the head was copied once, then no more
 
 
-def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import tracedump.dump.recorder
+def test_a_program_calling_parts_itself_stops_costing_a_stack_walk_per_capture(tmp_path: Path) -> None:
+    from tracedump.dump.passes import AnchorSearch
 
     walks: list[int] = []
-    real_walk = tracedump.dump.recorder._outermost_frame_of
-    monkeypatch.setattr(tracedump.recorder, "_ANCHORLESS_LIMIT", 3)
-    monkeypatch.setattr(tracedump.recorder, "_outermost_frame_of", lambda m: walks.append(1) or real_walk(m))
+    real_walk = AnchorSearch().find
     model = _Two()
     with tracedump.attach(model, {"dir": tmp_path}) as dumper, torch.no_grad():
+        # the recorder's policy for implicit passes: a counting walk, and a limit of 3 captures
+        dumper.recorder.anchors = AnchorSearch(
+            find=lambda m: walks.append(1) or real_walk(m), give_up_after=3
+        )
         for _ in range(10):
             model.a(torch.ones(1, 4))  # the program steps the part itself, no method of the model
     assert len(walks) == 3

@@ -34,6 +34,7 @@ import re
 import socket
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,16 @@ class Window:
         return self.order.steps is not None and self.done >= self.order.steps
 
 
+@dataclass(frozen=True)
+class Armed:
+    """What an armed step captures beyond the settings: the order's overrides, as the recorder
+    applies them (so it never reads the order itself)."""
+
+    mode: str | None  # --mode: the run's mode from this step on
+    inputs: bool  # --inputs
+    name_filter: Callable[[str], bool] | None  # --filter, memoised per name; None: every name
+
+
 @dataclass
 class Controller:
     """One dumper's side of the channel: poll at step boundaries, keep the heartbeat, log orders."""
@@ -354,10 +365,34 @@ class Controller:
             changed = True
         return self.window, changed
 
-    def counted(self) -> None:
-        """A dumped step of the window (a step without the ``--request`` sequence is not one)."""
+    def arm_step(self, step: int) -> tuple[Armed | None, bool]:
+        """At the recorder's step boundary ``step``: what this step captures if it is armed (None:
+        idle), and whether the manifest's control record changed."""
+        window, changed = self.at_boundary(step)
+        if window is None:
+            return None, changed
+        order = window.order
+        return Armed(order.mode, order.inputs, window.wants if order.filter else None), changed
+
+    @property
+    def needs_batches(self) -> bool:
+        """The armed order names a ``--request``: each step must say its sequences (``set_batch``)."""
+        return self.window is not None and self.window.order.request is not None
+
+    def holds_request(self, batch: str) -> bool | None:
+        """Whether the step whose latest ``set_batch`` stored ``batch`` (``tracedump.batch`` JSON)
+        holds the armed ``--request`` sequence; None when no armed order names one."""
+        window = self.window
+        if window is None or window.order.request is None:
+            return None
+        return window.order.request in {str(s) for s in json.loads(batch)["seq_ids"]}
+
+    def pass_dumped(self, mode: str) -> None:
+        """A dumped pass of the armed window (a step without the ``--request`` sequence is not
+        one): it counts towards ``--steps`` and fixes the run dir's mode (one mode per run dir)."""
         if self.window is not None:
             self.window.done += 1
+        self.fixed_mode = mode
 
     def state(self) -> dict[str, Any]:
         window = self.window

@@ -12,9 +12,10 @@ Example::
             model(batch)
 
 The Dumper only wires the parts (see docs/architecture.md): a :class:`~tracedump.dump.rundir.RunDir`
-owns the directory and manifest, a :class:`~tracedump.dump.recorder.Recorder` the passes and the hot
-path, a :class:`~tracedump.dump.sinks.FileSink` the copies and the writer. A failure at run time is
-reported once and never raised into the model's forward.
+owns the directory and manifest, a :class:`~tracedump.dump.recorder.Recorder` the hot path on the
+pass state machine (:mod:`tracedump.dump.passes`), a :class:`~tracedump.dump.sinks.FileSink` the
+copies and the writer, a :class:`~tracedump.dump.grafter.Grafter` the grafted inputs (``GRAFT_FROM``).
+A failure at run time is reported once and never raised into the model's forward.
 """
 
 from __future__ import annotations
@@ -28,20 +29,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.settings import DumpConfig, DumpSettings, load_settings
+from ..config.settings import DumpConfig, DumpSettings, check_combination, load_settings
 from ..config.sources import DEFAULT_ENV_PREFIX, is_enabled
 from ..errors import ConfigError
-from ..integrations.hf import batch_layout_for
 from ..store.format import RECORDS_FILE
 from ..store.sequences import batch_metadata
 from .control import Controller
 from .cuda import SyncEscape
+from .grafter import Grafter, check_not_into_reference, refuse_unsafe
+from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
-from .recorder import Plan, Recorder, check_tag
-from .rundir import RunDir, model_fields
+from .passes import KeepPolicy
+from .recorder import Recorder, check_tag
+from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
 from .sinks import FileSink
+from .torch_compat import compiled_original
 
 
 def attach(
@@ -63,16 +67,12 @@ def attach(
     if not settings.enabled:
         return None
     if settings.graft_from is not None:  # grafting refuses a compiled model rather than unwrap it
-        from .graft import refuse_unsafe
-
         refuse_unsafe(model)
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
 def _check_control(settings: DumpSettings) -> None:
     """STEPS with CONTROL is refused (see :func:`tracedump.config.settings.check_combination`)."""
-    from ..config.settings import check_combination
-
     check_combination(settings)
 
 
@@ -87,10 +87,8 @@ def active_dumper() -> Dumper | None:
 
 def original_module(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs; any other module itself."""
-    original = getattr(module, "_orig_mod", None)
-    if isinstance(original, nn.Module) and type(module).__name__ == "OptimizedModule":
-        return original
-    return module
+    original = compiled_original(module)
+    return original if original is not None else module
 
 
 def _unwrap_compiled(model: nn.Module) -> nn.Module:
@@ -147,7 +145,7 @@ class Dumper:
         self.sink = FileSink(self.rundir, sync_escape, settings.max_pending_bytes)
         self.recorder = Recorder(
             model,
-            Plan.from_settings(settings),
+            KeepPolicy.from_settings(settings),
             self.sink,
             self.rundir,
             self.warn,
@@ -230,7 +228,7 @@ class Dumper:
         A padded batch (``[batch, seq, hidden]`` tensors) is a grid: nested lists or 2-D tensors of
         ``[batch, seq]``; a seq id ``None`` marks a padding row, which is never compared. An HF
         transformers model gets this from each forward's own inputs without any call
-        (:mod:`tracedump.integrations.hf`)."""
+        (:mod:`tracedump.dump.hf_layout`)."""
         self.recorder.set_batch(batch_metadata(seq_ids, positions, input_ids))
 
     def record(self, tag: str, tensor: torch.Tensor, once: bool = False) -> None:
@@ -313,11 +311,8 @@ class Dumper:
         if self.graft is not None:
             self.graft.remove()
 
-    def _grafter(self, model: nn.Module, settings: DumpSettings) -> Any:
+    def _grafter(self, model: nn.Module, settings: DumpSettings) -> Grafter:
         """GRAFT_FROM: the grafter, checked (reference, level, map, target dir) before any hook."""
-        from .graft import Grafter, check_not_into_reference
-        from .rundir import rank_and_world
-
         grafter = Grafter(
             model,
             settings.graft_from,  # type: ignore[arg-type]

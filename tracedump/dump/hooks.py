@@ -22,9 +22,20 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .runtime import runtime
+from .torch_compat import (
+    CALL_IMPL_CODE,
+    call_impl_frames,
+    call_impl_kwargs,
+    forward_hooks,
+    forward_pre_hooks,
+    hook_is_last,
+    hook_registrations,
+    mark_constant_result,
+    move_hook_last,
+    stack_frame,
+)
 
 MAX_DEPTH = 8  # nesting levels of an output searched for tensors
-_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def forward_calls_on_stack(module: nn.Module) -> int:
@@ -35,24 +46,14 @@ def forward_calls_on_stack(module: nn.Module) -> int:
     stack tells a real nested call from state such an unwind left behind. Walked only when the
     counters say "nested", which for a root module is rare.
     """
-    count, frame = 0, sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
-            count += 1
-        frame = frame.f_back
-    return count
+    return sum(1 for _ in call_impl_frames(module, stack_frame(1)))
 
 
 def forward_kwargs_on_stack(module: nn.Module) -> dict[str, Any]:
     """The keyword arguments of the innermost running call of ``module`` (its ``_call_impl``
     frame), ``{}`` when none is found: what a global pre-hook, which sees none, replays."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
-            kwargs = frame.f_locals.get("kwargs")
-            return dict(kwargs) if isinstance(kwargs, dict) else {}
-        frame = frame.f_back
-    return {}
+    frame = next(call_impl_frames(module, stack_frame(1)), None)
+    return call_impl_kwargs(frame) if frame is not None else {}
 
 
 def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -82,20 +83,18 @@ def flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tup
     return leaves
 
 
+@mark_constant_result
 def traced_by_dynamo() -> bool:
     """Say that Dynamo is compiling a forward that holds tracedump's hooks.
 
     A compiled graph runs no Python hook, so its calls are never dumped. This function is marked
-    as having a constant result (what ``torch._dynamo.assume_constant_result`` does, without
-    importing Dynamo): Dynamo *calls it for real* while tracing, once per compilation, rather than
-    tracing it, so the first compiled call warns and marks the manifest instead of dumping
-    nothing silently. It adds nothing to the graph and breaks no ``fullgraph=True`` compile.
+    as having a constant result (:func:`~tracedump.dump.torch_compat.mark_constant_result`):
+    Dynamo *calls it for real* while tracing, once per compilation, rather than tracing it, so the
+    first compiled call warns and marks the manifest instead of dumping nothing silently. It adds
+    nothing to the graph and breaks no ``fullgraph=True`` compile.
     """
     runtime().note_compiled()
     return True
-
-
-traced_by_dynamo._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class PassTarget(Protocol):
@@ -108,7 +107,7 @@ class PassTarget(Protocol):
 
 
 class BatchLayout(Protocol):
-    """Builds a root forward's ``tracedump.batch`` from its inputs (:mod:`tracedump.integrations.hf`)."""
+    """Builds a root forward's ``tracedump.batch`` from its inputs (:mod:`tracedump.dump.hf_layout`)."""
 
     def observe(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], wanted: bool) -> str | None: ...
 
@@ -177,7 +176,7 @@ class CallSites:
                         self.sites[id(site)] = site
             self._tables[hooked] = table
         # Frames that may hold a site as ``self``: its class's forward, and torch's call of any module.
-        self._codes = {_CALL_IMPL}
+        self._codes = {CALL_IMPL_CODE}
         for site in self.sites.values():
             code = getattr(type(site).forward, "__code__", None)
             if code is not None:
@@ -196,7 +195,7 @@ class CallSites:
         table = self._tables[hooked]
         name = None
         codes = self._codes
-        frame = sys._getframe(3)
+        frame = stack_frame(3)
         for _ in range(MAX_CALLER_FRAMES):
             if frame is None:
                 break
@@ -385,15 +384,15 @@ class HookSet:
                 if self.sites is not None and self.sites.shared(name):
                     hook = SharedInputHook(target, name, self.sites, then)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-                self._keep(handle, module._forward_pre_hooks)
+                self._keep(handle, forward_pre_hooks(module))
             for name, module in outputs:
                 hook = OutputHook(target, name, then)
                 if self.sites is not None and self.sites.shared(name):
                     hook = SharedOutputHook(target, name, self.sites, then)
-                self._keep(module.register_forward_hook(hook), module._forward_hooks)
+                self._keep(module.register_forward_hook(hook), forward_hooks(module))
             if passes:
                 closer = model.register_forward_hook(self.root.after, always_call=True)
-                self._keep(closer, model._forward_hooks)  # the pass closes after all of them
+                self._keep(closer, forward_hooks(model))  # the pass closes after all of them
         except BaseException:
             self.remove()
             raise
@@ -411,12 +410,12 @@ class HookSet:
         every outermost root forward, before any selected module's hooks are read for that call:
         a check per selected module (is ours last?), a move only when a host hook was added.
         """
-        epoch = RemovableHandle.next_id  # torch numbers every hook it registers, anywhere
+        epoch = hook_registrations()  # torch numbers every hook it registers, anywhere
         if epoch == self._epoch:
             return  # no hook was added since the last check: ours are still last
         for hooks, hook_id in self._last:
-            if hook_id in hooks and next(reversed(hooks)) != hook_id:
-                hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
+            if hook_id in hooks and not hook_is_last(hooks, hook_id):
+                move_hook_last(hooks, hook_id)
         self._epoch = epoch
 
     def remove(self) -> None:

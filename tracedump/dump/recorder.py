@@ -1,12 +1,13 @@
-"""The recorder: the open pass, and everything that decides whether and under which key a tensor
-is kept.
+"""The recorder: the hot path that fills the open pass, and everything that decides whether and
+under which key a tensor is kept.
 
-One pass is one engine step (``step()``) or, when the engine opens none, one outermost root
-forward. The hot path (a selected module's forward hook) runs the gates (profiling, rows, tokens,
-STEPS, CUDA-graph capture, control), names the tensor (:class:`~tracedump.store.format.Key`), reduces it
-(full / last_row / stats), asks the sink for a copy, and keeps host memory under the cap. Where the
-copies go is the sink's business (:mod:`tracedump.dump.sinks`); what happened around the run goes to a
-:class:`RunLog` (the run dir's manifest, or nothing for ``capture()``).
+A selected module's forward hook calls :meth:`Recorder.on_module_tensors`, which runs the gates
+(profiling, rows, tokens, STEPS, CUDA-graph capture, control), names the tensor (:func:`leaf_path`,
+the one naming rule of a capture's key), reduces it (full / last_row / stats), asks the sink for a
+copy, and keeps host memory under the cap. Which pass is open, and when it closes, is the pass
+state machine's (:class:`~tracedump.dump.passes.PassMachine`, which the recorder builds on); where
+the copies go is the sink's (:mod:`tracedump.dump.sinks`); what happened around the run goes to a
+:class:`~tracedump.dump.passes.RunLog` (the run dir's manifest, or nothing for ``capture()``).
 
 Nothing here raises into the host's forward: a failure is reported to the log and counted.
 """
@@ -14,251 +15,40 @@ Nothing here raises into the host's forward: a failure is reported to the log an
 from __future__ import annotations
 
 import collections
-import contextlib
-import json
-import sys
 import threading
-import weakref
-from collections.abc import Callable, Container, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
 from ..store.format import RECORDS_FILE, Key, key_text, stats_record
-from . import gates, suspend
-from .control import Controller
+from . import gates
 from .cuda import stream_is_capturing
-from .hooks import BatchLayout, flatten_inputs, flatten_tensors
+from .hooks import flatten_inputs, flatten_tensors
+from .passes import KeepPolicy, Pass, PassMachine, RunLog
 from .reduce import compute_stats, last_row
-from .runtime import COMPILED_WARNING
-from .sinks import Sink
-from .writer import RESERVED_NAMES, PassJob, StatsJob
+from .torch_compat import frame_on_stack
+from .writer import RESERVED_NAMES, PassJob
 
-_ANCHORLESS_LIMIT = 1000
-
-
-class RunLog(Protocol):
-    """Where the recorder reports what happened around the captures."""
-
-    @property
-    def manifest(self) -> dict[str, Any]: ...
-    def update(self, **fields: Any) -> None: ...
-    def report(self, where: str, error: BaseException) -> None: ...
+__all__ = ["KeepPolicy", "Recorder", "RunLog", "check_tag", "leaf_path"]
 
 
-class _Everything:
-    def __contains__(self, index: object) -> bool:
-        return True
+def leaf_path(suffix: str, is_input: bool) -> str:
+    """The path in a capture's key of leaf ``suffix`` of a module's output (``[0]``) or input
+    (``@in[0]``: the key says ``@in`` itself, so the path is ``[0]``)."""
+    return suffix.removeprefix("@in") if is_input else suffix
 
 
-@dataclass
-class Plan:
-    """What to keep: the part of the settings the hot path reads."""
+class Recorder(PassMachine):
+    """The hot path, for one model: captures and records go into the pass the machine keeps open."""
 
-    mode: str = "full"
-    inputs: bool = False
-    stats: Sequence[str] = ()
-    tokens: int | None = None
-    token_dim: int = 0
-    max_rows: int | None = None
-    steps: Container[int] = field(default_factory=_Everything)
-    implicit_passes: bool = True  # captures outside a pass, made by a method of the root, get one
-    keep_outside: bool = False  # captures outside every pass are kept as loose records (capture())
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> Plan:
-        fields = ("mode", "inputs", "stats", "tokens", "token_dim", "max_rows")
-        return cls(steps=settings.step_selection, **{name: getattr(settings, name) for name in fields})
-
-
-def _key(name: str, suffix: str, is_input: bool, call: int = 0) -> Key:
-    """The key of a leaf ``suffix`` (``[0]``, or ``@in[0]`` for an input) of module ``name``."""
-    return Key(name, suffix.removeprefix("@in") if is_input else suffix, is_input, call)
-
-
-@dataclass(slots=True)
-class Pass:
-    """What one open pass has gathered so far."""
-
-    index: int
-    selected: bool
-    entries: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
-    seqs: list[int] = field(default_factory=list)  # each entry's place in the pass's capture order
-    order: int = 0
-    stats: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]] = field(default_factory=list)
-    calls: collections.Counter[str] = field(default_factory=collections.Counter)
-    nbytes: int = 0
-    parts: int = 0
-    gated: int = 0
-    kept: int = 0
-    truncated: bool = False  # the forward (or step) that owned it ended by an exception
-    owner: int | None = None  # the thread whose root forward opened it (None: a step())
-    batch: str | None = None  # set_batch(): what each token row of this step belongs to
-    implicit: bool = False  # opened by a capture outside every pass, for the next root forward
-    anchor: Any = None  # an implicit pass's anchor: the root model's method frame
-
-    def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
-        self.entries.append((key, tensor, event))
-        self.seqs.append(self.next_seq())
-        self.nbytes += tensor.numel() * tensor.element_size()
-        self.kept += 1
-
-    def next_seq(self) -> int:
-        """Captures of every kind (whole tensors, stats, records) share one order, so a stats-mode
-        pass, which stores records whole and the rest in stats.jsonl, can be merged back in order."""
-        self.order += 1
-        return self.order - 1
-
-    def take_job(self, part: int | None, mode: str) -> PassJob:
-        """The entries gathered so far as one file's job; the pass starts gathering afresh."""
-        seqs = self.seqs if mode == "stats" else None
-        entries, self.entries, self.seqs, nbytes, self.nbytes = self.entries, [], [], self.nbytes, 0
-        return PassJob(
-            index=self.index,
-            part=part,
-            mode=mode,
-            entries=entries,
-            nbytes=nbytes,
-            seqs=seqs,
-            truncated=self.truncated,
-            batch=self.batch,
-        )
-
-    def next_call(self, key: str) -> int:
-        call = self.calls[key]
-        self.calls[key] = call + 1
-        return call
-
-    @property
-    def is_warmup(self) -> bool:
-        """Every capture was refused by a gate: a warm-up step, which takes no pass index."""
-        return self.gated > 0 and self.kept == 0
-
-
-class Recorder:
-    """The pass state machine and the hot path, for one model."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: Plan,
-        sink: Sink,
-        log: RunLog,
-        warn: Callable[[str, str], None],
-        *,
-        ready: Callable[[], bool] = lambda: True,
-        control: Controller | None = None,
-        label: str = "",
-    ) -> None:
-        self.plan = plan
-        self.sink = sink
-        self.log = log
-        self.warn = warn
-        self.control = control
-        self.label = label or type(model).__name__
-        self._ready = ready  # the owner's check before a pass opens (fork, rank): False = none
-        self._root_ref = weakref.ref(model)
-        self.mode = plan.mode
-        self.inputs = plan.inputs
-        self.name_filter: Callable[[str], bool] | None = None  # an armed order's --filter (memoised)
-        self.boundaries = 0  # step boundaries seen (control: the pass index is the step number)
-        self.step_depth = 0  # open step() blocks
-        self.idle = control is not None  # control: disarmed, every hook returns at once
-        self.closed = False
-        self._suspend_depth = 0
-        self.rows: int | None = None
-        self.reset()
+    rows: int | None = None  # the batch rows of the coming work (set_rows, for MAX_ROWS); None: no gate
 
     def reset(self) -> None:
         """What belongs to one run dir: a forked child starts these afresh in its own dir."""
-        self.lock = threading.RLock()
-        self.skipped: collections.Counter[str] = collections.Counter()
-        self.current: Pass | None = None
-        self._pending_batch: str | None = None  # set_batch() before its step() opened the pass
-        self.next_index = 0
+        super().reset()
         self._once_tags: set[str] = set()
         self._step_counts: collections.Counter[str] = collections.Counter()
         self.loose: list[tuple[str, torch.Tensor, Any]] = []
-        self.truncated: list[int] = []
-        self.anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
-        self._local = threading.local()  # per thread: was its current root forward refused?
-        self._explicit_passes = 0  # passes opened by a root forward or step() (see settle_implicit)
-        self._implicit_off = not self.plan.implicit_passes
-        self._anchorless = 0  # outside captures that no method of the model made
-        self._anchored = 0  # ... and those one did
-
-    @property
-    def pass_index(self) -> int:
-        """Index of the open pass, or of the next one to open."""
-        return self.current.index if self.current is not None else self.next_index
-
-    def owns_pass_on_this_thread(self) -> bool:
-        current = self.current
-        return current is not None and current.owner in (None, threading.get_ident())
-
-    # ---------------------------------------------------------------- engine API
-
-    @contextlib.contextmanager
-    def step(self, owner: Any = None) -> Iterator[Any]:
-        """One engine step = one pass (the block gets ``owner``). Nested ``step()`` blocks belong
-        to the outer pass."""
-        self.settle_implicit()
-        opened = self._open_pass() if self.current is None and not self.suspended() else False
-        if opened:
-            self._explicit_passes += 1
-        elif self._adopt_implicit(owner=None):
-            opened = True
-        self.step_depth += 1  # root forwards inside belong to this step, armed or not
-        try:
-            yield owner
-        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
-            if opened:
-                opened = False
-                self.close_pass(truncated=True)
-            raise
-        finally:
-            self.step_depth -= 1
-            self._pending_batch = None  # a set_batch() of this step never outlives it
-            if opened:
-                self.close_pass()
-
-    @contextlib.contextmanager
-    def profiling(self) -> Iterator[None]:
-        """Suspend this recorder: no capture, and no pass index is used (the engine's profile run)."""
-        self._suspend_depth += 1
-        try:
-            yield
-        finally:
-            self._suspend_depth -= 1
-
-    def set_batch(self, batch: str) -> None:
-        if self.current is not None:
-            self.current.batch = batch
-            self._skip_unrequested(self.current, batch)
-        else:
-            self._pending_batch = batch
-
-    def lay_out_batch(self, layout: BatchLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """An outermost root forward of an HF model: its batch layout, unless this step's engine
-        gave one with ``set_batch`` (or the pass keeps nothing). The layout's own bookkeeping sees
-        every such forward, kept or not, so its sequence numbers never depend on STEPS."""
-        current = self.current
-        wanted = (
-            current is not None
-            and current.selected
-            and current.batch is None
-            and not current.implicit
-            and current.owner in (None, threading.get_ident())
-            and not self.suspended()
-        )
-        try:
-            batch = layout.observe(args, kwargs, wanted)
-            if batch is not None and current is not None and current is self.current:
-                self.set_batch(batch)
-        except Exception as e:
-            self.report("batch layout", e)
 
     def record(self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False) -> None:
         try:
@@ -274,224 +64,11 @@ class Recorder:
             self.close_pass(truncated=interrupted)
         if not self.loose:
             return False
-        self.sink.submit(
-            PassJob(index=-1, part=None, mode="records", entries=self.loose, nbytes=0, file_name=RECORDS_FILE)
+        job = PassJob(
+            index=-1, part=None, mode="records", entries=self.loose, nbytes=0, file_name=RECORDS_FILE
         )
+        self.sink.submit(job)
         return True
-
-    # ---------------------------------------------------------------- passes
-
-    def suspended(self) -> bool:
-        return self._suspend_depth > 0 or suspend.globally_suspended()
-
-    def _open_pass(self) -> bool:
-        if self.closed or not self._ready():
-            return False
-        index = self.next_index
-        if self.control is not None:
-            index = self.boundaries
-            self.boundaries += 1
-            if not self._arm(index):
-                return False
-        # After a write error a pass still counts as selected: its captures are counted as lost.
-        self.current = Pass(index, selected=index in self.plan.steps)
-        self.sink.host_busy(True)
-        self.current.batch, self._pending_batch = self._pending_batch, None
-        if self.current.batch is not None:
-            self._skip_unrequested(self.current, self.current.batch)
-        return True
-
-    def open_auto_pass(self, nested: bool = False) -> bool:
-        """Called by the root pre-hook: a pass per root forward when the engine opened none.
-
-        The pass belongs to the calling thread. A root forward entering from another thread while
-        it is open would mix two forwards into one pass: that forward is refused instead (see
-        :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
-        if self.suspended() or self.step_depth:
-            return False
-        if nested and self.control is not None and self.current is None:
-            return False  # an inner root call is no step boundary, armed or idle
-        me = threading.get_ident()
-        self.settle_implicit()
-        with self.lock:
-            current = self.current
-            if current is not None:
-                if current.owner not in (None, me):
-                    self._local.concurrent = True
-                    self._refuse_concurrent(count=False)
-                    return False
-                return self._adopt_implicit(owner=me)
-            self._local.concurrent = False
-            if not self._open_pass():
-                return False
-            self.current.owner = me  # type: ignore[union-attr]
-            self._explicit_passes += 1
-            return True
-
-    def close_pass(self, truncated: bool = False) -> None:
-        """End the open pass and queue its files. ``truncated``: its forward did not finish (an
-        exception, Ctrl-C), so the pass holds only the captures made before that; it is written,
-        marked in its file's metadata and in the manifest's ``truncated_passes``."""
-        current, self.current = self.current, None
-        if current is None:
-            return
-        self.sink.host_busy(False)
-        if current.is_warmup:
-            return
-        self.next_index = current.index + 1
-        if self.control is not None:
-            self._count_armed(current)
-        if truncated and current.selected:
-            current.truncated = True
-            self.truncated.append(current.index)
-            self.log.update(truncated_passes=list(self.truncated))
-        try:
-            if current.entries:  # a pass whose last capture was spilled has no tail: no empty part file
-                part = current.parts + 1 if current.parts else None
-                self.sink.submit(current.take_job(part, self.mode))
-            if current.stats:
-                self.sink.submit(StatsJob(current.index, current.stats))
-            self.sink.pass_closed(self.skipped)
-        except Exception as e:
-            self.report(f"pass {current.index}", e)
-
-    def _adopt_implicit(self, owner: int | None) -> bool:
-        """Make an implicit pass of this thread the pass of the root forward (or step) starting."""
-        current = self.current
-        if current is None or not current.implicit or current.owner != threading.get_ident():
-            return False
-        current.implicit, current.owner, current.anchor = False, owner, None
-        self._explicit_passes += 1
-        return True
-
-    def _open_implicit_pass(self) -> Pass | None:
-        """A selected module ran with no pass open, called by a method of the root model (its
-        *anchor*: ``generate()`` running the encoder of an encoder-decoder model before the first
-        decoder forward, ``vae.decode()`` running the decoder without the VAE's forward).
-
-        The captures go into an *implicit* pass: a root forward (or ``step()``) that starts while
-        the anchor still runs adopts it as its own, so the encoder lands in pass 0 before the
-        decoder; one that ends with its anchor (no root forward inside) is settled by
-        :meth:`settle_implicit`. A call from anywhere else stays ``outside_pass``."""
-        if self._implicit_off:
-            return None
-        anchor = _outermost_frame_of(self._root_ref())
-        if anchor is None:
-            # A program that calls parts itself does so at every step: after many such captures
-            # and no method-made one, stop walking the stack for each (the old, cheap path).
-            self._anchorless += 1
-            self._implicit_off = self._anchorless >= _ANCHORLESS_LIMIT and not self._anchored
-            return None
-        self._anchored += 1
-        with self.lock:
-            if self.current is None and self._open_pass():
-                self.current.implicit = True  # type: ignore[union-attr]
-                self.current.owner = threading.get_ident()  # type: ignore[union-attr]
-                self.current.anchor = anchor  # type: ignore[union-attr]
-            return self.current
-
-    def settle_implicit(self, *, at_close: bool = False) -> None:
-        """End an implicit pass whose anchor method returned without a root forward inside it.
-
-        With no root-forward pass so far (a VAE only ever ``decode()``-d), each such call is a
-        pass of its own. Once root forwards have made passes, parts called after them (an engine's
-        ``compute_logits()`` after each forward) would shift every later pass index, so their
-        captures are dropped and counted as ``outside_pass``, and this recorder stops copying such
-        calls at all: what keeps its passes aligned with a reference."""
-        current = self.current
-        if current is None or not current.implicit or current.owner != threading.get_ident():
-            return
-        if not at_close and current.anchor is not None and _on_stack(current.anchor):
-            return
-        if self._explicit_passes and not current.parts:
-            self.current = None
-            self.sink.host_busy(False)
-            self.skipped["outside_pass"] += current.kept
-            self._implicit_off = True
-            if self.control is not None and current.index == self.boundaries - 1:
-                # It was no engine step (an engine's compute_logits() after the forward): give its
-                # step number back, or an armed window would lose the step after it.
-                self.boundaries -= 1
-            return
-        self.close_pass()
-
-    # ---------------------------------------------------------------- control
-
-    def _count_armed(self, current: Pass) -> None:
-        """A closed pass of an armed window: it counts towards ``--steps`` and fixes the run's mode."""
-        assert self.control is not None
-        window = self.control.window
-        if window is not None and window.order.request is not None and current.batch is None:
-            self.warn(
-                "control_request",
-                "tracedump: an order armed with --request needs the engine to call set_batch() each "
-                "step; this step said nothing of its sequences and is dumped whole",
-            )
-        if current.selected:
-            self.control.counted()
-            self.control.fixed_mode = self.mode
-
-    def _skip_unrequested(self, current: Pass, batch: str) -> None:
-        """An order armed for one request: a step without that sequence is no dumped step (decided
-        by the step's latest ``set_batch``)."""
-        window = self.control.window if self.control is not None else None
-        if window is None or window.order.request is None:
-            return
-        held = {str(s) for s in json.loads(batch)["seq_ids"]}
-        current.selected = current.index in self.plan.steps and window.order.request in held
-
-    def _arm(self, step: int) -> bool:
-        """Control mode, at a step boundary: whether this step is armed, with the order's overrides.
-
-        An order's ``--mode`` becomes the run's mode (a run dir holds passes of one mode: the
-        controller refuses another once a pass is written), so it is not reverted at disarm."""
-        assert self.control is not None
-        window, changed = self.control.at_boundary(step)
-        order = window.order if window is not None else None
-        self.idle = order is None
-        if order is not None and order.mode and order.mode != self.mode:
-            self.mode = order.mode
-            self.log.update(settings={**self.log.manifest.get("settings", {}), "mode": self.mode})
-        self.inputs = bool(order and order.inputs) or self.plan.inputs
-        self.name_filter = window.wants if window is not None and window.order.filter else None
-        if changed:
-            self.log.update(control=self.control.state())
-        return order is not None
-
-    # ---------------------------------------------------------------- anomalies
-
-    def note_compiled(self) -> None:
-        """Once: warn that compiled calls go undumped, and say so in the manifest."""
-        if self.closed or "compiled" in self.anomalies:
-            return
-        self.anomalies["compiled"] = (
-            f"torch.compile compiled this model's forward (first at pass {self.pass_index}); compiled "
-            "calls run no capture hook, so their passes are missing"
-        )
-        self.log.update(anomalies=dict(self.anomalies))
-        self.warn("compiled", COMPILED_WARNING.format(what=f"the dumped {self.label}"))
-
-    def _refuse_concurrent(self, count: bool = True) -> None:
-        """Count a capture of a thread that does not own the open pass; say it once."""
-        if count:
-            self.skipped["concurrent_thread"] += 1
-        if "concurrent_threads" in self.anomalies:
-            return
-        self.anomalies["concurrent_threads"] = (
-            "root forwards from several threads overlapped; the captures of a thread whose forward "
-            "began while another thread's pass was open were skipped (skipped.concurrent_thread)"
-        )
-        self.log.update(anomalies=dict(self.anomalies))
-        self.warn(
-            "concurrent",
-            "tracedump: a root forward entered from a second thread while another thread's pass "
-            "was open; its captures are skipped, not mixed into that pass. Run the dumped model "
-            "from one thread at a time, or attach one dumper per model copy.",
-        )
-
-    def report(self, where: str, error: Exception) -> None:
-        self.skipped["errors"] += 1
-        self.log.report(where, error)
 
     # ---------------------------------------------------------------- hot path
 
@@ -511,7 +88,9 @@ class Recorder:
             if current is None:
                 self._outside_pass(name, value, is_input)
                 return
-        elif current.implicit and current.owner == threading.get_ident() and not _on_stack(current.anchor):
+        elif (
+            current.implicit and current.owner == threading.get_ident() and not frame_on_stack(current.anchor)
+        ):
             # the anchor call returned: settle that pass (it is this thread's), then start afresh
             self.settle_implicit()
             self.on_module_tensors(name, value, is_input=is_input)
@@ -534,13 +113,13 @@ class Recorder:
             self.report(name, e)
 
     def _outside_pass(self, name: str, value: Any, is_input: bool) -> None:
-        if not self.plan.keep_outside:
+        if not self.keep.keep_outside:
             self.skipped["outside_pass"] += 1
             return
         try:
             for suffix, tensor in _leaves(value, is_input):
                 host, event = self.sink.copy(tensor, pooled=False)
-                self.loose.append((_key(name, suffix, is_input).format(), host, event))
+                self.loose.append((key_text(name, leaf_path(suffix, is_input), is_input), host, event))
         except Exception as e:
             self.report(name, e)
 
@@ -550,11 +129,11 @@ class Recorder:
         The gates also run in passes that STEPS does not keep, copying nothing: a warm-up step must
         take no pass index even when that index is unselected, or every later pass number shifts.
         """
-        plan = self.plan
-        if not gates.row_gate_allows(self.rows, plan.max_rows):
+        keep = self.keep
+        if not gates.row_gate_allows(self.rows, keep.max_rows):
             return self._refuse(current, "row_gate")
         leaves = _leaves(value, is_input)
-        if leaves and not gates.token_gate_allows(leaves[0][1], plan.tokens, plan.token_dim):
+        if leaves and not gates.token_gate_allows(leaves[0][1], keep.tokens, keep.token_dim):
             return self._refuse(current, "token_gate")
         return leaves
 
@@ -587,21 +166,18 @@ class Recorder:
             if self.mode == "stats":
                 self._keep_stats(current, name, suffix, call, tensor, is_input)
                 continue
-            kept = last_row(tensor, self.plan.token_dim) if self.mode == "last_row" else tensor
+            kept = last_row(tensor, self.keep.token_dim) if self.mode == "last_row" else tensor
             host, event = self.sink.copy(kept)
-            current.add(
-                key_text(name, suffix.removeprefix("@in") if is_input else suffix, is_input, call),
-                host,
-                event,
-            )
+            current.add(key_text(name, leaf_path(suffix, is_input), is_input, call), host, event)
             self._make_room(current)
 
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
     ) -> None:
-        numeric, values, extras = compute_stats(tensor, self.plan.stats)
+        numeric, values, extras = compute_stats(tensor, self.keep.stats)
         host, event = self.sink.copy(values, pooled=False)
-        record = stats_record(_key(name, suffix, is_input, call), current.index, current.next_seq(), extras)
+        key = Key(name, leaf_path(suffix, is_input), is_input, call)
+        record = stats_record(key, current.index, current.next_seq(), extras)
         current.stats.append((record, numeric, host, event))
         current.kept += 1
 
@@ -613,7 +189,7 @@ class Recorder:
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self.idle or self.closed or self.suspended() or (once and tag in self._once_tags):
             return
-        if not gates.row_gate_allows(self.rows, self.plan.max_rows):
+        if not gates.row_gate_allows(self.rows, self.keep.max_rows):
             self.skipped["row_gate"] += 1  # a warm-up call uses no record_step number either
             return
         if numbered:
@@ -662,22 +238,3 @@ def check_tag(tag: str) -> None:
             f"tracedump.record(): the tag {tag!r} is reserved by the safetensors format "
             "(it holds the file's metadata); choose another name"
         )
-
-
-def _outermost_frame_of(model: nn.Module | None) -> Any:
-    """The outermost running frame of a method of ``model`` (``generate``, ``decode``), or None."""
-    found, frame = None, sys._getframe(2)
-    while frame is not None and model is not None:
-        if "self" in frame.f_code.co_varnames and frame.f_locals.get("self") is model:
-            found = frame
-        frame = frame.f_back
-    return found
-
-
-def _on_stack(anchor: Any) -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame is anchor:
-            return True
-        frame = frame.f_back
-    return False

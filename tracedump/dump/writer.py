@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from ..store.dtypes import CODES_ON_DISK_ORDER
@@ -39,6 +38,7 @@ from ..store.fsio import atomic_path
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
 from .cuda import wait_for
+from .torch_compat import safetensors_writable_dtypes
 
 _MANIFEST_INTERVAL_S = 1.0
 # Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
@@ -47,7 +47,7 @@ RESERVED_NAMES = frozenset({"__metadata__"})
 # and counted as ``unsupported_tensor``, since one such tensor would make the whole file unwritable.
 _OUR_DTYPES = frozenset(getattr(torch, name) for name in CODES_ON_DISK_ORDER.values() if hasattr(torch, name))
 # An older safetensors writes fewer of them: it lists what it can write in a private table.
-_WRITABLE = frozenset(getattr(safetensors.torch, "_SIZE", None) or _OUR_DTYPES)
+_WRITABLE = safetensors_writable_dtypes() or _OUR_DTYPES
 STORABLE_DTYPES = _OUR_DTYPES & _WRITABLE
 
 

@@ -33,6 +33,7 @@ from ..config.sources import DEFAULT_ENV_PREFIX, is_enabled
 from ..dump.dumper import Dumper, original_module
 from ..dump.hooks import RootPassHooks, forward_calls_on_stack, forward_kwargs_on_stack, traced_by_dynamo
 from ..dump.runtime import runtime, warn_once
+from ..dump.torch_compat import forward_pre_hooks, forward_pre_hooks_with_kwargs, frame_self, stack_frame
 from ..errors import ConfigError
 
 _installed: AutoAttach | None = None
@@ -235,11 +236,11 @@ def _calling_model(target: nn.Module) -> nn.Module | None:
     (``Decoder``) and split one model over several roots. Found by looking up the stack for the
     nearest method of a module that holds ``target`` (not its own ``torch.compile`` wrapper);
     walked only at a new root's first call."""
-    frame = sys._getframe(2)
+    frame = stack_frame(2)
     for _ in range(_MAX_CALLER_FRAMES):
         if frame is None:
             return None
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        owner = frame_self(frame)
         if isinstance(owner, nn.Module) and original_module(owner) is not target and _holds(owner, target):
             return owner
         frame = frame.f_back
@@ -252,7 +253,7 @@ def _holds(owner: nn.Module, target: nn.Module) -> bool:
 
 def _attached_explicitly(module: nn.Module) -> bool:
     """An integrated engine already called ``attach()`` on this module: leave it to that dumper."""
-    hooks = getattr(module, "_forward_pre_hooks", {}).values()
+    hooks = forward_pre_hooks(module).values()
     return any(isinstance(getattr(hook, "__self__", None), RootPassHooks) for hook in hooks)
 
 
@@ -263,8 +264,8 @@ def _replay_pre_hooks(dumper: Dumper, module: nn.Module, args: Any) -> None:
     A global pre-hook sees no keyword arguments: those of the call are read from its frame, so an
     HF model's ``generate`` (all keywords) has its first pass's batch layout and input captures.
     """
-    hooks = module._forward_pre_hooks
-    with_kwargs = module._forward_pre_hooks_with_kwargs
+    hooks = forward_pre_hooks(module)
+    with_kwargs = forward_pre_hooks_with_kwargs(module)
     kwargs: dict[str, Any] | None = None
     for handle in dumper.hooks.handles:
         if handle.hooks_dict_ref() is not hooks or handle.id not in hooks:
@@ -284,7 +285,7 @@ def _late_pre_hooks_fire() -> bool:
     fired: list[bool] = []
 
     def register_late(module: nn.Module, args: Any) -> None:
-        if module is probe and not probe._forward_pre_hooks:
+        if module is probe and not forward_pre_hooks(probe):
             probe.register_forward_pre_hook(lambda *_: fired.append(True))
 
     handle = torch_module.register_module_forward_pre_hook(register_late)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...store.format import RECORDS_FILE
 from ..hooks import CallSites, HookSet
-from ..recorder import Plan, Recorder
+from ..recorder import KeepPolicy, Recorder
 from ..rundir import ErrorLog
 from ..runtime import Warner
 from ..selection import display_name, every_name, shared_names
@@ -126,7 +126,7 @@ class Capture:
         self._sink = MemorySink(self.device)
         self._recorder = Recorder(
             model,
-            Plan(inputs=True, implicit_passes=False, keep_outside=True),
+            KeepPolicy(inputs=True, implicit_passes=False, keep_outside=True),
             self._sink,
             _MemoryLog(self._warn),
             self._warn,
