@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from ..store.dtypes import BY_NAME
 from ..store.format import Key
 from ..store.sequences import token_dim
 from .metrics import RowSums, TensorMetrics, compare_arrays, compare_by_row, per_token_rel_diff
@@ -35,7 +36,6 @@ from .unshard import SideEntry, assemble
 from .verdict import fixed_rule, router_rule, stats_rule
 
 Progress = Callable[[int], None]  # called with the bytes just compared
-_WIDTHS = {"float64": 8, "int64": 8, "bfloat16": 2, "float16": 2}  # bytes per element; others count 4
 
 
 def _numel(shape: tuple[int, ...] | None) -> int | None:
@@ -306,8 +306,14 @@ def _rank_disagreement(entry: SideEntry, views: list[PassView], tolerance: Toler
 
 
 def pair_bytes(pair: PairPlan) -> int:
-    """Bytes a pair reads (for the progress bar): element counts times a typical 2-4 byte width."""
-    return sum((_numel(e.meta.shape) or 0) * _WIDTHS.get(e.meta.dtype or "", 4) for e in (pair.a, pair.b))
+    """Bytes a pair reads (for the progress bar): element counts times each dtype's width (4 where
+    the dtype is not known, as for a derived entry)."""
+    return sum((_numel(e.meta.shape) or 0) * _element_bytes(e.meta.dtype) for e in (pair.a, pair.b))
+
+
+def _element_bytes(dtype: str | None) -> int:
+    known = BY_NAME.get(dtype or "")
+    return known.bytes if known is not None and known.bytes is not None else 4
 
 
 def _on_kept_tokens(
