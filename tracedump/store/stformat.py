@@ -122,8 +122,8 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
 
 def _preallocate(fd: int, nbytes: int) -> None:
     """Reserve the file's blocks in one call before writing it: ext4 then skips the per-page block
-    reservation of delayed allocation, and a pass reaches the page cache at 6.7 GB/s instead of
-    4.8 GB/s (measured here). Not ``os.posix_fallocate``: where the file system cannot preallocate,
+    reservation of delayed allocation, and a pass reaches the page cache faster (docs/performance.md
+    has the measurement). Not ``os.posix_fallocate``: where the file system cannot preallocate,
     glibc emulates it by writing zeros, a second write of every byte. A file system that cannot
     (tmpfs on old kernels, NFS, ...) is simply written without it; a full disk fails here, early."""
     fallocate = _fallocate()
