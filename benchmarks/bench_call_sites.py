@@ -5,7 +5,7 @@
   the stack to the calling attention) against the same dump with them turned off (every call
   named ``...rotary_emb::callN`` as before), both against the untouched model; plus the cost of
   naming one call in a real forward (no copies), and of the walk when no site runs (fallback).
-* **HF layout**: :class:`tracedump.integrations.hf.HFBatchLayout` once per outermost root forward,
+* **HF layout**: :class:`tracedump.dump.hf_layout.HFBatchLayout` once per outermost root forward,
   for a prefill ``[1, 256]`` and a batched decode step ``[8, 1]`` with a 512-column mask, when the
   pass keeps it (``wanted``: builds the JSON) and when it does not (bookkeeping only).
 
@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 import tracedump
 import tracedump.dump.dumper as tracedump_dumper
-from tracedump.integrations.hf import HFBatchLayout
+from tracedump.dump.hf_layout import HFBatchLayout
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

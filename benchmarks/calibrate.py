@@ -7,7 +7,7 @@ in fp32 inside bf16 as HF does) and a diffusers UNet run as a 25-step DDIM loop 
 step). Each family is dumped
 
 - clean, in fp32 and bf16, with eager and sdpa attention where the family has both;
-- with one planted bug in one middle layer, in fp32 and bf16 (see :data:`BUGS`);
+- with one planted bug in one middle layer, in fp32 and bf16 (see :attr:`Family.bugs`);
 
 and every case of :func:`cases` is compared with default flags (``--baseline`` where the case
 says so). The table it prints (and writes as JSON with ``--out``) is the one in

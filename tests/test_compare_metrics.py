@@ -7,10 +7,10 @@ parsing; the "largest growth" finding; stats dtype guesses.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,11 +106,18 @@ def test_a_scale_error_moves_rel_diff_but_not_cosine() -> None:
     assert m.one_minus_cosine < 1e-6 * m.rel_diff  # zero, up to fp32 rounding of the error terms
 
 
-def use_threads(monkeypatch: pytest.MonkeyPatch, cpus: int) -> None:
-    """The diff as on a machine with ``cpus`` usable CPUs: a fresh worker pool of that size."""
-    monkeypatch.setattr(metrics, "usable_cpus", lambda: cpus)
-    metrics._pool.cache_clear()
-    monkeypatch.setattr(metrics, "_pool", functools.cache(metrics._pool.__wrapped__))
+@pytest.fixture
+def use_threads() -> Iterator[Callable[[int], None]]:
+    """``use_threads(n)``: the diff splits large tensors over ``n`` threads, as on a machine with
+    ``n`` usable CPUs (a fresh worker pool of that size); the default again after the test."""
+    yield metrics.set_workers
+    metrics.set_workers(None)
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True, "4"])
+def test_set_workers_takes_a_positive_count_or_none(count: object) -> None:
+    with pytest.raises(ValueError, match="set_workers"):
+        metrics.set_workers(count)  # type: ignore[arg-type]
 
 
 def test_chunks_do_not_change_the_answer() -> None:
@@ -129,11 +136,11 @@ def test_chunks_do_not_change_the_answer() -> None:
 @pytest.mark.parametrize("nan", [False, True])  # the winning chunk on the fast or the careful path
 @pytest.mark.parametrize("extra", [0, 123])  # Σ|d| by rows of ones, and the ragged last chunk
 def test_split_across_threads_the_largest_error_is_found_where_it_is(
-    monkeypatch: pytest.MonkeyPatch, extra: int, nan: bool
+    use_threads: Callable[[int], None], extra: int, nan: bool
 ) -> None:
     """Chunks claimed by four threads (the calling thread is one); the largest error is tied by an
     element three chunks later: the first wins, whichever thread took either chunk."""
-    use_threads(monkeypatch, 4)
+    use_threads(4)
     generator = torch.Generator().manual_seed(5)
     n = 10 * CHUNK + extra
     a = torch.randn(n, generator=generator)
@@ -162,7 +169,7 @@ def test_split_across_threads_the_largest_error_is_found_where_it_is(
     ],
 )
 def test_threads_do_not_change_a_single_bit(
-    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], dtype: torch.dtype
+    use_threads: Callable[[int], None], shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
     """Which thread claims which chunk is chance; the figures must not be: each chunk's sums are
     added in chunk order, so one thread and four give equal floats, not close ones."""
@@ -178,7 +185,7 @@ def test_threads_do_not_change_a_single_bit(
     sa, sb = stored_from_torch(a), stored_from_torch(b)
     results = []
     for cpus in (1, 4, 4):
-        use_threads(monkeypatch, cpus)
+        use_threads(cpus)
         m, rows = metrics.compare_by_row(sa, sb)
         results.append((m, None if rows is None else (rows.dd.tolist(), rows.norm.tolist())))
     assert results[0] == results[1] == results[2]
@@ -198,12 +205,12 @@ def test_merge_keeps_the_lowest_index_among_equal_maxima() -> None:
 
 @pytest.mark.parametrize("failing", ["calling thread", "worker"])
 def test_an_error_in_any_thread_stops_every_thread_claiming(
-    monkeypatch: pytest.MonkeyPatch, failing: str
+    monkeypatch: pytest.MonkeyPatch, use_threads: Callable[[int], None], failing: str
 ) -> None:
     """The other threads finish the chunk they hold and claim no other: an error (or Ctrl-C) must
     not leave them reading the rest of a large tensor after the comparison has failed, and the
     error reaches the caller."""
-    use_threads(monkeypatch, 4)
+    use_threads(4)
     stopped = threading.Event()
     calls: list[str] = []
     lock = threading.Lock()
@@ -245,11 +252,11 @@ def test_an_error_in_any_thread_stops_every_thread_claiming(
     ],
 )
 def test_per_token_error_comes_from_the_metrics_own_pass(
-    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], dtype: torch.dtype
+    use_threads: Callable[[int], None], shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
     """Row sums kept by the chunk loop (split over threads for the 2M-element case, a NaN row on
     the careful path) give the per-token figures and metrics a separate pass would."""
-    use_threads(monkeypatch, 4)
+    use_threads(4)
     generator = torch.Generator().manual_seed(7)
     a = torch.randn(shape, generator=generator)
     b = (a + 1e-3 * torch.randn(shape, generator=generator)).to(dtype)

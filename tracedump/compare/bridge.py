@@ -164,7 +164,7 @@ class Expr:
 
     def entry(self, entries: Mapping[str, SideEntry]) -> SideEntry | None:
         """This side's entry for one pass (None when a tensor it needs is not in the pass); a
-        derived entry knows its shape from the parts' metadata, its values from :func:`assemble`."""
+        derived entry knows its shape from the parts' metadata, its values from :func:`.unshard.assemble`."""
         parts = [entries.get(name) for name in self.names]
         if any(p is None for p in parts):
             return None

@@ -117,22 +117,44 @@ def _buffers(work: type) -> _Buffers:
     return buffers
 
 
+_chosen_workers: int | None = None  # set by set_workers(); None: as many as the CPUs allow
+
+
+def set_workers(count: int | None = None) -> None:
+    """Split each large tensor over ``count`` threads (the calling thread is one of them) from the
+    next tensor on; None, the default, goes back to every core this process may run on, at most 4.
+
+    Why a function: the thread count is otherwise read from the CPUs once, when the first large
+    tensor makes the pool, so a host that shares its cores, or a test that runs the threaded path
+    on any machine (or the one-thread path on a large one), says how many here. The pool made for
+    the previous count is dropped, not shut down: a diff running in another thread keeps the pool
+    it holds, and its idle threads exit once nothing refers to it."""
+    global _chosen_workers
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"set_workers: expected a positive number of threads or None, got {count!r}")
+    _chosen_workers = count
+    _pool.cache_clear()
+
+
 @functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor | None:
     """Worker threads for large tensors (numpy and BLAS release the GIL); made on first use."""
-    workers = min(_MAX_WORKERS, usable_cpus())
+    workers = _workers()
     if workers < 2:
         return None
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tracedump-diff")
 
 
 def _workers() -> int:
-    """Threads per large tensor: every core this process may run on, at most 4.
+    """Threads per large tensor: :func:`set_workers`' count, else every core this process may run
+    on, at most 4.
 
     Each worker reads its own share of the mapped files (its page faults are its reads) and
     computes on it, so reading and computing overlap across the cores. Counting the load average
     out of it (it once used only the "idle" cores) left one thread on any shared machine: with
     another job running, ``bench_diff`` measured 0.48x of the raw read with one thread."""
+    if _chosen_workers is not None:
+        return _chosen_workers
     return max(1, min(_MAX_WORKERS, usable_cpus()))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class UserCallables:
-    """``FILTER_FN`` and ``SYNC_ESCAPE`` imported: see :meth:`DumpSettings.resolve_callables`."""
+    """``FILTER_FN`` and ``SYNC_ESCAPE`` imported: see :meth:`.settings.DumpSettings.resolve_callables`."""
 
     filter_fn: Callable[[str, Any], Any] | None = None
     sync_escape: Callable[[], AbstractContextManager[Any]] | None = None

@@ -32,7 +32,7 @@ Entries = list[tuple[str, torch.Tensor, Any]]  # (key, contiguous CPU copy, no e
 
 
 def save_target(directory: str | Path) -> Path:
-    """The directory :meth:`Capture.save` writes under; a clear error for what cannot be one."""
+    """The directory :meth:`.session.Capture.save` writes under; a clear error for what cannot be one."""
     if not isinstance(directory, (str, os.PathLike)) or not str(directory).strip():
         raise ValueError(f"save(): expected a directory path, got {directory!r}")
     target = Path(directory).expanduser()
@@ -63,7 +63,8 @@ def write_run(
     skipped: Mapping[str, int],
     warn: Warner,
 ) -> Path:
-    """The run dir of :meth:`Capture.save` under ``target``: all of it, or (on any failure) none of it.
+    """The run dir of :meth:`.session.Capture.save` under ``target``: all of it, or (on any failure)
+    none of it.
 
     ``captured`` are the (recorder key, module) pairs the manifest describes; ``passes`` one entry
     list per run; ``loose`` what was recorded outside every run (``records.safetensors``)."""

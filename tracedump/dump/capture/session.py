@@ -3,8 +3,8 @@
 Why this module: it is the only part of ``capture()`` that holds state over time: the hooks (only
 on the requested modules, only inside the ``with`` block), the recorder ``attach()`` runs with a
 memory sink, the records, and early exit. What to capture is parsed in :mod:`.spec`, the structured
-view is rebuilt in :mod:`.rebuild`, the dump is written in :mod:`.save`. (It is not named
-``capture.py``: a submodule ``capture`` would shadow the function ``capture`` in its package.)
+view is rebuilt in :mod:`.rebuild`, the dump is written in :mod:`.save`. (The module is not
+called ``capture``: a submodule of that name would shadow the function ``capture`` in its package.)
 
 Early exit raises a private ``BaseException`` from the last hook that still had to fire and catches
 it in :meth:`Capture.run`: the only way to stop an arbitrary ``forward`` without touching its code.
