@@ -1,4 +1,4 @@
-"""tracedump.format, the on-disk contract: keys, names, records and the manifest as real dumps hold
+"""tracedump.store.format, the on-disk contract: keys, names, records and the manifest as real dumps hold
 them, and the version check every reader makes."""
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def test_a_failed_save_leaves_nothing_and_the_next_save_takes_the_plain_name(
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tracedump.writer, "save_file", full)
+    monkeypatch.setattr(tracedump.dump.writer, "save_file", full)
     target = tmp_path / "ref"
     with pytest.raises(OSError, match=r"pass00000\.safetensors.*No space left") as info:
         cap.save(target)

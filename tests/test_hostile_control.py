@@ -449,7 +449,7 @@ def test_arm_and_disarm_on_a_really_full_filesystem(
         before = sorted(p.name for p in full.iterdir())
         # An engine's heartbeat elsewhere would be refused its writes too: the CLI is what is tested.
         monkeypatch.setattr(tracedump.cli, "_watched", lambda directory: ["an engine"])
-        monkeypatch.setattr(tracedump.control, "start_step", lambda found: 10)
+        monkeypatch.setattr(tracedump.dump.control, "start_step", lambda found: 10)
         for argv in (["arm", str(full), "--steps", "1"], ["disarm", str(full)]):
             assert tracedump.cli.main(argv) == 2
             err = capsys.readouterr().err

@@ -218,7 +218,7 @@ def test_after_a_write_error_every_lost_capture_and_byte_is_counted(
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(path, tensors, metadata, **options)
 
-    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
+    monkeypatch.setattr(tracedump.dump.writer, "save_tensors_atomic", save)
     model = _Two()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -404,7 +404,7 @@ def test_a_manifest_that_cannot_be_written_fails_attach_and_removes_its_run_dir(
     def unwritable(_path: Path, _data: object) -> None:
         raise TypeError("not JSON serializable")
 
-    monkeypatch.setattr(tracedump.rundir, "write_json_atomic", unwritable)
+    monkeypatch.setattr(tracedump.dump.rundir, "write_json_atomic", unwritable)
     (tmp_path / "d").mkdir()
     _attach_fails(_Two(), "cannot write the manifest", {"dir": tmp_path / "d"})
     assert list((tmp_path / "d").iterdir()) == []

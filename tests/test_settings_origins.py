@@ -165,7 +165,7 @@ def test_off_attach_reads_one_env_variable_and_builds_no_settings(monkeypatch):
     def no_settings(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the off path must not build settings")
 
-    monkeypatch.setattr(tracedump.dumper, "load_settings", no_settings)
+    monkeypatch.setattr(tracedump.dump.dumper, "load_settings", no_settings)
     with mock.patch.object(os, "environ", environ):  # not monkeypatch: pytest writes os.environ
         result = tracedump.attach(model, tracedump.DumpConfig(mode="stats"))
     assert result is None

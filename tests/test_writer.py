@@ -103,7 +103,7 @@ def slow_saves(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[str]:
         saved.append(path.name)
         return original(path, tensors, metadata, **options)
 
-    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", slow_save)
+    monkeypatch.setattr(tracedump.dump.writer, "save_tensors_atomic", slow_save)
     return saved
 
 
@@ -141,7 +141,7 @@ def test_a_slow_writer_under_a_tiny_cap_makes_the_forward_wait_and_drops_nothing
         original_submit(self, job)
         held_after_submit.append(self.pending_bytes)
 
-    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save_once_the_forward_waits)
+    monkeypatch.setattr(tracedump.dump.writer, "save_tensors_atomic", save_once_the_forward_waits)
     monkeypatch.setattr(Writer, "wait_below", counting_wait)
     monkeypatch.setattr(Writer, "submit", recording_submit)
     model = make_tiny_llama()
@@ -246,7 +246,7 @@ def test_a_write_that_fails_halfway_leaves_no_file_under_the_final_name(
         Path(path).write_bytes(b"\0" * 4096)  # half a file
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(tracedump.writer, "save_file", half_then_fail)
+    monkeypatch.setattr(tracedump.dump.writer, "save_file", half_then_fail)
     model = make_tiny_llama()
 
     with pytest.warns(TracedumpWarning, match="Input/output error"):
@@ -311,7 +311,7 @@ def enospc_on_write(monkeypatch: pytest.MonkeyPatch, failing_call: int) -> list[
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(path, tensors, metadata, **options)
 
-    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", save)
+    monkeypatch.setattr(tracedump.dump.writer, "save_tensors_atomic", save)
     return attempts
 
 
@@ -386,7 +386,7 @@ def test_a_write_error_while_the_forward_waits_for_the_writer_releases_the_wait(
         time.sleep(0.02)
         return original(path, tensors, metadata, **options)
 
-    monkeypatch.setattr(tracedump.writer, "save_tensors_atomic", slow)
+    monkeypatch.setattr(tracedump.dump.writer, "save_tensors_atomic", slow)
     model = make_tiny_llama()
     outcome: dict[str, Any] = {}
 

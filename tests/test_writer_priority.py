@@ -58,7 +58,7 @@ def test_the_writer_runs_at_the_lowest_priority_and_the_host_keeps_its_own(dump_
 def every_core_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host whose forward takes every core: one usable core (torch has at least one thread) and
     no CUDA in use, whatever earlier tests initialised."""
-    monkeypatch.setattr(tracedump.sinks, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(tracedump.dump.sinks, "usable_cpus", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
 
 
@@ -112,7 +112,7 @@ def _attached() -> tuple[tracedump.Dumper, torch.nn.Module]:
 def test_while_a_forward_takes_every_core_the_writer_writes_after_it(
     dump_dir: Path, every_core_busy: None, held: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 600.0)
+    monkeypatch.setattr(tracedump.dump.writer, "MAX_HOLD_BACK_S", 600.0)
     dumper, model = _attached()
     during: list[list[str]] = []
 
@@ -162,7 +162,9 @@ def test_a_host_that_waits_on_the_writer_is_never_held_back(
     monkeypatch: pytest.MonkeyPatch,
     wait: str,
 ) -> None:
-    monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 600.0)  # only the host's wait can release it
+    monkeypatch.setattr(
+        tracedump.dump.writer, "MAX_HOLD_BACK_S", 600.0
+    )  # only the host's wait can release it
     if wait == "cap":  # one pass (two [2, 4] float32 outputs) fits; pass 1's first capture waits
         monkeypatch.setenv("TRACEDUMP_DUMP_MAX_PENDING_BYTES", "64")
     dumper, model = _attached()
@@ -193,7 +195,7 @@ def test_a_queued_pass_waits_at_most_max_hold_back_s(
     dump_dir: Path, every_core_busy: None, held: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A host that never pauses (here: one long pass) still gets its earlier passes written."""
-    monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 0.05)
+    monkeypatch.setattr(tracedump.dump.writer, "MAX_HOLD_BACK_S", 0.05)
     dumper, model = _attached()
     during: list[list[str]] = []
 
@@ -269,7 +271,7 @@ def test_once_a_pass_waited_too_long_the_writer_catches_up_before_holding_back_a
 ) -> None:
     """A host that never pauses: the writer gives up holding back for the whole backlog (at nice 19
     it would otherwise fall further behind with every pass), and holds back again once caught up."""
-    monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 0.05)
+    monkeypatch.setattr(tracedump.dump.writer, "MAX_HOLD_BACK_S", 0.05)
     writer = Writer(tmp_path, 1 << 30, {}, lambda message: None)
     writer.host_busy(True)  # a forward that takes every core, from here on
     released: dict[str, threading.Event] = {name: threading.Event() for name in "ABC"}
@@ -278,7 +280,7 @@ def test_once_a_pass_waited_too_long_the_writer_catches_up_before_holding_back_a
         def run() -> None:
             writer.wait_for_idle_host()
             if name == "A":  # from now on only the catching-up rule can let B through
-                monkeypatch.setattr(tracedump.writer, "MAX_HOLD_BACK_S", 600.0)
+                monkeypatch.setattr(tracedump.dump.writer, "MAX_HOLD_BACK_S", 600.0)
             released[name].set()
 
         return run

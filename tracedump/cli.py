@@ -253,13 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import DumpReadError
+    from .errors import TracedumpError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (DumpReadError, OSError, re.error) as e:  # unreadable input is a usage error, never a trace
+    except TracedumpError as e:  # anything tracedump refused: one line and the error's own exit code
+        print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
+        return int(e.exit_code)
+    except (OSError, re.error) as e:  # unreadable input is a usage error, never a trace
         print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
         return ExitCode.USAGE
 

@@ -1,8 +1,8 @@
 """Compare one pair of arrays, in chunks, without ever holding a float64 copy of either.
 
 Why chunks of fp32 rather than one float64 pass: a float64 copy of a 4 GB bf16 tensor is 16 GB, and
-on CPUs numpy on cache-sized chunks is 5-10x faster than torch on whole tensors (no thread start-up
-per op, no temporaries). Precision stays where it matters:
+on CPUs numpy on cache-sized chunks is several times faster than torch on whole tensors (no thread
+start-up per op, no temporaries; docs/performance.md has the measurements). Precision stays where it matters:
 
 - ``a - b`` of two fp32 numbers is exact or nearly so (Sterbenz), so the error terms are accurate
   even when the error is 1e-12 of the values;
@@ -151,8 +151,8 @@ def _workers() -> int:
 
     Each worker reads its own share of the mapped files (its page faults are its reads) and
     computes on it, so reading and computing overlap across the cores. Counting the load average
-    out of it (it once used only the "idle" cores) left one thread on any shared machine: with
-    another job running, ``bench_diff`` measured 0.48x of the raw read with one thread."""
+    out of it (it once used only the "idle" cores) left one thread on any shared machine, which
+    ``bench_diff`` measured far slower than the raw read (docs/performance.md)."""
     if _chosen_workers is not None:
         return _chosen_workers
     return max(1, min(_MAX_WORKERS, usable_cpus()))
@@ -164,9 +164,8 @@ class _Claims:
     Why not a fixed split (the first half of the chunks to one thread, the rest to another): the
     threads rarely run at the same speed (another process, a page-cache miss, a busy sibling
     core), and at each tensor's end the faster one waited for the slower one. Claiming chunk by
-    chunk leaves at most one chunk's work (~0.1 ms) of waiting. Side by side in one process, the
-    median of ten diffs moved from 0.79 to 0.81 of the raw read, and the slowest from 0.45-0.49
-    to 0.73-0.76. A lock rather than a bare shared iterator, so that this holds without the GIL
+    chunk leaves at most one chunk's work of waiting, and the slowest diffs gained the most
+    (docs/performance.md). A lock rather than a bare shared iterator, so that this holds without the GIL
     too (free-threaded builds)."""
 
     def __init__(self, count: int) -> None:
@@ -222,10 +221,9 @@ def compare_by_row(a: Stored, b: Stored, *, want_max_b: bool = False) -> tuple[T
     """:func:`compare_arrays` plus each row's sums (rows of ``a``'s last dim), from the same pass.
 
     Why: per-token error was a second widened pass over every tensor, which made a diff of real
-    ``[tokens, hidden]`` activations 3-4x slower than the metrics alone. The row sums come from
-    the chunks the metrics read (about half the metrics' time on top, where the separate pass cost
-    three times it). None for fewer than 2 dims (no row holds a token's values), and when a row is
-    longer than a chunk or too short for a matrix-vector product per chunk to pay (``[tokens, 1]``
+    ``[tokens, hidden]`` activations several times slower than the metrics alone. The row sums come
+    from the chunks the metrics read, at a fraction of the separate pass's cost (docs/performance.md).
+    None for fewer than 2 dims (no row holds a token's values), and when a row is longer than a chunk or too short for a matrix-vector product per chunk to pay (``[tokens, 1]``
     scales, top-1 router outputs): :func:`per_token_rel_diff` then measures them in a pass of
     their own, as before."""
     shape = a.shape

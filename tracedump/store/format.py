@@ -127,7 +127,8 @@ _KEY = re.compile(
 
 def key_text(module: str, path: str = "", input: bool = False, call: int = 0) -> str:
     """``Key(module, path, input, call).format()`` without building the Key: the recorder names
-    every capture with it, on the host's hot path, where building a frozen dataclass per capture costs more than the text."""
+    every capture with it, on the host's hot path, where a frozen dataclass per capture costs more
+    than the text."""
     text = f"{module}@in{path}" if input else f"{module}{path}"
     return f"{text}::call{call}" if call else text
 
