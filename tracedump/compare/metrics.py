@@ -223,9 +223,10 @@ def compare_by_row(a: Stored, b: Stored, *, want_max_b: bool = False) -> tuple[T
     Why: per-token error was a second widened pass over every tensor, which made a diff of real
     ``[tokens, hidden]`` activations several times slower than the metrics alone. The row sums come
     from the chunks the metrics read, at a fraction of the separate pass's cost (docs/performance.md).
-    None for fewer than 2 dims (no row holds a token's values), and when a row is longer than a chunk or too short for a matrix-vector product per chunk to pay (``[tokens, 1]``
-    scales, top-1 router outputs): :func:`per_token_rel_diff` then measures them in a pass of
-    their own, as before."""
+    None for fewer than 2 dims (no row holds a token's values), and when a row is longer than a
+    chunk or too short for a matrix-vector product per chunk to pay (``[tokens, 1]`` scales, top-1
+    router outputs): :func:`per_token_rel_diff` then measures them in a pass of their own, as
+    before."""
     shape = a.shape
     row_len = shape[-1] if len(shape) >= 2 else 0
     if not _MIN_ROW <= row_len <= CHUNK or math.prod(shape) == 0:
