@@ -92,3 +92,22 @@ def test_capture_and_graft_stay_the_functions_after_their_modules_are_imported()
 
     assert callable(tracedump.capture) and inspect.isfunction(tracedump.capture)
     assert inspect.isfunction(tracedump.graft)
+
+
+def test_graft_with_a_bad_setting_raises_config_error_and_leaves_no_temp_dir(tmp_path: Path) -> None:
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("tracedump-graft-*"))
+    graft = tracedump.graft(torch.nn.Linear(2, 2), tmp_path / "ref", modules="bogus")
+    with pytest.raises(tracedump.ConfigError, match="modules='bogus'") as raised, graft:
+        pass
+    assert str(raised.value).count("bad setting") == 1  # said once, not nested
+    assert set(Path(tempfile.gettempdir()).glob("tracedump-graft-*")) == before
+
+
+def test_capture_save_to_a_bad_dir_raises_config_error(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with tracedump.capture(model, outputs=["0"]) as cap:
+        cap.run(torch.ones(1, 2))
+    with pytest.raises(tracedump.ConfigError, match="save"):
+        cap.save("   ")

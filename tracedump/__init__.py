@@ -16,7 +16,7 @@ from ._version import __version__
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "profiling": "api",
+    "profiling": "dump.suspend",
     "record": "api",
     "record_step": "api",
     "Capture": "dump.capture.session",
@@ -72,13 +72,14 @@ _MOVED = {
 }
 
 if TYPE_CHECKING:
-    from .api import profiling, record, record_step
+    from .api import record, record_step
     from .config.settings import DumpConfig, DumpSettings
     from .dump.capture.session import Capture, ModuleCapture, capture
     from .dump.cuda import allow_sync, resolve_compile, resolve_cuda_graph
     from .dump.dumper import Dumper, attach
     from .dump.graft import Graft, graft
     from .dump.runtime import TracedumpWarning
+    from .dump.suspend import profiling
     from .errors import ConfigError, DumpReadError, FormatVersionError, TracedumpError, UsageError
     from .store.loader import Dump, PassFile, Run, load_pass, open_dump
 

@@ -2,7 +2,7 @@
 
 ``tracedump.record()`` in engine code costs one list check when no dumper is open, so it can stay
 in the code permanently. It goes to the dumper whose pass the calling thread runs, else to the one
-attached last.
+attached last. (``tracedump.profiling()`` is :func:`tracedump.dump.suspend.profiling`.)
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from .dump.runtime import open_dumpers, runtime
-from .dump.suspend import profiling
 
-__all__ = ["profiling", "record", "record_step"]
+__all__ = ["record", "record_step"]
 
 
 def record(tag: str, tensor: Any, once: bool = False) -> None:

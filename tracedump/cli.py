@@ -96,11 +96,9 @@ def _print_control(run: Any) -> None:
 
 def _print_sequences(run: Any) -> None:
     """The sequences and positions each pass holds, for runs whose engine called ``set_batch``."""
-    from .errors import SequenceError
-
     try:
         found = run.batches()
-    except (SequenceError, ValueError) as e:
+    except ValueError as e:  # a SequenceError, or metadata no tracedump wrote
         console().print(printable(f"{run.name}: sequence metadata unreadable: {e}"), markup=False)
         return
     declared = {index: batch for index, batch in found.items() if batch.declared}
@@ -161,7 +159,7 @@ def _summary_cells(read: Callable[[], Any]) -> list[str]:
 
     try:
         stored = read()
-        values = np.asarray(widen(stored.array, stored.dtype), dtype=np.float64).reshape(-1)
+        values = widen(stored.array, stored.dtype, np.float64).reshape(-1)
     except (ValueError, TypeError, RuntimeError, NotImplementedError):
         return ["-"] * 4
     if not values.size:
@@ -195,20 +193,15 @@ def cmd_order(args: argparse.Namespace) -> int:
     import time
 
     from .dump.control import Order, start_step, write_order
-    from .errors import OrderError
 
-    arm = args.command == "arm"
-    try:
-        found = _watched(args.dir)
-        order = Order(id=time.time_ns(), action=args.command)
-        if arm:  # the arm flags, by the names of Order's fields
-            what = {name: getattr(args, name) for name in ("steps", "filter", "mode", "inputs", "request")}
-            order = Order(id=order.id, action="arm", start_step=start_step(found), **what)
-            order.check()
-        write_order(args.dir, order)  # a full disk: an OrderError naming the file
-    except OrderError as e:
-        print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
-        return ExitCode.USAGE
+    arm = args.command == "arm"  # an OrderError (a refused order, a full disk) is main()'s: exit 2
+    found = _watched(args.dir)
+    order = Order(id=time.time_ns(), action=args.command)
+    if arm:  # the arm flags, by the names of Order's fields
+        what = {name: getattr(args, name) for name in ("steps", "filter", "mode", "inputs", "request")}
+        order = Order(id=order.id, action="arm", start_step=start_step(found), **what)
+        order.check()
+    write_order(args.dir, order)
     if arm:
         steps = f"{order.steps} steps" if order.steps else "every step until disarmed"
         print(printable(f"armed {len(found)} runs under {args.dir}: {steps} from step {order.start_step}"))

@@ -57,6 +57,9 @@ class DumpSettings(BaseSettings, DumpFields):
         try:
             settings = handler(data)
         except ValidationError as e:
+            said = [item for item in e.errors() if item["type"] == "bad_setting"]
+            if said:  # a validation of the same model inside this one (model_validate) already said where
+                raise PydanticCustomError("bad_setting", "{message}", said[0].get("ctx") or {}) from e
             lines = []
             for item in e.errors():
                 fields = [str(item["loc"][0])] if item["loc"] else FILTER_CHOICE  # else: FILTER vs FILTER_FN
@@ -118,8 +121,21 @@ def load_settings(
     try:
         return DumpSettings(**(config or {}), _env_prefix=env_prefix + "DUMP_")
     except ValidationError as e:
-        messages = [item["msg"] for item in e.errors() if item["type"] == "bad_setting"]
-        raise ConfigError("\n".join(messages) or str(e)) from e
+        raise _config_error(e) from e
+
+
+def settings_of_call(values: dict[str, Any]) -> DumpSettings:
+    """The settings a script's own call spells out (``graft()``, ``Capture.save()``), with no env
+    read: a bad value raises :class:`ConfigError` naming the field, as ``load_settings`` does."""
+    try:
+        return DumpSettings.model_validate(values)
+    except ValidationError as e:
+        raise _config_error(e) from e
+
+
+def _config_error(error: ValidationError) -> ConfigError:
+    messages = [item["msg"] for item in error.errors() if item["type"] == "bad_setting"]
+    return ConfigError("\n".join(messages) or str(error))
 
 
 def check_combination(settings: DumpSettings) -> None:

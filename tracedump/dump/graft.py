@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import nn
 
-from ..config.settings import DumpSettings
+from ..config.settings import settings_of_call
 from .dumper import Dumper
 from .grafter import LEAVES, Grafter
 
@@ -64,9 +64,8 @@ class Graft:
     def __enter__(self) -> Graft:
         if self.dumper is not None:
             raise RuntimeError("this graft is already active")
-        settings = DumpSettings.model_validate(self._settings)  # no env: this is a script's call
         try:
-            self.dumper = Dumper(self.model, settings)
+            self.dumper = Dumper(self.model, settings_of_call(self._settings))  # no env: a script's call
         except BaseException:
             self._drop_temporary()
             raise

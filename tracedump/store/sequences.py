@@ -354,7 +354,7 @@ def _as_list(values: Any) -> tuple[list[Any], list[int] | None] | None:
     if listed and all(isinstance(v, (list, tuple)) for v in listed):
         widths = {len(v) for v in listed}
         if len(widths) != 1:
-            raise ValueError(
+            raise SequenceError(
                 f"tracedump set_batch(): a [batch, seq] grid of rows of lengths {sorted(widths)}"
             )
         return [v for row in listed for v in row], [len(listed), widths.pop()]
@@ -379,7 +379,7 @@ def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
             continue
         listed, its_grid = found
         if len(listed) != len(rows) or (its_grid is not None and grid is not None and its_grid != grid):
-            raise ValueError(
+            raise SequenceError(
                 f"tracedump set_batch(): {len(listed)} {name} for {len(rows)} seq_ids; "
                 "give one entry per token row"
             )

@@ -34,7 +34,7 @@ Entries = list[tuple[str, torch.Tensor, Any]]  # (key, contiguous CPU copy, no e
 def save_target(directory: str | Path) -> Path:
     """The directory :meth:`.session.Capture.save` writes under; a clear error for what cannot be one."""
     if not isinstance(directory, (str, os.PathLike)) or not str(directory).strip():
-        raise ValueError(f"save(): expected a directory path, got {directory!r}")
+        raise ConfigError(f"save(): expected a directory path, got {directory!r}")
     target = Path(directory).expanduser()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(20, "exists and is not a directory", str(target))
@@ -71,7 +71,7 @@ def write_run(
     try:
         settings = DumpSettings.model_validate({"dir": str(target)})  # no env: this is a script's call
     except ValidationError as e:
-        raise ValueError(f"save({str(target)!r}): {e.errors()[0]['msg'].splitlines()[-1].strip()}") from None
+        raise ConfigError(f"save({str(target)!r}): {e.errors()[0]['msg'].splitlines()[-1].strip()}") from None
     shared = shared_names(every_name(model), captured)
     fields = model_fields(model, type(model).__name__, captured, shared)
 

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...errors import ConfigError
 from ...store.format import RECORDS_FILE
 from ..hooks import CallSites, HookSet
-from ..recorder import KeepPolicy, Recorder
+from ..passes import KeepPolicy
+from ..recorder import Recorder
 from ..rundir import ErrorLog
 from ..runtime import Warner
 from ..selection import display_name, every_name, shared_names
@@ -119,7 +121,7 @@ class Capture:
                 self._check_name(name)
                 self._requests[(name, kind)] = None
         if not self._requests:
-            raise ValueError("nothing to capture: pass outputs, inputs, spec or filter")
+            raise ConfigError("nothing to capture: pass outputs, inputs, spec or filter")
         self._records = {name: ModuleCapture(name) for name, _ in self._requests}
         self._by_key = {display_name(name): name for name in self._records}  # recorder key -> name
         self._warn = Warner()

@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 
 from torch import nn
 
+from ...errors import ConfigError
 from ..selection import ROOT_NAME, candidate_modules, regex_predicate
 
 __all__ = ["CaptureSpec", "Kind", "parse_spec", "requested_names"]
@@ -57,25 +58,25 @@ def parse_spec(spec: str) -> CaptureSpec:
         if section is not None:
             kind = section.group(1)
             if kind not in SECTIONS:
-                raise ValueError(f"unknown section {kind!r} in spec {spec!r}; expected one of {SECTIONS}")
+                raise ConfigError(f"unknown section {kind!r} in spec {spec!r}; expected one of {SECTIONS}")
             selected[kind].update(dict.fromkeys(_split_items(section.group(2))))
             pos = section.end()
             rest = spec[pos:].lstrip()
             if rest and not rest.startswith("|"):
-                raise ValueError(f"expected '|' after {section.group(0).strip()!r} in spec {spec!r}")
+                raise ConfigError(f"expected '|' after {section.group(0).strip()!r} in spec {spec!r}")
             continue
         end = spec.find("|", pos)
         end = len(spec) if end < 0 else end
         item = spec[pos:end].strip()
         if "[" in item or "]" in item:
-            raise ValueError(
+            raise ConfigError(
                 f"malformed part {item!r} in spec {spec!r}; expected inputs[...] or outputs[...]"
             )
         selected["outputs"][item] = None
         pos = end
     result = CaptureSpec(inputs=tuple(selected["inputs"]), outputs=tuple(selected["outputs"]))
     if not result.inputs and not result.outputs:
-        raise ValueError(f"spec {spec!r} selects nothing")
+        raise ConfigError(f"spec {spec!r} selects nothing")
     return result
 
 
@@ -94,11 +95,11 @@ def _filter_matches(model: nn.Module, patterns: list[str]) -> list[str]:
     try:
         chosen = regex_predicate(patterns)
     except re.error as err:
-        raise ValueError(f"invalid filter pattern {err.pattern!r}: {err}") from err
+        raise ConfigError(f"invalid filter pattern {err.pattern!r}: {err}") from err
     matches = [name for name, module in candidate_modules(model, "all") if chosen(name, module)]
     matches = [name for name in matches if name != ROOT_NAME]
     if not matches:
-        raise ValueError(f"filter {patterns!r} matches no module of {type(model).__name__}")
+        raise ConfigError(f"filter {patterns!r} matches no module of {type(model).__name__}")
     return matches
 
 
