@@ -33,7 +33,7 @@ from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
 from .tolerance import Tolerance, is_integer
 from .unshard import SideEntry, assemble
-from .verdict import fixed_rule, router_rule, stats_rule
+from .verdict import fixed_rule, flipped_block_rule, router_rule, stats_rule
 
 Progress = Callable[[int], None]  # called with the bytes just compared
 
@@ -240,7 +240,7 @@ class Executor:
         if kept_a is None or kept_b is None:
             return replace(
                 base,
-                status="routing",
+                status=flipped_block_rule(kept_tokens_readable=False),
                 metrics=metrics,
                 message=f"not compared: {flip.router} routed {len(flip.flipped)} tokens differently",
             )
@@ -329,7 +329,7 @@ def _on_kept_tokens(
     on_kept = compare_arrays(*kept)
     return replace(
         base,
-        status="routing_flip",
+        status=flipped_block_rule(kept_tokens_readable=True),
         error=on_kept.rel_diff,
         metrics=metrics,
         absorbed=metrics.rel_diff,

@@ -3,7 +3,8 @@
 Every decision the comparator makes on the numbers it measured is here, in this order:
 
 - each pair's threshold and status (:func:`judge_all`: the noise model below, the fixed rules of
-  :func:`fixed_rule`, a stats pair's :func:`stats_rule`, a router's :func:`router_rule`);
+  :func:`fixed_rule`, a stats pair's :func:`stats_rule`, a router's :func:`router_rule`, a tensor
+  inside a block whose router flipped at a near-tie :func:`flipped_block_rule`);
 - a grafted dump's local error (:func:`local_allowance_of`, :func:`judge_locally`; :mod:`.local`
   says which tensors are local);
 - the report's findings (:func:`conclude`): the first divergence (in execution order, or with
@@ -234,6 +235,14 @@ def router_rule(near_tie: bool, flipped: int, metrics: TensorMetrics) -> tuple[s
     if near_tie:
         return "routing_flip", float(flipped), None
     return "diverged", metrics.max_abs, 0.0
+
+
+def flipped_block_rule(kept_tokens_readable: bool) -> str:
+    """The status of a tensor inside a MoE block whose router flipped at a near-tie: judged on the
+    tokens both routers routed alike (``routing_flip``, then thresholded by :func:`judge_all` like
+    any pair), or, where those tokens cannot be picked out of it, not compared (``routing``): its
+    whole-tensor error is the flip's, not a divergence."""
+    return "routing_flip" if kept_tokens_readable else "routing"
 
 
 def _nonfinite_message(result: TensorResult) -> str | None:
