@@ -356,7 +356,7 @@ def _parse_stats(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One process's dump: ``rank<R>_pid<P>/`` with its passes, manifest and stats."""
 
@@ -583,7 +583,7 @@ def _read_run(path: Path) -> Run:
         pid = int(manifest.get("pid", pid))
     except (TypeError, ValueError, OverflowError) as e:  # "rank": 1e400 is inf
         raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
-    return Run(path, rank, pid, manifest)
+    return Run(path=path, rank=rank, pid=pid, manifest=manifest)
 
 
 def _is_run_dir(path: Path) -> bool:
