@@ -362,7 +362,7 @@ def test_the_less_precise_dtype_sets_the_default() -> None:
     assert less_precise("int64", "float32") == "float32"
     assert less_precise(None, "float32") == "float32"  # a stats record without dtype trusts the other side
     assert resolve("rel_diff", "bfloat16", "float32", None, None) == Tolerance(
-        "rel_diff", 1e-2, 0.0, "bfloat16 default", "bfloat16"
+        metric="rel_diff", rtol=1e-2, atol=0.0, source="bfloat16 default", precision="bfloat16"
     )
     assert resolve("rel_diff", "float32", "float32", None, None).rtol == REL_DIFF_DEFAULTS["float32"] == 1e-8
 
@@ -415,7 +415,7 @@ def test_pass_selection_accepts_lists_and_ranges() -> None:
 
 
 def _result(index: int, error: float | None, pass_index: int = 0) -> TensorResult:
-    tolerance = Tolerance("rel_diff", 1e-2, 0.0, "bfloat16 default")
+    tolerance = Tolerance(metric="rel_diff", rtol=1e-2, atol=0.0, source="bfloat16 default")
     return TensorResult(
         index=index,
         pass_index=pass_index,

@@ -11,8 +11,15 @@ from tracedump.store.sequences import Batch, RowCut, sequence_rows, sequences
 
 def _batches() -> dict[int, Batch]:
     """Pass 0: a [2, 3] grid of two prefills (a, b); pass 1: one decode step of each."""
-    prefill = Batch(0, ("a",) * 3 + ("b",) * 3, (0, 1, 2, 0, 1, 2), None, True, grid=(2, 3))
-    decode = Batch(1, ("a", "b"), (3, 3), None, True)
+    prefill = Batch(
+        pass_index=0,
+        seq_ids=("a",) * 3 + ("b",) * 3,
+        positions=(0, 1, 2, 0, 1, 2),
+        input_ids=None,
+        declared=True,
+        grid=(2, 3),
+    )
+    decode = Batch(pass_index=1, seq_ids=("a", "b"), positions=(3, 3), input_ids=None, declared=True)
     return {0: prefill, 1: decode}
 
 
@@ -62,7 +69,7 @@ def test_why_rows_cannot_be_gathered() -> None:
 
 def test_a_sampled_tensor_gives_the_sequences_row_for_each_position() -> None:
     """Logits [sequences, vocab] of a decode step of three sequences' worth of rows."""
-    step = Batch(0, ("a", "a", "b"), (0, 1, 0), None, True)
+    step = Batch(pass_index=0, seq_ids=("a", "a", "b"), positions=(0, 1, 0), input_ids=None, declared=True)
     sequence = sequences({0: step})["b"]
     shape = (2, 7)  # one row per sequence: a, then b
 

@@ -51,7 +51,7 @@ _UNDERFLOW = 1e-30  # fp32 squares below this lose digits: redo the chunk in flo
 WORK_DTYPE_RULE = "in float32 (float64 when either side is float64 or a 32/64-bit integer)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorMetrics:
     """Everything measured on one pair. ``argmax`` is the flat index of the largest |a - b|."""
 
@@ -196,7 +196,7 @@ class RowSums:
     norm: np.ndarray
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Pair:
     """One comparison's inputs as the chunk loop reads them."""
 
@@ -245,7 +245,18 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
     chunk = row_len * (CHUNK // row_len) if by_row else CHUNK
     work = _work_dtype(a.dtype, b.dtype)
     ones = np.ones(row_len, work) if by_row else None
-    pair = _Pair(flat_a, flat_b, a.dtype, b.dtype, work, want_max_b, chunk, row_len, rows, ones)
+    pair = _Pair(
+        flat_a=flat_a,
+        flat_b=flat_b,
+        dtype_a=a.dtype,
+        dtype_b=b.dtype,
+        work=work,
+        want_max_b=want_max_b,
+        chunk=chunk,
+        row_len=row_len,
+        rows=rows,
+        ones=ones,
+    )
     chunks = -(-total // chunk)
     table = np.empty((chunks, 4))  # each chunk's Σd², Σa², Σb², Σ|d|, in chunk order
     workers = _workers() if chunks >= _PARALLEL_CHUNKS else 1

@@ -33,7 +33,7 @@ def module_of(name: str) -> str:
     return Key.parse(name).module
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Flip:
     """Tokens a router sent elsewhere, and whether it was a near-tie."""
 
@@ -121,11 +121,19 @@ def detect(
     block = router.rpartition(".")[0] or router
     tokens, k = index_a.shape
     if rows.size == 0:
-        return Flip(router, block, tokens, (), (), 0.0)
+        return Flip(router=router, block=block, tokens=tokens, flipped=(), margins=(), noise=0.0)
     inherited = tuple(int(r) for r in rows if int(r) in upstream)
     new = np.array([r for r in rows if int(r) not in upstream], dtype=np.int64)
     if new.size == 0:
-        return Flip(router, block, tokens, tuple(int(r) for r in rows), (), 0.0, inherited)
+        return Flip(
+            router=router,
+            block=block,
+            tokens=tokens,
+            flipped=tuple(int(r) for r in rows),
+            margins=(),
+            noise=0.0,
+            inherited=inherited,
+        )
     if scores is None:
         return None
     score_a, score_b = (widen(s.array, s.dtype).reshape(tokens, -1) for s in scores)  # whole: small
@@ -136,7 +144,15 @@ def detect(
     noise = math.sqrt(float(np.mean((score_a[clean].astype(np.float64) - score_b[clean]) ** 2)))
     ranked = -np.sort(-score_b[new].astype(np.float64), axis=1)
     margins = ranked[:, k - 1] - ranked[:, k]
-    return Flip(router, block, tokens, tuple(int(r) for r in rows), tuple(margins), noise, inherited)
+    return Flip(
+        router=router,
+        block=block,
+        tokens=tokens,
+        flipped=tuple(int(r) for r in rows),
+        margins=tuple(margins),
+        noise=noise,
+        inherited=inherited,
+    )
 
 
 def flipped_before(flips: list[Flip], tokens: int) -> frozenset[int]:
@@ -156,7 +172,14 @@ def downstream_of(flips: list[Flip], shape: tuple[int, ...]) -> Flip | None:
         if len(flipped) < tokens and _token_dims(shape, tokens) is not None:
             routers = ", ".join(dict.fromkeys(f.router for f in flips if f.tokens == tokens and f.flipped))
             first = next(f for f in flips if f.tokens == tokens)
-            return Flip(routers, first.block, tokens, tuple(sorted(flipped)), (), first.noise)
+            return Flip(
+                router=routers,
+                block=first.block,
+                tokens=tokens,
+                flipped=tuple(sorted(flipped)),
+                margins=(),
+                noise=first.noise,
+            )
     return None
 
 

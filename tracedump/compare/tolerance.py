@@ -83,7 +83,7 @@ def less_precise(dtype_a: str | None, dtype_b: str | None) -> str:
     return pair_precision(dtype_a, dtype_b)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Tolerance:
     """How one pair is judged: which number (``metric``) must stay under which threshold."""
 
@@ -112,18 +112,18 @@ def resolve(
     ``precision`` is the pair's run precision (:func:`pair_precision`); without it, the less precise
     stored dtype decides."""
     if is_integer(dtype_a) and is_integer(dtype_b):
-        return Tolerance("exact", 0.0, 0.0, "integers compare exactly")
+        return Tolerance(metric="exact", rtol=0.0, atol=0.0, source="integers compare exactly")
     dtype = precision or less_precise(dtype_a, dtype_b)
     if metric == "max_abs":
         default_rtol, default_atol = MAX_ABS_DEFAULTS.get(dtype, MAX_ABS_DEFAULTS["float32"])
     else:
         default_rtol, default_atol = REL_DIFF_DEFAULTS.get(dtype, REL_DIFF_DEFAULTS["float32"]), 0.0
     return Tolerance(
-        metric,
-        default_rtol if rtol is None else rtol,
-        default_atol if atol is None else atol,
-        _source(dtype, rtol, atol),
-        dtype,
+        metric=metric,
+        rtol=default_rtol if rtol is None else rtol,
+        atol=default_atol if atol is None else atol,
+        source=_source(dtype, rtol, atol),
+        precision=dtype,
         fixed=rtol is not None,
     )
 
@@ -139,11 +139,11 @@ def resolve_stats(
     dtype = precision or less_precise(dtype_a, dtype_b)
     default = STATS_DEFAULTS.get(dtype, STATS_DEFAULTS["float32"]) if dtype != "int64" else 0.0
     return Tolerance(
-        "stats",
-        default if rtol is None else rtol,
-        0.0 if atol is None else atol,
-        _source(dtype, rtol, atol),
-        dtype,
+        metric="stats",
+        rtol=default if rtol is None else rtol,
+        atol=0.0 if atol is None else atol,
+        source=_source(dtype, rtol, atol),
+        precision=dtype,
         fixed=True,
     )
 

@@ -73,7 +73,7 @@ class StoredTensor:
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SafetensorsHeader:
     """One safetensors file's header: tensors in capture order, metadata, capture sequence numbers."""
 
@@ -138,7 +138,9 @@ def _parse_header(path: Path, header: Any, data_start: int, size: int) -> Safete
         if tensors[name].end > size:
             raise _unreadable(path, f"truncated: {name!r} ends at byte {tensors[name].end}, file has {size}")
     order = _capture_order(metadata, tensors)
-    return SafetensorsHeader(path, {n: tensors[n] for n in order}, metadata, _seq(metadata, order))
+    return SafetensorsHeader(
+        path=path, tensors={n: tensors[n] for n in order}, metadata=metadata, seq=_seq(metadata, order)
+    )
 
 
 def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
@@ -354,7 +356,7 @@ def _parse_stats(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One process's dump: ``rank<R>_pid<P>/`` with its passes, manifest and stats."""
 
@@ -581,7 +583,7 @@ def _read_run(path: Path) -> Run:
         pid = int(manifest.get("pid", pid))
     except (TypeError, ValueError, OverflowError) as e:  # "rank": 1e400 is inf
         raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
-    return Run(path, rank, pid, manifest)
+    return Run(path=path, rank=rank, pid=pid, manifest=manifest)
 
 
 def _is_run_dir(path: Path) -> bool:

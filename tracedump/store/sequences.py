@@ -39,7 +39,7 @@ SeqId = int | str
 Row = SeqId | None  # None: a padding row
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Batch:
     """The rows of one pass: per row its sequence id, position, and token id when known."""
 
@@ -204,7 +204,14 @@ def batches(
             input_ids = raw.get("input_ids")
             grid = (raw["grid"][0], raw["grid"][1]) if raw.get("grid") is not None else None
             ids = tuple(input_ids) if input_ids else None
-            batch = Batch(index, seq_ids, tuple(positions), ids, True, grid)
+            batch = Batch(
+                pass_index=index,
+                seq_ids=seq_ids,
+                positions=tuple(positions),
+                input_ids=ids,
+                declared=True,
+                grid=grid,
+            )
             if not _rows_fit(batch, shapes, tokens):
                 held = ", ".join(map(str, dict.fromkeys(s for s in seq_ids if s is not None)))
                 rows = f"{len(seq_ids)} rows" if grid is None else f"a {list(grid)} grid of rows"
@@ -220,7 +227,13 @@ def batches(
             last_inferred = f"pass{index}"
         start = next_position.get(last_inferred, 0)
         next_position[last_inferred] = start + tokens
-        out[index] = Batch(index, (last_inferred,) * tokens, tuple(range(start, start + tokens)), None, False)
+        out[index] = Batch(
+            pass_index=index,
+            seq_ids=(last_inferred,) * tokens,
+            positions=tuple(range(start, start + tokens)),
+            input_ids=None,
+            declared=False,
+        )
     return out
 
 
@@ -275,7 +288,7 @@ class _Rows(Protocol):
 _Array = TypeVar("_Array", bound=_Rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowCut:
     """Where one pass holds a sequence's rows in one tensor: reshaped to ``shape`` (a ``[batch,
     seq]`` grid's two dims merged into one), the ``rows`` along ``dim``."""
@@ -318,7 +331,7 @@ def sequence_rows(
         kind, dim, merged = layout
         if kind == "sampled":  # the sequence's row among the pass's sequences, in order of appearance
             rows = [batch.sequence_ids.index(sequence.seq_id)] * len(rows)
-        taken = take(RowCut(index, dim, merged, tuple(rows)))
+        taken = take(RowCut(pass_index=index, dim=dim, shape=merged, rows=tuple(rows)))
         pieces.append(taken.reshape((len(rows), *[s for s in taken.shape[1:] if s != 1])))
     if not pieces:
         return "no rows"
