@@ -109,12 +109,12 @@ def dump_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def fresh_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_warn_once() -> Iterator[None]:
     """``warn_once`` remembers keys for the whole process: start a test as if nothing had warned yet.
     Opt in per file with ``pytestmark = pytest.mark.usefixtures("fresh_warn_once")``."""
     found = tracedump.dump.runtime.existing()  # none yet: nothing has warned
-    if found is not None:
-        monkeypatch.setattr(found.warn, "_seen", set())
+    with contextlib.nullcontext() if found is None else found.warn.fresh():
+        yield
 
 
 def read_passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:

@@ -358,13 +358,13 @@ def test_a_failure_report_never_raises_even_when_warnings_are_errors(tmp_path, m
 
     model = nn.Sequential(nn.Linear(2, 2))
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
-    monkeypatch.setattr(tracedump.dump.runtime.runtime().warn, "_seen", set())
-    dumper = tracedump.attach(model)
-    monkeypatch.setattr(dumper.sink, "copy", lambda *a, **k: 1 / 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = model(torch.ones(1, 2))
-        dumper.close()
+    with tracedump.dump.runtime.runtime().warn.fresh():
+        dumper = tracedump.attach(model)
+        monkeypatch.setattr(dumper.sink, "copy", lambda *a, **k: 1 / 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = model(torch.ones(1, 2))
+            dumper.close()
     assert out.shape == (1, 2)
     assert "capture failed at 0: ZeroDivisionError" in capfd.readouterr().err
 

@@ -36,9 +36,9 @@ IDS = torch.arange(7).reshape(1, 7)
 def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in [k for k in os.environ if k.startswith("TRACEDUMP_")]:
         monkeypatch.delenv(key)
-    monkeypatch.setattr(tracedump.dump.runtime.runtime().warn, "_seen", set())
-    yield
-    torch._dynamo.reset()
+    with tracedump.dump.runtime.runtime().warn.fresh():
+        yield
+        torch._dynamo.reset()
 
 
 def test_resolve_compile_turns_compile_off_with_one_warning_while_dumping(tmp_path: Path) -> None:

@@ -132,30 +132,28 @@ def _torch_stats(x: torch.Tensor, names: list[str]) -> list[float]:
     """What torch's own kernels give: the path taken without the kernel (or for a NaN or Inf)."""
     from tracedump.dump import reduce
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reduce, "_kernel", lambda: None)
+    with reduce.use_kernel(False):
         return compute_stats(x, names)[1].tolist()
 
 
 @pytest.mark.parametrize("names", [_DEFAULT, ["min", "max", "mean"], ["sum"]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_stats_come_from_one_sweep_with_the_numbers_torch_gives(
-    monkeypatch: pytest.MonkeyPatch, names: list[str], dtype: torch.dtype
+    names: list[str], dtype: torch.dtype
 ) -> None:
     """Sums, min and max of a CPU tensor from one pass of C (bf16 widened first): min and max
     exactly torch's, the sums torch's float32 sums to float32 rounding, every value numpy's."""
     from tracedump.dump import reduce
 
-    kernel = reduce._kernel()
+    kernel = reduce.compiled_kernel()
     if kernel is None:
         pytest.skip("the C kernel was not built here: torch computes the stats (checked above)")
     calls: list[int] = []
     real = kernel.stats
-    monkeypatch.setattr(
-        reduce, "_kernel", lambda: types.SimpleNamespace(stats=lambda a: calls.append(a.size) or real(a))
-    )
+    spy = types.SimpleNamespace(stats=lambda a: calls.append(a.size) or real(a))
     x = (torch.randn(257, 1001, generator=torch.Generator().manual_seed(6)) * 3 + 0.5).to(dtype)
-    numeric, values, _ = compute_stats(x, names)
+    with reduce.use_kernel(spy):
+        numeric, values, _ = compute_stats(x, names)
     assert calls == [x.numel()]  # one sweep, over the whole tensor
     expected = _torch_stats(x, names)
     reference = x.double().numpy()
@@ -178,12 +176,13 @@ def test_a_nan_or_inf_gets_torch_s_answer_not_the_sweep_s(poison: float) -> None
     assert [str(v) for v in values.tolist()] == [str(v) for v in expected]  # NaN is NaN, inf is inf
 
 
-def test_stats_the_sweep_cannot_give_still_come_from_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stats_the_sweep_cannot_give_still_come_from_torch() -> None:
     from tracedump.dump import reduce
 
-    monkeypatch.setattr(
-        reduce, "_kernel", lambda: pytest.fail("std, l2, counts and float64 take torch's path")
+    refuse = types.SimpleNamespace(
+        stats=lambda a: pytest.fail("std, l2, counts and float64 take torch's path")
     )
-    compute_stats(torch.randn(64, 64), ["std", "sum"])
-    compute_stats(torch.randn(64, 64, dtype=torch.float64), _DEFAULT)
-    compute_stats(torch.randn(64, 64)[:, ::2], _DEFAULT)  # not contiguous
+    with reduce.use_kernel(refuse):
+        compute_stats(torch.randn(64, 64), ["std", "sum"])
+        compute_stats(torch.randn(64, 64, dtype=torch.float64), _DEFAULT)
+        compute_stats(torch.randn(64, 64)[:, ::2], _DEFAULT)  # not contiguous

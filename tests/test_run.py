@@ -153,11 +153,12 @@ def env_without_tracedump(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def no_tracedump_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_tracedump_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in [k for k in os.environ if k.startswith("TRACEDUMP_") or k in ("RANK", "WORLD_SIZE")]:
         monkeypatch.delenv(key)
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.setattr(tracedump.dump.runtime.runtime().warn, "_seen", set())
+    with tracedump.dump.runtime.runtime().warn.fresh():
+        yield
 
 
 @pytest.fixture

@@ -114,32 +114,27 @@ def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
 
 
-def test_without_preallocation_the_file_is_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_preallocation_the_file_is_the_same(tmp_path: Path) -> None:
     """Where fallocate is missing or refused (not every file system has it), the write goes on."""
     tensors = _every_dtype()
     stformat.write_file(tensors, tmp_path / "with.safetensors")
-    monkeypatch.setattr(stformat, "_fallocate", lambda: None)
-    stformat.write_file(tensors, tmp_path / "without.safetensors")
+    stformat.write_file(tensors, tmp_path / "without.safetensors", preallocate=False)
 
     def refused(fd: int, mode: int, offset: int, length: int) -> int:
         stformat.ctypes.set_errno(stformat.errno.EOPNOTSUPP)
         return -1
 
-    monkeypatch.setattr(stformat, "_fallocate", lambda: refused)
-    stformat.write_file(tensors, tmp_path / "refused.safetensors")
+    stformat.write_file(tensors, tmp_path / "refused.safetensors", preallocate=refused)
 
     data = (tmp_path / "with.safetensors").read_bytes()
     assert (tmp_path / "without.safetensors").read_bytes() == data
     assert (tmp_path / "refused.safetensors").read_bytes() == data
 
 
-def test_a_full_disk_is_reported_by_the_preallocation(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_full_disk_is_reported_by_the_preallocation(tmp_path: Path) -> None:
     def full(fd: int, mode: int, offset: int, length: int) -> int:
         stformat.ctypes.set_errno(stformat.errno.ENOSPC)
         return -1
 
-    monkeypatch.setattr(stformat, "_fallocate", lambda: full)
     with pytest.raises(OSError, match="No space left"):
-        stformat.write_file({"x": torch.ones(4)}, tmp_path / "x.safetensors")
+        stformat.write_file({"x": torch.ones(4)}, tmp_path / "x.safetensors", preallocate=full)

@@ -6,17 +6,28 @@ the bus: ``stats`` sends one small float64 vector per tensor to the host, never 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 
 from ..store.format import NUMERIC_STAT_NAMES, dtype_name, last_row_dim
 
-__all__ = ["NUMERIC_STATS", "compute_stats", "dtype_name", "last_row", "last_row_dim"]
+__all__ = [
+    "NUMERIC_STATS",
+    "SweepKernel",
+    "compiled_kernel",
+    "compute_stats",
+    "dtype_name",
+    "last_row",
+    "last_row_dim",
+    "use_kernel",
+]
 
 _F64 = torch.float64
 NUMERIC_STATS = NUMERIC_STAT_NAMES  # the statistics that are numbers, in their canonical order
@@ -139,8 +150,16 @@ def _recipe(numeric: tuple[str, ...]) -> _StatsRecipe:
     return recipe
 
 
+class SweepKernel(Protocol):
+    """What the one-pass sweep needs of a kernel: ``util/kernel.c``'s ``stats``, or a stand-in."""
+
+    def stats(self, values: Any, /) -> Sequence[float]:
+        """``(sum, abs_sum, min, max)`` of a contiguous 1-d float32 array, in one pass."""
+        ...
+
+
 @functools.cache
-def _kernel() -> ModuleType | None:
+def compiled_kernel() -> ModuleType | None:
     """The compiled one-pass sums (``util/kernel.c``), imported at the first stats of a CPU
     tensor; optional at install, so None where it was not built."""
     try:
@@ -148,6 +167,42 @@ def _kernel() -> ModuleType | None:
     except ImportError:
         return None
     return kernel if hasattr(kernel, "stats") else None
+
+
+def _no_kernel() -> None:
+    return None
+
+
+# Where the sweep gets its kernel: a module global read once per stats call, exactly as the cached
+# lookup it defaults to was, so choosing costs the hot path nothing. Only :func:`use_kernel` sets it.
+_chosen_kernel: Callable[[], SweepKernel | None] = compiled_kernel
+
+
+@contextlib.contextmanager
+def use_kernel(kernel: SweepKernel | bool = True) -> Iterator[None]:
+    """Within the block, CPU stats come from ``kernel``: True, the compiled kernel where it was
+    built (the default outside any block); False, torch's own kernels always; or any object with
+    the kernel's ``stats`` (a test's spy, a benchmark's stand-in). Process-wide, not per thread:
+    for tests and benchmarks that compare the two paths, never needed to dump."""
+    global _chosen_kernel
+    previous = _chosen_kernel
+    if kernel is True:
+        _chosen_kernel = compiled_kernel
+    elif kernel is False:
+        _chosen_kernel = _no_kernel
+    else:
+        _chosen_kernel = _always(kernel)
+    try:
+        yield
+    finally:
+        _chosen_kernel = previous
+
+
+def _always(kernel: SweepKernel) -> Callable[[], SweepKernel]:
+    def given() -> SweepKernel:
+        return kernel
+
+    return given
 
 
 def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
@@ -165,7 +220,7 @@ def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
         return None
     if x.dtype != torch.float32 or not x.numel() or not x.is_contiguous() or x.is_neg():
         return None
-    kernel = _kernel()
+    kernel = _chosen_kernel()
     if kernel is None:
         return None
     values = kernel.stats(x.view(-1).numpy())

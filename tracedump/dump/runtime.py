@@ -8,11 +8,12 @@ guard for the whole process, and the process's own warn-once keys; each dumper k
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 
@@ -41,6 +42,18 @@ class Warner:
             warnings.warn(message, TracedumpWarning, stacklevel=3)
         except Exception:  # the host runs with warnings as errors: report anyway, never raise into it
             print(f"{TracedumpWarning.__name__}: {message}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def fresh(self) -> Iterator[None]:
+        """Within the block, warn as if nothing had warned yet; after it, the keys remembered
+        before are back (those of the block forgotten). For tests that expect a warning the
+        process may already have given, and a long-running host that wants one job's warnings
+        shown again in the next: the registry is otherwise never reset."""
+        kept, self._seen = self._seen, set()
+        try:
+            yield
+        finally:
+            self._seen = kept
 
 
 class Attached(Protocol):

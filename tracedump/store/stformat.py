@@ -37,6 +37,9 @@ _RANK = {d.code: d.disk_rank for d in DTYPES if d.code is not None}
 _IOV_MAX = 1024  # buffers per writev call (Linux's limit)
 _MAX_WRITE = 1 << 30  # bytes per writev call, below the kernel's 2 GiB cap on a single write
 PAUSABLE_CHUNK = 8 << 20  # bytes per writev call when the caller may pause between calls (~1 ms)
+# ``fallocate(2)``'s signature, ``(fd, mode, offset, length) -> 0 or -1 with errno set``: libc's, or
+# a stand-in given to :func:`write_file` (a test's refusing or full file system)
+Fallocate = Callable[[int, int, int, int], int]
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -80,6 +83,7 @@ def write_file(
     metadata: Mapping[str, str] | None = None,
     *,
     pause: Callable[[], None] | None = None,
+    preallocate: bool | Fallocate = True,
 ) -> int:
     """Write ``tensors`` as a safetensors file at ``path`` (``save_file``'s arguments); returns its size.
 
@@ -87,6 +91,10 @@ def write_file(
     refuse it). The buffers go to ``os.writev`` straight from the tensors' memory. ``pause`` is
     called before each ``writev`` of at most :data:`PAUSABLE_CHUNK` bytes: the writer thread waits
     there while the host computes (see :meth:`tracedump.dump.writer.Writer.wait_for_idle_host`).
+    ``preallocate`` reserves the file's blocks first (:func:`_preallocate`): True, with libc's
+    ``fallocate(2)`` where there is one (the default); False, never; or a function with its
+    signature, as a file system that refuses it or is full would answer (the tests' seam). The
+    bytes written are the same either way.
     """
     if sys.byteorder != "little":  # the format is little-endian: let safetensors swap the bytes
         from safetensors.torch import save_file
@@ -100,14 +108,14 @@ def write_file(
     buffers = [memoryview(head), *(_bytes_of(dense[n]) for n in order if dense[n].numel())]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        _preallocate(fd, sum(b.nbytes for b in buffers))
+        _preallocate(fd, sum(b.nbytes for b in buffers), _allocator(preallocate))
         return _writev_all(fd, buffers, pause)
     finally:
         os.close(fd)
 
 
 @functools.cache
-def _fallocate() -> Callable[[int, int, int, int], int] | None:
+def _fallocate() -> Fallocate | None:
     """Linux's ``fallocate(2)`` from libc, or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
@@ -120,13 +128,20 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
     return function
 
 
-def _preallocate(fd: int, nbytes: int) -> None:
+def _allocator(preallocate: bool | Fallocate) -> Fallocate | None:
+    """What reserves the blocks: libc's ``fallocate`` for True (None where there is none), nothing
+    for False, else the stand-in given."""
+    if preallocate is True:
+        return _fallocate()
+    return None if preallocate is False else preallocate
+
+
+def _preallocate(fd: int, nbytes: int, fallocate: Fallocate | None) -> None:
     """Reserve the file's blocks in one call before writing it: ext4 then skips the per-page block
     reservation of delayed allocation, and a pass reaches the page cache faster (docs/performance.md
     has the measurement). Not ``os.posix_fallocate``: where the file system cannot preallocate,
     glibc emulates it by writing zeros, a second write of every byte. A file system that cannot
     (tmpfs on old kernels, NFS, ...) is simply written without it; a full disk fails here, early."""
-    fallocate = _fallocate()
     if fallocate is None or nbytes == 0:
         return
     if fallocate(fd, 0, 0, nbytes) != 0:
