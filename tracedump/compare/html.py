@@ -36,15 +36,14 @@ import hashlib
 import html
 import json
 import math
-import os
 import re
-import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..store.fsio import write_output
 from .display import SHORT_DTYPES, STATUS_TEXT
 from .results import DiffReport
 
@@ -261,33 +260,9 @@ def _sha256(text: str) -> str:
 
 
 def write_html(report: DiffReport, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
-    """Write the page atomically (a temp file renamed into place): a reader never sees half of it.
-
-    A target that is a device, a FIFO or a link to one (``/dev/stdout``) is written into, never
-    renamed over (root would replace the device node with a file); a link to a file is followed,
-    so the page lands where it points and the link stays."""
-    path = Path(path)
-    text = render(report, doc)
-    try:
-        mode: int | None = os.stat(path).st_mode
-    except OSError:  # no such file yet (or a dangling link: followed below)
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        with open(path, "w", encoding="utf-8") as out:  # a failure (ENOSPC of /dev/full) is raised
-            out.write(text)
-        return path
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # opened as any new file: the umask applies
-    try:
-        with open(temp, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return path
+    """Write the page atomically (:func:`tracedump.store.fsio.write_output`): a reader never sees
+    half of it; a device, a FIFO (``/dev/stdout``) is written into, a link is followed."""
+    return write_output(path, render(report, doc))
 
 
 def _section(ident: str, title: str, content: str) -> str:

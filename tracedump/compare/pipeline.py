@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..store.fsio import write_output
 from ..util.console import printable
 from .align import build_aligned_report
 from .bridge import matcher_for
@@ -153,9 +153,7 @@ def write_json(report: DiffReport, target: str, doc: dict[str, Any] | None = Non
     if target == "-":
         sys.stdout.write(text + "\n")
         return
-    path = Path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    write_output(target, text + "\n", keep_mode=True)  # atomic: a crash leaves no truncated JSON
 
 
 def run(options: DiffOptions) -> int:

@@ -8,10 +8,12 @@ the caller's process.
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 from pathlib import Path
 
 from ..errors import UsageError
+from ..store.fsio import write_output
 from ..util.console import printable
 from .results import DiffReport
 
@@ -85,10 +87,10 @@ def write_plot(report: DiffReport, path: Path) -> Path:
     if token_rows:
         _token_heatmap(figure.add_subplot(2, 1, 2), token_rows, floor)
     figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    return path
+    image = io.BytesIO()  # drawn whole first: a failure mid-way leaves no half image under the name
+    figure.savefig(image, format=Path(path).suffix.lstrip(".").lower())
+    write_output(path, image.getvalue(), keep_mode=True)
+    return Path(path)
 
 
 def _mark_passes(axes: object, report: DiffReport) -> None:

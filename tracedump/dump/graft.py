@@ -30,7 +30,6 @@ are :mod:`tracedump.dump.grafter`'s, which the dumper wires in.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from ..config.settings import settings_of_call
+from ..store.fsio import scratch_dir
 from .dumper import Dumper
 from .grafter import LEAVES, Grafter
 
@@ -137,7 +137,7 @@ def graft(
     """
     temporary = None
     if dir is None:
-        temporary = Path(tempfile.mkdtemp(prefix="tracedump-graft-"))
+        temporary = scratch_dir("tracedump-graft-")
         dir = temporary
     settings: dict[str, Any] = {
         "dir": str(dir),

@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,10 @@ from .._version import __version__
 from ..config.settings import DumpSettings
 from ..errors import ConfigError
 from ..store.format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
+from ..store.fsio import move_into_place, probe_writable, write_json_atomic
 from ..util.units import human_bytes
 from .runtime import Warner
-from .writer import Writer, write_json_atomic
+from .writer import Writer
 
 # Skips the settings asked for: reported in the summary, not warned about.
 INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass", "profile"})
@@ -216,8 +216,7 @@ class RunDir:
         try:
             self._made_dirs(base)
             path = self._claim(base)
-            with tempfile.TemporaryFile(dir=path):
-                pass
+            probe_writable(path)
         except OSError as e:  # a name too long (ENAMETOOLONG), no permission, a full disk
             if path is not None:
                 shutil.rmtree(path, ignore_errors=True)
@@ -275,7 +274,7 @@ class RunDir:
             previous, self.rank = self.rank, rank
             try:
                 moved = self._claim(self.path.parent)
-                os.rename(self.path, moved)  # replaces the empty dir just claimed
+                move_into_place(self.path, moved)  # replaces the empty dir just claimed
             except OSError as e:
                 self.rank = previous
                 self.report("moving the run dir to its rank", e)

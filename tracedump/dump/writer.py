@@ -1,4 +1,5 @@
-"""Files on disk: atomic writes, the background writer thread, the manifest.
+"""Files on disk: the background writer thread, the pass files, the manifest (all written through
+:mod:`tracedump.store.fsio`).
 
 The forward hands finished passes to a bounded queue; one thread serialises them, so disk time
 overlaps the next step. Host memory held by captures not yet on disk is capped
@@ -34,7 +35,7 @@ from ..store.format import (
     pass_metadata,
     with_numbers,
 )
-from ..store.fsio import atomic_path
+from ..store.fsio import atomic_path, move_into_place, open_for_append, write_json_atomic
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
 from .cuda import wait_for
@@ -62,11 +63,6 @@ def storable(tensor: torch.Tensor) -> bool:
         and tensor.device.type != "meta"
         and tensor.dtype in STORABLE_DTYPES
     )
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def save_tensors_atomic(
@@ -343,8 +339,7 @@ class Writer:
         """Stats grow all run long, so they go to ``stats.jsonl.partial``, renamed at close."""
         if self._stats_handle is None:
             path = self.run_dir / STATS_PARTIAL
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self._stats_handle = os.fdopen(fd, "a")  # held open all run: one append per pass
+            self._stats_handle = open_for_append(path)  # held open all run: one append per pass
         self._stats_handle.write("".join(line + "\n" for line in lines))
         self._stats_handle.flush()
         self.totals.bytes += sum(len(line) + 1 for line in lines)
@@ -373,7 +368,7 @@ class Writer:
             # After a failed append the lines are still buffered: closing retries them and, on a
             # full disk, fails again. close() must not raise into the host, so report it instead.
             handle.close()
-            os.replace(self.run_dir / STATS_PARTIAL, self.run_dir / STATS_FILE)
+            move_into_place(self.run_dir / STATS_PARTIAL, self.run_dir / STATS_FILE)
         except OSError as e:
             if self.failure is None:
                 self.failure = f"writing {self.run_dir / STATS_PARTIAL} failed: {type(e).__name__}: {e}"
