@@ -190,3 +190,131 @@ def test_frame_walks_find_a_running_method_and_its_frame() -> None:
     assert not tc.frame_on_stack(frame)
     here = tc.stack_frame(0)
     assert here is not None and tc.frame_on_stack(here)
+
+
+def test_frame_self_is_a_methods_self_and_none_for_a_plain_function() -> None:
+    """Auto-attach's root detection reads the ``self`` of a frame (CPython's ``f_locals``)."""
+
+    class Owner:
+        def frame(self) -> Any:
+            return tc.stack_frame(0)
+
+    owner = Owner()
+    frame = owner.frame()
+    assert frame is not None and tc.frame_self(frame) is owner, _broken("frame.f_locals", "no self")
+
+    def plain() -> Any:
+        return tc.stack_frame(0)
+
+    assert tc.frame_self(plain()) is None
+
+    def shadowing(self: object) -> Any:  # a plain function whose first argument is called self
+        return tc.stack_frame(0)
+
+    assert tc.frame_self(shadowing(owner)) is owner
+
+
+class _Shared(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class _Parent(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x)
+
+
+def _parents_found(codes_of: Any, hook_kind: str) -> list[str | None]:
+    """The parent found from a hook of a module shared by two parents, at each of its calls."""
+    shared = _Shared()
+    first, second = _Parent(shared), _Parent(shared)
+    model = nn.Sequential(first, second)
+    table = {id(first): "first", id(second): "second"}
+    codes = codes_of([first, second])
+    found: list[str | None] = []
+
+    def hook(*_: Any) -> None:
+        found.append(tc.nearest_running_call(table, codes, hook_depth=0, limit=64))
+
+    if hook_kind == "pre":
+        shared.register_forward_pre_hook(hook)
+    elif hook_kind == "pre_kwargs":
+        shared.register_forward_pre_hook(hook, with_kwargs=True)
+    else:
+        shared.register_forward_hook(hook)
+    model(torch.ones(1))
+    return found
+
+
+def test_a_shared_modules_hook_finds_the_parent_that_calls_it() -> None:
+    """Shared modules named by their caller (``CallSites``): from a forward (pre-)hook of a module
+    held by two parents, the walk up the stack finds each call's own parent, through torch's
+    ``_call_impl`` frames of the (hook-free) parents and through the parents' own ``forward``."""
+    for kind in ("pre", "pre_kwargs", "forward"):
+        via_call_impl = _parents_found(lambda _: frozenset({tc.CALL_IMPL_CODE}), kind)
+        assert via_call_impl == ["first", "second"], _broken(
+            "nn.Module._call_impl",
+            f"a {kind} hook of a shared module found the parents {via_call_impl}: torch no longer "
+            "calls a module from a _call_impl frame holding it as self, or calls hooks from "
+            "elsewhere than the hooked module's _call_impl (or a closure of it)",
+        )
+        via_forward = _parents_found(lambda parents: tc.call_frame_codes(parents) - {tc.CALL_IMPL_CODE}, kind)
+        assert via_forward == ["first", "second"], _broken(
+            "nn.Module.__call__", f"a {kind} hook found the parents {via_forward} from their forward frames"
+        )
+
+
+def test_nearest_running_call_stops_at_its_frame_limit() -> None:
+    """A parent further up than ``limit`` frames is not found: the walk's cost is bounded."""
+    shared = _Shared()
+    parent = _Parent(shared)
+    found: list[str | None] = []
+    shared.register_forward_pre_hook(
+        lambda *_: found.append(tc.nearest_running_call({id(parent): "p"}, {tc.CALL_IMPL_CODE}, 0, limit=1))
+    )
+    parent(torch.ones(1))
+    assert found == [None]
+
+
+def test_the_regex_parser_gives_the_items_the_filter_check_reads() -> None:
+    """``--filter``'s cost check reads ``re``'s own parse of the pattern (``re._parser``)."""
+    from tracedump.dump.stdlib_compat import parsed_regex
+
+    def names(items: Any) -> list[str]:
+        return [str(op) for op, _ in items]
+
+    ((op, (low, high, sub)),) = parsed_regex("(?:ab)*")
+    assert str(op) == "MAX_REPEAT" and low == 0 and high > 2**16, f"re._parser: repeat read as {op} {high}"
+    assert names(sub) == ["LITERAL", "LITERAL"], f"re._parser: repeat items {names(sub)}"
+    ((op, arg),) = parsed_regex("a|bc")
+    assert str(op) == "BRANCH" and [names(b) for b in arg[1]] == [["LITERAL"], ["LITERAL", "LITERAL"]], (
+        f"re._parser: alternation read as {op} {arg}"
+    )
+    ((op, arg),) = parsed_regex("(a)")
+    assert str(op) == "SUBPATTERN" and names(arg[-1]) == ["LITERAL"], f"re._parser: group read as {op} {arg}"
+    assert names(parsed_regex(r"(a)\1")) == ["SUBPATTERN", "GROUPREF"]
+    ((op, arg),) = parsed_regex("(?>ab)")
+    assert str(op) == "ATOMIC_GROUP" and names(arg) == ["LITERAL", "LITERAL"], (
+        f"re._parser: atomic {op} {arg}"
+    )
+
+
+def test_registered_children_keep_a_child_held_under_two_names() -> None:
+    """``every_name`` walks ``module._modules`` as ``named_modules(remove_duplicate=False)`` does:
+    a child under two names of one parent is both, where ``named_children()`` gives it once."""
+    parent = nn.Module()
+    child = nn.Linear(1, 1)
+    parent.first = child
+    parent.hole = None  # a None placeholder: skipped
+    parent.second = child
+    parent.other = nn.ReLU()
+    found = [(name, id(c)) for name, c in tc.registered_children(parent)]
+    expected = [("first", id(child)), ("second", id(child)), ("other", id(parent.other))]
+    assert found == expected, _broken("nn.Module._modules", f"children {found}")
+    walked = [(name, id(m)) for name, m in parent.named_modules(remove_duplicate=False) if name]
+    assert walked == expected, _broken("named_modules(remove_duplicate=False)", f"gave {walked}")
+    assert [name for name, _ in parent.named_children()] == ["first", "other"]

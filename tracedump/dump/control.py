@@ -41,6 +41,7 @@ from typing import Any
 
 from ..errors import OrderError
 from ..store.fsio import write_text_atomic
+from .stdlib_compat import parsed_regex
 
 ORDER_FILE = "control.json"
 STATE_FILE = "control.state"
@@ -68,7 +69,7 @@ _NAME_CHARS = 256
 MAX_FILTER_WAYS = 2 * _NAME_CHARS**2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Order:
     """One arm or disarm order, as written to ``control.json``."""
 
@@ -126,7 +127,7 @@ def check_filter(pattern: str) -> None:
     if len(pattern) > MAX_FILTER_CHARS:
         raise OrderError(f"--filter: {len(pattern)} characters, at most {MAX_FILTER_CHARS}")
     try:
-        repeats = _open_repeats(_sre_parser().parse(pattern).data, under_repeat=False)
+        repeats = _open_repeats(parsed_regex(pattern), under_repeat=False)
     except _Backtracks as e:
         raise OrderError(
             f"--filter {pattern!r}: {e}; such a pattern can take exponential time on one name and "
@@ -142,17 +143,6 @@ def check_filter(pattern: str) -> None:
 
 class _Backtracks(Exception):
     pass
-
-
-def _sre_parser() -> Any:
-    """The stdlib's own regex parser (``re._parser``; ``sre_parse`` before 3.11): the one authority
-    on how ``re`` reads a pattern, and the only place its repeats and groups can be seen."""
-    import importlib
-
-    try:
-        return importlib.import_module("re._parser")
-    except ImportError:
-        return importlib.import_module("sre_parse")
 
 
 def _open_repeats(items: Any, under_repeat: bool) -> int:
@@ -277,7 +267,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return info.st_mtime_ns, info.st_ino
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Window:
     """The armed steps of one order in one process."""
 
@@ -315,7 +305,7 @@ class Armed:
     name_filter: Callable[[str], bool] | None  # --filter, memoised per name; None: every name
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Controller:
     """One dumper's side of the channel: poll at step boundaries, keep the heartbeat, log orders."""
 
@@ -359,7 +349,7 @@ class Controller:
         self._heartbeat(step)
         pending = self._pending  # only an arm order waits: a disarm acts when it is read
         if self.window is None and pending is not None and step >= pending.start_step:
-            self.window = Window(pending, step)
+            self.window = Window(order=pending, start=step)
             self._pending = None
             self._log(pending, "armed", step)
             changed = True
@@ -478,7 +468,7 @@ class Controller:
 
     def forked(self, run_dir: Path) -> Controller:
         """A forked child's own controller: its run dir, the orders already seen, a fresh history."""
-        child = Controller(self.dump_dir, run_dir, self.warn, fixed_mode=None)
+        child = Controller(dump_dir=self.dump_dir, run_dir=run_dir, warn=self.warn, fixed_mode=None)
         child._seen, child._last_id = self._seen, self._last_id
         return child
 
@@ -508,7 +498,7 @@ class Controller:
 # ------------------------------------------------------------------------------- the CLI's side
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Watcher:
     """A run dir whose engine watches the order file (a fresh heartbeat)."""
 
@@ -538,7 +528,11 @@ def watchers(dump_dir: Path) -> list[Watcher]:
         if 0 <= age < STALE_SECONDS or _alive_here(data):  # an idle server steps no boundary
             found.append(
                 Watcher(
-                    path.parent, step, rate if age < STALE_SECONDS else 0.0, age, str(data.get("state", "?"))
+                    run_dir=path.parent,
+                    step=step,
+                    rate=rate if age < STALE_SECONDS else 0.0,
+                    age=age,
+                    state=str(data.get("state", "?")),
                 )
             )
     return found

@@ -140,7 +140,7 @@ class Dumper:
             self.rundir.update(graft=self.graft.summary())
         control = None
         if settings.control:
-            control = Controller(Path(settings.dir), self.rundir.path, self.warn)  # type: ignore[arg-type]
+            control = Controller(dump_dir=Path(settings.dir), run_dir=self.rundir.path, warn=self.warn)  # type: ignore[arg-type]
             self.rundir.update(control=control.state())
         self.sink = FileSink(self.rundir, sync_escape, settings.max_pending_bytes)
         self.recorder = Recorder(

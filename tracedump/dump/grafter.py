@@ -22,9 +22,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConfigError
-from ..store.format import dtype_name, key_text
+from ..store.format import INPUT_MARK, dtype_name, key_text
 from .cuda import stream_is_capturing
-from .hooks import MAX_DEPTH, flatten_inputs
+from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
+from .recorder import leaf_path
 from .selection import display_name
 from .torch_compat import compiled_in_place, compiled_original
 
@@ -103,7 +104,7 @@ class _Reference:
                 f"tracedump: bad graft reference {path}: it was dumped in {settings.get('mode')!r} "
                 "mode; grafting needs whole tensors (MODE=full) with INPUTS=1"
             )
-        if not any("@in" in name for pass_file in self.run.passes.values() for name in pass_file.names):
+        if not any(INPUT_MARK in name for pass_file in self.run.passes.values() for name in pass_file.names):
             raise ConfigError(
                 f"tracedump: bad graft reference {path}: it holds no module inputs; dump the "
                 "reference with TRACEDUMP_DUMP_INPUTS=1 (tracedump run --inputs)"
@@ -227,7 +228,7 @@ def _replace(value: Any, path: str, new: Mapping[str, torch.Tensor], depth: int 
         return type(value)(_replace(v, f"{path}[{i}]", new, depth + 1) for i, v in enumerate(value))
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_replace(v, f"{path}[{i}]", new, depth + 1) for i, v in enumerate(value)))
-    where = path.removeprefix("@in") or "[...]"
+    where = leaf_path(path, is_input=True) or "[...]"
     raise _NotGrafted(f"input {where} is a {type(value).__name__}, which grafting does not rebuild")
 
 
@@ -377,21 +378,21 @@ class Grafter:
             raise _NotGrafted(f"the reference dumped no input of {ref_name}, call {call}, pass {pass_index}")
         new: dict[str, torch.Tensor] = {}
         kept: list[str] = []
-        for path, tensor in own:
-            path = path.removeprefix("@in")
+        for flat, tensor in own:
+            path = leaf_path(flat, is_input=True)
             if path not in dumped:
                 kept.append(path)  # only this side has it (a mask the reference passed as None)
                 continue
             key = key_text(ref_name, path, input=True, call=call)
             _check_pair(path, tensor, pass_file.info(key))
-            new["@in" + path] = cast_like(pass_file[key], tensor)
+            new[flat] = cast_like(pass_file[key], tensor)
         if not new:
             listed = ", ".join(sorted(dumped))
             raise _NotGrafted(f"no input of this call lines up with the reference's ({listed})")
         if kept:
             self.kept_own.setdefault(name, sorted(kept))
-        new_args = _replace(tuple(args), "@in", new)
-        new_kwargs = {k: _replace(v, f"@in[{k}]", new) for k, v in kwargs.items()}
+        new_args = _replace(tuple(args), input_prefix(), new)
+        new_kwargs = {k: _replace(v, input_prefix(k), new) for k, v in kwargs.items()}
         return new_args, new_kwargs
 
     def _not_grafted(self, name: str, pass_index: int, call: int, reason: str) -> None:

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..store.format import INPUT_MARK
 from .runtime import runtime
 from .torch_compat import (
-    CALL_IMPL_CODE,
+    call_frame_codes,
     call_impl_frames,
     call_impl_kwargs,
     forward_hooks,
@@ -32,6 +33,7 @@ from .torch_compat import (
     hook_registrations,
     mark_constant_result,
     move_hook_last,
+    nearest_running_call,
     stack_frame,
 )
 
@@ -75,11 +77,17 @@ def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tu
         yield from flatten_tensors(item, f"{prefix}[{key}]", depth + 1)
 
 
+def input_prefix(keyword: str | None = None) -> str:
+    """The path that starts a module call's inputs: ``@in`` for the positional ones (then ``[i]``),
+    ``@in[kw]`` for keyword argument ``kw``."""
+    return INPUT_MARK if keyword is None else f"{INPUT_MARK}[{keyword}]"
+
+
 def flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Inputs as ``@in[i]`` for positional and ``@in[kw]`` for keyword arguments."""
-    leaves = list(flatten_tensors(tuple(args), "@in"))
+    leaves = list(flatten_tensors(tuple(args), INPUT_MARK))
     for key, value in kwargs.items():
-        leaves.extend(flatten_tensors(value, f"@in[{key}]"))
+        leaves.extend(flatten_tensors(value, input_prefix(key)))
     return leaves
 
 
@@ -175,12 +183,7 @@ class CallSites:
                     if id(site) != self._root:
                         self.sites[id(site)] = site
             self._tables[hooked] = table
-        # Frames that may hold a site as ``self``: its class's forward, and torch's call of any module.
-        self._codes = {CALL_IMPL_CODE}
-        for site in self.sites.values():
-            code = getattr(type(site).forward, "__code__", None)
-            if code is not None:
-                self._codes.add(code)
+        self._codes = call_frame_codes(self.sites.values())  # frames that may hold a site as ``self``
 
     def __bool__(self) -> bool:
         return bool(self._tables)
@@ -193,18 +196,7 @@ class CallSites:
         keeps no call under that name. Called from its hook, which torch calls from the shared
         module's own ``_call_impl``: the walk starts above that frame."""
         table = self._tables[hooked]
-        name = None
-        codes = self._codes
-        frame = stack_frame(3)
-        for _ in range(MAX_CALLER_FRAMES):
-            if frame is None:
-                break
-            if frame.f_code in codes:
-                owner = frame.f_locals.get("self")
-                name = table.get(id(owner)) if owner is not None else None
-                if name is not None:
-                    break
-            frame = frame.f_back
+        name = nearest_running_call(table, self._codes, hook_depth=1, limit=MAX_CALLER_FRAMES)
         if name is None:
             name = table.get(self._root, hooked)
         if self._keep is not None and name not in self._keep[hooked]:

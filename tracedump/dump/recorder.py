@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..store.format import RECORDS_FILE, Key, key_text, stats_record
+from ..store.format import INPUT_MARK, RECORDS_FILE, Key, key_text, stats_record
 from . import gates
 from .cuda import stream_is_capturing
 from .hooks import flatten_inputs, flatten_tensors
@@ -35,7 +35,7 @@ __all__ = ["KeepPolicy", "Recorder", "RunLog", "check_tag", "leaf_path"]
 def leaf_path(suffix: str, is_input: bool) -> str:
     """The path in a capture's key of leaf ``suffix`` of a module's output (``[0]``) or input
     (``@in[0]``: the key says ``@in`` itself, so the path is ``[0]``)."""
-    return suffix.removeprefix("@in") if is_input else suffix
+    return suffix.removeprefix(INPUT_MARK) if is_input else suffix
 
 
 class Recorder(PassMachine):
@@ -158,7 +158,7 @@ class Recorder(PassMachine):
                 "tracedump.resolve_cuda_graph().",
             )
             return
-        call = current.next_call(name + "@in" if is_input else name)
+        call = current.next_call(name + INPUT_MARK if is_input else name)
         for suffix, tensor in leaves:
             if not self.sink.accepts(tensor):
                 self.skipped["unsupported_tensor"] += 1

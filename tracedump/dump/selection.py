@@ -11,6 +11,7 @@ from ..config.settings import DumpSettings
 from ..config.sources import DEFAULT_ENV_PREFIX
 from ..errors import ConfigError
 from .runtime import warn_once
+from .torch_compat import registered_children
 
 ROOT_NAME = "root"
 Predicate = Callable[[str, nn.Module], bool]
@@ -107,7 +108,7 @@ def every_name(model: nn.Module) -> dict[str, nn.Module]:
         names[prefix] = module
         if len(names) > MAX_NAMES:
             return dict(model.named_modules())
-        children = [(n, c) for n, c in module._modules.items() if c is not None and id(c) not in on_path]
+        children = [(n, c) for n, c in registered_children(module) if id(c) not in on_path]
         for child_name, child in reversed(children):  # popped in registration order: torch's DFS
             stack.append((f"{prefix}.{child_name}" if prefix else child_name, child, on_path | {id(child)}))
     return names

@@ -14,15 +14,17 @@ never run: ``torch/utils/hooks.py`` (``next_id`` taken and incremented per handl
 ``torch/nn/modules/module.py`` (``__call__ = _wrapped_call_impl`` -> ``_compiled_call_impl`` or
 ``_call_impl(self, *args, **kwargs)``; hook dicts created as ``OrderedDict()``;
 ``_forward_pre_hooks_with_kwargs``), in undated stored revisions of pytorch/pytorch and copies of
-the ``typing.Dict``-era file. Frame walking (``sys._getframe``) is CPython's own.
+the ``typing.Dict``-era file. Frame walking (``sys._getframe``) is CPython's own. The one CPython
+private used where torch must not be imported (``tracedump arm``'s ``--filter`` check: the regex
+parser) is in :mod:`tracedump.dump.stdlib_compat`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from types import FrameType
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 import safetensors.torch
@@ -95,6 +97,60 @@ def call_impl_kwargs(frame: FrameType) -> dict[str, Any]:
     """The keyword arguments of the module call a ``_call_impl`` frame runs (its ``**kwargs``)."""
     kwargs = frame.f_locals.get("kwargs")
     return dict(kwargs) if isinstance(kwargs, dict) else {}
+
+
+V = TypeVar("V")
+
+
+def call_frame_codes(modules: Iterable[nn.Module]) -> frozenset[CodeType]:
+    """The codes whose frames may hold one of ``modules`` as ``self`` while it runs: torch's
+    ``_call_impl`` (every eager call) and each module class's own ``forward`` (a ``forward`` called
+    directly, or under a wrapper that skips ``_call_impl``)."""
+    codes = {CALL_IMPL_CODE}
+    for module in modules:
+        code = getattr(type(module).forward, "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return frozenset(codes)
+
+
+def nearest_running_call(
+    modules: Mapping[int, V], codes: Collection[CodeType], hook_depth: int, limit: int
+) -> V | None:
+    """``modules[id(m)]`` for the innermost module ``m`` of ``modules`` (module id -> value) with a
+    call running around the module call whose forward (pre-)hook is running: the first frame of
+    ``codes`` (:func:`call_frame_codes`) whose ``self`` is one of them, at most ``limit`` frames up
+    from that call; None when none is found.
+
+    ``hook_depth``: frames from the caller up to the hook torch called (0: the caller is the hook).
+    Relies on torch calling hooks from the hooked module's ``_call_impl`` frame or a closure of it
+    (``inner``, 2.13): the walk starts two frames above the hook, at that module's own
+    ``_call_impl`` (whose ``self`` is the hooked module, so the caller keeps it out of ``modules``)
+    or below it; a torch that ran hooks deeper would only make the walk start lower."""
+    frame = stack_frame(hook_depth + 3)  # this function, the caller .. the hook, inner, _call_impl
+    for _ in range(limit):
+        if frame is None:
+            return None
+        if frame.f_code in codes:
+            owner = frame.f_locals.get("self")
+            found = modules.get(id(owner)) if owner is not None else None
+            if found is not None:
+                return found
+        frame = frame.f_back
+    return None
+
+
+# ------------------------------------------------------------------------------ children
+
+
+def registered_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every child registration of ``module`` in registration order, ``module._modules``, as
+    ``named_modules(remove_duplicate=False)`` walks it: a child registered under two names is given
+    under each (``named_children()`` gives it once, so it cannot name every path of a shared
+    module); a ``None`` placeholder (``self.bias_module = None``) is skipped, as both do."""
+    for name, child in module._modules.items():
+        if child is not None:
+            yield name, child
 
 
 # ------------------------------------------------------------------------------ hook dicts

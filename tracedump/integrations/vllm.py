@@ -84,10 +84,9 @@ def register() -> None:
         _warn(f"tracedump: the vLLM plugin failed to install ({type(e).__name__}: {e}); not dumped")
         return
     if not patched:
-        launcher = sys.modules.get("tracedump.launch.auto")
         fallback = (
             "only `tracedump run`'s auto-attach dumps it (one pass per root forward, no batch layout)"
-            if getattr(launcher, "_installed", None) is not None
+            if _auto_attach() is not None
             else "the engine runs undumped"
         )
         _warn(
@@ -126,10 +125,17 @@ def _yield_auto_attach() -> None:
     """Under ``tracedump run`` the launcher hooks every root at its first call; in a vLLM process
     the plugin attaches instead (to the model, after it loads), so the launcher's global hooks are
     removed before any module runs: one dumper per model, and no run dir for vLLM's ``Sampler``."""
-    auto = sys.modules.get("tracedump.launch.auto")
-    installed = getattr(auto, "_installed", None) if auto is not None else None
+    installed = _auto_attach()
     if installed is not None:
         installed.remove()
+
+
+def _auto_attach() -> Any:
+    """The launcher's :class:`~tracedump.launch.auto.AutoAttach` when ``tracedump run`` installed
+    one, else None. Looked up in ``sys.modules``, never imported: a process the launcher did not
+    start must not pay for (or be changed by) importing it."""
+    auto = sys.modules.get("tracedump.launch.auto")
+    return auto.installed() if auto is not None else None
 
 
 def _force_eager() -> None:

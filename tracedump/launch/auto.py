@@ -70,6 +70,13 @@ def install(env_prefix: str = DEFAULT_ENV_PREFIX) -> AutoAttach | None:
     return _installed
 
 
+def installed() -> AutoAttach | None:
+    """The :class:`AutoAttach` that :func:`install` registered in this process, None when none is
+    (dumping off, misconfigured, or ``install`` never called): what the vLLM plugin asks before it
+    removes the launcher's global hooks."""
+    return _installed
+
+
 class AutoAttach:
     """Global module hooks that find roots and give each one a dumper at its first call."""
 

@@ -120,8 +120,14 @@ def pass_metadata(
 
 # ------------------------------------------------------------------ tensor keys
 
+INPUT_MARK = "@in"
+"""What a module input's key says after the module's name (``name@in[0]``, ``name@in[kw]``): the
+one spelling of it, for the keys, the hooks that flatten a call's inputs and the grafter."""
+
 _KEY = re.compile(
-    r"(?P<module>.+?)(?P<input>@in)?(?P<path>(?:\[[^\]]*\])*)(?:::call(?P<call>[1-9]\d*))?", re.S
+    rf"(?P<module>.+?)(?P<input>{re.escape(INPUT_MARK)})?"
+    r"(?P<path>(?:\[[^\]]*\])*)(?:::call(?P<call>[1-9]\d*))?",
+    re.S,
 )
 
 
@@ -129,7 +135,7 @@ def key_text(module: str, path: str = "", input: bool = False, call: int = 0) ->
     """``Key(module, path, input, call).format()`` without building the Key: the recorder names
     every capture with it, on the host's hot path, where a frozen dataclass per capture costs more
     than the text."""
-    text = f"{module}@in{path}" if input else f"{module}{path}"
+    text = f"{module}{INPUT_MARK}{path}" if input else f"{module}{path}"
     return f"{text}::call{call}" if call else text
 
 
