@@ -16,7 +16,8 @@ from torch import nn
 
 import tracedump
 from tracedump.config.settings import load_settings
-from tracedump.config.sources import Origin, is_enabled
+from tracedump.config.sources import Origin
+from tracedump.config.switch import is_enabled
 from tracedump.util.ranges import IndexRanges
 
 

@@ -44,7 +44,8 @@ p.register(); p.register()
 import tracedump.dump.runtime as r
 print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
                   "torch": "torch" in sys.modules, "runtime": r.existing() is not None,
-                  "settings": [m for m in sys.modules if m.startswith(("tracedump.config.", "pydantic"))],
+                  "settings": [m for m in sys.modules if m.startswith(("tracedump.config.", "pydantic"))
+                               and m != "tracedump.config.switch"],
                   "registered": p._registered}))
 """
 
@@ -52,9 +53,11 @@ print(json.dumps({"vllm": sorted(m for m in sys.modules if m == "vllm" or m.star
 def test_off_is_one_env_lookup_no_vllm_import_no_torch() -> None:
     out = _python(_PROBE)["out"]
     assert out == {"vllm": [], "torch": False, "runtime": False, "settings": [], "registered": False}
-    from tracedump.config.sources import env_name
+    from tracedump.config.switch import env_name
+    from tracedump.launch import sitecustomize
 
-    assert env_name("dir") == plugin._DIR_VAR  # the one variable is_enabled() looks up
+    # the bootstrap, which runs before tracedump may be imported, checks the switch's variable
+    assert env_name("dir") == sitecustomize._DIR_VAR
 
 
 def test_on_without_a_known_runner_warns_once_and_patches_nothing(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run as a script: document this checkout's trace
 from pydantic.fields import FieldInfo  # noqa: E402
 
 from tracedump.config.settings import DumpSettings  # noqa: E402
-from tracedump.config.sources import DEFAULT_ENV_PREFIX, env_name  # noqa: E402
+from tracedump.config.switch import DEFAULT_ENV_PREFIX, env_name  # noqa: E402
 from tracedump.util.ranges import IndexRanges  # noqa: E402
 
 SETTINGS_DOC = ROOT / "docs" / "settings.md"

@@ -26,7 +26,6 @@ from ..util.ranges import IndexRanges
 from .parsing import (
     DEFAULT_STATS,
     STAT_NAMES,
-    is_blank,
     normalise_choice,
     parse_bool,
     parse_byte_size,
@@ -41,7 +40,7 @@ from .parsing import (
     parse_steps,
     parse_token_dim,
 )
-from .sources import is_enabled
+from .switch import is_blank, is_enabled
 
 _LOWER = BeforeValidator(normalise_choice)
 

@@ -5,7 +5,7 @@ with where the value came from (:mod:`tracedump.config.sources`).
 
 Plain functions, no pydantic: they are the rules of the value syntax (docs/settings.md, "Value
 syntax"), testable and readable apart from the models. None imports user code; a blank value never
-reaches them (:func:`is_blank`: blank is unset, one rule for every field and source).
+reaches them (:func:`tracedump.config.switch.is_blank`: blank is unset, one rule for every field and source).
 """
 
 from __future__ import annotations
@@ -24,12 +24,6 @@ STAT_NAMES = (*NUMERIC_STAT_NAMES, "shape", "dtype")
 DEFAULT_STATS = ("abs_mean", "sum", "max", "shape")
 _BYTE_UNITS = {"": 1, "b": 1} | {u + s: 1024**i for i, u in enumerate("kmgt", 1) for s in ("", "b", "ib")}
 _BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
-
-
-def is_blank(value: Any) -> bool:
-    """Empty or whitespace-only: unset, in env and config alike (neither clears a value nor lifts a gate)."""
-    text = os.fspath(value) if isinstance(value, os.PathLike) else value
-    return isinstance(text, str) and not text.strip()
 
 
 def normalise_choice(value: Any) -> Any:

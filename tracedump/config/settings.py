@@ -20,7 +20,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ..errors import ConfigError
 from .fields import DumpFields
-from .sources import DEFAULT_ENV_PREFIX, FILTER_CHOICE, ConfigSource, EnvSource, Origin, origin_of
+from .sources import FILTER_CHOICE, ConfigSource, EnvSource, Origin, origin_of
+from .switch import DEFAULT_ENV_PREFIX
 from .usercode import UserCallables, load_callable
 
 

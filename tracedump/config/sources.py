@@ -1,6 +1,6 @@
 """Where the settings come from: **env > explicit config > defaults**, and where each value came from.
 
-:class:`EnvSource` is the one reader of the environment (:func:`is_enabled`, the off path, looks
+:class:`EnvSource` is the one reader of the environment (:func:`.switch.is_enabled`, the off path, looks
 up one variable by the same rules); :class:`ConfigSource` takes the engine's config. Both plug into
 pydantic-settings' source API, which merges them in that order. :class:`Origin` records where a
 value came from, so that an error names the variable or config field to change.
@@ -33,24 +33,9 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from ..errors import ConfigError
-from .parsing import is_blank
+from .switch import is_blank
 
-DEFAULT_ENV_PREFIX = "TRACEDUMP_"
 FILTER_CHOICE = ("filter", "filter_fn")  # one choice: a source that sets either replaces both
-
-
-def env_name(field: str, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
-    """The env var that sets ``field``: ``env_name("dir") == "TRACEDUMP_DUMP_DIR"``."""
-    return f"{env_prefix}DUMP_{field.upper()}"
-
-
-def is_enabled(config: Any = None, env_prefix: str | None = DEFAULT_ENV_PREFIX) -> bool:
-    """Is dumping on, i.e. is ``DIR`` set? The off path's whole cost: one env lookup (the name
-    :class:`EnvSource` reads) and one attribute read. ``env_prefix=None`` asks ``config`` alone."""
-    if env_prefix is not None and (os.environ.get(env_name("dir", env_prefix)) or "").strip():
-        return True
-    value = config.get("dir") if isinstance(config, dict) else getattr(config, "dir", None)
-    return value is not None and not is_blank(value)
 
 
 class EnvValue(str):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..config.settings import DumpConfig, DumpSettings, check_combination, load_settings
-from ..config.sources import DEFAULT_ENV_PREFIX, is_enabled
+from ..config.switch import DEFAULT_ENV_PREFIX, is_enabled
 from ..errors import ConfigError
 from ..store.format import RECORDS_FILE
 from ..store.sequences import batch_metadata

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from ..config.settings import DumpSettings
-from ..config.sources import DEFAULT_ENV_PREFIX
+from ..config.switch import DEFAULT_ENV_PREFIX
 from ..errors import ConfigError
 from .runtime import warn_once
 from .torch_compat import registered_children

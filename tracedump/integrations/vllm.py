@@ -33,11 +33,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from ..config.switch import is_enabled
 
 # The model runners instrumented, tried in this order: (module, class). V1's GPU runner is the base
 # of the CPU and XPU runners; V2 (vllm/v1/worker/gpu/) is the runner vLLM picks on GPUs with Triton.
@@ -57,7 +58,6 @@ PROFILE_METHODS = (
     "warming_up_model",
 )
 _MARK = "_tracedump_patched"
-_DIR_VAR = "TRACEDUMP_DUMP_DIR"  # sources.env_name("dir"): the variable that turns dumping on
 _ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
 
 _registered = False
@@ -66,13 +66,9 @@ _registered = False
 def register() -> None:
     """The entry point vLLM calls in each of its processes (possibly more than once)."""
     global _registered
-    # Off: the one env lookup that is_enabled() makes, done here first, as the launcher's bootstrap
-    # does: importing the settings (pydantic-settings) would cost every vLLM process ~0.5 s for nothing.
-    if _registered or not os.environ.get(_DIR_VAR, "").strip():
-        return
-    from ..config.sources import is_enabled
-
-    if not is_enabled(None):
+    # Off: the one env lookup of the switch, which imports nothing but os (the settings, through
+    # pydantic-settings, would cost every vLLM process about half a second for nothing).
+    if _registered or not is_enabled(None):
         return
     _registered = True
     try:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ..config.settings import DumpSettings, load_settings
-from ..config.sources import DEFAULT_ENV_PREFIX, is_enabled
+from ..config.switch import DEFAULT_ENV_PREFIX, is_enabled
 from ..dump.dumper import Dumper, original_module
 from ..dump.hooks import RootPassHooks, forward_calls_on_stack, forward_kwargs_on_stack, traced_by_dynamo
 from ..dump.runtime import runtime, warn_once

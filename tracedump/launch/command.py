@@ -110,7 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def child_env(environ: Mapping[str, str], args: argparse.Namespace) -> dict[str, str]:
     """The environment of COMMAND: the caller's, the flags as ``TRACEDUMP_DUMP_*``, the bootstrap."""
-    from ..config.sources import env_name
+    from ..config.switch import env_name
 
     env = dict(environ)
     directory = args.dir or env.get(env_name("dir")) or DEFAULT_DIR

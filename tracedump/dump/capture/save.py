@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from ...config.settings import DumpSettings
-from ...config.sources import DEFAULT_ENV_PREFIX
+from ...config.switch import DEFAULT_ENV_PREFIX
 from ...errors import ConfigError
 from ...store.format import RECORDS_FILE
 from ..rundir import RunDir, model_fields
