@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracedump.compare import display, metrics, reader, tolerance, verdict
+from tracedump.compare import metrics, reader, tolerance, verdict
 from tracedump.compare.reader import Stored, stored_from_torch, widen
 from tracedump.store import dtypes, loader, stformat
 
@@ -163,7 +163,7 @@ def test_the_derived_tables_hold_the_old_values() -> None:
     assert dtypes.BITS_STORED == OLD_BITS_VIEW
     assert dtypes.TORCH_WIDENED == OLD_FP8
     assert metrics.WIDER_THAN_FLOAT32 == dtypes.WIDER_THAN_FLOAT32 == OLD_WIDE
-    assert display.SHORT_DTYPES == OLD_SHORT
+    assert dtypes.SHORT_NAMES == OLD_SHORT
     assert loader.ELEMENT_BYTES is dtypes.ELEMENT_BYTES
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..store.dtypes import SHORT_NAMES as SHORT_DTYPES  # the tables' and the report page's spelling
+from ..store.dtypes import SHORT_NAMES
 from ..util.console import console, printable
 from .execute import Progress, pair_bytes
 from .inputs import describe as describe_inputs
@@ -80,8 +80,13 @@ def _shape(result: TensorResult) -> str:
 
 
 def _dtype(result: TensorResult) -> str:
-    a = SHORT_DTYPES.get(result.dtype_a or "?", result.dtype_a or "?")
-    b = SHORT_DTYPES.get(result.dtype_b or "?", result.dtype_b or "?")
+    return dtype_text(result.dtype_a, result.dtype_b)
+
+
+def dtype_text(dtype_a: str | None, dtype_b: str | None) -> str:
+    """A pair's dtypes as the table and the report page print them: ``bf16``, or ``bf16 vs fp32``."""
+    a = SHORT_NAMES.get(dtype_a or "?", dtype_a or "?")
+    b = SHORT_NAMES.get(dtype_b or "?", dtype_b or "?")
     return a if a == b else f"{a} vs {b}"
 
 

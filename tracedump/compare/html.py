@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.fsio import write_output
-from .display import SHORT_DTYPES, STATUS_TEXT
+from .display import STATUS_TEXT, dtype_text
 from .results import DiffReport
 
 MAX_LINES = 24
@@ -456,9 +456,7 @@ def _shape(row: dict[str, Any]) -> str:
 
 
 def _dtype(row: dict[str, Any]) -> str:
-    a = SHORT_DTYPES.get(row.get("dtype_a") or "?", row.get("dtype_a") or "?")
-    b = SHORT_DTYPES.get(row.get("dtype_b") or "?", row.get("dtype_b") or "?")
-    return a if a == b else f"{a} vs {b}"
+    return dtype_text(row.get("dtype_a"), row.get("dtype_b"))
 
 
 # ----------------------------------------------------------------------------- the curve

@@ -71,11 +71,6 @@ def attach(
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
-def _check_control(settings: DumpSettings) -> None:
-    """STEPS with CONTROL is refused (see :func:`tracedump.config.settings.check_combination`)."""
-    check_combination(settings)
-
-
 def active_dumper() -> Dumper | None:
     """The dumper module-level ``record()`` goes to: the one whose pass this thread runs, else the
     one attached last."""
@@ -117,7 +112,7 @@ class Dumper:
     ) -> None:
         self.settings = settings
         self.env_prefix = env_prefix
-        _check_control(settings)
+        check_combination(settings)  # settings each valid alone that cannot go together
         # Which root this dumper follows; `tracedump run` pairs runs of several roots by it.
         self.root_label = root_label or type(model).__name__
         callables = settings.resolve_callables()  # FILTER_FN, SYNC_ESCAPE: imported here, once per settings

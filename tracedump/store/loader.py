@@ -8,7 +8,7 @@ Importing this module does not import torch: ``tracedump ls`` and ``show`` never
 :func:`read_header` is the one parser of the header; the comparator maps files from it too. Part
 files of a pass too large for the memory cap are reassembled transparently. Names, keys and the
 version check come from :mod:`tracedump.store.format`: a manifest or pass file written in a format major
-this tracedump cannot read raises :class:`~tracedump.store.format.FormatVersionError`, a DumpReadError.
+this tracedump cannot read raises :class:`~tracedump.errors.FormatVersionError`, a DumpReadError.
 """
 
 from __future__ import annotations
