@@ -74,9 +74,15 @@ NOISE_MODEL = ("rel_diff", "cosine")  # metrics the noise model judges; the othe
 
 def rounding_floor(precision: str | None, last_dim: int) -> float:
     """``R``: the error one op can add at ``precision`` (output rounding plus fp32 accumulation)."""
-    u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
-    u_acc = UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
+    u_run, u_acc = _roundoffs(precision)
     return K_ROUNDING * (u_run**2 + max(last_dim, 1) * u_acc**2)
+
+
+def _roundoffs(precision: str | None) -> tuple[float, float]:
+    """(u_run, u_acc): the unit roundoff of the run's output dtype and of its accumulator (fp32,
+    fp64 for an fp64 run): the two roundings every allowance of this module is made of."""
+    u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
+    return u_run, UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
 
 
 @dataclass(kw_only=True)
@@ -379,8 +385,7 @@ def tail_factor(elements: int, rows: int | None = None) -> float:
 
 def local_allowance(precision: str | None, last_dim: int, roundings: float) -> float:
     """What ``roundings`` (in u^2) at ``precision`` come to, plus fp32 accumulation over ``last_dim``."""
-    u_run = UNIT_ROUNDOFF.get(precision or "float32", UNIT_ROUNDOFF["float32"])
-    u_acc = UNIT_ROUNDOFF["float64" if precision == "float64" else "float32"]
+    u_run, u_acc = _roundoffs(precision)
     return roundings * u_run**2 + max(last_dim, 1) * u_acc**2
 
 

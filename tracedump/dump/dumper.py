@@ -185,6 +185,11 @@ class Dumper:
         return self.recorder.pass_index
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (everything captured is flushed and the manifest final)."""
+        return self._closed
+
+    @property
     def failure(self) -> str | None:
         """Why dumping stopped (a write error), or None."""
         return self.rundir.failure

@@ -87,14 +87,14 @@ class Graft:
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model as one pass (as ``capture().run`` does); returns its output."""
-        if self.dumper is None or self.dumper._closed:
+        if self.dumper is None or self.dumper.closed:
             raise RuntimeError("Graft.run() must be called inside the `with tracedump.graft(...)` block")
         with self.dumper.step():
             return self.model(*args, **kwargs)
 
     def save(self, directory: str | Path) -> Path:
         """Copy the finished run dir under ``directory``; returns the copy's path."""
-        if self.dumper is None or not self.dumper._closed:
+        if self.dumper is None or not self.dumper.closed:
             raise RuntimeError("Graft.save() is for after the `with` block")
         target = Path(directory) / self.run_dir.name
         shutil.copytree(self.run_dir, target)
