@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from engine_setup import hide_runners, small_engine
+
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -50,21 +52,11 @@ def main() -> None:
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--unknown-internals", action="store_true")
     args = parser.parse_args()
-    if args.unknown_internals:  # another vLLM version, as far as the plugin can tell
-        import tracedump.integrations.vllm as plugin
+    if args.unknown_internals:
+        hide_runners()
+    from vllm import SamplingParams
 
-        plugin.RUNNERS = (("vllm.v1.worker.no_such_runner", "GPUModelRunner"),)
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-    )
+    llm = small_engine(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": [1, 10, 17, 24, 31]}], params, use_tqdm=False)
     report = {

@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from engine_setup import hide_runners, small_engine
+
 
 def prompts(lengths: list[int]) -> list[list[int]]:
     return [[1] + [10 + i + k * 7 for k in range(n - 1)] for i, n in enumerate(lengths)]
@@ -37,22 +39,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if args.unknown_internals:  # another vLLM version, as far as the plugin can tell
-        import tracedump.integrations.vllm as plugin
+    if args.unknown_internals:
+        hide_runners()
+    from vllm import SamplingParams
 
-        plugin.RUNNERS = (("vllm.v1.worker.no_such_runner", "GPUModelRunner"),)
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        max_num_seqs=4,
-        dtype=args.dtype,
-        seed=0,
-    )
+    llm = small_engine(args.model, dtype=args.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     if args.dummy_batch:
         llm.collective_rpc("execute_dummy_batch")
