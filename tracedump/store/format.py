@@ -28,12 +28,27 @@ READABLE_MAJORS = frozenset({1})
 _VERSION_TEXT = re.compile(r"(\d+)(?:\.\d+)*")
 
 
+_MAJOR_DIGITS = 9  # a major of more digits is no version any tracedump wrote: unknown, never int()'d
+_SHOWN = 40  # characters of a bad version quoted in a message
+
+
 def format_major(version: object) -> int | None:
-    """``"1"``, ``"1.2"`` and the int ``1`` are major 1; None when the value is no version at all."""
+    """``"1"``, ``"1.2"`` and the int ``1`` are major 1; None when the value is no version at all.
+    A major of more than nine digits (``"1" * 5001``) is -1, a major no tracedump reads: converting
+    it could exceed Python's integer conversion limit."""
     if type(version) is int:
         return version
-    match = _VERSION_TEXT.fullmatch(version) if isinstance(version, str) else None
-    return int(match.group(1)) if match else None
+    if not isinstance(version, str) or len(version) > 10_000:
+        return None
+    match = _VERSION_TEXT.fullmatch(version)
+    if match is None:
+        return None
+    return int(match.group(1)) if len(match.group(1)) <= _MAJOR_DIGITS else -1
+
+
+def _shown(version: object) -> str:
+    text = repr(version)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
 def check_format(version: object, where: object) -> None:
@@ -43,11 +58,12 @@ def check_format(version: object, where: object) -> None:
         return
     major = format_major(version)
     if major is None:
-        raise FormatVersionError(f"{where}: format version {version!r} is not a version")
+        raise FormatVersionError(f"{where}: format version {_shown(version)} is not a version")
     if major not in READABLE_MAJORS:
         readable = ", ".join(str(m) for m in sorted(READABLE_MAJORS))
+        said = f"major {_shown(major)}" if major >= 0 else "an unknown major"
         raise FormatVersionError(
-            f"{where}: written in tracedump format {version!r} (major {major}); tracedump "
+            f"{where}: written in tracedump format {_shown(version)} ({said}); tracedump "
             f"{__version__} reads format major {readable} only. Read it with the tracedump that wrote it."
         )
 
@@ -235,30 +251,6 @@ def with_numbers(base: Mapping[str, Any], names: Iterable[str], values: Iterable
     record = dict(base)
     record.update({name: json_number(value, name) for name, value in zip(names, values, strict=True)})
     return typing.cast(StatsRecord, record)
-
-
-def stats_record_problem(record: Any) -> str | None:
-    """Why a parsed ``stats.jsonl`` line is not a stats record; None when it is one. Fields a reader
-    does not know are let through (a minor version may add some)."""
-    if not isinstance(record, dict):
-        return "not a JSON object"
-    if not isinstance(record.get("module"), str):
-        return 'no "module" name'
-    if type(record.get("pass")) is not int:
-        return 'no integer "pass"'
-    for key, kind in (("call", int), ("seq", int), ("tensor", str)):
-        if key in record and type(record[key]) is not kind:
-            return f"{key!r} is {record[key]!r}"
-    shape = record.get("shape")
-    if shape is not None and not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-        return f"'shape' is {shape!r}"
-    for name in NUMERIC_STAT_NAMES:
-        value = record.get(name)
-        if value is not None and not (
-            value in ("nan", "inf", "-inf") if isinstance(value, str) else type(value) in (int, float)
-        ):
-            return f"{name!r} is {value!r}"
-    return None
 
 
 # ------------------------------------------------------------------ manifest.json

@@ -14,12 +14,7 @@ this tracedump cannot read raises :class:`~tracedump.errors.FormatVersionError`,
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
 import stat
-import struct
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,159 +22,40 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DumpReadError
-from .dtypes import CODES_ON_DISK_ORDER, ELEMENT_BYTES
 from .format import (
-    FORMAT_KEY,
     MANIFEST,
-    ORDER_KEY,
     PASS_FILE_RE,
     RECORDS_FILE,
-    SEQ_KEY,
     STATS_FILE,
     STATS_PARTIAL,
     Key,
     Manifest,
-    check_format,
     parse_pass_file_name,
     parse_run_dir_name,
-    stats_record_problem,
 )
+from .format import (
+    SEQ_KEY as SEQ_KEY,  # kept name: callers import it from here
+)
+from .header import (  # kept names: the header was parsed here before store/header.py
+    MAX_HEADER as MAX_HEADER,
+)
+from .header import (
+    SafetensorsHeader,
+    TensorInfo,
+    read_header,
+)
+from .header import (
+    StoredTensor as StoredTensor,
+)
+from .header import open_regular as _open_regular
+from .header import unreadable as _unreadable
+from .manifest import ManifestModel, read_manifest_file
+from .manifest import read_manifest as read_manifest  # kept name
 from .sequences import Batch, RowCut, SeqId, Sequence, batches, sequence_rows, sequences
+from .stats import read_stats
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so listing a dump never imports it
     import torch
-
-_MAX_HEADER = 1 << 28  # bytes; a real header is names and offsets, far below this
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Shape and dtype of a stored tensor, known without reading its data."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where one tensor's bytes lie in its file (absolute offsets), and what they hold."""
-
-    info: TensorInfo
-    begin: int
-    end: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class SafetensorsHeader:
-    """One safetensors file's header: tensors in capture order, metadata, capture sequence numbers."""
-
-    path: Path
-    tensors: dict[str, StoredTensor]
-    metadata: dict[str, str]
-    seq: dict[str, int] | None  # from SEQ_KEY; None when the file does not carry them
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-
-def _open_regular(path: Path) -> Any:
-    """Open ``path`` for reading only if it is a regular file: a FIFO or device under a pass file's
-    name would block every reader forever (``stat`` does not open it, so it cannot block)."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise DumpReadError(f"{path}: not a regular file")
-    return path.open("rb")
-
-
-def _unreadable(path: Path, reason: str) -> DumpReadError:
-    return DumpReadError(f"{path}: not a readable safetensors file ({reason})")
-
-
-def read_header(path: Path) -> SafetensorsHeader:
-    """Parse a safetensors header: an 8-byte little-endian length, then JSON ``{name: {dtype, shape,
-    data_offsets}}``. Every tensor is checked to lie inside the file, so a truncated file fails here,
-    with its name, rather than later inside a reader."""
-    try:
-        with _open_regular(path) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            prefix = handle.read(8)
-            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-            text = handle.read(length) if 0 <= length <= min(size - 8, _MAX_HEADER) else None
-    except OSError as e:
-        raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
-    if length < 0:
-        raise _unreadable(path, f"{size} bytes, shorter than a header")
-    if text is None:
-        raise _unreadable(path, f"header length {length} does not fit the file's {size} bytes")
-    try:
-        header = json.loads(text)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nested 100k deep
-        raise _unreadable(path, f"header is not JSON: {type(e).__name__}: {e}") from e
-    return _parse_header(path, header, 8 + length, size)
-
-
-def _parse_header(path: Path, header: Any, data_start: int, size: int) -> SafetensorsHeader:
-    if not isinstance(header, dict):
-        raise _unreadable(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise _unreadable(path, "__metadata__ is not a JSON object")
-    check_format(metadata.get(FORMAT_KEY), path)
-    tensors: dict[str, StoredTensor] = {}
-    for name, spec in header.items():
-        try:
-            tensors[name] = _stored_tensor(spec, data_start)
-        except (KeyError, TypeError, ValueError) as e:
-            raise _unreadable(path, f"bad header entry for {name!r}: {e!r}") from e
-        if tensors[name].end > size:
-            raise _unreadable(path, f"truncated: {name!r} ends at byte {tensors[name].end}, file has {size}")
-    order = _capture_order(metadata, tensors)
-    return SafetensorsHeader(
-        path=path, tensors={n: tensors[n] for n in order}, metadata=metadata, seq=_seq(metadata, order)
-    )
-
-
-def _stored_tensor(spec: dict[str, Any], data_start: int) -> StoredTensor:
-    raw = str(spec["dtype"])
-    name = CODES_ON_DISK_ORDER.get(raw, raw.lower())
-    width = ELEMENT_BYTES.get(raw, 0)  # 0: a code we do not know (F4: a byte, a pair of values)
-    dims = spec["shape"]
-    if not isinstance(dims, list) or any(type(d) is not int or d < 0 for d in dims):
-        raise ValueError(f"shape {dims!r}: expected a list of non-negative integers")
-    shape = tuple(dims)
-    if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
-        if not shape or shape[-1] % 2:
-            raise ValueError(f"an F4 tensor of shape {list(shape)} does not fill whole bytes")
-        shape = (*shape[:-1], shape[-1] // 2)
-    begin, end = (int(offset) for offset in spec["data_offsets"])
-    if not 0 <= begin <= end or (width and end - begin != math.prod(shape) * width):
-        raise ValueError(f"data_offsets {[begin, end]} do not hold a {raw} tensor of shape {list(shape)}")
-    return StoredTensor(TensorInfo(shape, name), data_start + begin, data_start + end)
-
-
-def _json_list(metadata: dict[str, str], key: str) -> list[Any] | None:
-    try:
-        value = json.loads(metadata[key]) if key in metadata else None
-    except (TypeError, ValueError, RecursionError):
-        return None
-    return value if isinstance(value, list) else None
-
-
-def _capture_order(metadata: dict[str, str], tensors: dict[str, StoredTensor]) -> list[str]:
-    """The metadata's capture order; sorted names for a file without a valid one (not ours)."""
-    order = _json_list(metadata, ORDER_KEY)
-    return order if order is not None and sorted(map(str, order)) == sorted(tensors) else sorted(tensors)
-
-
-def _seq(metadata: dict[str, str], order: list[str]) -> dict[str, int] | None:
-    seq = _json_list(metadata, SEQ_KEY)
-    if seq is None or len(seq) != len(order) or not all(type(s) is int for s in seq):
-        return None
-    return dict(zip(order, seq, strict=True))
 
 
 class PassFile:
@@ -285,15 +161,6 @@ def _listing(path: Path) -> list[Path]:
         raise DumpReadError(f"{path}: cannot list ({e.strerror or e})") from e
 
 
-def _read_text(path: Path) -> str:
-    try:
-        with _open_regular(path) as handle:
-            return handle.read().decode()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else str(e)
-        raise DumpReadError(f"{path}: cannot read ({reason or e})") from e
-
-
 def _group_pass_files(run_dir: Path) -> dict[int, list[Path]]:
     groups: dict[int, list[tuple[int, Path]]] = {}
     for path in _listing(run_dir):
@@ -339,23 +206,6 @@ def open_pass(path: str | Path) -> PassFile:
     return pass_file
 
 
-def _parse_stats(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for number, line in enumerate(_read_text(path).splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except RecursionError as e:
-            raise DumpReadError(f"{path}:{number}: not a stats record: nested too deep") from e
-        except json.JSONDecodeError:
-            warnings.warn(f"{path}:{number}: torn line skipped (the run did not close cleanly)", stacklevel=3)
-            continue
-        problem = stats_record_problem(record)
-        if problem is not None:
-            raise DumpReadError(f"{path}:{number}: not a stats record: {problem}")
-        records.append(record)
-    return records
-
-
 @dataclass(kw_only=True)
 class Run:
     """One process's dump: ``rank<R>_pid<P>/`` with its passes, manifest and stats."""
@@ -363,7 +213,8 @@ class Run:
     path: Path
     rank: int
     pid: int
-    manifest: Manifest = field(default_factory=Manifest)
+    manifest: Manifest = field(default_factory=Manifest)  # as written; its types vouched for by `info`
+    info: ManifestModel = field(default_factory=ManifestModel)  # the same manifest, typed
 
     @cached_property
     def passes(self) -> dict[int, PassFile]:
@@ -441,7 +292,7 @@ class Run:
         stats record raises DumpReadError naming ``file:line``."""
         for name in (STATS_FILE, STATS_PARTIAL):
             if (self.path / name).is_file():
-                return _parse_stats(self.path / name)
+                return read_stats(self.path / name)
         return []
 
     @property
@@ -558,32 +409,16 @@ class Dump:
         return group_by_rank(self.runs)
 
 
-def read_manifest(run_dir: Path) -> Manifest:
-    """A run dir's ``manifest.json`` ({} when there is none); DumpReadError when it is not readable,
-    FormatVersionError (a DumpReadError) when it was written in a format major this tracedump
-    cannot read."""
-    path = run_dir / MANIFEST
-    if not path.is_file():
-        return {}
-    try:
-        manifest = json.loads(_read_text(path))
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
-    if not isinstance(manifest, dict):
-        raise DumpReadError(f"{path}: not a JSON object")
-    check_format(manifest.get("format"), path)  # nothing else is required: older manifests lack keys
-    return manifest  # type: ignore[return-value]
-
-
 def _read_run(path: Path) -> Run:
-    manifest = read_manifest(path)
+    """A run dir's :class:`Run`: its manifest read and validated (a wrong type is a DumpReadError
+    naming the file and the field); rank and pid from the manifest, else from the dir's name."""
     rank, pid, _ = parse_run_dir_name(path.name) or (0, 0, 1)
-    try:
-        rank = int(manifest.get("rank", rank))
-        pid = int(manifest.get("pid", pid))
-    except (TypeError, ValueError, OverflowError) as e:  # "rank": 1e400 is inf
-        raise DumpReadError(f"{path / MANIFEST}: bad rank or pid ({e})") from e
-    return Run(path=path, rank=rank, pid=pid, manifest=manifest)
+    if not (path / MANIFEST).is_file():
+        return Run(path=path, rank=rank, pid=pid)
+    manifest, model = read_manifest_file(path / MANIFEST)
+    rank = rank if model.rank is None else model.rank
+    pid = pid if model.pid is None else model.pid
+    return Run(path=path, rank=rank, pid=pid, manifest=manifest, info=model)  # type: ignore[arg-type]
 
 
 def _is_run_dir(path: Path) -> bool:
