@@ -57,38 +57,34 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _print_control(run: Any) -> None:
-    """State and order history of a run started with TRACEDUMP_DUMP_CONTROL=1."""
-    import json
+    """State and order history of a run started with TRACEDUMP_DUMP_CONTROL=1: the manifest's
+    ``control`` record (typed when the manifest was read), and the heartbeat's state when there is
+    one an engine could have written (never a FIFO, a link or a file over its cap)."""
+    from .store.control import read_heartbeat
 
-    from .dump.control import STATE_FILE
-
-    control = run.manifest.get("control")
-    if not isinstance(control, dict):
+    control = run.info.control
+    if control is None:
         return
-    state, until = control.get("state", "?"), control.get("armed_until")
-    try:
-        beat = json.loads((run.path / STATE_FILE).read_text())
-        state, until = beat.get("state", state), beat.get("armed_until", until)
-        at = f", at step {beat.get('step')}"
-    except (OSError, ValueError):
-        at = ""
+    state, until, at = control.state or "?", control.armed_until, ""
+    beat = read_heartbeat(run.path)
+    if beat is not None:
+        state, until, at = beat.state, beat.armed_until, f", at step {beat.step}"
     armed = f" until step {until}" if state == "armed" and until is not None else ""
     console().print(printable(f"{run.name}: control {state}{armed}{at}"), markup=False)
-    for order in control.get("orders", []):
-        if order.get("action") == "ignored":  # an order file the engine may not obey, and why
-            line = f"  order file {order.get('event')} (at step {order.get('step')})"
+    for order in control.orders:
+        if order.action == "ignored":  # an order file the engine may not obey, and why
+            line = f"  order file {order.event} (at step {order.step})"
             console().print(printable(line), markup=False)
             continue
         what = ", ".join(
-            f"{k} {order[k]}"
+            f"{k} {getattr(order, k)}"
             for k in ("steps", "filter", "mode", "request", "start_step")
-            if order.get(k) is not None
+            if getattr(order, k) is not None
         )
-        dumped = f", dumped {order['dumped']}" if "dumped" in order else ""
+        dumped = f", dumped {order.dumped}" if order.dumped is not None else ""
         console().print(
             printable(
-                f"  order {order.get('id')}: {order.get('action')} ({what}) {order.get('event')} at step "
-                f"{order.get('step')}{dumped}"
+                f"  order {order.id}: {order.action} ({what}) {order.event} at step {order.step}{dumped}"
             ),
             markup=False,
         )

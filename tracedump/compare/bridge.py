@@ -45,6 +45,7 @@ from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
 from .options import DiffOptions
 from .sources import EntryMeta, Side
+from .tolerance import pair_precision
 from .unshard import SideEntry
 
 _COMBINE = {"sum": " + ", "product": " * "}
@@ -176,7 +177,11 @@ class Expr:
         if problem is None and any(p.meta.kind != "tensor" for p in found):
             problem = f"{self.op} needs whole tensors, not statistics"
         shape, why = self._shape([p.meta.shape for p in found])
-        meta = EntryMeta("tensor", shape, first.meta.dtype)
+        dtypes = {p.meta.dtype for p in found}
+        # parts of several dtypes (bf16 + fp32) are joined as numbers (unshard._derive widens each
+        # from its own dtype), judged at the least precise of them
+        dtype = first.meta.dtype if len(dtypes) == 1 or self.op != "concat" else pair_precision(*dtypes)
+        meta = EntryMeta("tensor", shape, dtype)
         status = next((p.problem_status for p in found if p.problem is not None), None)
         return SideEntry(
             name=self.label,
@@ -195,8 +200,10 @@ class Expr:
         known = [s for s in shapes if s is not None]
         if self.op == "split":
             shape = known[0]
-            axis = self.dim % len(shape) if shape else 0
-            if not shape or self.piece is None or self.piece[1] > shape[axis]:
+            if not -len(shape) <= self.dim < len(shape):
+                return shape, f"split: dim {self.dim} is out of range for a tensor of shape {list(shape)}"
+            axis = self.dim % len(shape)
+            if self.piece is None or self.piece[1] > shape[axis]:
                 return shape, f"split: {list(shape)} has no [{self.piece}] along dim {self.dim}"
             if self.whole is not None and self.whole != shape[axis]:
                 return shape, (
@@ -206,7 +213,11 @@ class Expr:
             return (*shape[:axis], self.piece[1] - self.piece[0], *shape[axis + 1 :]), None
         if self.op == "concat":
             ndim = len(known[0])
-            axis = self.dim % ndim if ndim else 0
+            if not ndim or not -ndim <= self.dim < ndim:
+                return known[0], (
+                    f"concat: dim {self.dim} is out of range for parts of shapes {[list(s) for s in known]}"
+                )
+            axis = self.dim % ndim
             if any(
                 len(s) != ndim or s[:axis] + s[axis + 1 :] != known[0][:axis] + known[0][axis + 1 :]
                 for s in known

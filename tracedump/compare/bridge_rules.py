@@ -8,7 +8,6 @@ any dump is read), and the options must not import the sides the bridge matches.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BridgeError
+from ..store.jsonio import LimitError, check_depth, loads, read_limited
 
 OPS = ("rename", "unwrap", "split", "concat", "sum", "product", "skip")
 _RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason", "id"})
@@ -107,15 +107,32 @@ def _fail(where: str, message: str) -> BridgeError:
     return BridgeError(f"--bridge {where}: {message}")
 
 
+MAX_RULE_FILE_BYTES = 1 << 20  # a rule file is a few KB; a larger one is refused, not cut
+MAX_RULE_FILE_DEPTH = 8  # [bridge] and [[rule]] tables hold strings and lists of strings
+
+
 def _read(path: Path) -> dict[str, Any]:
+    """A rule file's contents: a regular file (a FIFO is not waited on, ``/dev/zero`` not read),
+    at most :data:`MAX_RULE_FILE_BYTES`, UTF-8, at most :data:`MAX_RULE_FILE_DEPTH` levels deep."""
     try:
-        text = path.read_text()
+        raw = read_limited(path, MAX_RULE_FILE_BYTES)
     except OSError as e:
         raise _fail(str(path), f"cannot read it ({e.strerror or e})") from e
+    except LimitError as e:
+        raise _fail(str(path), str(e)) from e
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else _toml().loads(text)
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise _fail(str(path), f"not UTF-8 text (byte {e.start}: {e.reason})") from e
+    kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
+    try:
+        data = loads(text) if kind == "JSON" else _toml().loads(text)
+        check_depth(data, MAX_RULE_FILE_DEPTH)
+    except RecursionError as e:  # TOML nested thousands deep (JSON's is a LimitError)
+        raise _fail(str(path), f"not valid {kind}: nested more than {MAX_RULE_FILE_DEPTH} levels deep") from e
+    except LimitError as e:
+        raise _fail(str(path), f"not valid {kind}: {e}") from e
     except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError both are
-        kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise _fail(str(path), f"not valid {kind}: {first}") from e
     if not isinstance(data, dict):

@@ -122,6 +122,9 @@ def _derive(entry: SideEntry, views: list[PassView]) -> Stored:
         return Stored(array[(slice(None),) * axis + (slice(start, stop),)], parts[0].dtype)
     if entry.op == "concat":
         dim = entry.piece[0] if entry.piece else -1
+        if len({p.dtype for p in parts}) > 1:  # bf16 bits beside fp32 numbers: each widened first
+            widened = [widen(p.array, p.dtype, np.float64).reshape(p.shape) for p in parts]
+            return Stored(np.concatenate(widened, axis=dim), "float64")
         return Stored(np.concatenate([p.array for p in parts], axis=dim), parts[0].dtype)
     shape = parts[0].shape
     total = widen(parts[0].array, parts[0].dtype, np.float64).reshape(shape)
