@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 MAX_DEPTH = 32  # nesting of any JSON tracedump reads (a manifest's deepest record is 6 levels)
 MAX_INT_DIGITS = 4300  # Python's own limit for int(str): longer JSON integers are kept as text
 MAX_SHOWN = 60  # characters of a bad value quoted in a message
+_CHUNK = 1 << 20
 
 
 class LimitError(ValueError):
@@ -46,10 +47,18 @@ def read_limited(path: Path, limit: int) -> bytes:
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise LimitError("not a regular file")
-        data = handle.read(limit + 1)
-    if len(data) > limit:
+        if os.fstat(fd).st_size > limit:
+            raise LimitError(f"larger than {limit} bytes")
+        chunks, total = [], 0
+        while total <= limit:  # in chunks: read(limit) would allocate the whole cap up front
+            chunk = handle.read(min(_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    if total > limit:
         raise LimitError(f"larger than {limit} bytes")
-    return data
+    return b"".join(chunks)
 
 
 def _constant(name: str) -> str:
