@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter, with_config
+from typing_extensions import TypedDict  # pydantic needs it, not typing's, before Python 3.12
 
 from ..errors import DumpReadError
 from .dtypes import CODES_ON_DISK_ORDER, ELEMENT_BYTES
@@ -71,10 +72,10 @@ class SafetensorsHeader:
 Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET)]
 
 
-class HeaderEntry(BaseModel):
-    """One tensor of a safetensors header, as the format defines it."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+@with_config(ConfigDict(strict=True, extra="forbid"))
+class HeaderEntry(TypedDict):
+    """One tensor of a safetensors header, as the format defines it (a TypedDict: a header holds
+    thousands, validated without building an object each)."""
 
     dtype: str
     shape: list[Annotated[int, Field(ge=0, le=_MAX_DIM)]]
@@ -114,7 +115,7 @@ def read_header(path: Path) -> SafetensorsHeader:
     if text is None:
         raise unreadable(path, f"header length {length} does not fit the file's {size} bytes")
     try:
-        header = loads(text)
+        header = loads(text, depth=None)  # HeaderEntry and __metadata__'s str values bound it
     except (ValueError, LimitError) as e:  # JSONDecodeError, UnicodeDecodeError, nested 100k deep
         raise unreadable(path, f"header is not JSON: {type(e).__name__}: {e}") from e
     return parse_header(path, header, 8 + length, size)
@@ -147,15 +148,15 @@ def parse_header(path: Path, header: Any, data_start: int, size: int) -> Safeten
 
 
 def _stored_tensor(entry: HeaderEntry, data_start: int) -> StoredTensor:
-    raw = entry.dtype
+    raw = entry["dtype"]
     name = CODES_ON_DISK_ORDER.get(raw, raw.lower())
     width = ELEMENT_BYTES.get(raw, 0)  # 0: a code we do not know (F4: a byte, a pair of values)
-    shape = tuple(entry.shape)
+    shape = tuple(entry["shape"])
     if raw == "F4":  # as torch shapes it: the last dim in bytes (pairs of values)
         if not shape or shape[-1] % 2:
             raise ValueError(f"an F4 tensor of shape {list(shape)} does not fill whole bytes")
         shape = (*shape[:-1], shape[-1] // 2)
-    begin, end = entry.data_offsets
+    begin, end = entry["data_offsets"]
     if not begin <= end or (width and end - begin != math.prod(shape) * width):
         raise ValueError(f"data_offsets {[begin, end]} do not hold a {raw} tensor of shape {list(shape)}")
     return StoredTensor(TensorInfo(shape, name), data_start + begin, data_start + end)

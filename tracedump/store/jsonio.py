@@ -76,15 +76,24 @@ def _int(text: str) -> int | str:
     return int(text) if len(text) <= MAX_INT_DIGITS else text
 
 
-def loads(text: str | bytes, depth: int = MAX_DEPTH) -> Any:
+def loads(text: str | bytes, depth: int | None = MAX_DEPTH) -> Any:
     """Strict JSON as tracedump reads it (see the module docstring). Raises ValueError (a
     ``JSONDecodeError``, a ``UnicodeDecodeError``, or :class:`LimitError` for nesting deeper than
-    ``depth``)."""
+    ``depth``; None: a reader whose typed model bounds the depth itself, the parser's recursion
+    limit still applies)."""
     try:
-        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
+        try:
+            value = json.loads(text, parse_constant=_constant, parse_float=_float)
+        except ValueError as e:
+            if "digits" not in str(e) or isinstance(e, json.JSONDecodeError):
+                raise
+            # an integer beyond Python's conversion limit: parsed again, each integer by hand (the
+            # fast path leaves integers to the C scanner: a header holds thousands)
+            value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
     except RecursionError as e:
-        raise LimitError(f"nested more than {depth} levels deep") from e
-    check_depth(value, depth)
+        raise LimitError(f"nested more than {depth or 'a thousand'} levels deep") from e
+    if depth is not None:
+        check_depth(value, depth)
     return value
 
 
