@@ -397,3 +397,29 @@ def test_a_stats_value_of_hundreds_of_digits_is_one_line_naming_the_line(
     argv = ["diff", str(a), str(b)] if command == "diff" else ["ls", str(a)]
     assert main(argv) == 2
     one_line_error(capsys, f"{a / STATS_FILE}:1")
+
+
+# ------------------------------------------------------------------ the batch layout (tracedump.batch)
+
+
+@pytest.mark.parametrize(
+    ("batch", "named"),
+    [
+        ({"seq_ids": [0, 0], "input_ids": [True, 5]}, "input_ids[0]"),
+        ({"seq_ids": [0, 0], "positions": [0, 10**30]}, "positions[1]"),
+        ({"seq_ids": [[0], 0]}, "seq_ids[0]"),
+        ({"seq_ids": [0, 0], "grid": [1, 2, 3]}, "grid"),
+    ],
+    ids=["bool-token", "huge-position", "nested-seq-id", "grid-of-three"],
+)
+def test_a_batch_layout_of_the_wrong_types_names_its_field(
+    tmp_path: Path, batch: dict[str, Any], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / MANIFEST).write_text(json.dumps({"rank": 0, "pid": 1}))
+    metadata = {"tracedump.mode": "full", ORDER_KEY: '["m"]', "tracedump.batch": json.dumps(batch)}
+    save_file({"m": torch.ones(2, 3)}, str(run / pass_file_name(0)), metadata=metadata)
+    assert main(["ls", str(run)]) == 0  # ls lists the run and says why its sequences cannot be shown
+    out = capsys.readouterr().out
+    assert "sequence metadata unreadable" in out and named in out, out

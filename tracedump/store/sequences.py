@@ -30,7 +30,10 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
+
+from pydantic import ConfigDict, Field, TypeAdapter, with_config
+from typing_extensions import Required, TypedDict
 
 from ..errors import SequenceError
 from .format import BATCH_KEY
@@ -131,35 +134,51 @@ class Sequence:
         return None
 
 
+MAX_ROW_INT = 2**63 - 1  # a position or token id: what a tensor element can hold
+_RowInt = Annotated[int, Field(ge=-MAX_ROW_INT, le=MAX_ROW_INT)]
+_GridSize = Annotated[int, Field(gt=0, le=MAX_ROW_INT)]
+
+
+@with_config(ConfigDict(strict=True, extra="allow"))
+class BatchLayout(TypedDict, total=False):
+    """``tracedump.batch``, typed: one seq id per row (``null``: padding), optional positions,
+    token ids and ``[batch, seq]`` grid. Keys a reader does not know are let through."""
+
+    seq_ids: Required[list[_RowInt | str | None]]
+    positions: list[_RowInt] | None
+    input_ids: list[_RowInt] | None
+    grid: Annotated[list[_GridSize], Field(min_length=2, max_length=2)] | None
+
+
+_BATCH = TypeAdapter(BatchLayout)
+
+
 def parse_batch(pass_index: int, metadata: dict[str, str]) -> dict[str, list[Any]] | None:
-    """The raw ``tracedump.batch`` of a pass, checked for shape; None when the pass has none."""
+    """The raw ``tracedump.batch`` of a pass, typed (:class:`BatchLayout`) and checked for shape;
+    None when the pass has none. A SequenceError names the pass and the field."""
+    from .jsonio import loads, validated
+
     text = metadata.get(BATCH_KEY)
     if text is None:
         return None
     try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as e:
+        raw = loads(text)
+    except ValueError as e:  # not JSON, nested too deep
         raise SequenceError(f"pass {pass_index}: {BATCH_KEY} is not JSON ({e})") from e
-    seq_ids = raw.get("seq_ids") if isinstance(raw, dict) else None
-    if not isinstance(seq_ids, list) or not all(s is None or isinstance(s, (int, str)) for s in seq_ids):
+    if not isinstance(raw, dict) or not isinstance(raw.get("seq_ids"), list):
         raise SequenceError(f"pass {pass_index}: {BATCH_KEY} has no list of seq_ids")
+    validated(
+        _BATCH.validate_python, raw, lambda line: SequenceError(f"pass {pass_index}: {BATCH_KEY} {line}")
+    )
+    seq_ids = raw["seq_ids"]
     grid = raw.get("grid")
-    if grid is not None and not (
-        isinstance(grid, list)
-        and len(grid) == 2
-        and all(type(g) is int and g > 0 for g in grid)
-        and grid[0] * grid[1] == len(seq_ids)
-    ):
+    if grid is not None and grid[0] * grid[1] != len(seq_ids):
         raise SequenceError(
             f"pass {pass_index}: {BATCH_KEY} grid {grid!r} does not hold its {len(seq_ids)} rows"
         )
     for name in ("positions", "input_ids"):
         values = raw.get(name)
-        if values is not None and (
-            not isinstance(values, list)
-            or len(values) != len(seq_ids)
-            or not all(isinstance(v, int) for v in values)
-        ):
+        if values is not None and len(values) != len(seq_ids):
             raise SequenceError(f"pass {pass_index}: {BATCH_KEY} {name} is not one integer per row")
     return raw
 
