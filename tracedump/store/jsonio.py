@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -136,8 +137,8 @@ def validation_problem(error: ValidationError, data: Any) -> str:
         path.append(f"[{part}]" if isinstance(part, int) else ("." if path else "") + str(part))
     where = "".join(path) or "(the whole file)"
     message = str(first["msg"]).removeprefix("Value error, ")
-    if message.startswith("Input should be "):
-        message = "expected " + message.removeprefix("Input should be ")
+    if message.startswith("Input should be "):  # "a valid dictionary or instance of Graft": a dict
+        message = "expected " + re.sub(r" or instance of \w+", "", message.removeprefix("Input should be "))
     got = "" if first["type"] == "missing" else f", got {shown(node)}"
     return f"field {where!r}: {message}{got}"
 
