@@ -47,6 +47,12 @@ class DumpReadError(TracedumpError):
     """A path is not a readable dump, run dir or pass file."""
 
 
+class LimitError(DumpReadError):
+    """A file beyond what a reader accepts: no regular file (a FIFO, a device), larger than its
+    cap, JSON nested too deep (the limits: docs/file-format.md). Readers re-raise it naming the
+    file; a rule file's reader as a BridgeError."""
+
+
 class FormatVersionError(DumpReadError):
     """A file was written in a format version whose major this tracedump cannot read."""
 
@@ -65,6 +71,7 @@ __all__ = [
     "DumpReadError",
     "ExitCode",
     "FormatVersionError",
+    "LimitError",
     "OrderError",
     "SequenceError",
     "TracedumpError",

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import LimitError
+
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
@@ -34,10 +36,6 @@ MAX_DEPTH = 32  # nesting of any JSON tracedump reads (a manifest's deepest reco
 MAX_INT_DIGITS = 4300  # Python's own limit for int(str): longer JSON integers are kept as text
 MAX_SHOWN = 60  # characters of a bad value quoted in a message
 _CHUNK = 1 << 20
-
-
-class LimitError(ValueError):
-    """A file that is no regular file, larger than its cap, or JSON nested or sized beyond a limit."""
 
 
 def read_limited(path: Path, limit: int) -> bytes:
