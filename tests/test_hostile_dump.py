@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,16 +31,16 @@ def _manifest(run_dir: Path) -> dict:
 class _Returns(nn.Module):
     """A leaf that returns whatever ``make`` builds from its input."""
 
-    def __init__(self, make) -> None:  # noqa: ANN001
+    def __init__(self, make: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
         self.make = make
 
-    def forward(self, x: torch.Tensor):  # noqa: ANN201
+    def forward(self, x: torch.Tensor) -> Any:
         return self.make(x)
 
 
 class _Root(nn.Module):
-    def __init__(self, make) -> None:  # noqa: ANN001
+    def __init__(self, make: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.odd = _Returns(make)
@@ -49,7 +51,9 @@ class _Root(nn.Module):
         return y
 
 
-def _dump_one_forward(tmp_path: Path, make) -> tuple[dict[str, torch.Tensor], dict, list[str]]:  # noqa: ANN001
+def _dump_one_forward(
+    tmp_path: Path, make: Callable[[torch.Tensor], Any]
+) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     model = _Root(make)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

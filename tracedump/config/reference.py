@@ -30,7 +30,10 @@ def reference_problem(run: Run) -> str | None:
             "(MODE=full) with INPUTS=1"
         )
     if not any(INPUT_MARK in name for pass_file in run.passes.values() for name in pass_file.names):
-        return "it holds no module inputs; dump the reference with TRACEDUMP_DUMP_INPUTS=1 (tracedump run --inputs)"
+        return (
+            "it holds no module inputs; dump the reference with TRACEDUMP_DUMP_INPUTS=1 "
+            "(tracedump run --inputs)"
+        )
     return None
 
 

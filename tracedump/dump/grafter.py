@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config.reference import reference_problem
 from ..errors import ConfigError, DumpReadError
-from ..store.format import INPUT_MARK, dtype_name, key_text
+from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
 from .recorder import leaf_path

@@ -77,6 +77,9 @@ class Recorder(PassMachine):
             return
         if self.name_filter is not None and not self.name_filter(name):
             return
+        if self._refused_steps and self.in_refused_step():
+            self._refuse_concurrent()
+            return
         current, suspended = self.current, self.suspended()
         if current is None:
             if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
@@ -197,6 +200,9 @@ class Recorder(PassMachine):
 
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self.idle or self.closed or self.suspended() or (once and tag in self._once_tags):
+            return
+        if self.in_refused_step():
+            self._refuse_concurrent()
             return
         if not gates.row_gate_allows(self.rows, self.keep.max_rows):
             self.skipped["row_gate"] += 1  # a warm-up call uses no record_step number either
