@@ -3,9 +3,10 @@
 Why here, with the settings, and not only at ``attach()``: ``tracedump run --graft-from`` validates
 the settings before it starts COMMAND (docs/run.md), so a reference that cannot graft (one dumped
 without ``INPUTS=1``, in a stats mode, or with a pass file it cannot read) stops the launch with
-exit 2 instead of a host that runs undumped; and ``attach()`` raises a :class:`~tracedump.errors.ConfigError` that
-names the variable, as for every other setting. Only the reference's manifests and headers are
-read (no tensor, no torch): ``tracedump arm`` loads the settings too.
+exit 2 instead of a host that runs undumped; and ``attach()`` raises a
+:class:`~tracedump.errors.ConfigError` that names the variable, as for every other setting. Only
+the reference's manifests and headers are read (no tensor, no torch): ``tracedump arm`` loads the
+settings too.
 """
 
 from __future__ import annotations
