@@ -278,9 +278,9 @@ class PassMachine:
         try:
             yield owner
         finally:
-            with self.lock:
-                self._refused_steps -= 1
-                self._local.refused -= 1
+            with self.lock:  # left on another thread (an engine's step may end elsewhere): no underflow
+                self._refused_steps = max(self._refused_steps - 1, 0)
+                self._local.refused = max(getattr(self._local, "refused", 0) - 1, 0)
 
     @contextlib.contextmanager
     def profiling(self) -> Iterator[None]:
