@@ -11,7 +11,9 @@ it attaches disarmed and dumps only the steps an operator orders::
     tracedump ls /tmp/live                   # each rank: 3 passes, the order's history
 
 Each rank writes the logits of every step to ``--out/rank<R>.pt``, so a run with tracedump off can
-be compared bit for bit. Importing this module has no side effects.
+be compared bit for bit. ``--until FILE`` serves until FILE exists (at most ``--steps`` steps; the
+ranks agree on the step they stop after), so a test arms and disarms a server that is certain to
+be serving, however slow the machine. Importing this module has no side effects.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def request_stream(step: int) -> list[int] | None:
     return torch.randint(0, 64, (3 + step % 5,), generator=generator).tolist()
 
 
-def serve(rank: int, world: int, steps: int, out: Path, pause: float) -> None:
+def serve(rank: int, world: int, steps: int, out: Path, pause: float, until: Path | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = build_model(ModelConfig())
@@ -62,6 +64,8 @@ def serve(rank: int, world: int, steps: int, out: Path, pause: float) -> None:
             dist.all_reduce(agreed.clone(), op=dist.ReduceOp.MAX)  # the ranks meet every step
             running = [[*tokens, int(t)] for tokens, t in zip(running, agreed, strict=True)]
             outputs.append(logits[:, -1].clone())
+            if until is not None and _told_to_stop(until):
+                break
             time.sleep(pause)
     if dumper is not None:
         dumper.close()
@@ -70,9 +74,19 @@ def serve(rank: int, world: int, steps: int, out: Path, pause: float) -> None:
     dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, steps: int, out: str, pause: float, port: int) -> None:
+def _told_to_stop(until: Path) -> bool:
+    """Whether any rank sees ``until``: every rank stops after the same step, or one would wait
+    in the next ``all_reduce`` for ranks that left."""
+    seen = torch.tensor([int(until.exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
+
+
+def _worker(
+    rank: int, world: int, steps: int, out: str, pause: float, port: int, until: str | None = None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    serve(rank, world, steps, Path(out), pause)
+    serve(rank, world, steps, Path(out), pause, Path(until) if until else None)
 
 
 def main() -> None:
@@ -82,9 +96,12 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.02, help="seconds between steps (traffic)")
     parser.add_argument("--out", default="server_out", help="where each rank saves its step logits")
     parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--until", default=None, help="stop once this file exists (at most --steps steps)")
     args = parser.parse_args()
     torch.multiprocessing.spawn(
-        _worker, args=(args.ranks, args.steps, args.out, args.pause, args.port), nprocs=args.ranks
+        _worker,
+        args=(args.ranks, args.steps, args.out, args.pause, args.port, args.until),
+        nprocs=args.ranks,
     )
 
 

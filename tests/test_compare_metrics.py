@@ -228,7 +228,7 @@ def test_an_error_in_any_thread_stops_every_thread_claiming(
             calls.append("failed" if fails else threading.current_thread().name)
         if fails:
             raise RuntimeError("planted")
-        stopped.wait(2)  # hold each thread in its chunk until the claims are stopped
+        stopped.wait(120)  # hold each thread in its chunk until the claims are stopped (no race)
         return real(*args)
 
     monkeypatch.setattr(metrics, "_Claims", Claims)

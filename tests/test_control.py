@@ -302,12 +302,13 @@ def test_without_control_nothing_changes(tmp_path: Path) -> None:
 
 
 def _server(
-    out: Path, steps: int, env: dict[str, str], port: int, pause: float = 0.02
+    out: Path, steps: int, env: dict[str, str], port: int, pause: float = 0.02, until: Path | None = None
 ) -> subprocess.Popen[str]:
+    """The example server; with ``until``, it serves until that file exists (``steps`` at most)."""
     clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRACEDUMP_")}
     return subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "server.py"), "--steps", str(steps), "--out", str(out),
-         "--port", str(port), "--pause", str(pause)],
+         "--port", str(port), "--pause", str(pause), *(["--until", str(until)] if until else [])],
         env={**clean, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -340,7 +341,8 @@ def _wait_until_done(dump: Path, server: subprocess.Popen[str]) -> None:
 def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank(tmp_path: Path) -> None:
     dump = tmp_path / "live"
     env = {"TRACEDUMP_DUMP_DIR": str(dump), "TRACEDUMP_DUMP_CONTROL": "1"}
-    server = _server(tmp_path / "on", 300, env, free_port())
+    stop = tmp_path / "stop"  # the server serves until this exists: never done before it was armed
+    server = _server(tmp_path / "on", 20_000, env, free_port(), until=stop)
     try:
         _wait_for_heartbeats(dump, 2, server)
         armed = subprocess.run(
@@ -350,21 +352,24 @@ def test_a_live_two_rank_server_armed_for_3_steps_dumps_the_same_3_in_every_rank
         assert armed.returncode == 0, armed.stderr
         _wait_until_done(dump, server)
         assert tracedump.cli.main(["disarm", str(dump)]) == 0  # while it serves on
+        stop.touch()
         output, _ = server.communicate(timeout=240)
         assert server.returncode == 0, output[-3000:]
     finally:
+        stop.touch()  # a failed test leaves no rank serving on: each stops after its next step
         server.kill()
     runs = sorted(dump.glob("rank*"))
     assert len(runs) == 2
     dumped = [sorted(p.name for p in run.glob("pass*.safetensors")) for run in runs]
     assert len(dumped[0]) == 3 and dumped[0] == dumped[1]  # the same steps on both ranks
     assert tracedump.cli.main(["disarm", str(dump)]) == 2  # the engine is gone: nobody watches
-    off = _server(tmp_path / "off", 300, {}, free_port(), pause=0)  # no traffic to wait for: same logits
+    served = len(torch.load(tmp_path / "on" / "rank0.pt"))
+    off = _server(tmp_path / "off", served, {}, free_port(), pause=0)  # no traffic to wait for: same logits
     assert off.wait(timeout=240) == 0
     for rank in (0, 1):
         on_logits = torch.load(tmp_path / "on" / f"rank{rank}.pt")
         off_logits = torch.load(tmp_path / "off" / f"rank{rank}.pt")
-        assert len(on_logits) == len(off_logits) == 300
+        assert len(on_logits) == len(off_logits) == served > 3
         assert all(torch.equal(a, b) for a, b in zip(on_logits, off_logits, strict=True))
 
 

@@ -352,8 +352,10 @@ def test_a_grafted_run_dumps_every_module_unless_told_otherwise(
 ) -> None:
     """``--graft-from`` without ``--modules`` dumps every module, as ``tracedump.graft()`` does:
     read through the settings the child builds from the environment the launcher gives it."""
-    ref = tmp_path / "ref"
-    ref.mkdir()
+    ref = tmp_path / "ref"  # a reference grafting accepts: dumped with inputs
+    model = nn.Linear(2, 2)
+    with tracedump.attach(model, {"dir": str(ref), "inputs": True}), torch.no_grad():
+        model(torch.ones(1, 2))
 
     def child_modules(parent: dict[str, str], args: argparse.Namespace) -> str:
         env = child_env(parent, args)

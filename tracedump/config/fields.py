@@ -124,7 +124,9 @@ class DumpFields(BaseModel):
         None,
         description="A reference dump made with `INPUTS=1`: each grafted module runs on the "
         "reference's inputs for its pass and call, so `tracedump diff` judges its local error "
-        "(docs/comparator.md). Off unless DIR is set too. With MODULES unset, every module is dumped.",
+        "(docs/comparator.md). Off unless DIR is set too. With MODULES unset, every module is dumped. "
+        "Checked when read: a reference without inputs, in a stats mode, or with a pass file that "
+        "cannot be read is refused (tracedump run: before COMMAND starts).",
     )
     graft_level: Annotated[str | None, BeforeValidator(parse_regex)] = Field(
         None,

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..store.format import NUMERIC_STAT_NAMES
 from ..util.ranges import IndexRanges
+from .reference import check_graft_reference
 
 STAT_NAMES = (*NUMERIC_STAT_NAMES, "shape", "dtype")
 DEFAULT_STATS = ("abs_mean", "sum", "max", "shape")
@@ -39,15 +40,34 @@ def parse_bool(value: Any) -> bool:
     return _BOOLS[key]
 
 
+def _json_list(text: str, what: str) -> Any:
+    """``text`` as JSON when it starts with ``[`` (else the one item ``[text]``); a message naming
+    ``what`` for malformed text, and for text nested deeper than the decoder goes (``'[' * 100000``)."""
+    text = text.strip()
+    if not text.startswith("["):
+        return [text]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON array of {what} ({e.msg} at char {e.pos})") from None
+    except RecursionError:
+        raise ValueError(f"malformed JSON array of {what} (nested too deep)") from None
+
+
+def compile_regex(pattern: str) -> re.Pattern[str]:
+    """``re.compile``, with every way a pattern can fail to compile as one ``ValueError``: a syntax
+    error, and a pattern nested deeper than the parser recurses (``'(' * 100000``)."""
+    try:
+        return re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        shown = pattern if len(pattern) <= 80 else pattern[:80] + f"... ({len(pattern)} chars)"
+        raise ValueError(f"invalid regex {shown!r}: {type(e).__name__}: {e}") from None
+
+
 def parse_filter(value: Any) -> list[str] | None:
     """A JSON array of regexes, or one bare pattern. Every pattern is compiled here, once."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value.strip()) if value.strip().startswith("[") else [value]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"malformed JSON array of regexes ({e.msg} at char {e.pos})") from e
-        except RecursionError:  # '[' * 100000: nested deeper than the decoder goes
-            raise ValueError("malformed JSON array of regexes (nested too deep)") from None
+        value = _json_list(value, "regexes") if value.strip().startswith("[") else [value]
     if value is None:
         return None
     if not isinstance(value, Iterable):
@@ -56,11 +76,7 @@ def parse_filter(value: Any) -> list[str] | None:
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise ValueError(f"expected regex strings, got {pattern!r}")
-        try:
-            re.compile(pattern)
-        except (re.error, RecursionError, OverflowError) as e:  # '[' * 100000 recurses in the parser
-            shown = pattern if len(pattern) <= 80 else pattern[:80] + f"... ({len(pattern)} chars)"
-            raise ValueError(f"invalid regex {shown!r}: {type(e).__name__}: {e}") from None
+        compile_regex(pattern)
     return patterns
 
 
@@ -136,10 +152,12 @@ def parse_callable_spec(value: Any) -> str | None:
 
 
 def parse_graft_reference(value: Any) -> Path | None:
-    """GRAFT_FROM: an existing dump dir or run dir (what is in it is checked at ``attach()``)."""
+    """GRAFT_FROM: an existing dump dir or run dir that holds what grafting needs (:mod:`.reference`)."""
     path = parse_dir(value)
     if path is not None and not path.is_dir():
         raise ValueError("no such dump directory")
+    if path is not None:
+        check_graft_reference(path)
     return path
 
 
@@ -149,21 +167,14 @@ def parse_regex(value: Any) -> str | None:
         return None
     if not isinstance(value, str):
         raise ValueError(f"expected a regex string, not {type(value).__name__}")
-    try:
-        re.compile(value.strip())
-    except re.error as e:
-        raise ValueError(f"invalid regex {value.strip()!r}: {e}") from e
+    compile_regex(value.strip())
     return value.strip()
 
 
 def parse_map_rules(value: Any) -> list[str] | None:
     """A JSON array of ``PATTERN=REPL`` rules, or one rule; each pattern compiled here, once."""
     if isinstance(value, str):
-        text = value.strip()
-        try:
-            value = json.loads(text) if text.startswith("[") else [text]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"malformed JSON array of rules ({e.msg} at char {e.pos})") from e
+        value = _json_list(value, "rules")
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(rule, str) for rule in value):

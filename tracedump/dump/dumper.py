@@ -323,6 +323,7 @@ class Dumper:
             root=self.root_label,
             pass_index=self._graft_pass,
             warn=self.warn,
+            where=settings.describe("graft_from"),
         )
         check_not_into_reference(settings.dir, grafter.reference, settings.graft_from)  # type: ignore[arg-type]
         return grafter

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import ConfigError
-from ..store.format import INPUT_MARK, dtype_name, key_text
+from ..config.reference import reference_problem
+from ..errors import ConfigError, DumpReadError
+from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
 from .recorder import leaf_path
@@ -78,8 +79,9 @@ def refuse_unsafe(model: nn.Module) -> None:
 class _Reference:
     """The reference run, read one pass at a time (memory-mapped; only grafted inputs are read)."""
 
-    def __init__(self, path: Path, rank: int, root: str) -> None:
-        from ..errors import DumpReadError
+    def __init__(self, path: Path, rank: int, root: str, where: str) -> None:
+        """``where``: the setting that named the reference (``TRACEDUMP_DUMP_GRAFT_FROM='...'``),
+        which every refusal names."""
         from ..store.loader import open_dump
 
         try:
@@ -90,25 +92,17 @@ class _Reference:
                 raise DumpReadError(f"{path}: no run of root {root!r}; roots: {roots}")
             ranks = {run.rank for run in dump.runs if run.root == chosen}
             self.run = dump.run(rank=rank if rank in ranks else None, root=chosen)
-        except DumpReadError as e:
-            raise ConfigError(f"tracedump: bad graft reference: {e}") from e
+            problem = reference_problem(self.run)
+        except (DumpReadError, OSError) as e:
+            raise ConfigError(f"tracedump: bad setting\n  {where}: bad graft reference: {e}") from e
+        if problem is not None:
+            raise ConfigError(f"tracedump: bad setting\n  {where}: bad graft reference {path}: {problem}")
         self.path = self.run.path
         self.dump_path = dump.path
         self._index: int | None = None
         self._pass: Any = None
         self._inputs_index: int | None = None
         self._inputs: dict[tuple[str, int], set[str]] = {}
-        settings = self.run.manifest.get("settings")
-        if isinstance(settings, dict) and settings.get("mode") not in (None, "full"):
-            raise ConfigError(
-                f"tracedump: bad graft reference {path}: it was dumped in {settings.get('mode')!r} "
-                "mode; grafting needs whole tensors (MODE=full) with INPUTS=1"
-            )
-        if not any(INPUT_MARK in name for pass_file in self.run.passes.values() for name in pass_file.names):
-            raise ConfigError(
-                f"tracedump: bad graft reference {path}: it holds no module inputs; dump the "
-                "reference with TRACEDUMP_DUMP_INPUTS=1 (tracedump run --inputs)"
-            )
 
     def pass_file(self, index: int) -> Any:
         """The reference's pass ``index`` (None when it has none); the previous one is closed."""
@@ -254,16 +248,21 @@ class Grafter:
         root: str = "",
         pass_index: Callable[[], int | None] = lambda: None,
         warn: Callable[[str, str], None] | None = None,
+        where: str = "the graft reference",
     ) -> None:
+        """``where``: the setting that named ``reference``, for the messages of its refusals."""
         refuse_unsafe(model)
         self.given = Path(reference).expanduser()
-        self.reference = _Reference(self.given, rank, root)
+        self.reference = _Reference(self.given, rank, root, where)
         self.level = level or LEAVES
         self.map_rules = list(maps)
         self._maps = parse_graft_map(self.map_rules)
         self._pass_index = pass_index
         self._warn = warn
-        self.targets = self._choose(model, level, list(captured))
+        try:
+            self.targets = self._choose(model, level, list(captured))
+        except DumpReadError as e:  # the reference's first pass, read for its routing
+            raise ConfigError(f"tracedump: bad setting\n  {where}: bad graft reference: {e}") from e
         if not self.targets:
             what = "no captured module is a leaf" if level is None else f"level {level!r} matches no module"
             raise ConfigError(f"tracedump: bad graft setting: {what} of {type(model).__name__}")

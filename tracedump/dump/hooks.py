@@ -58,23 +58,86 @@ def forward_kwargs_on_stack(module: nn.Module) -> dict[str, Any]:
     return call_impl_kwargs(frame) if frame is not None else {}
 
 
-def flatten_tensors(value: Any, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(suffix, tensor)`` for every tensor leaf of a nested output; other leaves are skipped."""
+def flatten_tensors(
+    value: Any, prefix: str = "", depth: int = 0, deep: list[int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(suffix, tensor)`` for every tensor leaf of a nested output; other leaves are skipped.
+
+    Tensors nested more than :data:`MAX_DEPTH` containers deep are not yielded; ``deep`` (a
+    one-item counter), when given, is increased by how many there were, so the recorder can count
+    them instead of losing them silently."""
     if isinstance(value, torch.Tensor):
         yield prefix, value
         return
     if depth >= MAX_DEPTH:
+        if deep is not None:
+            deep[0] += _count_tensors(value)
         return
-    if isinstance(value, Mapping):
-        items: Any = value.items()
-    elif isinstance(value, (tuple, list)):
-        items = enumerate(value)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
-    else:
+    items = _items(value)
+    if items is None:
         return
     for key, item in items:
-        yield from flatten_tensors(item, f"{prefix}[{key}]", depth + 1)
+        yield from flatten_tensors(item, f"{prefix}[{key}]", depth + 1, deep)
+
+
+def _items(value: Any) -> Iterable[tuple[Any, Any]] | None:
+    """The ``(key, item)`` pairs of a container :func:`flatten_tensors` walks into; None for a leaf."""
+    if isinstance(value, Mapping):
+        return value.items()
+    if isinstance(value, (tuple, list)):
+        return enumerate(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    return None
+
+
+MAX_DEEP_WALK = 10_000  # containers walked below MAX_DEPTH to count the tensors skipped there
+
+
+def _count_tensors(value: Any) -> int:
+    """How many tensors sit in ``value`` (a container below :data:`MAX_DEPTH`): each container
+    walked once (an output that holds itself ends), at most :data:`MAX_DEEP_WALK` of them, so a
+    hostile output costs a bounded walk."""
+    count, seen, stack = 0, set(), [value]
+    while stack and len(seen) < MAX_DEEP_WALK:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            count += 1
+        elif id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(child for _, child in _items(item) or ())
+    return count
+
+
+def distinct_keys(leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``leaves`` with every suffix unique: two leaves of one output can print alike (``{0: a,
+    "0": b}``, a dict key holding ``][``), and a pass file holds one tensor per key. A repeat gets
+    ``#1``, ``#2``, ... inside its last bracket (``[0]``, then ``[0#1]``), skipping any suffix the
+    output itself holds; leaves keep their order. Free for the usual output (no repeat)."""
+    if len(leaves) < 2:
+        return leaves
+    taken = {suffix for suffix, _ in leaves}
+    if len(taken) == len(leaves):
+        return leaves
+    used: set[str] = set()
+    unique = []
+    for suffix, tensor in leaves:
+        if suffix in used:
+            stem, close = (suffix[:-1], "]") if suffix.endswith("]") else (f"{suffix}[", "]")
+            n = 1
+            while f"{stem}#{n}{close}" in taken or f"{stem}#{n}{close}" in used:
+                n += 1
+            suffix = f"{stem}#{n}{close}"
+        used.add(suffix)
+        unique.append((suffix, tensor))
+    return unique
+
+
+def output_leaves(value: Any, deep: list[int] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """A module output's tensor leaves under distinct suffixes (``deep``: see :func:`flatten_tensors`)."""
+    if isinstance(value, torch.Tensor):
+        return [("", value)]
+    return distinct_keys(list(flatten_tensors(value, deep=deep)))
 
 
 def input_prefix(keyword: str | None = None) -> str:
@@ -83,12 +146,15 @@ def input_prefix(keyword: str | None = None) -> str:
     return INPUT_MARK if keyword is None else f"{INPUT_MARK}[{keyword}]"
 
 
-def flatten_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Inputs as ``@in[i]`` for positional and ``@in[kw]`` for keyword arguments."""
-    leaves = list(flatten_tensors(tuple(args), INPUT_MARK))
+def flatten_inputs(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], deep: list[int] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Inputs as ``@in[i]`` for positional and ``@in[kw]`` for keyword arguments, distinct (a
+    keyword named ``"0"`` beside a first positional argument)."""
+    leaves = list(flatten_tensors(tuple(args), INPUT_MARK, deep=deep))
     for key, value in kwargs.items():
-        leaves.extend(flatten_tensors(value, input_prefix(key)))
-    return leaves
+        leaves.extend(flatten_tensors(value, input_prefix(key), deep=deep))
+    return distinct_keys(leaves)
 
 
 @mark_constant_result

@@ -169,7 +169,7 @@ class PassMachine:
         self.inputs = keep.inputs
         self.name_filter: Callable[[str], bool] | None = None  # an armed order's --filter (memoised)
         self.boundaries = 0  # step boundaries seen (control: the pass index is the step number)
-        self.step_depth = 0  # open step() blocks
+        self.step_depth = 0  # open step() blocks (of the thread that holds the step)
         self.idle = control is not None  # control: disarmed, every hook returns at once
         self.closed = False
         self._suspend_depth = 0
@@ -184,7 +184,9 @@ class PassMachine:
         self.next_index = 0
         self.truncated: list[int] = []
         self.anomalies: dict[str, str] = {}  # what went wrong around the dump (manifest "anomalies")
-        self._local = threading.local()  # per thread: was its current root forward refused?
+        self._local = threading.local()  # per thread: was its root forward (or step) refused?
+        self._step_thread: int | None = None  # the thread whose step() blocks are open
+        self._refused_steps = 0  # step() blocks running now that were refused (see step())
         self._explicit_passes = 0  # passes opened by a root forward or step() (see settle_implicit)
         self._implicit_off = not self.keep.implicit_passes
         self._anchorless = 0  # outside captures that no method of the model made
@@ -197,14 +199,68 @@ class PassMachine:
 
     def owns_pass_on_this_thread(self) -> bool:
         current = self.current
-        return current is not None and current.owner in (None, threading.get_ident())
+        return (
+            current is not None
+            and current.owner in (None, threading.get_ident())
+            and not self.in_refused_step()
+        )
+
+    def in_refused_step(self) -> bool:
+        """This thread runs a ``step()`` that was refused (another thread's step was open): what it
+        captures is counted, never written. One attribute read when no step was refused."""
+        return bool(self._refused_steps) and bool(getattr(self._local, "refused", 0))
 
     # ---------------------------------------------------------------- engine API
 
     @contextlib.contextmanager
     def step(self, owner: Any = None) -> Iterator[Any]:
         """One engine step = one pass (the block gets ``owner``). Nested ``step()`` blocks belong
-        to the outer pass."""
+        to the outer pass.
+
+        A step belongs to the thread that entered it; a forward on a thread that holds no step of
+        its own (an engine's worker) lands in it. A ``step()`` entered on a second thread while
+        another thread's step (or root-forward pass) is open would merge two steps into one pass
+        (its modules as ``::callN``): it is refused instead (:meth:`_refused_step`), as a
+        concurrent root forward is."""
+        me = threading.get_ident()
+        with self.lock:
+            refused = self._refuses_step(me)
+            if refused:
+                self._refused_steps += 1
+                self._local.refused = getattr(self._local, "refused", 0) + 1
+            else:
+                opened = self._enter_step(me)
+        if refused:
+            yield from self._refused_step(owner)
+            return
+        try:
+            yield owner
+        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
+            if opened:
+                opened = False
+                with self.lock:
+                    self.close_pass(truncated=True)
+            raise
+        finally:
+            with self.lock:  # the pass closes before another thread can see no step open
+                if opened:
+                    self.close_pass()
+                self.step_depth -= 1
+                if not self.step_depth:
+                    self._step_thread = None
+                self._pending_batch = None  # a set_batch() of this step never outlives it
+
+    def _refuses_step(self, me: int) -> bool:
+        """A ``step()`` on thread ``me`` while another thread holds the steps or the open pass."""
+        if getattr(self._local, "refused", 0):
+            return True  # nested in a refused step
+        if self.step_depth and self._step_thread != me:
+            return True
+        current = self.current
+        return current is not None and current.owner not in (None, me)
+
+    def _enter_step(self, me: int) -> bool:
+        """Open this thread's step (under the lock); True when it opened the pass."""
         self.settle_implicit()
         opened = self._open_pass() if self.current is None and not self.suspended() else False
         if opened:
@@ -212,18 +268,19 @@ class PassMachine:
         elif self._adopt_implicit(owner=None):
             opened = True
         self.step_depth += 1  # root forwards inside belong to this step, armed or not
+        self._step_thread = me
+        return opened
+
+    def _refused_step(self, owner: Any) -> Iterator[Any]:
+        """The body of a refused ``step()``: its captures and records are counted as
+        ``concurrent_thread`` (:meth:`in_refused_step`), said once, and it opens no pass."""
+        self._refuse_concurrent(count=False)
         try:
             yield owner
-        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
-            if opened:
-                opened = False
-                self.close_pass(truncated=True)
-            raise
         finally:
-            self.step_depth -= 1
-            self._pending_batch = None  # a set_batch() of this step never outlives it
-            if opened:
-                self.close_pass()
+            with self.lock:  # left on another thread (an engine's step may end elsewhere): no underflow
+                self._refused_steps = max(self._refused_steps - 1, 0)
+                self._local.refused = max(getattr(self._local, "refused", 0) - 1, 0)
 
     @contextlib.contextmanager
     def profiling(self) -> Iterator[None]:
@@ -235,6 +292,8 @@ class PassMachine:
             self._suspend_depth -= 1
 
     def set_batch(self, batch: str) -> None:
+        if self.in_refused_step():
+            return  # a concurrent step's batch is not the open pass's
         if self.current is not None:
             self.current.batch = batch
             self._skip_unrequested(self.current, batch)
@@ -253,6 +312,7 @@ class PassMachine:
             and not current.implicit
             and current.owner in (None, threading.get_ident())
             and not self.suspended()
+            and not self.in_refused_step()
         )
         try:
             batch = layout.observe(args, kwargs, wanted)
@@ -289,7 +349,7 @@ class PassMachine:
         The pass belongs to the calling thread. A root forward entering from another thread while
         it is open would mix two forwards into one pass: that forward is refused instead (see
         :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
-        if self.suspended() or self.step_depth:
+        if self.suspended() or self.step_depth or self.in_refused_step():
             return False
         if nested and self.control is not None and self.current is None:
             return False  # an inner root call is no step boundary, armed or idle
@@ -450,20 +510,22 @@ class PassMachine:
 
     def _refuse_concurrent(self, count: bool = True) -> None:
         """Count a capture of a thread that does not own the open pass; say it once."""
-        if count:
-            self.skipped["concurrent_thread"] += 1
-        if "concurrent_threads" in self.anomalies:
-            return
-        self.anomalies["concurrent_threads"] = (
-            "root forwards from several threads overlapped; the captures of a thread whose forward "
-            "began while another thread's pass was open were skipped (skipped.concurrent_thread)"
-        )
+        with self.lock:  # several threads may count at once
+            if count:
+                self.skipped["concurrent_thread"] += 1
+            if "concurrent_threads" in self.anomalies:
+                return
+            self.anomalies["concurrent_threads"] = (
+                "root forwards or step() blocks from several threads overlapped; the captures of a "
+                "thread whose forward or step began while another thread's pass was open were "
+                "skipped (skipped.concurrent_thread)"
+            )
         self.log.update(anomalies=dict(self.anomalies))
         self.warn(
             "concurrent",
-            "tracedump: a root forward entered from a second thread while another thread's pass "
-            "was open; its captures are skipped, not mixed into that pass. Run the dumped model "
-            "from one thread at a time, or attach one dumper per model copy.",
+            "tracedump: a root forward or step() entered from a second thread while another "
+            "thread's pass was open; its captures are skipped, not mixed into that pass. Run the "
+            "dumped model (and step()) from one thread at a time, or attach one dumper per model copy.",
         )
 
     def report(self, where: str, error: Exception) -> None:

@@ -23,7 +23,7 @@ import torch
 from ..store.format import INPUT_MARK, RECORDS_FILE, Key, key_text, stats_record
 from . import gates
 from .cuda import stream_is_capturing
-from .hooks import flatten_inputs, flatten_tensors
+from .hooks import flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
 from .reduce import compute_stats, last_row
 from .torch_compat import frame_on_stack
@@ -77,6 +77,9 @@ class Recorder(PassMachine):
             return
         if self.name_filter is not None and not self.name_filter(name):
             return
+        if self._refused_steps and self.in_refused_step():
+            self._refuse_concurrent()
+            return
         current, suspended = self.current, self.suspended()
         if current is None:
             if getattr(self._local, "concurrent", False):  # its forward was refused (see above)
@@ -117,7 +120,9 @@ class Recorder(PassMachine):
             self.skipped["outside_pass"] += 1
             return
         try:
-            for suffix, tensor in _leaves(value, is_input):
+            leaves, deep = _leaves(value, is_input)
+            self._count_too_deep(deep)
+            for suffix, tensor in leaves:
                 host, event = self.sink.copy(tensor, pooled=False)
                 self.loose.append((key_text(name, leaf_path(suffix, is_input), is_input), host, event))
         except Exception as e:
@@ -132,10 +137,17 @@ class Recorder(PassMachine):
         keep = self.keep
         if not gates.row_gate_allows(self.rows, keep.max_rows):
             return self._refuse(current, "row_gate")
-        leaves = _leaves(value, is_input)
+        leaves, deep = _leaves(value, is_input)
         if leaves and not gates.token_gate_allows(leaves[0][1], keep.tokens, keep.token_dim):
             return self._refuse(current, "token_gate")
+        if current.selected:
+            self._count_too_deep(deep)
         return leaves
+
+    def _count_too_deep(self, deep: int) -> None:
+        """Tensors nested deeper than the walk goes (:data:`~tracedump.dump.hooks.MAX_DEPTH`)."""
+        if deep:
+            self.skipped["too_deep"] += deep
 
     def _refuse(self, current: Pass, gate: str) -> list[tuple[str, torch.Tensor]]:
         current.gated += 1
@@ -189,6 +201,9 @@ class Recorder(PassMachine):
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self.idle or self.closed or self.suspended() or (once and tag in self._once_tags):
             return
+        if self.in_refused_step():
+            self._refuse_concurrent()
+            return
         if not gates.row_gate_allows(self.rows, self.keep.max_rows):
             self.skipped["row_gate"] += 1  # a warm-up call uses no record_step number either
             return
@@ -225,8 +240,11 @@ class Recorder(PassMachine):
         self.skipped["after_failure_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _leaves(value: Any, is_input: bool) -> list[tuple[str, torch.Tensor]]:
-    return flatten_inputs(*value) if is_input else list(flatten_tensors(value))
+def _leaves(value: Any, is_input: bool) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """A capture's tensor leaves, and how many more were nested too deep to be kept."""
+    deep = [0]
+    leaves = flatten_inputs(*value, deep=deep) if is_input else output_leaves(value, deep)
+    return leaves, deep[0]
 
 
 def check_tag(tag: str) -> None:
