@@ -8,11 +8,12 @@ Exit codes: 0 ok, 1 a divergence (``diff``), 2 a usage error or unreadable input
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,22 +239,129 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_diff_parser(sub)
     add_run_parser(sub)
+    for each in (parser, *dict.fromkeys(sub.choices.values())):
+        _add_debug_flag(each)
     return parser
 
 
+_DEBUG_HELP = "on an internal error, print the traceback (a bug report needs it)"
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` before or after the subcommand: ``tracedump --debug diff A B`` and
+    ``tracedump diff A B --debug`` both work (SUPPRESS: the subcommand's default never resets
+    the flag given before it)."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``tracedump`` command; returns its exit code and never lets a traceback out.
+
+    Exit 1 means "diverged" (``diff``) and nothing else, so that a CI gate never reads a crash
+    as a divergence. Besides a :class:`~tracedump.errors.TracedumpError` (its own code) and an
+    unreadable input (2), :func:`guarded` maps what no command expects: an internal error to 2
+    with one line (``--debug`` shows the traceback), a closed or broken stdout to 2, Ctrl-C to
+    130 (docs/comparator.md, "Exit codes")."""
+    with _stdout_guard():
+        try:
+            args = build_parser().parse_args(argv)
+        except KeyboardInterrupt:
+            _say("tracedump: interrupted")
+            return INTERRUPTED
+        return guarded(args)
+
+
+def guarded(args: argparse.Namespace) -> int:
+    """Run the chosen command; every way it can end becomes an exit code and at most one line."""
     from .errors import TracedumpError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = f"tracedump {args.command}"
+    debug = bool(vars(args).pop("debug", False))  # the guard's flag, not the command's
     try:
         return int(args.func(args))
     except TracedumpError as e:  # anything tracedump refused: one line and the error's own exit code
-        print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
+        _say(f"{command}: {e}")
         return int(e.exit_code)
-    except (OSError, re.error) as e:  # unreadable input is a usage error, never a trace
-        print(printable(f"tracedump {args.command}: {e}", keep_newlines=True), file=sys.stderr)
+    except BrokenPipeError:  # `| head -1`: the reader left; what was not written is lost
+        _silence_stdout()
+        _say(f"{command}: stdout closed before the output was written (exit {ExitCode.USAGE})")
         return ExitCode.USAGE
+    except (OSError, re.error) as e:  # unreadable input is a usage error, never a trace
+        _say(f"{command}: {e}")
+        return ExitCode.USAGE
+    except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
+        _say(f"{command}: interrupted")
+        return INTERRUPTED
+    except Exception as e:  # a bug, or an input no check foresaw: never exit 1 ("diverged")
+        return _internal_error(command, e, debug)
+
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
+
+
+def _internal_error(command: str, error: BaseException, debug: bool) -> int:
+    """Exit 2 with one line naming the error; the traceback too with ``--debug``."""
+    if debug:
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    first_line = (str(error).splitlines() or [""])[0]
+    _say(
+        f"{command}: internal error: {type(error).__name__}: {first_line}; "
+        "rerun with `--debug` for the traceback"
+    )
+    return ExitCode.USAGE
+
+
+def _say(line: str) -> None:
+    """One line on stderr (a closed stderr loses it; the exit code still tells)."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        print(printable(line, keep_newlines=True), file=sys.stderr, flush=True)
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's last flush of a broken stdout neither fails
+    again nor prints "Exception ignored" (the recipe of Python's signal docs, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # fd 1 itself when fd 1 was closed
+        if devnull != 1:
+            os.dup2(devnull, 1)
+            os.close(devnull)
+    except OSError:
+        pass
+
+
+class _ClosedStdout:
+    """``sys.stdout`` when the command was started with fd 1 closed (``>&-``): a write fails as a
+    write to a closed pipe would (EPIPE), so the command ends with exit 2 and one line, not with a
+    traceback from ``None.write`` (or silently, as ``print`` to ``None`` would)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError("stdout is closed")
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise OSError("stdout is closed")
+
+
+@contextlib.contextmanager
+def _stdout_guard() -> Iterator[None]:
+    """With fd 1 closed, hold it on /dev/null (so no file tracedump opens lands on fd 1, where a
+    child of ``tracedump run`` would write into it) and make ``sys.stdout`` a stream that refuses."""
+    if sys.stdout is not None:
+        yield
+        return
+    _silence_stdout()
+    sys.stdout = _ClosedStdout()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = None  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -56,6 +56,11 @@ class Executor:
         self._unit_flips: list[Flip] = []
         self._tokens: int | None = None
         self._by_name: dict[str, PairPlan] = {}
+        # each unit's pairs by A's name, in one walk over the plan (a walk per unit was quadratic
+        # in the passes: issue 34, defect 14)
+        self._units_by_name: dict[int, dict[str, PairPlan]] = {}
+        for pair in plan.pairs:
+            self._units_by_name.setdefault(pair.unit, {})[pair.a.name] = pair
 
     def run(self) -> list[TensorResult]:
         results: list[TensorResult] = []
@@ -76,7 +81,7 @@ class Executor:
 
     def _enter_unit(self, unit: int) -> None:
         self._unit_flips, self._tokens = [], None
-        self._by_name = {p.a.name: p for p in self.plan.pairs if p.unit == unit}
+        self._by_name = self._units_by_name.get(unit, {})
 
     def _one(self, index: int, pair: PairPlan) -> TensorResult:
         unit = self.plan.units[pair.unit]

@@ -67,10 +67,18 @@ def inputs_differ_by_pass(side_a: Side, side_b: Side, plan: Plan) -> list[dict[s
     found: list[dict[str, Any]] = []
     single = len(side_a.groups) == 1 and len(side_b.groups) == 1
     cache: dict[tuple[str, str | None], dict[int, Batch]] = {}
+
+    def layouts(which: str, side: Side, label: str | None) -> dict[int, Batch]:
+        # built once per side and root: every pass's layout comes from one read of the run (a
+        # setdefault's default, built anew for each pass, made the diff quadratic in the passes)
+        if (which, label) not in cache:
+            cache[which, label] = _batches(side, label)
+        return cache[which, label]
+
     for unit in plan.units:
         label = None if single else unit.root
-        batches_a = cache.setdefault(("A", label), _batches(side_a, label))
-        batches_b = cache.setdefault(("B", label), _batches(side_b, label))
+        batches_a = layouts("A", side_a, label)
+        batches_b = layouts("B", side_b, label)
         a, b = batches_a.get(unit.pass_a), batches_b.get(unit.pass_b)
         if a is None or b is None or a.input_ids is None or b.input_ids is None:
             continue

@@ -45,6 +45,22 @@ def _number(value: float | None) -> float | str | None:
     return None if value is None else json_number(float(value))
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN and infinity, however deep, as the strings ``"nan"``, ``"inf"``,
+    ``"-inf"`` (as :func:`~tracedump.store.format.json_number` writes the measured numbers).
+
+    For what the report copies from files it did not write: a manifest may hold ``NaN`` or
+    ``Infinity`` (Python's json reads them), and ``--json`` writes strict JSON, which has neither
+    (defect 6 of issue 34: the whole report was lost to "Out of range float values")."""
+    if isinstance(value, float):
+        return json_number(value)
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def unravel(flat: int | None, shape: tuple[int, ...] | None) -> list[int] | None:
     """A flat index as coordinates in ``shape`` (C order), for "where is the largest error"."""
     if flat is None or shape is None:
@@ -338,10 +354,11 @@ class DiffReport:
         return {
             "a": self.a["path"],
             "b": self.b["path"],
-            "sides": {"a": self.a, "b": self.b},
-            "settings": self.settings,
-            "summary": self.summary(),
-            "tensors": [r.to_json() for r in self.results],
+            # what came from files or options, walked: a manifest's NaN must not void the report
+            "sides": strict_json({"a": self.a, "b": self.b}),
+            "settings": strict_json(self.settings),
+            "summary": strict_json(self.summary()),
+            "tensors": [r.to_json() for r in self.results],  # every number already through _number
             "only_in_a": [u.to_json() for u in self.plan.only_in_a],
             "only_in_b": [u.to_json() for u in self.plan.only_in_b],
         }

@@ -5,6 +5,7 @@ Its own module, free of torch and numpy, so that ``tracedump ls``/``show`` start
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from typing import Any
@@ -33,7 +34,20 @@ def console(stderr: bool = False) -> Any:
 
     When the stream is not a terminal it is 240 columns wide, so long module names stay whole on
     one greppable line in logs and pipes; rich is imported here, on first output, not at import."""
+    stream = sys.stderr if stderr else sys.stdout
+    return _console_class()(file=stream, width=None if stream.isatty() else _WIDE, highlight=False)
+
+
+@functools.cache
+def _console_class() -> Any:
+    """rich's ``Console`` with its broken-pipe handling given back to the command: rich's own
+    ``on_broken_pipe`` raises ``SystemExit(1)``, and 1 is ``tracedump diff``'s "diverged"; the
+    ``BrokenPipeError`` raised instead reaches ``cli.main()``, which decides the exit code."""
     from rich.console import Console
 
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=None if stream.isatty() else _WIDE, highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError("stdout closed before the output was written")
+
+    return _Console
