@@ -316,7 +316,11 @@ class RootPassHooks:
             opened.clear()
         if not opened:
             self.hooks.keep_last()
+        self.hooks.fresh_root_input = None
         opened.append(self.target.open_auto_pass(nested=bool(opened)))
+        fresh, self.hooks.fresh_root_input = self.hooks.fresh_root_input, None
+        if fresh is not None:  # armed by this call's own pre-hook: torch read the hooks before it
+            fresh(module, tuple(args), forward_kwargs_on_stack(module))
 
     def before_with_kwargs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """:meth:`before`, then the batch layout of an outermost forward from its inputs (HF)."""
@@ -350,19 +354,29 @@ class HookSet:
         passes: bool = True,
         sites: CallSites | None = None,
         layout: BatchLayout | None = None,
+        capturing: bool = True,
     ) -> None:
         """``passes``: each outermost root forward is a pass (``attach()``); without, the owner opens
         them (``capture()``'s ``run()``) and the root gets no hook. ``sites``: the call sites of
         the selected modules that have several names (none: every module is named as selected).
         ``layout``: each outermost root forward's batch layout comes from its inputs (HF models;
-        the root's pass hook then takes keyword arguments)."""
+        the root's pass hook then takes keyword arguments). ``capturing``: register the capture
+        hooks now; False leaves them out until :meth:`set_capturing` (``CONTROL=1``, disarmed)."""
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
         self.root = RootPassHooks(target, self, layout)
         self.sites = sites if sites else None
         self.handles: list[RemovableHandle] = []
-        self._last: list[tuple[dict[int, Any], int]] = []
+        self._model = model
+        self._last: list[tuple[dict[int, Any], int]] = []  # the capture hooks registered now
+        self._closer: tuple[dict[int, Any], int] | None = None
         self._epoch = -1
+        # Which hook each module gets is decided here, once; registering them is set_capturing's.
+        self._inputs = [(module, self._hook(target, name, then, True)) for name, module in inputs]
+        self._outputs = [(module, self._hook(target, name, then, False)) for name, module in outputs]
+        self._captures: list[RemovableHandle] = []
+        self.capturing: tuple[bool, bool] = (False, False)  # (outputs, inputs) hooks registered
+        self.fresh_root_input: Any = None  # a root input hook registered inside the root's own call
         try:
             if passes and layout is not None:
                 opener = model.register_forward_pre_hook(
@@ -371,26 +385,56 @@ class HookSet:
                 self.handles.append(opener)
             elif passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
-            for name, module in inputs:
-                hook: Any = InputHook(target, name, then)
-                if self.sites is not None and self.sites.shared(name):
-                    hook = SharedInputHook(target, name, self.sites, then)
-                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-                self._keep(handle, forward_pre_hooks(module))
-            for name, module in outputs:
-                hook = OutputHook(target, name, then)
-                if self.sites is not None and self.sites.shared(name):
-                    hook = SharedOutputHook(target, name, self.sites, then)
-                self._keep(module.register_forward_hook(hook), forward_hooks(module))
             if passes:
                 closer = model.register_forward_hook(self.root.after, always_call=True)
-                self._keep(closer, forward_hooks(model))  # the pass closes after all of them
+                self.handles.append(closer)
+                self._closer = (forward_hooks(model), closer.id)
+            if capturing:
+                self.set_capturing(True, inputs=True)
         except BaseException:
             self.remove()
             raise
 
+    def _hook(self, target: PassTarget, name: str, then: Then | None, is_input: bool) -> _ModuleHook:
+        sites = self.sites
+        if sites is not None and sites.shared(name):
+            kind: type[Any] = SharedInputHook if is_input else SharedOutputHook
+            return kind(target, name, sites, then)  # type: ignore[no-any-return]
+        return InputHook(target, name, then) if is_input else OutputHook(target, name, then)
+
+    def set_capturing(self, outputs: bool, inputs: bool) -> None:
+        """Register the capture hooks (``inputs``: the input hooks too), or remove them all.
+
+        Why: a module with any hook leaves torch's fast call path (about 3 µs per call on the bench
+        machine, before the hook runs), so a disarmed ``CONTROL=1`` engine carries none: only the
+        root's pass hooks, which count its steps. An order arms them at a step boundary, before
+        the step's forward reaches any selected module, and the end of its window removes them.
+        """
+        wanted = (outputs, outputs and inputs)
+        if wanted == self.capturing:
+            return
+        self._drop_captures()
+        if outputs:
+            if inputs:
+                for module, hook in self._inputs:
+                    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+                    self._keep(handle, forward_pre_hooks(module))
+                    if module is self._model:  # inside the root's pre-hooks this call misses it
+                        self.fresh_root_input = hook
+            for module, hook in self._outputs:
+                self._keep(module.register_forward_hook(hook), forward_hooks(module))
+            if self._closer is not None:  # the pass closes after all of them
+                move_hook_last(*self._closer)
+        self.capturing = wanted
+
+    def _drop_captures(self) -> None:
+        for handle in self._captures:
+            handle.remove()
+        self._captures, self._last, self.fresh_root_input = [], [], None
+        self.capturing = (False, False)
+
     def _keep(self, handle: RemovableHandle, hooks: dict[int, Any]) -> None:
-        self.handles.append(handle)
+        self._captures.append(handle)
         self._last.append((hooks, handle.id))
 
     def keep_last(self) -> None:
@@ -405,12 +449,13 @@ class HookSet:
         epoch = hook_registrations()  # torch numbers every hook it registers, anywhere
         if epoch == self._epoch:
             return  # no hook was added since the last check: ours are still last
-        for hooks, hook_id in self._last:
+        for hooks, hook_id in [*self._last, *([self._closer] if self._closer else [])]:
             if hook_id in hooks and not hook_is_last(hooks, hook_id):
                 move_hook_last(hooks, hook_id)
         self._epoch = epoch
 
     def remove(self) -> None:
+        self._drop_captures()
         for handle in self.handles:
             handle.remove()
         self.handles = []
