@@ -1,7 +1,7 @@
 """Arm and disarm a running engine: ``tracedump arm DIR`` / ``tracedump disarm DIR``.
 
 A serving engine started with ``TRACEDUMP_DUMP_CONTROL=1`` (and ``DUMP_DIR``) attaches *disarmed*:
-no capture hook is registered (only the root's pass hooks, which count steps), nothing is
+no capture hook is registered below the root (which keeps its pass hooks), nothing is
 captured, no pass file is written. The channel is one file, ``DIR/control.json``, written
 atomically by the CLI: each dumper looks at it once per step boundary (one ``os.stat``: no
 thread, no port, no dependency) and reads it only when it changed.

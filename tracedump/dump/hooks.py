@@ -316,11 +316,7 @@ class RootPassHooks:
             opened.clear()
         if not opened:
             self.hooks.keep_last()
-        self.hooks.fresh_root_input = None
         opened.append(self.target.open_auto_pass(nested=bool(opened)))
-        fresh, self.hooks.fresh_root_input = self.hooks.fresh_root_input, None
-        if fresh is not None:  # armed by this call's own pre-hook: torch read the hooks before it
-            fresh(module, tuple(args), forward_kwargs_on_stack(module))
 
     def before_with_kwargs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """:meth:`before`, then the batch layout of an outermost forward from its inputs (HF)."""
@@ -368,15 +364,16 @@ class HookSet:
         self.sites = sites if sites else None
         self.handles: list[RemovableHandle] = []
         self._model = model
-        self._last: list[tuple[dict[int, Any], int]] = []  # the capture hooks registered now
-        self._closer: tuple[dict[int, Any], int] | None = None
+        self._kept: list[tuple[dict[int, Any], int]] = []  # hooks on the root, the closer last
+        self._last: list[tuple[dict[int, Any], int]] = []  # the other capture hooks registered now
         self._epoch = -1
-        # Which hook each module gets is decided here, once; registering them is set_capturing's.
-        self._inputs = [(module, self._hook(target, name, then, True)) for name, module in inputs]
-        self._outputs = [(module, self._hook(target, name, then, False)) for name, module in outputs]
+        # Which hook each module gets is decided here, once; set_capturing registers them. The
+        # root's own are registered for good: the root is on torch's hooked call path anyway (its
+        # pass hooks), and a hook removed while the root's pre-hooks run would still be called.
+        self._inputs = [(m, self._hook(target, name, then, True)) for name, m in inputs if m is not model]
+        self._outputs = [(m, self._hook(target, name, then, False)) for name, m in outputs if m is not model]
         self._captures: list[RemovableHandle] = []
         self.capturing: tuple[bool, bool] = (False, False)  # (outputs, inputs) hooks registered
-        self.fresh_root_input: Any = None  # a root input hook registered inside the root's own call
         try:
             if passes and layout is not None:
                 opener = model.register_forward_pre_hook(
@@ -385,12 +382,21 @@ class HookSet:
                 self.handles.append(opener)
             elif passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
-            if passes:
-                closer = model.register_forward_hook(self.root.after, always_call=True)
-                self.handles.append(closer)
-                self._closer = (forward_hooks(model), closer.id)
+            for name, module in inputs:
+                if module is model:
+                    handle = module.register_forward_pre_hook(
+                        self._hook(target, name, then, True), with_kwargs=True
+                    )
+                    self._keep_for_good(handle, forward_pre_hooks(module))
             if capturing:
                 self.set_capturing(True, inputs=True)
+            for name, module in outputs:
+                if module is model:
+                    handle = module.register_forward_hook(self._hook(target, name, then, False))
+                    self._keep_for_good(handle, forward_hooks(module))
+            if passes:
+                closer = model.register_forward_hook(self.root.after, always_call=True)
+                self._keep_for_good(closer, forward_hooks(model))  # the pass closes after all of them
         except BaseException:
             self.remove()
             raise
@@ -405,10 +411,11 @@ class HookSet:
     def set_capturing(self, outputs: bool, inputs: bool) -> None:
         """Register the capture hooks (``inputs``: the input hooks too), or remove them all.
 
-        Why: a module with any hook leaves torch's fast call path (about 3 µs per call on the bench
-        machine, before the hook runs), so a disarmed ``CONTROL=1`` engine carries none: only the
-        root's pass hooks, which count its steps. An order arms them at a step boundary, before
-        the step's forward reaches any selected module, and the end of its window removes them.
+        Why: a module with any hook leaves torch's fast call path (about 2.6 µs per call on the
+        bench machine, before the hook runs), so a disarmed ``CONTROL=1`` engine carries none but
+        the root's (whose captures return at their first test while idle). An order registers
+        them at the step boundary that starts its window, before that step's forward reaches any
+        selected module, and the boundary after its window removes them.
         """
         wanted = (outputs, outputs and inputs)
         if wanted == self.capturing:
@@ -419,23 +426,23 @@ class HookSet:
                 for module, hook in self._inputs:
                     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                     self._keep(handle, forward_pre_hooks(module))
-                    if module is self._model:  # inside the root's pre-hooks this call misses it
-                        self.fresh_root_input = hook
             for module, hook in self._outputs:
                 self._keep(module.register_forward_hook(hook), forward_hooks(module))
-            if self._closer is not None:  # the pass closes after all of them
-                move_hook_last(*self._closer)
         self.capturing = wanted
 
     def _drop_captures(self) -> None:
         for handle in self._captures:
             handle.remove()
-        self._captures, self._last, self.fresh_root_input = [], [], None
+        self._captures, self._last = [], []
         self.capturing = (False, False)
 
     def _keep(self, handle: RemovableHandle, hooks: dict[int, Any]) -> None:
         self._captures.append(handle)
         self._last.append((hooks, handle.id))
+
+    def _keep_for_good(self, handle: RemovableHandle, hooks: dict[int, Any]) -> None:
+        self.handles.append(handle)
+        self._kept.append((hooks, handle.id))
 
     def keep_last(self) -> None:
         """Move each capture hook behind any hook the host added after ``attach()``.
@@ -449,7 +456,7 @@ class HookSet:
         epoch = hook_registrations()  # torch numbers every hook it registers, anywhere
         if epoch == self._epoch:
             return  # no hook was added since the last check: ours are still last
-        for hooks, hook_id in [*self._last, *([self._closer] if self._closer else [])]:
+        for hooks, hook_id in [*self._last, *self._kept]:
             if hook_id in hooks and not hook_is_last(hooks, hook_id):
                 move_hook_last(hooks, hook_id)
         self._epoch = epoch
