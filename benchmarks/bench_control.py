@@ -1,11 +1,12 @@
 """What an engine pays for being armable: ``CONTROL=1`` attached and disarmed, against untouched.
 
 Two copies of the bench model (same weights) run the same forward inside ``step()``, interleaved
-round by round: one untouched, one attached with ``CONTROL=1`` and never armed (every hook in
-place and returning at once; the order file stat-ed once per step; a heartbeat twice a second).
-Reported: the step ratio (target <= 1.01), and the cost per hook call and per step boundary in ns,
-measured directly on a no-op forward so they are not lost in the forward's noise. Then one armed
-window of 3 steps, for the cost while armed, as the host sees it.
+round by round: one untouched, one attached with ``CONTROL=1`` and never armed (no capture hook
+registered until an order arms a step, only the root's pass hooks; the order file stat-ed once
+per step; a heartbeat twice a second). Reported: the step ratio (target <= 1.01), the hooks on
+the model while idle, and the cost of a capture hook's call while disarmed and of a step boundary
+in ns, measured directly so they are not lost in the forward's noise. Then one armed window of 3
+steps, for the cost while armed, as the host sees it.
 
 Run alone: ``python benchmarks/bench_control.py [--quick]`` prints the JSON.
 """
@@ -74,7 +75,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         blocks = common.best_per_block(samples, 1)
         idle_ratio = common.paired_ratio(blocks["idle"]["step"], blocks["untouched"]["step"])
         direct = _per_call_ns(dumper)
-        hooks = sum(len(m._forward_hooks) for m in armable.modules())
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in armable.modules())
         write_order(scratch, Order(id=1, action="arm", start_step=0, steps=3))
         armed = [_stepper(armable, ids, dumper)()["step"] for _ in range(3)]
         dumper.close()

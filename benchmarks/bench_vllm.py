@@ -70,10 +70,12 @@ def _save_model(out: Path, quick: bool) -> dict[str, int]:
     import torch
     import transformers
 
+    # The issue's engine (35): a 3-layer, 256-wide Llama, whose ~12 ms decode steps show a fixed
+    # cost per capture or per step plainly (8 rows x 256 x 4 B per activation).
     shape = (
         {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
         if quick
-        else {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8}
+        else {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3}
     )
     config = transformers.LlamaConfig(
         **shape,
@@ -139,9 +141,9 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
     )
     runner = _runner(llm)
     model = runner.get_model()
-    prompts = 2 if quick else 4
-    prompt_len = 16 if quick else 64
-    new_tokens = 4 if quick else 8
+    prompts = 2 if quick else 8
+    prompt_len = 16 if quick else 32
+    new_tokens = 4 if quick else 16
     inputs = [
         {"prompt_token_ids": [1 + (i * 31 + k * 7) % 7000 for k in range(prompt_len)]} for i in range(prompts)
     ]
@@ -167,22 +169,25 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
 
     def full() -> dict[str, float]:
         nonlocal passes
-        os.environ["TRACEDUMP_DUMP_DIR"] = str(dumps)
+        os.environ.update(TRACEDUMP_DUMP_DIR=str(dumps), TRACEDUMP_DUMP_MODULES="all")
         try:
             hooks = plugin.RunnerHooks(runner)
             hooks._attach()
         finally:
             os.environ.pop("TRACEDUMP_DUMP_DIR", None)
-        seconds = _clocked(generate)
+            os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
+        with StepClock(runner, prompts) as clock:  # outside the plugin's wrappers: what the engine sees
+            seconds = _clocked(generate)
         passes += hooks.dumper.pass_index if hooks.dumper is not None else 0
         hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
         gc.collect()
-        return seconds
+        return seconds | clock.result()
 
     def plain() -> dict[str, float]:
-        seconds = _clocked(generate)
+        with StepClock(runner, prompts) as clock:
+            seconds = _clocked(generate)
         gc.collect()  # as the full round does after its timing: each round starts alike
-        return seconds
+        return seconds | clock.result()
 
     with torch.inference_mode():
         samples = common.interleave(
@@ -211,6 +216,12 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
         "full_ratio_min": common.ratio(min(samples["full"]["s"]), min(base["s"])),
         "off_ratio": common.paired_ratio(samples["plugin_off"]["s"], samples["untouched"]["s"]),
         "full_ratio": common.paired_ratio(samples["full"]["s"], samples["untouched"]["s"]),
+        # one decode step (every request one new token), execute_model to sample_tokens, as the
+        # engine times it: the median step of each round, paired by round
+        "decode_step_ms": {name: 1e3 * common.median(values["decode"]) for name, values in samples.items()},
+        "off_decode_ratio": common.paired_ratio(samples["plugin_off"]["decode"], base["decode"]),
+        "full_decode_ratio": common.paired_ratio(samples["full"]["decode"], base["decode"]),
+        "full_prefill_ratio": common.paired_ratio(samples["full"]["prefill"], base["prefill"]),
         **{
             f"{short}_ratio_{clock}": common.paired_ratio(samples[variant][clock], base[clock])
             for variant, short in (("plugin_off", "off"), ("full", "full"))
@@ -221,6 +232,65 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
         "full_passes_per_round": passes / max(1, rounds + 1),
         "quick": quick,
     }
+
+
+class StepClock:
+    """Times each engine step of a generate from outside the plugin: ``execute_model`` until its
+    ``sample_tokens`` returns (the plugin's step spans the same calls). Installed over whatever
+    the runner's methods are now (vLLM's own, or the plugin's wrappers) and put back after."""
+
+    NAMES = ("execute_model", "sample_tokens")
+
+    def __init__(self, runner: Any, requests: int) -> None:
+        self.runner = runner
+        self.requests = requests
+        self.decode: list[float] = []
+        self.prefill: list[float] = []
+        self._saved: dict[str, Any] = {}
+        self._started: tuple[float, int] | None = None
+
+    def __enter__(self) -> StepClock:
+        runner = self.runner
+        self._saved = {name: runner.__dict__.get(name) for name in self.NAMES}
+        execute, sample = runner.execute_model, runner.sample_tokens
+
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            scheduled = args[0] if args else kwargs.get("scheduler_output")
+            tokens = int(getattr(scheduled, "total_num_scheduled_tokens", 0) or 0)
+            start = time.perf_counter()
+            output = execute(*args, **kwargs)
+            if output is None and tokens:
+                self._started = (start, tokens)
+            return output
+
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                if self._started is not None:
+                    start, tokens = self._started
+                    self._started = None
+                    kind = self.decode if tokens <= self.requests else self.prefill
+                    kind.append(time.perf_counter() - start)
+
+        runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, saved in self._saved.items():
+            if saved is None:
+                self.runner.__dict__.pop(name, None)
+            else:
+                setattr(self.runner, name, saved)
+
+    def result(self) -> dict[str, float]:
+        from benchmarks import common
+
+        return {
+            "decode": common.median(self.decode) if self.decode else float("nan"),
+            "prefill": common.median(self.prefill) if self.prefill else float("nan"),
+            "decode_steps": float(len(self.decode)),
+        }
 
 
 def _clocked(fn: Any) -> dict[str, float]:

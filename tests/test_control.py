@@ -88,6 +88,55 @@ def test_control_attaches_disarmed_hooks_in_place_no_pass_file(tmp_path: Path) -
     assert manifest["control"]["state"] == "idle" and manifest["skipped"] == {}
 
 
+def _capture_hooks(model: torch.nn.Module) -> int:
+    """Hooks on the model beyond the root's two pass hooks (its pre-hook and its closing hook)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) - 2
+
+
+def test_an_idle_engine_carries_no_capture_hook_and_a_window_registers_them_while_it_runs(
+    tmp_path: Path,
+) -> None:
+    model = _model()
+    dumper = _attach(tmp_path, model)
+    _steps(dumper, model, 2)
+    assert _capture_hooks(model) == 0  # idle: torch's fast call path for every module
+    assert _arm(tmp_path, "--steps", "2", "--inputs") == 0
+    _until(dumper, model, "armed")
+    assert _capture_hooks(model) == 2 * len(dumper.modules)  # outputs and, for --inputs, inputs
+    _until(dumper, model, "done")
+    assert _capture_hooks(model) == 0  # the boundary that ended the window removed them
+    dumper.flush()
+    dumped = _passes(tmp_path)
+    assert len(dumped) == 2
+    run_dir = next(tmp_path.glob("rank*"))
+    stored = tracedump.load_pass(run_dir / dumped[0])
+    assert any("@in" in key for key in stored) and any("@in" not in key for key in stored)
+
+
+def test_a_window_armed_by_a_root_forward_captures_the_roots_own_inputs_in_its_first_step(
+    tmp_path: Path,
+) -> None:
+    """Without step(), the root's pre-hook arms the window: the root's input hook, registered
+    inside that very call (torch read the hooks before it), still sees the first step's inputs."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)  # a root that is itself the selected leaf
+    dumper = _attach(tmp_path, model)
+    for _ in range(2):
+        model(torch.ones(2, 4))
+    assert _arm(tmp_path, "--steps", "1", "--inputs") == 0
+    for _ in range(200_000):
+        history = dumper.recorder.control.history  # type: ignore[union-attr]
+        if any(e["event"] == "done" for e in history):
+            break
+        model(torch.ones(2, 4))
+    dumper.flush()
+    (dumped,) = _passes(tmp_path)
+    stored = tracedump.load_pass(next(tmp_path.glob("rank*")) / dumped)
+    inputs = [key for key in stored if "@in" in key]
+    assert len(inputs) == 1 and len(stored) == 2  # its input once (not twice), and its output
+    assert torch.equal(stored[inputs[0]], torch.ones(2, 4))
+
+
 def test_arm_for_n_steps_then_idle_and_disarm_ends_an_open_order(tmp_path: Path) -> None:
     model = _model()
     dumper = _attach(tmp_path, model)

@@ -495,9 +495,11 @@ def test_a_fork_waits_for_the_writer_to_go_idle_so_the_child_inherits_no_half_do
 
 def test_later_passes_copy_into_recycled_buffers_and_still_store_their_own_values(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setattr(tracedump.dump.cuda, "POOLED_FROM_BYTES", 0)  # these small tensors too
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     dumper = tracedump.attach(model)
     pool = dumper.rundir.writer.buffers
+    pool.smallest = 0
     inputs = [torch.full((4, 8), float(i)) for i in range(4)]
     counts: list[tuple[int, int]] = []  # (buffers allocated, buffers reused) after each pass
     for x in inputs:
@@ -508,6 +510,28 @@ def test_later_passes_copy_into_recycled_buffers_and_still_store_their_own_value
 
     # the first pass's two captures take fresh buffers; every capture after them a recycled one
     assert counts == [(2, 0), (2, 2), (2, 4), (2, 6)]
+    for index, x in enumerate(inputs):
+        stored = tracedump.load_pass(dumper.run_dir / f"pass{index:05d}.safetensors")
+        assert torch.equal(stored["0"], model[0](x).detach())
+        assert torch.equal(stored["1"], model(x).detach())
+
+
+def test_small_captures_are_clones_and_large_ones_recycled_buffers(tmp_path, monkeypatch):
+    """Below POOLED_FROM_BYTES a capture is one clone (the pool is neither asked nor fed); above
+    it, the second pass copies into the first pass's buffers. Both store their own values."""
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    big = tracedump.dump.cuda.POOLED_FROM_BYTES // 4  # float32 elements of one pooled capture
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, big))
+    dumper = tracedump.attach(model)
+    pool = dumper.rundir.writer.buffers
+    inputs = [torch.full((1, 4), float(i)) for i in range(3)]
+    counts = []
+    for x in inputs:
+        model(x)
+        dumper.flush()
+        counts.append((pool.allocated, pool.reused))
+    dumper.close()
+    assert counts == [(1, 0), (1, 1), (1, 2)]  # only the large output went through the pool
     for index, x in enumerate(inputs):
         stored = tracedump.load_pass(dumper.run_dir / f"pass{index:05d}.safetensors")
         assert torch.equal(stored["0"], model[0](x).detach())

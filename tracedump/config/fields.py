@@ -112,8 +112,8 @@ class DumpFields(BaseModel):
     )
     control: Annotated[bool, BeforeValidator(parse_bool)] = Field(
         False,
-        description="`1` attaches disarmed (hooks in place, nothing captured) until `tracedump arm DIR` "
-        "orders steps; `tracedump disarm DIR` ends them (see docs/operations.md).",
+        description="`1` attaches disarmed (no capture hook registered, nothing captured) until "
+        "`tracedump arm DIR` orders steps; `tracedump disarm DIR` ends them (see docs/operations.md).",
     )
     max_pending_bytes: Annotated[int, BeforeValidator(parse_byte_size)] = Field(
         4 << 30,

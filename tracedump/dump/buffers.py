@@ -24,7 +24,8 @@ class HostBufferPool:
     freshly: whether recycling works is read there (tests, benchmarks), not inferred from timing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, smallest: int = 0) -> None:
+        self.smallest = smallest  # storages below this many bytes are not kept (never asked for)
         self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
         self._free_bytes = 0
         self._lock = threading.Lock()
@@ -49,6 +50,8 @@ class HostBufferPool:
         """Keep the storages of written tensors while the free bytes stay within ``room``."""
         with self._lock:
             for tensor in tensors:
+                if tensor.nbytes < self.smallest:  # a clone (copy_to_host): not worth keeping
+                    continue
                 storage = tensor.untyped_storage()
                 nbytes = storage.nbytes()
                 if nbytes == 0 or self._free_bytes + nbytes > room:

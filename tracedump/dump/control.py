@@ -1,9 +1,10 @@
 """Arm and disarm a running engine: ``tracedump arm DIR`` / ``tracedump disarm DIR``.
 
 A serving engine started with ``TRACEDUMP_DUMP_CONTROL=1`` (and ``DUMP_DIR``) attaches *disarmed*:
-its hooks are in place, nothing is captured, no pass file is written. The channel is one file,
-``DIR/control.json``, written atomically by the CLI: each dumper looks at it once per step
-boundary (one ``os.stat``: no thread, no port, no dependency) and reads it only when it changed.
+no capture hook is registered below the root (which keeps its pass hooks), nothing is
+captured, no pass file is written. The channel is one file, ``DIR/control.json``, written
+atomically by the CLI: each dumper looks at it once per step boundary (one ``os.stat``: no
+thread, no port, no dependency) and reads it only when it changed.
 
 - **Who may arm**: the order file must belong to the engine's own user and be writable by nobody
   else (the dump dir is ``0700``); any other file, or one that does not parse, is ignored with one

@@ -19,14 +19,28 @@ from .runtime import warn_once
 SyncEscape = Callable[[], AbstractContextManager[Any]]
 
 
+# The probe as torch ships it, and whether this torch was built without CUDA: there it always
+# raises (a dummy binding), so the answer is known without the exception (a few µs per capture).
+_SHIPPED_PROBE = torch.cuda.is_current_stream_capturing
+_NO_CUDA_BUILD = not torch.backends.cuda.is_built()
+# Below this many bytes a capture is a ``clone()`` (one op; the allocator hands back memory it
+# freed a moment ago), above it a copy into a recycled buffer (a fresh large allocation page-faults
+# on every page). Measured on the bench machine: clone 1.6 µs and pool 3-5 µs at 8 KiB, the same
+# at 256 KiB, clone 1.7x slower at 4 MiB (docs/performance.md, issue 35).
+POOLED_FROM_BYTES = 512 << 10
+
+
 def stream_is_capturing() -> bool:
     """True while the current CUDA stream records a graph: a copy now would break the capture.
 
     ``torch.cuda.is_current_stream_capturing`` never creates a CUDA context; on a CPU-only build it
-    raises, which means "no".
+    raises, which means "no" (answered without calling it, unless something replaced it).
     """
+    probe = torch.cuda.is_current_stream_capturing
+    if _NO_CUDA_BUILD and probe is _SHIPPED_PROBE:
+        return False
     try:
-        return bool(torch.cuda.is_current_stream_capturing())
+        return bool(probe())
     except (RuntimeError, AssertionError, AttributeError):
         return False
 
@@ -94,9 +108,12 @@ def copy_to_host(
     buffer in place, are ordered after the copy. The writer thread waits on the event, the forward
     does not. ``pool`` supplies recycled buffers (see :mod:`tracedump.dump.buffers`).
     """
+    if tensor.is_cpu:  # the hot path: as few torch calls as the copy allows
+        source = tensor.detach() if tensor.requires_grad else tensor
+        if pool is None or source.nbytes < POOLED_FROM_BYTES:
+            return source.clone(memory_format=torch.contiguous_format), None
+        return pool.empty_like(source, False).copy_(source), None
     source = tensor.detach()
-    if source.device.type == "cpu":
-        return _host_buffer(source, False, pool).copy_(source), None
     # Only CUDA copies are made asynchronous (pinned buffer + an event the writer waits on); other
     # accelerators get a synchronous copy, since no event here would tell the writer it landed.
     is_cuda = source.device.type == "cuda"

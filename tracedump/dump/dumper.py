@@ -154,7 +154,11 @@ class Dumper:
         keep = kept_names(settings, self.shared, self.modules)
         sites = CallSites(model, names, self.shared, keep) if self.shared else None
         layout = batch_layout_for(model)  # HF: each root forward's batch layout from its inputs
-        self.hooks = HookSet(model, self.recorder, self.modules, inputs, sites=sites, layout=layout)
+        self.hooks = HookSet(
+            model, self.recorder, self.modules, inputs, sites=sites, layout=layout, capturing=control is None
+        )
+        if control is not None:  # disarmed: no capture hook at all until an order arms a step
+            self.recorder.hooks_follow = self.hooks.set_capturing
         if self.graft is not None:
             self.graft.register()
         self.rundir.close_at_exit(self.close)

@@ -416,19 +416,30 @@ class HookSet:
         passes: bool = True,
         sites: CallSites | None = None,
         layout: BatchLayout | None = None,
+        capturing: bool = True,
     ) -> None:
         """``passes``: each outermost root forward is a pass (``attach()``); without, the owner opens
         them (``capture()``'s ``run()``) and the root gets no hook. ``sites``: the call sites of
         the selected modules that have several names (none: every module is named as selected).
         ``layout``: each outermost root forward's batch layout comes from its inputs (HF models;
-        the root's pass hook then takes keyword arguments)."""
+        the root's pass hook then takes keyword arguments). ``capturing``: register the capture
+        hooks now; False leaves them out until :meth:`set_capturing` (``CONTROL=1``, disarmed)."""
         # The pass opens before any capture hook of this call runs (a root that is itself a selected
         # leaf has its input hook on the same module) and closes after the last one.
         self.root = RootPassHooks(target, self, layout)
         self.sites = sites if sites else None
         self.handles: list[RemovableHandle] = []
-        self._last: list[tuple[dict[int, Any], int]] = []
+        self._model = model
+        self._kept: list[tuple[dict[int, Any], int]] = []  # hooks on the root, the closer last
+        self._last: list[tuple[dict[int, Any], int]] = []  # the other capture hooks registered now
         self._epoch = -1
+        # Which hook each module gets is decided here, once; set_capturing registers them. The
+        # root's own are registered for good: the root is on torch's hooked call path anyway (its
+        # pass hooks), and a hook removed while the root's pre-hooks run would still be called.
+        self._inputs = [(m, self._hook(target, name, then, True)) for name, m in inputs if m is not model]
+        self._outputs = [(m, self._hook(target, name, then, False)) for name, m in outputs if m is not model]
+        self._captures: list[RemovableHandle] = []
+        self.capturing: tuple[bool, bool] = (False, False)  # (outputs, inputs) hooks registered
         try:
             if passes and layout is not None:
                 opener = model.register_forward_pre_hook(
@@ -438,26 +449,66 @@ class HookSet:
             elif passes:
                 self.handles.append(model.register_forward_pre_hook(self.root.before, prepend=True))
             for name, module in inputs:
-                hook: Any = InputHook(target, name, then)
-                if self.sites is not None and self.sites.shared(name):
-                    hook = SharedInputHook(target, name, self.sites, then)
-                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-                self._keep(handle, forward_pre_hooks(module))
+                if module is model:
+                    handle = module.register_forward_pre_hook(
+                        self._hook(target, name, then, True), with_kwargs=True
+                    )
+                    self._keep_for_good(handle, forward_pre_hooks(module))
+            if capturing:
+                self.set_capturing(True, inputs=True)
             for name, module in outputs:
-                hook = OutputHook(target, name, then)
-                if self.sites is not None and self.sites.shared(name):
-                    hook = SharedOutputHook(target, name, self.sites, then)
-                self._keep(module.register_forward_hook(hook), forward_hooks(module))
+                if module is model:
+                    handle = module.register_forward_hook(self._hook(target, name, then, False))
+                    self._keep_for_good(handle, forward_hooks(module))
             if passes:
                 closer = model.register_forward_hook(self.root.after, always_call=True)
-                self._keep(closer, forward_hooks(model))  # the pass closes after all of them
+                self._keep_for_good(closer, forward_hooks(model))  # the pass closes after all of them
         except BaseException:
             self.remove()
             raise
 
+    def _hook(self, target: PassTarget, name: str, then: Then | None, is_input: bool) -> _ModuleHook:
+        sites = self.sites
+        if sites is not None and sites.shared(name):
+            kind: type[Any] = SharedInputHook if is_input else SharedOutputHook
+            return kind(target, name, sites, then)  # type: ignore[no-any-return]
+        return InputHook(target, name, then) if is_input else OutputHook(target, name, then)
+
+    def set_capturing(self, outputs: bool, inputs: bool) -> None:
+        """Register the capture hooks (``inputs``: the input hooks too), or remove them all.
+
+        Why: a module with any hook leaves torch's fast call path (about 2.6 µs per call on the
+        bench machine, before the hook runs), so a disarmed ``CONTROL=1`` engine carries none but
+        the root's (whose captures return at their first test while idle). An order registers
+        them at the step boundary that starts its window, before that step's forward reaches any
+        selected module, and the boundary after its window removes them.
+        """
+        wanted = (outputs, outputs and inputs)
+        if wanted == self.capturing:
+            return
+        self._drop_captures()
+        if outputs:
+            if inputs:
+                for module, hook in self._inputs:
+                    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+                    self._keep(handle, forward_pre_hooks(module))
+            for module, hook in self._outputs:
+                self._keep(module.register_forward_hook(hook), forward_hooks(module))
+        self.capturing = wanted
+
+    def _drop_captures(self) -> None:
+        for handle in self._captures:
+            handle.remove()
+        self._captures, self._last = [], []
+        self.capturing = (False, False)
+
     def _keep(self, handle: RemovableHandle, hooks: dict[int, Any]) -> None:
-        self.handles.append(handle)
+        self._captures.append(handle)
         self._last.append((hooks, handle.id))
+
+    def _keep_for_good(self, handle: RemovableHandle, hooks: dict[int, Any]) -> None:
+        self.handles.append(handle)
+        self._kept.append((hooks, handle.id))
 
     def keep_last(self) -> None:
         """Move each capture hook behind any hook the host added after ``attach()``.
@@ -471,12 +522,13 @@ class HookSet:
         epoch = hook_registrations()  # torch numbers every hook it registers, anywhere
         if epoch == self._epoch:
             return  # no hook was added since the last check: ours are still last
-        for hooks, hook_id in self._last:
+        for hooks, hook_id in [*self._last, *self._kept]:
             if hook_id in hooks and not hook_is_last(hooks, hook_id):
                 move_hook_last(hooks, hook_id)
         self._epoch = epoch
 
     def remove(self) -> None:
+        self._drop_captures()
         for handle in self.handles:
             handle.remove()
         self.handles = []

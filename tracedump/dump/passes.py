@@ -92,7 +92,7 @@ class Pass:
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
         self.entries.append((key, tensor, event))
         self.seqs.append(self.next_seq())
-        self.nbytes += tensor.numel() * tensor.element_size()
+        self.nbytes += tensor.numel() * tensor.element_size()  # not .nbytes: capture() keeps sparse ones
         self.kept += 1
 
     def next_seq(self) -> int:
@@ -168,6 +168,9 @@ class PassMachine:
         self.mode = keep.mode
         self.inputs = keep.inputs
         self.name_filter: Callable[[str], bool] | None = None  # an armed order's --filter (memoised)
+        # control: registers the capture hooks while armed, removes them while idle (HookSet's
+        # set_capturing(outputs, inputs)); None: the hooks stay as attach() registered them
+        self.hooks_follow: Callable[[bool, bool], None] | None = None
         self.boundaries = 0  # step boundaries seen (control: the pass index is the step number)
         self.step_depth = 0  # open step() blocks (of the thread that holds the step)
         self.idle = control is not None  # control: disarmed, every hook returns at once
@@ -491,6 +494,8 @@ class PassMachine:
             self.log.update(settings={**self.log.manifest.get("settings", {}), "mode": self.mode})
         self.inputs = bool(armed and armed.inputs) or self.keep.inputs
         self.name_filter = armed.name_filter if armed is not None else None
+        if self.hooks_follow is not None:
+            self.hooks_follow(armed is not None, self.inputs)
         if changed:
             self.log.update(control=self.control.state())
         return armed is not None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..store.format import INPUT_MARK, RECORDS_FILE, Key, key_text, stats_record
-from . import gates
+from . import gates, suspend
 from .cuda import stream_is_capturing
 from .hooks import flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
@@ -49,6 +49,8 @@ class Recorder(PassMachine):
         self._once_tags: set[str] = set()
         self._step_counts: collections.Counter[str] = collections.Counter()
         self.loose: list[tuple[str, torch.Tensor, Any]] = []
+        # No gate can refuse a capture (decided once, from the settings): the plain path applies.
+        self._gateless = self.keep.tokens is None and self.keep.max_rows is None
 
     def record(self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False) -> None:
         try:
@@ -73,6 +75,32 @@ class Recorder(PassMachine):
     # ---------------------------------------------------------------- hot path
 
     def on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
+        current = self.current
+        if (
+            current is not None
+            and self._gateless
+            and current.selected
+            and not current.implicit
+            and not is_input
+            and not self.idle
+            and self.name_filter is None
+            and not self._suspend_depth
+            and not suspend.globally_suspended()
+            and (current.owner is None or current.owner == threading.get_ident())
+        ):
+            # The plain case, decided in one test: a kept pass of this thread's, no gate, no
+            # filter, no suspension. What the general path below would decide, without its steps.
+            try:
+                leaves = [("", value)] if isinstance(value, torch.Tensor) else list(flatten_tensors(value))
+                if leaves:
+                    self._capture_module(current, name, leaves, is_input=False)
+            except Exception as e:
+                self.report(name, e)
+            return
+        self._on_module_tensors(name, value, is_input=is_input)
+
+    def _on_module_tensors(self, name: str, value: Any, *, is_input: bool) -> None:
+        """Every case: the gates, implicit passes, other threads, suspension, control's filter."""
         if self.idle or (is_input and not self.inputs):
             return
         if self.name_filter is not None and not self.name_filter(name):

@@ -38,10 +38,11 @@ from ..store.format import (
 from ..store.fsio import atomic_path, move_into_place, open_for_append, write_json_atomic
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
-from .cuda import wait_for
+from .cuda import POOLED_FROM_BYTES, wait_for
 from .torch_compat import safetensors_writable_dtypes
 
 _MANIFEST_INTERVAL_S = 1.0
+_MANIFEST_SHARE = 100  # a manifest write waits at least this many times its own duration
 # Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
 RESERVED_NAMES = frozenset({"__metadata__"})
 # The dtypes a pass file holds (what safetensors writes and reads back); any other dtype is skipped
@@ -56,12 +57,11 @@ def storable(tensor: torch.Tensor) -> bool:
     """Whether a pass file can hold ``tensor``: one that cannot (``complex128``, sparse, meta,
     quantized, nested: a nested tensor's layout says strided, but it has no sizes) would make the
     whole file unwritable, so it is skipped and counted instead."""
-    return (
-        tensor.layout == torch.strided
+    return (  # a quantized tensor's dtype (qint8, ...) is never one of ours: the dtype test covers it
+        tensor.dtype in STORABLE_DTYPES
+        and tensor.layout == torch.strided
         and not tensor.is_nested
-        and not tensor.is_quantized
-        and tensor.device.type != "meta"
-        and tensor.dtype in STORABLE_DTYPES
+        and not tensor.is_meta
     )
 
 
@@ -202,12 +202,13 @@ class Writer:
         self._closing = False
         self._abandoned = False
         self._last_manifest = 0.0
+        self._manifest_every = _MANIFEST_INTERVAL_S
         # The manifest is changed by the host thread (RunDir.update, from hooks) and the writer
         # thread (note_file): each change, its snapshot and its rename happen under this lock, so
         # the encoder never sees the dict change and the last state is the one left on disk.
         self._manifest_lock = threading.Lock()
         self._stats_handle: Any = None
-        self.buffers = HostBufferPool()
+        self.buffers = HostBufferPool(smallest=POOLED_FROM_BYTES)
         self._thread = threading.Thread(target=self._loop, name="tracedump-writer", daemon=True)
         self._thread.start()
 
@@ -332,7 +333,7 @@ class Writer:
                 self.totals.passes.add(index)
             self.totals.bytes += size
             self.totals.files += 1
-        if time.monotonic() - self._last_manifest > _MANIFEST_INTERVAL_S:
+        if time.monotonic() - self._last_manifest > self._manifest_every:
             self.write_manifest()
 
     def append_stats(self, lines: list[str]) -> None:
@@ -354,11 +355,15 @@ class Writer:
                 "files": self.totals.files,
                 "indices": sorted(self.totals.passes),
             }
-            self._last_manifest = time.monotonic()
+            started = time.monotonic()
             try:
                 write_json_atomic(self.run_dir / MANIFEST, self.manifest)
             except OSError as e:  # the disk may be full: the failure itself is already being reported
                 self.manifest.setdefault("manifest_error", str(e))
+            self._last_manifest = now = time.monotonic()
+            # The manifest lists every pass, so it grows with the run: written at most once a
+            # second, and never more than 1% of the writer's time (the GIL it holds is the host's).
+            self._manifest_every = max(_MANIFEST_INTERVAL_S, _MANIFEST_SHARE * (now - started))
 
     def _seal_stats(self) -> None:
         if self._stats_handle is None:
