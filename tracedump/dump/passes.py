@@ -41,6 +41,7 @@ class RunLog(Protocol):
     def manifest(self) -> dict[str, Any]: ...
     def update(self, **fields: Any) -> None: ...
     def report(self, where: str, error: BaseException) -> None: ...
+    def cut_short(self, index: int, error: BaseException) -> None: ...
 
 
 class _Everything:
@@ -214,10 +215,12 @@ class PassMachine:
         self.step_depth += 1  # root forwards inside belong to this step, armed or not
         try:
             yield owner
-        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
+        except BaseException as error:  # Ctrl-C or an error cut the step short: what it captured is partial
             if opened:
                 opened = False
+                index = self.pass_index
                 self.close_pass(truncated=True)
+                self._cut_short(index, error)
             raise
         finally:
             self.step_depth -= 1
@@ -465,6 +468,14 @@ class PassMachine:
             "was open; its captures are skipped, not mixed into that pass. Run the dumped model "
             "from one thread at a time, or attach one dumper per model copy.",
         )
+
+    def _cut_short(self, index: int, error: BaseException) -> None:
+        """A step raised (the engine's forward failed, Ctrl-C): the manifest says the dump is
+        incomplete and keeps the error, so a diff never reads the cut pass as a whole one."""
+        try:
+            self.log.cut_short(index, error)
+        except Exception as e:  # never raise into the host: its own exception is on its way
+            self.report(f"step {index}", e)
 
     def report(self, where: str, error: Exception) -> None:
         self.skipped["errors"] += 1
