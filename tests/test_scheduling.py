@@ -33,6 +33,7 @@ class Tiny(nn.Module):
         self.embed = nn.Embedding(64, 16)
         self.layer = nn.Linear(16, 16)
         self.head = nn.Linear(16, 16)
+        self.logits = nn.Linear(16, 8)  # one row per sequence of a step: its last row's (sampled)
         with torch.no_grad():
             self.layer.weight.mul_(bug)
 
@@ -59,7 +60,10 @@ def dump(out: Path, steps: list[list[Row]], bug: float = 1.0, raise_at: int | No
                     if index == raise_at:
                         model.embed(ids)
                         raise RuntimeError("engine step failed")
-                    model(ids)
+                    hidden = model(ids)
+                    seqs = [s for s, _, _ in rows]
+                    last = [max(i for i, t in enumerate(seqs) if t == s) for s in dict.fromkeys(seqs)]
+                    model.logits(hidden[last])
             except RuntimeError:
                 assert index == raise_at
                 break
@@ -169,6 +173,19 @@ def test_preemption_with_recompute_compares_the_recomputation(reference: Path, t
     assert [run.sequences()[0].rows[p][0] for p in range(8)] == [3] * 7 + [4]  # the recomputation's
 
 
+def test_logits_of_a_step_whose_tail_was_recomputed_again_keep_their_position(
+    reference: Path, tmp_path: Path
+) -> None:
+    # preempted twice: step 3 recomputes 0-6 (its logits: position 6's), step 4 recomputes 6-7
+    steps = generate(0, PROMPT, TOKENS)
+    fed = [*PROMPT, *TOKENS[:3]]
+    twice = [*steps[:3], [(0, p, fed[p]) for p in range(7)], [(0, 6, fed[6]), (0, 7, fed[7])]]
+    report = compare(dump(tmp_path / "a", twice), reference, align="tokens")
+    assert report.exit_code == 0, [(r.name, r.positions) for r in report.results if r.status != "ok"]
+    logits = next(r for r in report.results if r.name == "logits")
+    assert logits.positions == (7,)  # step 3's row was sampled at 6, which step 4 computed again
+
+
 def test_parallel_sampling_pairs_children_by_shared_prefix_never_by_order(tmp_path: Path) -> None:
     other = [1, 6, 10]
     # A: two children of one prompt (request ids "0_r0", "1_r0"), then another prompt's request
@@ -246,9 +263,9 @@ def test_every_report_says_first_how_much_of_the_reference_was_compared(
     out = tmp_path / "report.json"
     assert main(["diff", str(a), str(reference), "--json", str(out)]) == 0
     first_line = capsys.readouterr().out.splitlines()[0]
-    assert first_line == "compared 3 of 3 reference tensors per step (100 %)"  # embed, layer, head
+    assert first_line == "compared 4 of 4 reference tensors per step (100 %)"  # embed, layer, head, logits
     coverage = json.loads(out.read_text())["summary"]["coverage"]
-    assert coverage == {"compared": 3, "reference": 3, "fraction": 1.0, "low": False}
+    assert coverage == {"compared": 4, "reference": 4, "fraction": 1.0, "low": False}
 
 
 def test_a_diff_that_compares_nothing_exits_2_with_the_reason(

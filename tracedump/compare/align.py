@@ -205,8 +205,10 @@ def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
     return x[: len(y)] == y[: len(x)]
 
 
-def _last_in_pass(sequence: Sequence, index: int) -> int:
-    return max(p for p, (i, _) in sequence.rows.items() if i == index)
+def _last_in_pass(batch: Batch, seq_id: SeqId) -> int:
+    """The last position of a sequence a pass computed: where its logits were sampled (a later
+    recomputation may have replaced that row in the sequence, never the logits' position)."""
+    return max(p for s, p in zip(batch.seq_ids, batch.positions, strict=True) if s == seq_id)
 
 
 def _held(
@@ -221,7 +223,7 @@ def _held(
         layout = None if entry is None else side.batches[index].layout(shape, side.group.token_dim)
         at = [p for p in positions if sequence.rows[p][0] == index]
         if layout is not None and layout[0] == "sampled":
-            last = _last_in_pass(sequence, index)
+            last = _last_in_pass(side.batches[index], sequence.seq_id)
             held.update(p for p in at if p == last)
         else:
             held.update(at)

@@ -250,7 +250,7 @@ def summary_lines(report: DiffReport) -> list[str]:
             f"worst token of {first.label}: position {position} "
             f"(rel_diff {_num(value)}, dim {first.token_dim})"
         )
-    lines.extend(report.alignment_lines)
+    lines.extend(part for text in report.alignment_lines for part in text.split("\n"))
     lines.extend(f"note: {note}" for note in report.notes)
     unaligned = [r for r in report.results if r.status == "not_aligned"]
     if unaligned:
