@@ -225,6 +225,14 @@ def test_a_step_that_raised_marks_the_dump_incomplete_and_is_not_compared_whole(
     assert "the dump is incomplete: step 2 raised RuntimeError" in printed
 
 
+def test_a_pass_cut_short_lists_what_it_lacks_with_the_reason(reference: Path, tmp_path: Path) -> None:
+    crashed = dump(tmp_path / "a", generate(0, PROMPT, TOKENS), raise_at=2)
+    report = compare(crashed, reference, align="passes", passes="2")
+    assert report.exit_code == 0 and [r.name for r in report.results] == ["embed"]  # what it captured
+    reasons = {u.name: u.reason for u in report.plan.only_in_b}
+    assert reasons == {n: "A's pass 2 was cut short (its step raised)" for n in ("layer", "head", "logits")}
+
+
 def test_a_dump_stopped_by_a_write_error_is_said_in_the_summary(reference: Path, tmp_path: Path) -> None:
     a = dump(tmp_path / "a", generate(0, PROMPT, TOKENS))
     path = next(a.glob("rank*/manifest.json"))

@@ -28,6 +28,7 @@ from .bridge import Expr, Matcher, matcher_for
 from .coverage import CoverageCount
 from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
+from .notes import truncated_passes
 from .options import DiffOptions
 from .plan import (
     Plan,
@@ -308,7 +309,7 @@ def _recompute_notes(which: str, side: _SideSequences) -> list[str]:
 def _cut_truncated(which: str, side: _SideSequences) -> list[str]:
     """A pass cut short (its step raised, Ctrl-C) holds part of a forward: no row of it, nor any
     later row of a sequence it held, is compared (each sequence is cut before its first row there)."""
-    truncated = {i for run in side.group.runs for i in _truncated_passes(run)}
+    truncated = {i for run in side.group.runs for i in truncated_passes(run)}
     notes = []
     for seq, sequence in list(side.sequences.items()):
         cut = next((p for p in sequence.positions if sequence.rows[p][0] in truncated), None)
@@ -320,12 +321,6 @@ def _cut_truncated(which: str, side: _SideSequences) -> list[str]:
             f"is compared before position {cut} only"
         )
     return notes
-
-
-def _truncated_passes(run: Any) -> list[int]:
-    manifest = run.run.manifest if run.run is not None else {}
-    found = manifest.get("truncated_passes") if isinstance(manifest, dict) else None
-    return [i for i in found if isinstance(i, int)] if isinstance(found, list) else []
 
 
 def build_aligned_report(

@@ -60,6 +60,13 @@ def _incomplete(which: str, name: str, manifest: dict[str, Any]) -> list[str]:
     return notes
 
 
+def truncated_passes(source: RunSource) -> list[int]:
+    """The passes a run's manifest says were cut short (their forward or step raised)."""
+    manifest = source.run.manifest if source.run is not None else {}
+    found = manifest.get("truncated_passes") if isinstance(manifest, dict) else None
+    return [i for i in found if type(i) is int] if isinstance(found, list) else []
+
+
 def side_notes(side: Side) -> list[str]:
     """One line per thing the side's dumps say they are missing or got wrong."""
     return [note for group in side.groups for source in group.runs for note in _run_notes(side.which, source)]

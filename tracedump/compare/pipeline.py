@@ -24,9 +24,9 @@ from .display import print_report, progress_bar
 from .execute import Executor
 from .inputs import inputs_differ_by_pass
 from .local import judge_local, refuse_grafted_alignment
-from .notes import side_notes
+from .notes import side_notes, truncated_passes
 from .options import DiffOptions
-from .plan import Plan, Workspace, build_plan, short_list
+from .plan import Plan, Unmatched, Workspace, build_plan, short_list
 from .plot import check_available, write_plot
 from .report import bridge_summary, report_settings
 from .results import DiffReport, TensorResult
@@ -66,6 +66,7 @@ def build_report(options: DiffOptions) -> DiffReport:
         report.settings["notes"] = side_notes(side_a) + side_notes(side_b)
         return _covered(report, options)
     plan, workspace = build_plan(side_a, side_b, options, matcher)
+    plan = _cut_short_leftovers(plan, side_a, side_b)
     if not plan.pairs:
         workspace.close()
         raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
@@ -92,6 +93,30 @@ def build_report(options: DiffOptions) -> DiffReport:
     report.coverage = coverage.finish(report.results)
     conclude(report)
     return _covered(report, options)
+
+
+def _cut_short_leftovers(plan: Plan, side_a: Side, side_b: Side) -> Plan:
+    """A pass cut short holds only what its forward captured before it raised: the other side's
+    tensors it lacks are listed with that reason, not as plain names missing (its tensors that are
+    there are compared; the summary notes the truncation)."""
+    cut = {
+        which: {i for group in side.groups for run in group.runs for i in truncated_passes(run)}
+        for which, side in (("A", side_a), ("B", side_b))
+    }
+    if not cut["A"] and not cut["B"]:
+        return plan
+    pass_b = {unit.pass_a: unit.pass_b for unit in plan.units}
+
+    def reason(item: Unmatched, cut_side: str, index: int) -> Unmatched:
+        if item.reason or index not in cut[cut_side]:
+            return item
+        return replace(item, reason=f"{cut_side}'s pass {index} was cut short (its step raised)")
+
+    return replace(
+        plan,
+        only_in_b=tuple(reason(u, "A", u.pass_index) for u in plan.only_in_b),
+        only_in_a=tuple(reason(u, "B", pass_b.get(u.pass_index, u.pass_index)) for u in plan.only_in_a),
+    )
 
 
 def _plan_coverage(plan: Plan, workspace: Workspace, options: DiffOptions) -> CoverageCount:
