@@ -133,12 +133,11 @@ def _dump_steps(out: Path, steps: list[dict[str, object]], rows: list[int]) -> P
     return out
 
 
-def test_repeated_positions_are_refused_naming_pass_and_sequence(tmp_path: Path) -> None:
-    bad = _dump_steps(
-        tmp_path / "a", [{"seq_ids": [7, 7], "positions": [0, 1]}, {"seq_ids": [7], "positions": [1]}], [2, 1]
-    )
+def test_a_position_held_twice_in_one_step_is_refused_naming_pass_and_sequence(tmp_path: Path) -> None:
+    steps = [{"seq_ids": [7, 7], "positions": [0, 1]}, {"seq_ids": [7, 7], "positions": [2, 2]}]
+    bad = _dump_steps(tmp_path / "a", steps, [2, 2])
     good = _dump_steps(tmp_path / "b", [{"seq_ids": [7, 7, 7]}], [3])
-    with pytest.raises(UsageError, match=r"pass 1: sequence 7 holds position 1 again"):
+    with pytest.raises(UsageError, match=r"pass 1: sequence 7 holds position 2 again"):
         compare(bad, good, align="tokens")
     assert tracedump.cli.main(["diff", str(bad), str(good), "--align", "tokens"]) == 2
 

@@ -70,17 +70,22 @@ def test_a_different_first_token_is_reported_before_any_number(
     where = "pass 1, " if align == "passes" else ""
     line = f"inputs differ: {where}seq 1, position 0: token 2 vs 1"
     assert line in out
-    assert out.index(line) < out.index("DIVERGED") < out.index("compared ")  # before any verdict
+    assert out.startswith("compared ") and "reference tensors per step" in out.splitlines()[0]
+    assert out.index(line) < out.index("tensors in ")  # before any verdict
     assert "first divergence: none named" in out
-    summary = json.loads(report_path.read_text())["summary"]
+    report = json.loads(report_path.read_text())
+    summary = report["summary"]
     assert summary["first_divergence"] is None
     assert summary["inputs_differ"][0]["position"] == 0
+    assert summary["inputs_differ"][0].get("kind", "prompt") == "prompt"  # by sequence: told by the layout
     assert (summary["inputs_differ"][0]["a"], summary["inputs_differ"][0]["b"]) == (2, 1)
-    # the premise: the numbers downstream do differ, so without inputs-first a module would be named
-    diverged = [
-        t["name"] for t in json.loads(report_path.read_text())["tensors"] if t["status"] == "diverged"
-    ]
-    assert "model.embed_tokens" in diverged
+    diverged = [t["name"] for t in report["tensors"] if t["status"] == "diverged"]
+    if align == "passes":
+        # the premise: the numbers downstream do differ, so without inputs-first a module would be named
+        assert out.index(line) < out.index("DIVERGED") < out.index("tensors in ")
+        assert "model.embed_tokens" in diverged
+    else:  # by sequence, nothing fed another token is compared: seq 1 differs at position 0
+        assert not diverged and {t["root"] for t in report["tensors"]} == {"seq 0"}
 
 
 def test_a_doubled_bos_is_found_at_the_position_it_shifts(

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from conftest import BUG_SPEC, PYTHON, SCRIPTS, OfflineRun
 
+import tracedump
+
 HF_LAYOUT = importlib.util.find_spec("tracedump.integrations.hf") is not None  # the HF batch layout
 
 
@@ -132,7 +134,10 @@ def test_inputs_that_differ_by_one_token_are_reported_first(
     (finding,) = report["summary"]["inputs_differ"]  # the first prompt's BOS; the second agrees
     assert (finding["position"], finding["a"], finding["b"], finding["sequence_b"]) == (0, 1, 2, 0)
     assert "inputs differ: seq " in out and ", position 0: token 1 vs 2" in out
-    assert out.index("inputs differ") < out.index("DIVERGED") < out.index("compared ")
+    assert finding["kind"] == "prompt" and report["summary"]["output_changed"] == []
+    assert out.index("inputs differ") < out.index("tensors in 1 sequence")  # before any verdict
+    # nothing fed another token is compared: the first prompt's rows are not; the second's are
+    assert {t["status"] for t in report["tensors"]} == {"ok"}
 
 
 def test_vllm_runs_whose_prompts_differ_are_reported_as_inputs(
@@ -178,3 +183,133 @@ def test_qwen2_against_hf_with_no_flags(
     assert code == 0, bad
     assert report["summary"]["bridge"]["name"] == "vllm-transformers-llama"
     assert "model.layers.3.self_attn.qkv_proj[0][0:256]" in {t["name"] for t in report["tensors"]}
+
+
+# ------------------------------------------------------------- causes before consequences, scheduling
+
+
+def _diff_code(*args: str | Path) -> tuple[int, str]:
+    done = subprocess.run(
+        [PYTHON, "-m", "tracedump", "diff", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_bug_that_flips_a_greedy_token_is_named_at_its_layer_and_step(
+    clean_dump: OfflineRun,
+    offline_dump: Callable[..., OfflineRun],
+    hf_dump: Callable[..., Path],
+    run_engine: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    weight = "model.layers.1.mlp.down_proj.weight"
+    found = json.loads(run_engine(["find_flip.py", str(clean_dump.model), "--weight", weight]).stdout)
+    flipped = offline_dump("flip", env={"TRACEDUMP_TEST_BUG": f"{weight}*{found['factor']}"})
+    clean_tokens, tokens = clean_dump.result["tokens"][0], flipped.result["tokens"][0]
+    index = found["index"]
+    # the premise: vLLM's greedy output of seq 0 changed at a token that is fed back
+    assert tokens[:index] == clean_tokens[:index] and tokens[index] != clean_tokens[index], (tokens, found)
+    code, out, report = diff(tmp_path, flipped.dir, hf_dump("generate"))
+    assert code == 1
+    summary = report["summary"]
+    assert summary["inputs_differ"] == []  # generated positions: consequences, not inputs
+    first = summary["alignment"][0]["first"]
+    assert first["name"].startswith("model.layers.1.mlp") and first["step"] == 0 and first["position"] == 0
+    position = len(clean_dump.result["prompts"][0]) + index
+    change = next(c for c in summary["output_changed"] if c["position"] == position)
+    assert (change["a"], change["b"]) == (tokens[index], clean_tokens[index])
+    assert change["after"] == first
+    assert f"greedy output changed at seq {change['sequence']} (B: 0) position {position}: " in out
+    assert "after the first divergence at seq " in out and "model.layers.1.mlp" in out
+    seq0 = [t for t in report["tensors"] if t["root"].startswith(f"seq {change['sequence']} ")]
+    assert seq0 and all(
+        max(t["per_token"]["positions"]) < position for t in seq0
+    )  # nothing fed another token
+    layer0 = [t for t in report["tensors"] if t["name"].startswith("model.layers.0.")]
+    assert layer0 and all(t["status"] == "ok" for t in layer0)
+
+
+def test_preemption_with_recompute_compares_the_recomputation(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    shape = ["--prompts", "30,30,30", "--max-tokens", "40"]
+    preempted = offline_dump("preempt", args=[*shape, "--block-size", "32", "--blocks", "5"])
+    recomputed = {s: q.recomputed for s, q in tracedump.open_dump(preempted.dir).run().sequences().items()}
+    assert any(recomputed.values()), recomputed  # the premise: 5 KV blocks for 3 requests of 70 tokens
+    code, out, report = diff(tmp_path, preempted.dir, hf_dump("preempt", *shape))
+    bad = [(t["root"], t["name"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, bad
+    assert len(report["summary"]["alignment"][0]["pairs"]) == 3
+    assert "(preemption with recompute): its recomputation is compared" in out
+    assert report["summary"]["coverage"]["fraction"] >= 0.8
+
+
+def test_parallel_sampling_pairs_each_prompt_once_and_lists_the_other_children(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    sampled = offline_dump("n2", args=["--n", "2", "--temperature", "0.8"])
+    assert all(len(children) == 2 for children in sampled.result["children"])  # the premise: n=2
+    code, out, report = diff(tmp_path, sampled.dir, hf_dump("generate"))
+    alignment = report["summary"]["alignment"][0]
+    assert report["summary"]["inputs_differ"] == []  # never paired with another prompt by order
+    assert code == 0, [t["name"] for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert sorted(b for _, b in alignment["pairs"]) == [0, 1]
+    assert len(alignment["only_in_a"]) == 2 and all(s.startswith("1_") for s in alignment["only_in_a"])
+    assert all(a.startswith("0_") for a, _ in alignment["pairs"])  # the first child of each request
+    assert "parallel sampling" in out
+
+
+def test_prefix_caching_and_chunked_prefill_align(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    prompts = ["--prompts", "40,40", "--shared-prefix", "33"]
+    engine = ["--block-size", "32", "--prefix-caching", "--chunk", "16", "--sequential"]
+    cached = offline_dump("prefix-chunked", args=[*prompts, *engine])
+    run = tracedump.open_dump(cached.dir).run()
+    first, second = run.sequences().values()
+    assert second.positions[0] == 32  # the premise: the second prompt's first block came from the cache
+    assert len({first.rows[p][0] for p in range(40)}) == 3  # and the first prompt's prefill was chunked
+    code, _out, report = diff(tmp_path, cached.dir, hf_dump("prefix", *prompts))
+    assert code == 0, [t["name"] for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert len(report["summary"]["alignment"][0]["pairs"]) == 2
+    assert report["summary"]["inputs_differ"] == [] and report["summary"]["coverage"]["fraction"] >= 0.8
+
+
+def test_a_crashed_step_is_reported_and_its_pass_not_compared_whole(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    crashed = offline_dump(
+        "crash", env={"TRACEDUMP_TEST_CRASH": "model.layers.1.mlp:3"}, args=["--in-process", "--allow-crash"]
+    )
+    assert "raised at its call 3" in crashed.result["error"]  # the premise: the engine's step 2 raised
+    (manifest,) = (json.loads((d / "manifest.json").read_text()) for d in crashed.run_dirs())
+    assert manifest["complete"] is False and manifest["truncated_passes"] == [2]
+    assert (
+        manifest["errors"][0]["where"] == "step 2" and "raised at its call 3" in manifest["incomplete_reason"]
+    )
+    code, out, report = diff(tmp_path, crashed.dir, hf_dump("generate"))
+    assert code == 0
+    assert "the dump is incomplete: step 2 raised RuntimeError" in out
+    assert "pass 2 was cut short (its step raised)" in out
+    for t in report["tensors"]:  # step 2 fed positions 6 and 4: nothing from there on is compared
+        assert max(t["per_token"]["positions"]) < (6 if t["root"].startswith("seq 0") else 4), t["name"]
+
+
+def test_pass_is_honoured_by_sequence_and_coverage_is_said_first(
+    clean_dump: OfflineRun, hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    code, out, report = diff(tmp_path, clean_dump.dir, hf_dump("generate"), "--pass", "1")
+    assert code == 0 and out.startswith("compared ") and "reference tensors per step" in out.splitlines()[0]
+    coverage = report["summary"]["coverage"]
+    assert coverage["fraction"] >= 0.8 and coverage["compared"] <= coverage["reference"]
+    sequences = tracedump.open_dump(clean_dump.dir).run().sequences()
+    for t in report["tensors"]:  # only the rows A's step 1 computed
+        seq = sequences[t["root"].split()[1]]
+        assert {seq.rows[p][0] for p in t["per_token"]["positions"]} == {1}, t["name"]
+    code, out = _diff_code(clean_dump.dir, hf_dump("generate"), "--pass", "99")
+    assert code == 2 and "--pass 99: A has no such step" in out

@@ -29,11 +29,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", action="store_true")
     parser.add_argument("--first-token", type=int)
+    parser.add_argument("--shared-prefix", type=int, default=0)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
-    ids = prompts([int(n) for n in args.prompts.split(",")])
+    ids = prompts([int(n) for n in args.prompts.split(",")], args.shared_prefix)
     if args.first_token is not None:
         ids[0] = [args.first_token, *ids[0][1:]]
     common = dict(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False)

@@ -16,8 +16,11 @@ from pathlib import Path
 from engine_setup import hide_runners, small_engine
 
 
-def prompts(lengths: list[int]) -> list[list[int]]:
-    return [[1] + [10 + i + k * 7 for k in range(n - 1)] for i, n in enumerate(lengths)]
+def prompts(lengths: list[int], shared: int = 0) -> list[list[int]]:
+    """Prompt i of length n: ``[1, 10+i, 17+i, ...]``; with ``shared``, every prompt's first
+    ``shared`` tokens are prompt 0's (a common prefix, for prefix caching)."""
+    made = [[1] + [10 + i + k * 7 for k in range(n - 1)] for i, n in enumerate(lengths)]
+    return [made[0][:shared] + p[shared:] if i else p for i, p in enumerate(made)]
 
 
 def main() -> None:
@@ -35,6 +38,15 @@ def main() -> None:
     )
     parser.add_argument("--dummy-batch", action="store_true", help="a dummy run (as DP does) first")
     parser.add_argument("--unknown-internals", action="store_true", help="test: hide the runner")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="share prompt 0's first N tokens")
+    parser.add_argument("--n", type=int, default=1, help="parallel sampling: N children per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--block-size", type=int, help="KV cache block size")
+    parser.add_argument("--blocks", type=int, help="num_gpu_blocks_override: few blocks force preemption")
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--chunk", type=int, help="max_num_batched_tokens: prefills chunked to N tokens")
+    parser.add_argument("--sequential", action="store_true", help="one generate() per prompt, in order")
+    parser.add_argument("--allow-crash", action="store_true", help="an engine error ends the run, exit 0")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.in_process:
@@ -43,15 +55,45 @@ def main() -> None:
         hide_runners()
     from vllm import SamplingParams
 
-    llm = small_engine(args.model, dtype=args.dtype)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    options: dict[str, object] = {"dtype": args.dtype}
+    if args.block_size:
+        options["block_size"] = args.block_size
+    if args.blocks:
+        options["num_gpu_blocks_override"] = args.blocks
+    if args.prefix_caching:
+        options["enable_prefix_caching"] = True
+    if args.chunk:
+        options.update(enable_chunked_prefill=True, max_num_batched_tokens=args.chunk)
+    llm = small_engine(args.model, **options)
+    params = SamplingParams(
+        temperature=args.temperature,
+        n=args.n,
+        seed=0 if args.temperature else None,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+    )
     if args.dummy_batch:
         llm.collective_rpc("execute_dummy_batch")
-    inputs = [{"prompt_token_ids": p} for p in prompts([int(n) for n in args.prompts.split(",")])]
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    lengths = [int(n) for n in args.prompts.split(",")]
+    inputs = [{"prompt_token_ids": p} for p in prompts(lengths, args.shared_prefix)]
+    batches = [[i] for i in inputs] if args.sequential else [inputs]
+    outputs = []
+    try:
+        for batch in batches:
+            outputs += llm.generate(batch, params, use_tqdm=False)
+    except Exception as e:
+        if not args.allow_crash:
+            raise
+        result = {"error": f"{type(e).__name__}: {e}"}
+        if args.out:
+            args.out.write_text(json.dumps(result))
+        print(json.dumps(result), flush=True)
+        return  # in-process, the dump is closed at exit (the engine is dead)
     result = {
         "prompts": [o.prompt_token_ids for o in outputs],
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "children": [[list(c.token_ids) for c in o.outputs] for o in outputs],
     }
     if args.out:
         args.out.write_text(json.dumps(result))

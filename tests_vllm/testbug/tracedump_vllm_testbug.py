@@ -3,6 +3,8 @@
 ``TRACEDUMP_TEST_BUG="model.layers.2.mlp.down_proj.weight*1.05"`` scales that parameter once vLLM
 has loaded the weights, before it processes them for its kernels (so layer 2's MLP output is
 x1.05); several specs are separated by ``;``.
+``TRACEDUMP_TEST_CRASH="model.layers.1.mlp:3"`` makes that module's forward raise at its third call
+of fewer than 16 token rows (an engine step that crashes mid-forward).
 Unset, it does nothing. The conftest puts this folder (with its ``.dist-info``) on ``PYTHONPATH``
 of the engine subprocesses only; it is never installed.
 """
@@ -13,6 +15,7 @@ import functools
 import os
 
 ENV = "TRACEDUMP_TEST_BUG"
+CRASH_ENV = "TRACEDUMP_TEST_CRASH"
 
 
 def _specs(text: str) -> list[tuple[str, float]]:
@@ -23,9 +26,35 @@ def _specs(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def _crash_spec(text: str) -> tuple[str, int] | None:
+    """``module:N``: that module's forward raises at its Nth call of fewer than 16 token rows
+    (engine steps of a few requests; the profile and warm-up runs use more rows)."""
+    if not text:
+        return None
+    name, _, count = text.rpartition(":")
+    return name, int(count)
+
+
+def _plant_crash(model, spec: tuple[str, int]) -> None:
+    name, wanted = spec
+    module = dict(model.named_modules())[name]
+    calls = [0]
+
+    def crash(_module, args):
+        rows = args[0].shape[0] if args and hasattr(args[0], "shape") and args[0].dim() else 0
+        if rows < 16:
+            calls[0] += 1
+            if calls[0] == wanted:
+                raise RuntimeError(f"{CRASH_ENV}: {name} raised at its call {wanted}")
+
+    module.register_forward_pre_hook(crash)
+    print(f"tracedump_vllm_testbug: {name} will raise at its call {wanted}", flush=True)
+
+
 def register() -> None:
     text = os.environ.get(ENV, "").strip()
-    if not text:
+    crash = _crash_spec(os.environ.get(CRASH_ENV, "").strip())
+    if not text and crash is None:
         return
     specs = _specs(text)
     from vllm.model_executor.model_loader import base_loader
@@ -46,7 +75,10 @@ def register() -> None:
                 if name not in params:
                     raise KeyError(f"{ENV}: no parameter {name!r}; some: {sorted(params)[:8]}")
                 params[name].mul_(factor)
-        print(f"tracedump_vllm_testbug: planted {specs}", flush=True)
+        if specs:
+            print(f"tracedump_vllm_testbug: planted {specs}", flush=True)
+        if crash is not None:
+            _plant_crash(model, crash)
         return original(model, *args, **kwargs)
 
     process_weights_after_loading._testbug = True

@@ -46,6 +46,7 @@ def compare(
     baseline: str | Path | None = None,
     align: str | None = None,
     bridge: str | Path | None = None,
+    min_coverage: float | None = None,
 ) -> DiffReport:
     """Compare dump ``a`` (the run under test) with ``b`` (the reference) from Python: the rules of
     ``tracedump diff``, each keyword the flag of the same name, and the report instead of a table.
@@ -61,6 +62,7 @@ def compare(
     - ``baseline``: ``--baseline C``, a rerun of the reference whose noise sets each threshold.
     - ``align``: ``--align passes|tokens``; None lets the bridge choose, as on the command line.
     - ``bridge``: ``--bridge``, a rule file, ``"none"``, or None to choose by the two manifests.
+    - ``min_coverage``: ``--min-coverage``, the fraction of B's tensors that must be compared.
 
     Raises :class:`tracedump.errors.UsageError` where the CLI exits 2."""
     from .options import parse_options
@@ -81,6 +83,7 @@ def compare(
         align=align,
         bridge=bridge,
         progress=False,
+        min_coverage=min_coverage,
     )
     return build_report(options)
 

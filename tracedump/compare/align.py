@@ -25,8 +25,10 @@ import numpy as np
 from ..errors import SequenceError, UsageError
 from ..store.sequences import Batch, RowCut, SeqId, Sequence, sequence_rows, sequences
 from .bridge import Expr, Matcher, matcher_for
+from .coverage import CoverageCount
 from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
+from .notes import truncated_passes
 from .options import DiffOptions
 from .plan import (
     Plan,
@@ -37,6 +39,7 @@ from .plan import (
     pair_roots,
     pair_tolerance,
     run_precision,
+    short_list,
     side_entries,
 )
 from .reader import Stored
@@ -112,32 +115,61 @@ def _read_side(side: Side, group: RootGroup) -> _SideSequences:
         raise UsageError(f"{side.which} {side.path}: {e}") from e
 
 
-def _pair_sequences(a: _SideSequences, b: _SideSequences) -> tuple[str, list[tuple[SeqId, SeqId]]]:
-    """Pairs of (A's sequence, B's sequence) and how they were matched."""
+def _pair_sequences(
+    a: _SideSequences, b: _SideSequences
+) -> tuple[str, list[tuple[SeqId, SeqId]], list[SeqId]]:
+    """Pairs of (A's sequence, B's sequence), how they were matched, and A's sequences left
+    without a counterpart on purpose (a second child of a prompt whose B sequence is taken).
+
+    By seq id when both sides name their sequences and share ids. Else by tokens: two sequences
+    whose known tokens agree at every prompt position (either side's) share a prompt; pairs are
+    taken longest shared prefix first, then in order of first appearance (a parallel-sampling
+    child whose request id comes first). A's sequences that share a prompt with a B sequence
+    another child took stay unpaired, never paired by order; the rest (prompts that differ,
+    tokens unknown) are paired in order of first appearance, so that a prompt one token off is
+    reported as an input difference."""
     if a.declared and b.declared:
         common = [s for s in a.sequences if s in b.sequences]
         if common:
-            return "seq id", [(s, s) for s in common]
-    tokens_a = {s: q.tokens() for s, q in a.sequences.items()}
-    tokens_b = {s: q.tokens() for s, q in b.sequences.items()}
-    if any(tokens_a.values()) and any(tokens_b.values()):
-        pairs = []
-        taken: set[SeqId] = set()
-        for seq_a, ids_a in tokens_a.items():
-            match = next(
-                (s for s, ids_b in tokens_b.items() if s not in taken and _prefix(ids_a, ids_b)), None
-            )
-            if match is not None:
-                pairs.append((seq_a, match))
-                taken.add(match)
-        if pairs:
-            # the rest in order of first appearance: a prompt that differs by one token still pairs,
-            # and inputs-first reports the difference (inputs.py) instead of "only in A"
-            rest_a = [s for s in a.sequences if s not in {x for x, _ in pairs}]
-            rest_b = [s for s in b.sequences if s not in taken]
-            pairs += list(zip(rest_a, rest_b, strict=False))
-            return "input_ids", pairs
-    return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False))
+            return "seq id", [(s, s) for s in common], []
+    order_a = {s: i for i, s in enumerate(a.sequences)}
+    order_b = {s: i for i, s in enumerate(b.sequences)}
+    candidates = []  # (shared prefix, A's order, B's order)
+    for seq_a, sequence_a in a.sequences.items():
+        for seq_b, sequence_b in b.sequences.items():
+            shared = _shared_prompt(sequence_a, sequence_b)
+            if shared is not None:
+                candidates.append((-shared, order_a[seq_a], order_b[seq_b], seq_a, seq_b))
+    if not candidates:
+        return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False)), []
+    pairs: dict[SeqId, SeqId] = {}
+    taken: set[SeqId] = set()
+    sharing: set[SeqId] = set()  # A's sequences whose prompt some B sequence shares
+    for _, _, _, seq_a, seq_b in sorted(candidates, key=lambda c: c[:3]):
+        sharing.add(seq_a)
+        if seq_a not in pairs and seq_b not in taken:
+            pairs[seq_a] = seq_b
+            taken.add(seq_b)
+    children = [s for s in a.sequences if s in sharing and s not in pairs]
+    rest_a = [s for s in a.sequences if s not in pairs and s not in sharing]
+    rest_b = [s for s in b.sequences if s not in taken]
+    ordered = sorted(pairs.items(), key=lambda p: order_a[p[0]])
+    return "input_ids", ordered + list(zip(rest_a, rest_b, strict=False)), children
+
+
+def _shared_prompt(a: Sequence, b: Sequence) -> int | None:
+    """How far two sequences' tokens agree (the first position where they differ, or the end of
+    what both know), when they agree at every prompt position both know and share one at least;
+    else None."""
+    known = sorted(set(a.input_ids) & set(b.input_ids))
+    if not known:
+        return None
+    differ = next((p for p in known if a.input_ids[p] != b.input_ids[p]), None)
+    if differ is None:
+        return known[-1] + 1
+    if a.is_prompt(differ) or b.is_prompt(differ) or differ == known[0]:
+        return None
+    return differ
 
 
 def _pair_notes(
@@ -174,8 +206,10 @@ def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
     return x[: len(y)] == y[: len(x)]
 
 
-def _last_in_pass(sequence: Sequence, index: int) -> int:
-    return max(p for p, (i, _) in sequence.rows.items() if i == index)
+def _last_in_pass(batch: Batch, seq_id: SeqId) -> int:
+    """The last position of a sequence a pass computed: where its logits were sampled (a later
+    recomputation may have replaced that row in the sequence, never the logits' position)."""
+    return max(p for s, p in zip(batch.seq_ids, batch.positions, strict=True) if s == seq_id)
 
 
 def _held(
@@ -190,7 +224,7 @@ def _held(
         layout = None if entry is None else side.batches[index].layout(shape, side.group.token_dim)
         at = [p for p in positions if sequence.rows[p][0] == index]
         if layout is not None and layout[0] == "sampled":
-            last = _last_in_pass(sequence, index)
+            last = _last_in_pass(side.batches[index], sequence.seq_id)
             held.update(p for p in at if p == last)
         else:
             held.update(at)
@@ -246,6 +280,49 @@ def _entries_in_order(side: _SideSequences, sequence: Sequence, options: DiffOpt
     return side.view(first_pass, options)[1]
 
 
+def _check_passes(options: DiffOptions, side: _SideSequences) -> None:
+    """``--pass`` under ``--align tokens`` names A's steps (engine steps): the rows those steps
+    computed are compared. A step A does not have is exit 2, as a pass not in the dumps is."""
+    if options.passes is None:
+        return
+    absent = options.passes.missing(sorted(side.batches))
+    if absent:
+        raise UsageError(
+            f"--pass {absent}: A has no such step with token rows (steps: "
+            f"{short_list(sorted(side.batches))}); with --align tokens, --pass chooses A's steps "
+            "whose rows are compared"
+        )
+
+
+def _recompute_notes(which: str, side: _SideSequences) -> list[str]:
+    """One note per sequence whose positions a later step computed again (preemption)."""
+    notes = []
+    for sequence in side.sequences.values():
+        for position, index in sequence.recomputed:
+            notes.append(
+                f"{which}: sequence {sequence.seq_id} computed again from position {position} in pass "
+                f"{index} (preemption with recompute): its recomputation is compared"
+            )
+    return notes
+
+
+def _cut_truncated(which: str, side: _SideSequences) -> list[str]:
+    """A pass cut short (its step raised, Ctrl-C) holds part of a forward: no row of it, nor any
+    later row of a sequence it held, is compared (each sequence is cut before its first row there)."""
+    truncated = {i for run in side.group.runs for i in truncated_passes(run)}
+    notes = []
+    for seq, sequence in list(side.sequences.items()):
+        cut = next((p for p in sequence.positions if sequence.rows[p][0] in truncated), None)
+        if cut is None:
+            continue
+        side.sequences[seq] = sequence.before(cut)
+        notes.append(
+            f"{which}: pass {sequence.rows[cut][0]} was cut short (its step raised): sequence {seq} "
+            f"is compared before position {cut} only"
+        )
+    return notes
+
+
 def build_aligned_report(
     options: DiffOptions,
     side_a: Side | None = None,
@@ -258,6 +335,7 @@ def build_aligned_report(
     root_pairs, roots_only_a, roots_only_b = pair_roots(side_a, side_b)
     found = _Found()
     inputs_differ: list[dict[str, Any]] = []
+    output_changed: list[dict[str, Any]] = []
     alignments: list[Alignment] = []
     opened: list[_SideSequences] = []
     side_c = open_side("baseline", options.baseline, options) if options.baseline is not None else None
@@ -268,29 +346,45 @@ def build_aligned_report(
             if side_c is not None:
                 found.baseline = _baseline_of(side_c, group_b, seq_b)
                 opened.append(found.baseline[0])
-            matched_by, pairs = _pair_sequences(seq_a, seq_b)
+            _check_passes(options, seq_a)
+            notes = _recompute_notes("A", seq_a) + _recompute_notes("B", seq_b)
+            notes += _cut_truncated("A", seq_a) + _cut_truncated("B", seq_b)
+            matched_by, pairs, children = _pair_sequences(seq_a, seq_b)
             paired_a = {a for a, _ in pairs}
             paired_b = {b for _, b in pairs}
+            if children:
+                notes.append(
+                    f"{len(children)} sequence(s) of A share their prompt with a B sequence another of "
+                    f"A's took (parallel sampling, n > 1): {', '.join(map(str, children[:10]))}; "
+                    "listed as only in A, never paired by order"
+                )
             alignments.append(
                 Alignment(
                     matched_by=matched_by,
                     pairs=tuple(pairs),
                     only_in_a=tuple(s for s in seq_a.sequences if s not in paired_a),
                     only_in_b=tuple(s for s in seq_b.sequences if s not in paired_b),
-                    notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by)),
+                    notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by) + notes),
                 )
             )
             for name_a, name_b in pairs:
-                finding = sequence_finding(name_a, name_b, seq_a.sequences[name_a], seq_b.sequences[name_b])
-                if finding is not None:
-                    inputs_differ.append(finding)
-                _compare_sequence(options, matcher, found, seq_a, seq_b, name_a, name_b)
+                sequence_a, sequence_b = seq_a.sequences[name_a], seq_b.sequences[name_b]
+                finding = sequence_finding(name_a, name_b, sequence_a, sequence_b)
+                if finding is not None:  # nothing fed a different token is compared: cut before it
+                    (inputs_differ if finding["kind"] == "prompt" else output_changed).append(finding)
+                    sequence_a = sequence_a.before(finding["position"])
+                    sequence_b = sequence_b.before(finding["position"])
+                    previous = sequence_a.rows.get(finding["position"] - 1)
+                    finding["step"] = previous[0] if previous is not None else None
+                _compare_sequence(options, matcher, found, seq_a, seq_b, sequence_a, sequence_b)
     finally:
         for side in opened:
             side.close()
     if not found.results and not inputs_differ:
         why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
-        raise UsageError(f"nothing to compare with --align tokens: {why}")
+        if options.passes is not None and any(a.pairs for a in alignments):
+            why = f"no row of A's steps {options.passes} is held by both sides"
+        raise UsageError(f"nothing comparable with --align tokens: {why}")
     plan = Plan(
         units=tuple(found.units),
         pairs=(),
@@ -306,6 +400,8 @@ def build_aligned_report(
     )
     report.bridge = bridge_summary(matcher)
     report.inputs_differ = inputs_differ
+    report.output_changed = output_changed
+    report.coverage = found.coverage.finish(found.results)
     if side_c is not None:
         measured = [r for r in found.results if r.metrics is not None]
         if measured and not found.noise:
@@ -322,6 +418,8 @@ def build_aligned_report(
     in_time = conclude(report, found.steps_of).first_in_time
     if in_time is not None:
         alignments[0] = replace(alignments[0], first=in_time.to_json())
+    for change in output_changed:  # the cause, named before its consequence
+        change["after"] = in_time.to_json() if in_time is not None else None
     report.alignment = [a.to_json() for a in alignments]
     report.alignment_lines = [_describe(a) for a in alignments]
     return report
@@ -338,6 +436,7 @@ class _Found:
     only_b: list[Unmatched] = field(default_factory=list)
     baseline: tuple[_SideSequences, dict[SeqId, SeqId]] | None = None  # C's sequences, B's seq -> C's
     noise: dict[int, float] = field(default_factory=dict)  # result index -> err(C, B) on its rows
+    coverage: CoverageCount = field(default_factory=CoverageCount)
 
 
 def _baseline_of(
@@ -350,7 +449,7 @@ def _baseline_of(
     if group_c is None:
         raise UsageError(f"--baseline {side_c.path}: no root {group_b.label!r} (roots: {sorted(groups)})")
     seq_c = _read_side(side_c, group_c)
-    _, pairs = _pair_sequences(seq_b, seq_c)
+    _, pairs, _ = _pair_sequences(seq_b, seq_c)
     return seq_c, dict(pairs)
 
 
@@ -384,11 +483,17 @@ def _compare_sequence(
     found: _Found,
     side_a: _SideSequences,
     side_b: _SideSequences,
-    seq_a: SeqId,
-    seq_b: SeqId,
+    sequence_a: Sequence,
+    sequence_b: Sequence,
 ) -> None:
-    sequence_a, sequence_b = side_a.sequences[seq_a], side_b.sequences[seq_b]
-    positions = [p for p in sequence_a.positions if p in sequence_b.rows]
+    """Compare one pair of sequences at the positions both hold (with ``--pass``, those A's
+    chosen steps computed)."""
+    seq_a, seq_b = sequence_a.seq_id, sequence_b.seq_id
+    positions = [
+        p
+        for p in sequence_a.positions
+        if p in sequence_b.rows and (options.passes is None or sequence_a.rows[p][0] in options.passes)
+    ]
     if not positions:
         return
     label = f"seq {seq_a}" if seq_a == seq_b else f"seq {seq_a} (B: {seq_b})"
@@ -403,8 +508,11 @@ def _compare_sequence(
     pairs, only_a, only_b = bridged_pairs(matcher, entries_a, entries_b, options, first_step, label)
     found.only_a += only_a
     found.only_b += only_b
-    for bridged, _, _ in pairs:
+    scope = str(side_b.group.label)
+    found.coverage.add_step(scope, entries_b, options.selected)
+    for bridged, _, entry_b in pairs:
         name, name_b = bridged.a.label, bridged.b.label
+        found.coverage.add_pair(len(found.results), scope, entry_b)
         held = _held(side_a, sequence_a, bridged.a, positions, options)
         held &= _held(side_b, sequence_b, bridged.b, positions, options)
         rows_at = [p for p in positions if p in held] or positions

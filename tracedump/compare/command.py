@@ -125,6 +125,13 @@ def add_diff_parser(sub: Any) -> None:
         metavar="N",
         help="table rows before ok rows are hidden (0: all)",
     )
+    parser.add_argument(
+        "--min-coverage",
+        type=_fraction,
+        metavar="FRACTION",
+        help="exit 2 when less than this fraction of the reference's (B's) tensors per step was "
+        "compared (e.g. 0.8); default: only said in the summary (below 0.5)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     parser.set_defaults(func=run_diff)
 
@@ -142,6 +149,17 @@ def run_diff(args: argparse.Namespace) -> int:
     except UsageError as e:
         print(printable(f"tracedump diff: {e}", keep_newlines=True), file=sys.stderr)
         return ExitCode.USAGE
+
+
+def _fraction(text: str) -> float:
+    """``--min-coverage``: a fraction from 0 to 1 (argparse turns the error into exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction such as 0.8") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a fraction from 0 to 1 (0.8: 80 %)")
+    return value
 
 
 def _rows(text: str) -> int:

@@ -10,8 +10,11 @@ from typing import Any
 
 from ..store.dtypes import SHORT_NAMES
 from ..util.console import console, printable
+from .coverage import line as coverage_line
+from .coverage import warnings as coverage_warnings
 from .execute import Progress, pair_bytes
 from .inputs import describe as describe_inputs
+from .inputs import describe_output_change
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
@@ -211,7 +214,7 @@ def _where(result: TensorResult) -> str:
 def summary_lines(report: DiffReport) -> list[str]:
     """The verdict in a few plain lines (the last thing printed, also what logs keep)."""
     s = report.summary()
-    lines: list[str] = [describe_inputs(finding) for finding in report.inputs_differ]  # inputs first
+    lines = _lead_lines(report)  # coverage, then the inputs: said before any number
     if report.alignment is not None:
         count = len(report.plan.units)
         where = f"{count} sequence{'s' if count != 1 else ''}"
@@ -238,13 +241,16 @@ def summary_lines(report: DiffReport) -> list[str]:
         lines.append(
             f"no divergence: every compared tensor is within tolerance ({report.settings['tolerance']})"
         )
+    lines.extend(describe_output_change(change) for change in report.output_changed)
+    if report.coverage is not None:
+        lines.extend(coverage_warnings(report.coverage))
     if first is not None and first.worst_token is not None and first.worst_token[1] > 0:
         position, value = first.worst_token
         lines.append(
             f"worst token of {first.label}: position {position} "
             f"(rel_diff {_num(value)}, dim {first.token_dim})"
         )
-    lines.extend(report.alignment_lines)
+    lines.extend(part for text in report.alignment_lines for part in text.split("\n"))
     lines.extend(f"note: {note}" for note in report.notes)
     unaligned = [r for r in report.results if r.status == "not_aligned"]
     if unaligned:
@@ -295,6 +301,13 @@ def summary_lines(report: DiffReport) -> list[str]:
     return lines
 
 
+def _lead_lines(report: DiffReport) -> list[str]:
+    """What every report says first: how much of the reference was compared, then inputs that
+    differ (printed before the table)."""
+    lines = [coverage_line(report.coverage)] if report.coverage is not None else []
+    return lines + [describe_inputs(finding) for finding in report.inputs_differ]
+
+
 def _basis(result: TensorResult) -> str:
     """Why the threshold is what it is, in a few words."""
     precision = result.tolerance.precision or "?"
@@ -323,7 +336,7 @@ def _describe_error(result: TensorResult) -> str:
 def print_report(report: DiffReport, max_rows: int, *, table_too: bool = True, stderr: bool = False) -> None:
     out = console(stderr)
     lines = summary_lines(report)
-    first = len(report.inputs_differ)  # inputs that differ: said before any number, the table's too
+    first = len(_lead_lines(report))  # coverage and inputs that differ: before any number, the table's too
     for line in lines[:first]:
         out.print(printable(line), soft_wrap=True, markup=False)
     if table_too and report.results:

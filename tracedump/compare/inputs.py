@@ -28,12 +28,25 @@ def first_token_difference(a: Sequence, b: Sequence) -> tuple[int, int, int] | N
 
 
 def sequence_finding(seq_a: SeqId, seq_b: SeqId, a: Sequence, b: Sequence) -> dict[str, Any] | None:
-    """The inputs-differ finding of one aligned pair of sequences, if their tokens differ."""
+    """The first token that differs between one aligned pair of sequences, if any, with its
+    ``kind``: ``prompt`` when either side holds that position as a prompt token (a tokenizer, BOS
+    or chat-template difference: inputs differ, no module is to blame), else ``generated`` (both
+    sides fed back a token they sampled: the consequence of an earlier divergence, or of sampling;
+    compare/align.py compares what came before it). A sequence's prompt is told from its batch
+    layout (:attr:`~tracedump.store.sequences.Sequence.prompt_end`)."""
     found = first_token_difference(a, b)
     if found is None:
         return None
     position, token_a, token_b = found
-    return {"sequence": seq_a, "sequence_b": seq_b, "position": position, "a": token_a, "b": token_b}
+    kind = "prompt" if a.is_prompt(position) or b.is_prompt(position) else "generated"
+    return {
+        "sequence": seq_a,
+        "sequence_b": seq_b,
+        "position": position,
+        "a": token_a,
+        "b": token_b,
+        "kind": kind,
+    }
 
 
 def describe(finding: dict[str, Any]) -> str:
@@ -44,6 +57,23 @@ def describe(finding: dict[str, Any]) -> str:
     where = f"pass {finding['pass']}, " if "pass" in finding else ""
     return (
         f"inputs differ: {where}{seq}, position {finding['position']}: token {finding['a']} vs {finding['b']}"
+    )
+
+
+def describe_output_change(finding: dict[str, Any]) -> str:
+    """``greedy output changed at seq S position P: X vs Y, after the first divergence at ...``."""
+    seq = f"seq {finding['sequence']}"
+    if finding.get("sequence_b") is not None and finding["sequence_b"] != finding["sequence"]:
+        seq += f" (B: {finding['sequence_b']})"
+    text = f"greedy output changed at {seq} position {finding['position']}: {finding['a']} vs {finding['b']}"
+    after = finding.get("after")
+    if after is not None:
+        where = f"{after['sequence']}, position {after['position']}, step {after['step']}, {after['name']}"
+        return f"{text}, after the first divergence at {where}"
+    return (
+        f"{text}, with no divergence before it (every row computed before that token is within "
+        "tolerance: a near-tie of the logits, or sampling that is not greedy); what followed it is "
+        "not compared"
     )
 
 

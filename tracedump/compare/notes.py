@@ -1,8 +1,10 @@
 """What a dump's own records say about its completeness, for ``tracedump diff`` to repeat.
 
 A diff that exits 0 must not hide that one side holds less than it seems: a pass cut short by an
-exception or Ctrl-C (``truncated_passes``), or what the dumper flagged while running
-(``anomalies``: concurrent threads, compiled calls it could not see). Read from the manifests and
+exception or Ctrl-C (``truncated_passes``), a dump that stopped early (``complete: false`` with its
+``incomplete_reason``: a write error, a step that raised), the run-time ``errors`` it recorded, or
+what the dumper flagged while running (``anomalies``: concurrent threads, compiled calls it could
+not see). Read from the manifests and
 pass-file metadata only; no tensor is touched.
 """
 
@@ -30,10 +32,39 @@ def _run_notes(which: str, source: RunSource) -> list[str]:
         notes.append(
             f"{which} {source.name}: pass(es) {shown} cut short (truncated): their forward did not finish"
         )
+    notes.extend(_incomplete(which, source.name, manifest))
     anomalies = manifest.get("anomalies")
     if isinstance(anomalies, dict):
         notes.extend(f"{which} {source.name}: {text}" for text in anomalies.values() if isinstance(text, str))
     return notes
+
+
+def _incomplete(which: str, name: str, manifest: dict[str, Any]) -> list[str]:
+    """A dump that says it is incomplete (a write error stopped it, a step raised) with its reason,
+    the files it dropped, and the run-time errors it recorded."""
+    notes: list[str] = []
+    reason = manifest.get("incomplete_reason")
+    if manifest.get("complete") is False and isinstance(reason, str) and reason:
+        skipped = manifest.get("skipped")
+        dropped = skipped.get("dropped_files") if isinstance(skipped, dict) else None
+        lost = f" ({dropped} files dropped)" if isinstance(dropped, int) and dropped else ""
+        notes.append(f"{which} {name}: the dump is incomplete{lost}: {reason}")
+    errors = manifest.get("errors")
+    if isinstance(errors, list):
+        for error in errors[:5]:
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                where, kind = error.get("where", "?"), error.get("type", "?")
+                count = error.get("count")
+                times = f" ({count} times)" if isinstance(count, int) and count > 1 else ""
+                notes.append(f"{which} {name}: error at {where}: {kind}: {error['message'][:300]}{times}")
+    return notes
+
+
+def truncated_passes(source: RunSource) -> list[int]:
+    """The passes a run's manifest says were cut short (their forward or step raised)."""
+    manifest = source.run.manifest if source.run is not None else {}
+    found = manifest.get("truncated_passes") if isinstance(manifest, dict) else None
+    return [i for i in found if type(i) is int] if isinstance(found, list) else []
 
 
 def side_notes(side: Side) -> list[str]:

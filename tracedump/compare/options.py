@@ -171,6 +171,7 @@ class DiffOptions:
     html_path: Path | None = None
     max_rows: int = 500
     progress: bool | None = None  # None: decide from the terminal and the size of the diff
+    min_coverage: float | None = None  # --min-coverage: below this fraction of B compared, exit 2
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -182,6 +183,11 @@ class DiffOptions:
             raise UsageError(f"--align {self.align!r}: choose passes or tokens")
         if self.rank is not None and self.rank < 0:
             raise UsageError(f"--rank {self.rank}: expected a non-negative rank")
+        if self.min_coverage is not None and not 0 <= self.min_coverage <= 1:
+            raise UsageError(
+                f"--min-coverage {self.min_coverage}: expected a fraction of the reference, "
+                "0 to 1 (0.8: 80 %)"
+            )
 
     def map_name(self, name: str) -> str:
         """A's name as the reference would spell it (every ``--map`` rule, in order)."""
@@ -224,6 +230,7 @@ def parse_options(
     html_path: Path | None = None,
     max_rows: int = 500,
     progress: bool | None = None,
+    min_coverage: float | None = None,
 ) -> DiffOptions:
     """Every option as the user wrote it, parsed and checked once (the CLI and ``compare()`` both).
 
@@ -260,4 +267,5 @@ def parse_options(
         html_path=html_path,
         max_rows=max_rows,
         progress=progress,
+        min_coverage=min_coverage,
     )

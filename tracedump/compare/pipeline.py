@@ -19,13 +19,14 @@ from ..store.fsio import write_output
 from ..util.console import printable
 from .align import build_aligned_report
 from .bridge import matcher_for
+from .coverage import CoverageCount, enforce, nothing_comparable
 from .display import print_report, progress_bar
 from .execute import Executor
 from .inputs import inputs_differ_by_pass
 from .local import judge_local, refuse_grafted_alignment
-from .notes import side_notes
+from .notes import side_notes, truncated_passes
 from .options import DiffOptions
-from .plan import Plan, build_plan, short_list
+from .plan import Plan, Unmatched, Workspace, build_plan, short_list
 from .plot import check_available, write_plot
 from .report import bridge_summary, report_settings
 from .results import DiffReport, TensorResult
@@ -61,8 +62,11 @@ def build_report(options: DiffOptions) -> DiffReport:
         options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
     if options.align == "tokens":
         refuse_grafted_alignment(options)
-        return build_aligned_report(options, side_a, side_b, matcher)
+        report = build_aligned_report(options, side_a, side_b, matcher)
+        report.settings["notes"] = side_notes(side_a) + side_notes(side_b)
+        return _covered(report, options)
     plan, workspace = build_plan(side_a, side_b, options, matcher)
+    plan = _cut_short_leftovers(plan, side_a, side_b)
     if not plan.pairs:
         workspace.close()
         raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
@@ -73,6 +77,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
     report.bridge = bridge_summary(matcher)
     report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
+    coverage = _plan_coverage(plan, workspace, options)
     with progress_bar(plan, options.progress) as advance:
         executor = Executor(plan, workspace, advance)
         measured = executor.run()
@@ -85,7 +90,51 @@ def build_report(options: DiffOptions) -> DiffReport:
         for rule in (*options.rtol_rules, *options.atol_rules)
         if not any(rule.matches(r.name, r.name_b) for r in report.results)
     ]
+    report.coverage = coverage.finish(report.results)
     conclude(report)
+    return _covered(report, options)
+
+
+def _cut_short_leftovers(plan: Plan, side_a: Side, side_b: Side) -> Plan:
+    """A pass cut short holds only what its forward captured before it raised: the other side's
+    tensors it lacks are listed with that reason, not as plain names missing (its tensors that are
+    there are compared; the summary notes the truncation)."""
+    cut = {
+        which: {i for group in side.groups for run in group.runs for i in truncated_passes(run)}
+        for which, side in (("A", side_a), ("B", side_b))
+    }
+    if not cut["A"] and not cut["B"]:
+        return plan
+    pass_b = {unit.pass_a: unit.pass_b for unit in plan.units}
+
+    def reason(item: Unmatched, cut_side: str, index: int) -> Unmatched:
+        if item.reason or index not in cut[cut_side]:
+            return item
+        return replace(item, reason=f"{cut_side}'s pass {index} was cut short (its step raised)")
+
+    return replace(
+        plan,
+        only_in_b=tuple(reason(u, "A", u.pass_index) for u in plan.only_in_b),
+        only_in_a=tuple(reason(u, "B", pass_b.get(u.pass_index, u.pass_index)) for u in plan.only_in_a),
+    )
+
+
+def _plan_coverage(plan: Plan, workspace: Workspace, options: DiffOptions) -> CoverageCount:
+    """B's tensors in every compared pass, and the ones each planned pair reads (a result's index
+    is its pair's)."""
+    coverage = CoverageCount()
+    for unit, (_, views_b) in zip(plan.units, workspace.views, strict=True):
+        names = dict.fromkeys(name for view in views_b for name in view.entries)
+        coverage.add_step(unit.root or "", names, options.selected)
+    for index, pair in enumerate(plan.pairs):
+        coverage.add_pair(index, plan.units[pair.unit].root or "", pair.b)
+    return coverage
+
+
+def _covered(report: DiffReport, options: DiffOptions) -> DiffReport:
+    """Coverage enforced: nothing compared is exit 2; ``--min-coverage`` (compare/coverage.py)."""
+    nothing_comparable(report)
+    enforce(report, options.min_coverage)
     return report
 
 

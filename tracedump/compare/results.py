@@ -276,6 +276,10 @@ class DiffReport:
     notes: list[str] = field(default_factory=list)  # what the summary should say besides findings
     bridge: dict[str, Any] | None = None  # the bridge in use: name, source (compare/bridge.py)
     inputs_differ: list[dict[str, Any]] = field(default_factory=list)  # aligned sequences fed other tokens
+    # --align tokens: a generated token that differs (a consequence, compare/align.py), with the
+    # first divergence before it once concluded
+    output_changed: list[dict[str, Any]] = field(default_factory=list)
+    coverage: dict[str, Any] | None = None  # compared / reference tensors per step (compare/coverage.py)
     findings: Findings | None = None  # set by verdict.conclude once the results are final
 
     @property
@@ -320,6 +324,7 @@ class DiffReport:
         first, growth = self.first_divergence, self.largest_growth
         plan = self.plan
         return {
+            "coverage": self.coverage,
             "compared": self.compared,
             "ok": self.count("ok"),
             "diverged": self.count("diverged"),
@@ -333,6 +338,7 @@ class DiffReport:
             "bridged": sum(1 for r in self.results if r.bridge is not None),
             "bridge": self.bridge,
             "inputs_differ": list(self.inputs_differ),
+            "output_changed": list(self.output_changed),
             "leftovers": self.leftovers_by_reason(),
             "notes": list(self.notes),
             "unused_rules": list(self.unused_rules),

@@ -41,6 +41,7 @@ class RunLog(Protocol):
     def manifest(self) -> dict[str, Any]: ...
     def update(self, **fields: Any) -> None: ...
     def report(self, where: str, error: BaseException) -> None: ...
+    def cut_short(self, index: int, error: BaseException) -> None: ...
 
 
 class _Everything:
@@ -238,11 +239,13 @@ class PassMachine:
             return
         try:
             yield owner
-        except BaseException:  # Ctrl-C or an error cut the step short: what it captured is partial
+        except BaseException as error:  # Ctrl-C or an error cut the step short: what it captured is partial
             if opened:
                 opened = False
                 with self.lock:
+                    index = self.pass_index
                     self.close_pass(truncated=True)
+                self._cut_short(index, error)
             raise
         finally:
             with self.lock:  # the pass closes before another thread can see no step open
@@ -532,6 +535,14 @@ class PassMachine:
             "thread's pass was open; its captures are skipped, not mixed into that pass. Run the "
             "dumped model (and step()) from one thread at a time, or attach one dumper per model copy.",
         )
+
+    def _cut_short(self, index: int, error: BaseException) -> None:
+        """A step raised (the engine's forward failed, Ctrl-C): the manifest says the dump is
+        incomplete and keeps the error, so a diff never reads the cut pass as a whole one."""
+        try:
+            self.log.cut_short(index, error)
+        except Exception as e:  # never raise into the host: its own exception is on its way
+            self.report(f"step {index}", e)
 
     def report(self, where: str, error: Exception) -> None:
         self.skipped["errors"] += 1

@@ -181,6 +181,7 @@ class RunDir:
 
     def _start(self) -> None:
         self.failure: str | None = None
+        self.cut: str | None = None  # a step that raised: its pass is cut short (cut_short)
         self.errors = ErrorLog()
         self.path = self._make()
         try:
@@ -370,6 +371,16 @@ class RunDir:
             "distinct failure is kept in the manifest's 'errors', with its count.",
         )
 
+    def cut_short(self, index: int, error: BaseException) -> None:
+        """A step raised (the engine's forward failed, Ctrl-C): its pass holds part of a forward
+        (``truncated_passes``). The manifest says the dump is incomplete, why, and keeps the error
+        in ``errors``, whether or not the process gets to close the dump."""
+        kind, message = type(error).__name__, str(error) or type(error).__name__
+        self.errors.add(f"step {index}", kind, message)
+        if self.cut is None:
+            self.cut = f"step {index} raised {kind}: {message[:300]} (its pass is cut short: truncated)"
+        self.update(complete=False, incomplete_reason=self.failure or self.cut, errors=self.errors.as_list())
+
     def _on_write_error(self, failure: str) -> None:
         self.failure = failure
         self.errors.add("writer", "WriteError", failure)
@@ -413,8 +424,8 @@ class RunDir:
             skipped["dropped_captures"] = totals.dropped_captures
             skipped["dropped_bytes"] = totals.dropped_bytes
         self.update(
-            complete=self.failure is None,
-            incomplete_reason=self.failure,
+            complete=self.failure is None and self.cut is None,
+            incomplete_reason=self.failure or self.cut,
             skipped=skipped,
             errors=self.errors.as_list(),
             end_time=dt.datetime.now(dt.timezone.utc).isoformat(),

@@ -108,11 +108,34 @@ class Batch:
 
 @dataclass
 class Sequence:
-    """One sequence over a run: which pass holds each of its positions, at which row."""
+    """One sequence over a run: which pass holds each of its positions, at which row.
+
+    ``prompt_end``: the positions before it are the sequence's prompt, told from the batch layout
+    (:func:`sequences`): the rows of the first step that holds the sequence, and of each following
+    step that continues that prefill with more than one row (a chunked prefill); a step holding
+    one row of it is a decode step, and every position from there on was fed a generated token.
+    ``recomputed``: (first position, pass) of each step that held positions of the sequence again
+    (preemption with recompute): its rows replaced the first computation's."""
 
     seq_id: SeqId
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # position -> (pass, row)
     input_ids: dict[int, int] = field(default_factory=dict)  # position -> token id
+    prompt_end: int = 0
+    recomputed: list[tuple[int, int]] = field(default_factory=list)
+
+    def is_prompt(self, position: int) -> bool:
+        """Whether ``position`` holds a prompt token (else a generated one, fed back)."""
+        return position < self.prompt_end
+
+    def before(self, position: int) -> Sequence:
+        """The sequence cut before ``position``: the rows computed before it was fed."""
+        return Sequence(
+            self.seq_id,
+            rows={p: r for p, r in self.rows.items() if p < position},
+            input_ids={p: t for p, t in self.input_ids.items() if p < position},
+            prompt_end=self.prompt_end,
+            recomputed=list(self.recomputed),
+        )
 
     @property
     def positions(self) -> list[int]:
@@ -266,24 +289,34 @@ def _rows_fit(batch: Batch, shapes: list[tuple[int, ...]], tokens: int | None) -
 
 
 def sequences(found: dict[int, Batch]) -> dict[SeqId, Sequence]:
-    """Each sequence's positions over the passes; repeated or jumping positions raise, naming the
-    pass and the sequence (a silent mis-alignment would compare the wrong rows)."""
+    """Each sequence's positions over the passes. A later step that holds positions of a sequence
+    again recomputes them (vLLM's preemption with recompute re-prefills a preempted request's prompt
+    and generated tokens): the rows from that position on are the recomputation's, and the step is
+    listed in ``recomputed``. A position held twice in one pass, or positions that jump, raise,
+    naming the pass and the sequence (a silent mis-alignment would compare the wrong rows)."""
     out: dict[SeqId, Sequence] = {}
+    prefilling: dict[SeqId, bool] = {}  # the sequence's prefill may continue in the next step
     for index in sorted(found):
         batch = found[index]
+        held: dict[SeqId, list[int]] = {}
         for row, (seq, position) in enumerate(zip(batch.seq_ids, batch.positions, strict=True)):
             if seq is None:  # padding
                 continue
+            held.setdefault(seq, []).append(position)
             sequence = out.setdefault(seq, Sequence(seq))
             if position in sequence.rows:
                 earlier = sequence.rows[position][0]
-                raise SequenceError(
-                    f"pass {index}: sequence {seq!r} holds position {position} again (first in pass "
-                    f"{earlier})"
-                )
+                if earlier == index:
+                    raise SequenceError(
+                        f"pass {index}: sequence {seq!r} holds position {position} again (first in "
+                        f"pass {earlier})"
+                    )
+                _recompute(sequence, position, index)
             sequence.rows[position] = (index, row)
             if batch.input_ids is not None:
                 sequence.input_ids[position] = batch.input_ids[row]
+        for seq, positions in held.items():
+            _grow_prompt(out[seq], positions, prefilling)
     for sequence in out.values():
         positions = sequence.positions
         if positions and positions != list(range(positions[0], positions[0] + len(positions))):
@@ -293,6 +326,28 @@ def sequences(found: dict[int, Batch]) -> dict[SeqId, Sequence]:
                 f"(positions held: {_span(positions)})"
             )
     return out
+
+
+def _recompute(sequence: Sequence, position: int, index: int) -> None:
+    """A later step computes ``position`` again: the first computation of it and of every later
+    position is dropped (the recomputation, in this step and the next, replaces it)."""
+    for stale in [p for p in sequence.rows if p >= position]:
+        del sequence.rows[stale]
+        sequence.input_ids.pop(stale, None)
+    sequence.recomputed.append((position, index))
+
+
+def _grow_prompt(sequence: Sequence, positions: list[int], prefilling: dict[SeqId, bool]) -> None:
+    """The prompt of a sequence, from the layout of the steps that hold it: the first step's rows,
+    and each next step's while it continues the prefill with several rows (chunked prefill)."""
+    seq = sequence.seq_id
+    if seq not in prefilling:
+        sequence.prompt_end = max(positions) + 1
+        prefilling[seq] = len(positions) > 1
+    elif prefilling[seq] and len(positions) > 1 and min(positions) == sequence.prompt_end:
+        sequence.prompt_end = max(positions) + 1
+    else:
+        prefilling[seq] = False
 
 
 class _Rows(Protocol):

@@ -84,6 +84,9 @@ class _MemoryLog:
         self.errors.add(where, type(error).__name__, str(error))
         self._warn("capture_error", f"tracedump.capture(): copying at {where} failed: {error!r}")
 
+    def cut_short(self, index: int, error: BaseException) -> None:
+        """A run cut short by its own exception: the caller sees that exception; nothing to keep."""
+
 
 class Capture:
     """Context manager that records inputs/outputs of named modules; create it with :func:`capture`.
