@@ -41,13 +41,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import UsageError
+from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
+from .correspondence import derive_bridge
 from .options import DiffOptions
 from .sources import EntryMeta, Side
 from .unshard import SideEntry
 
 _COMBINE = {"sum": " + ", "product": " * "}
+IDENTITY_CLASSES = re.compile(r"Dropout\d?d?|Identity")  # modules that return their input at inference
 
 
 # ------------------------------------------------------------------ which bridge, which classes
@@ -61,6 +64,7 @@ class SideInfo:
     root: str
     classes: Mapping[str, str]
     integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
+    record: Correspondence | None = None  # its correspondence.json (rank 0's), if it wrote one
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -77,10 +81,12 @@ def _framework(manifest: Mapping[str, Any]) -> str:
 
 def side_info(side: Side) -> SideInfo:
     manifest: Mapping[str, Any] = {}
+    record = None
     for group in side.groups:
         for run in group.runs:
             if run.run is not None:
                 manifest = run.run.manifest
+                record = read_correspondence(run.run.path)
                 break
         if manifest:
             break
@@ -99,6 +105,7 @@ def side_info(side: Side) -> SideInfo:
         root=root,
         classes=dict(classes) if isinstance(classes, dict) else {},
         integration=engine,
+        record=record,
     )
 
 
@@ -122,6 +129,9 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
         if option.a is not None and option.b is not None and _fits(option.swapped(), a, b):
             return option.swapped(), f"bridge: {option.name} from {option.source} (A is its {option.b})"
         return option, f"bridge: {option.name} from {option.source}"
+    derived = _derived(a, b)
+    if derived is not None:
+        return derived, f"bridge: {derived.name} (correspondence.json; A {a.framework}, B {b.framework})"
     if not a.framework or not b.framework or a.framework == b.framework:
         return None, ""
     for bridge in builtin_bridges():
@@ -133,6 +143,21 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
                 f"bridge: {bridge.name} ({bridge.source}; A {a.framework}, B {b.framework})",
             )
     return None, f"bridge: none built in for A {a.framework} and B {b.framework} ({a.root})"
+
+
+def _derived(a: SideInfo, b: SideInfo) -> Bridge | None:
+    """The bridge derived from the two runs' correspondence records, when one side recorded its
+    engine's weight load (:mod:`.correspondence`); None otherwise."""
+    if a.record is None or b.record is None or not (a.record.loads or b.record.loads):
+        return None
+    return derive_bridge(
+        a.record,
+        b.record,
+        framework_a=a.framework,
+        framework_b=b.framework,
+        classes_a=a.classes,
+        classes_b=b.classes,
+    )
 
 
 # ------------------------------------------------------------------ expressions: what one side compares
@@ -331,9 +356,58 @@ class Matcher:
             if name not in claimed["b"]:
                 out.leftovers.append(Leftover(side="B", name=name, reason=NO_NAME_IN_A))
         anchored.sort(key=lambda item: item[0])
+        if self.bridge is not None:
+            self._identities(out, anchored, names_a, names_b)
         out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
         out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
         return out
+
+    def _identities(
+        self, out: Matched, anchored: list[tuple[int, BridgedPair]], names_a: list[str], names_b: list[str]
+    ) -> None:
+        """A leftover that is an identity at inference (a ``Dropout``) or HF's ``last_hidden_state``
+        holds the tensor captured just before it on its side (its input; the final norm's
+        output): compared with that tensor's counterpart, bridged as ``identity``."""
+        for side, names in (("A", names_a), ("B", names_b)):
+            partner: dict[str, tuple[int, Expr]] = {}
+            for position, pair in anchored:
+                own, theirs = (pair.a, pair.b) if side == "A" else (pair.b, pair.a)
+                if own.op is None and pair.classes is None:
+                    partner.setdefault(own.names[0], (position, theirs))
+            kept = []
+            for leftover in out.leftovers:
+                source = self._identity_source(side, leftover, names) if leftover.side == side else None
+                found = partner.get(source) if source is not None else None
+                if found is None:
+                    kept.append(leftover)
+                    continue
+                position, other = found
+                mine = Expr(names=(leftover.name,))
+                pair = BridgedPair(a=mine, b=other, how="identity", rule=f"returns {source}")
+                if side == "B":
+                    pair = BridgedPair(a=other, b=mine, how="identity", rule=f"returns {source}")
+                anchored.append((position, pair))
+            out.leftovers = kept
+        anchored.sort(key=lambda item: item[0])
+
+    def _identity_source(self, side: str, leftover: Leftover, names: list[str]) -> str | None:
+        try:
+            key = Key.parse(leftover.name)
+        except ValueError:
+            return None
+        qualname = self.class_of(side.lower(), leftover.name) or ""
+        if not (IDENTITY_CLASSES.fullmatch(qualname) and not key.path) and key.path != "[last_hidden_state]":
+            return None
+        if key.input or leftover.name not in names:
+            return None
+        for name in reversed(names[: names.index(leftover.name)]):
+            try:
+                before = Key.parse(name)
+            except ValueError:
+                continue
+            if not before.input and not re.fullmatch(r"\[[1-9]\d*\]", before.path):
+                return name
+        return None
 
     def _anchor(
         self,

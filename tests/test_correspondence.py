@@ -1,0 +1,344 @@
+"""The correspondence derived from the weight load, on fake records (no vLLM): which modules pair,
+which fused outputs split where, which weightless parts follow the engine-wide rules, and the
+dump side's load recording (:mod:`tracedump.dump.weights`) on real tensors.
+
+The records have the shape the vLLM plugin writes (tests_vllm/test_correspondence.py checks that
+on the real engine): a Llama-like vLLM layer (fused qkv / gate_up, a tied head) against HF's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracedump.compare.bridge import Matcher
+from tracedump.compare.correspondence import derive_bridge, engine_holdings, pair_modules, plain_holdings
+from tracedump.compare.options import parse_options
+from tracedump.dump.weights import fingerprint, module_parameters, source_slices, written_region
+from tracedump.store.correspondence import Correspondence, Load, read_correspondence, write_correspondence
+
+H, INTER = 8, 12  # hidden, intermediate
+
+
+def _src(shape: list[int], seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "shape": shape,
+        "dtype": "torch.float32",
+        "fingerprint": fingerprint(torch.randn(shape, generator=g)),
+    }
+
+
+def _hf_sources(layers: int = 2) -> dict[str, dict]:
+    out = {"model.embed_tokens.weight": _src([32, H], 1), "model.norm.weight": _src([H], 2)}
+    seed = 10
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (
+            ("self_attn.q_proj.weight", [H, H]),
+            ("self_attn.k_proj.weight", [H, H]),
+            ("self_attn.v_proj.weight", [H, H]),
+            ("self_attn.o_proj.weight", [H, H]),
+            ("mlp.gate_proj.weight", [INTER, H]),
+            ("mlp.up_proj.weight", [INTER, H]),
+            ("mlp.down_proj.weight", [H, INTER]),
+            ("input_layernorm.weight", [H]),
+            ("post_attention_layernorm.weight", [H]),
+        ):
+            out[p + name] = _src(shape, seed)
+            seed += 1
+    return out
+
+
+def _vllm_record(layers: int = 2) -> Correspondence:
+    sources = _hf_sources(layers)
+    loads, params = [], {}
+
+    def add(param: str, shape: list[int], parts: list[tuple[str, int, int]], shards=None) -> None:
+        params[param] = {"module": param.rpartition(".")[0], "shape": shape, "dtype": "torch.float32"}
+        for k, (source, start, count) in enumerate(parts):
+            region = [[start, start + count]] + [[0, d] for d in shape[1:]]
+            loads.append(
+                Load(param=param, source=source, shard=shards[k] if shards else None, region=region,
+                     rows=[[0, 0, count]])
+            )  # fmt: skip
+
+    add("model.embed_tokens.weight", [32, H], [("model.embed_tokens.weight", 0, 32)])
+    params["lm_head.weight"] = {"module": "lm_head", "shape": [32, H], "same_as": "model.embed_tokens.weight"}
+    add("model.norm.weight", [H], [("model.norm.weight", 0, H)])
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        qkv = [(p + f"self_attn.{x}_proj.weight", k * H, H) for k, x in enumerate("qkv")]
+        add(p + "self_attn.qkv_proj.weight", [3 * H, H], qkv, shards=["q", "k", "v"])
+        add(p + "self_attn.o_proj.weight", [H, H], [(p + "self_attn.o_proj.weight", 0, H)])
+        gate_up = [(p + "mlp.gate_proj.weight", 0, INTER), (p + "mlp.up_proj.weight", INTER, INTER)]
+        add(p + "mlp.gate_up_proj.weight", [2 * INTER, H], gate_up, shards=["0", "1"])
+        add(p + "mlp.down_proj.weight", [H, INTER], [(p + "mlp.down_proj.weight", 0, H)])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            add(p + norm + ".weight", [H], [(p + norm + ".weight", 0, H)])
+    return Correspondence(parameters=params, sources=sources, loads=loads)
+
+
+def _hf_record(layers: int = 2, tied: bool = True) -> Correspondence:
+    params = {}
+    for name, meta in _hf_sources(layers).items():
+        params[name] = {"module": name.rpartition(".")[0], **meta}
+    params["lm_head.weight"] = (
+        {"module": "lm_head", "shape": [32, H], "same_as": "model.embed_tokens.weight"}
+        if tied
+        else {"module": "lm_head", **_hf_sources()["model.embed_tokens.weight"]}
+    )
+    return Correspondence(parameters=params)
+
+
+VLLM_CLASSES = {
+    "": "vllm.LlamaForCausalLM",
+    "model": "vllm.LlamaModel",
+    "model.embed_tokens": "vllm.VocabParallelEmbedding",
+    **{
+        f"model.layers.{i}{m}": c
+        for i in range(2)
+        for m, c in (
+            ("", "LlamaDecoderLayer"),
+            (".self_attn", "LlamaAttention"),
+            (".self_attn.qkv_proj", "QKVParallelLinear"),
+            (".self_attn.o_proj", "RowParallelLinear"),
+            (".self_attn.rotary_emb", "RotaryEmbedding"),
+            (".self_attn.attn", "Attention"),
+            (".mlp", "LlamaMLP"),
+            (".mlp.gate_up_proj", "MergedColumnParallelLinear"),
+            (".mlp.down_proj", "RowParallelLinear"),
+            (".mlp.act_fn", "SiluAndMul"),
+            (".input_layernorm", "RMSNorm"),
+            (".post_attention_layernorm", "RMSNorm"),
+        )
+    },
+    "model.norm": "RMSNorm",
+    "lm_head": "ParallelLMHead",
+    "logits_processor": "LogitsProcessor",
+}
+HF_CLASSES = {
+    "": "LlamaForCausalLM",
+    "model": "LlamaModel",
+    "model.embed_tokens": "Embedding",
+    "model.rotary_emb": "LlamaRotaryEmbedding",
+    **{
+        f"model.layers.{i}{m}": c
+        for i in range(2)
+        for m, c in (
+            ("", "LlamaDecoderLayer"),
+            (".self_attn", "LlamaAttention"),
+            (".self_attn.q_proj", "Linear"),
+            (".self_attn.k_proj", "Linear"),
+            (".self_attn.v_proj", "Linear"),
+            (".self_attn.o_proj", "Linear"),
+            (".mlp", "LlamaMLP"),
+            (".mlp.gate_proj", "Linear"),
+            (".mlp.up_proj", "Linear"),
+            (".mlp.down_proj", "Linear"),
+            (".mlp.act_fn", "SiLUActivation"),
+            (".input_layernorm", "LlamaRMSNorm"),
+            (".post_attention_layernorm", "LlamaRMSNorm"),
+        )
+    },
+    "model.norm": "LlamaRMSNorm",
+    "lm_head": "Linear",
+}
+
+
+def test_modules_pair_by_the_checkpoint_tensors_they_hold_whatever_their_names() -> None:
+    engine = engine_holdings(_vllm_record())
+    other = plain_holdings(_hf_record(), _vllm_record().sources)
+    pairing = pair_modules(engine, other)
+    assert pairing.splits["model.layers.1.self_attn.qkv_proj"] == [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
+    assert pairing.splits["model.layers.0.mlp.gate_up_proj"] == [
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+    ]
+    assert pairing.leaves["model.layers.0.mlp.down_proj"] == "model.layers.0.mlp.down_proj"
+    # the tied head: both hold the embedding; an equal name breaks the tie
+    assert pairing.leaves["model.embed_tokens"] == "model.embed_tokens"
+    assert pairing.leaves["lm_head"] == "lm_head"
+    assert pairing.containers["model.layers.1"] == "model.layers.1"
+    assert pairing.containers["model.layers.0.self_attn"] == "model.layers.0.self_attn"
+    assert pairing.containers["model"] == "model"
+
+
+def test_a_renamed_parameter_is_found_by_its_fingerprint() -> None:
+    hf = _hf_record()
+    renamed = {k.replace("mlp.", "feed_forward."): v for k, v in hf.parameters.items()}
+    for meta in renamed.values():
+        meta["module"] = meta["module"].replace("mlp.", "feed_forward.") if "module" in meta else ""
+    other = plain_holdings(Correspondence(parameters=renamed), _vllm_record().sources)
+    pairing = pair_modules(engine_holdings(_vllm_record()), other)
+    assert pairing.leaves["model.layers.0.mlp.down_proj"] == "model.layers.0.feed_forward.down_proj"
+    assert pairing.containers["model.layers.0.mlp"] == "model.layers.0.feed_forward"
+
+
+def _match(names_a: list[str], names_b: list[str], swap: bool = False):
+    a, b = _vllm_record(), _hf_record()
+    if swap:
+        bridge = derive_bridge(
+            b, a, framework_a="transformers", framework_b="vllm", classes_a=HF_CLASSES, classes_b=VLLM_CLASSES
+        )
+        matcher = Matcher(bridge=bridge, classes_a=HF_CLASSES, classes_b=VLLM_CLASSES)
+        return matcher.match(names_b, names_a, parse_options("x", "y"))
+    bridge = derive_bridge(
+        a, b, framework_a="vllm", framework_b="transformers", classes_a=VLLM_CLASSES, classes_b=HF_CLASSES
+    )
+    assert bridge is not None
+    matcher = Matcher(bridge=bridge, classes_a=VLLM_CLASSES, classes_b=HF_CLASSES)
+    return matcher.match(names_a, names_b, parse_options("x", "y"))
+
+
+VLLM_NAMES = [
+    "model.embed_tokens",
+    "model.layers.0.input_layernorm",
+    "model.layers.0.self_attn.qkv_proj[0]",
+    "model.layers.0.self_attn.rotary_emb[0]",
+    "model.layers.0.self_attn.rotary_emb[1]",
+    "model.layers.0.self_attn.attn",
+    "model.layers.0.self_attn.o_proj[0]",
+    "model.layers.0.self_attn",
+    "model.layers.0.post_attention_layernorm[0]",
+    "model.layers.0.post_attention_layernorm[1]",
+    "model.layers.0.mlp.gate_up_proj[0]",
+    "model.layers.0.mlp.act_fn",
+    "model.layers.0.mlp.down_proj[0]",
+    "model.layers.0.mlp",
+    "model.layers.0[0]",
+    "model.layers.0[1]",
+    "model.norm[0]",
+    "model.norm[1]",
+    "model",
+    "logits_processor",
+]
+HF_NAMES = [
+    "model.embed_tokens",
+    "model.rotary_emb[0]",
+    "model.rotary_emb[1]",
+    "model.layers.0.input_layernorm",
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.k_proj",
+    "model.layers.0.self_attn.v_proj",
+    "model.layers.0.self_attn.o_proj",
+    "model.layers.0.self_attn[0]",
+    "model.layers.0.post_attention_layernorm",
+    "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.act_fn",
+    "model.layers.0.mlp.up_proj",
+    "model.layers.0.mlp.down_proj",
+    "model.layers.0.mlp",
+    "model.layers.0",
+    "model.norm",
+    "model[last_hidden_state]",
+    "lm_head",
+]
+
+
+def _pairs(matched) -> dict[str, str]:
+    return {pair.a.label: pair.b.label for pair in matched.pairs}
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_the_derived_bridge_compares_every_hf_tensor_but_the_rotary_tables(swap: bool) -> None:
+    matched = _match(VLLM_NAMES, HF_NAMES, swap=swap)
+    pairs = {(p.a.label, p.b.label) if not swap else (p.b.label, p.a.label) for p in matched.pairs}
+    qkv = {a: b for a, b in pairs if a.startswith("model.layers.0.self_attn.qkv_proj[0][")}
+    # pieces in the load's row order, sized from the counterparts' shapes once they are read
+    assert qkv == {
+        f"model.layers.0.self_attn.qkv_proj[0][-1:{k}]": f"model.layers.0.self_attn.{x}_proj"
+        for k, x in enumerate("qkv")
+    }
+    for a, b in (
+        ("model.layers.0[0] + model.layers.0[1]", "model.layers.0"),
+        ("model.layers.0.mlp.act_fn", "model.layers.0.mlp.act_fn * model.layers.0.mlp.up_proj"),
+        ("model.layers.0.post_attention_layernorm[0]", "model.layers.0.post_attention_layernorm"),
+        ("model.norm[0]", "model.norm"),
+        ("model", "model[last_hidden_state]"),
+        ("logits_processor", "lm_head"),
+        ("model.layers.0.self_attn", "model.layers.0.self_attn[0]"),
+    ):
+        assert (a, b) in pairs, (a, b)
+    assert all(pair.classes is None for pair in matched.pairs)  # nothing "not comparable"
+    compared_b = {n for p in matched.pairs for n in (p.a.names if swap else p.b.names)}
+    assert set(HF_NAMES) - compared_b == {"model.rotary_emb[0]", "model.rotary_emb[1]"}
+    # without the engine's model output, HF's is compared with the final norm's
+    no_model = _match([n for n in VLLM_NAMES if n != "model"], HF_NAMES, swap=swap)
+    found = {(p.a.label, p.b.label) if not swap else (p.b.label, p.a.label) for p in no_model.pairs}
+    assert ("model.norm[0]", "model[last_hidden_state]") in found
+    reasons = {u.name: u.reason for u in matched.leftovers}
+    assert "rotary" in reasons["model.rotary_emb[0]"]
+    assert "--inputs" in reasons["model.layers.0.self_attn.attn"]
+    assert "residual" in reasons["model.layers.0.post_attention_layernorm[1]"]
+
+
+def test_with_hf_inputs_the_weightless_parts_meet_their_consumers_inputs() -> None:
+    names_b = [*HF_NAMES, "model.layers.0.self_attn.o_proj@in[0]", "model.layers.0.mlp.down_proj@in[0]",
+               "model.layers.0.post_attention_layernorm@in[0]"]  # fmt: skip
+    pairs = _pairs(_match(VLLM_NAMES, names_b))
+    assert pairs["model.layers.0.self_attn.attn"] == "model.layers.0.self_attn.o_proj@in[0]"
+    assert pairs["model.layers.0.mlp.act_fn"] == "model.layers.0.mlp.down_proj@in[0]"
+    assert (
+        pairs["model.layers.0.post_attention_layernorm[1]"] == "model.layers.0.post_attention_layernorm@in[0]"
+    )
+
+
+def test_two_runs_without_an_engine_load_get_no_derived_bridge() -> None:
+    hf = _hf_record()
+    assert (
+        derive_bridge(
+            hf, hf, framework_a="transformers", framework_b="transformers", classes_a={}, classes_b={}
+        )
+        is None
+    )
+
+
+# ------------------------------------------------------------------ the dump side
+
+
+def test_written_region_and_source_rows_of_a_tensor_parallel_shard() -> None:
+    q, k, v = (torch.randn(8, 6) for _ in range(3))
+    param = torch.full((12, 6), float("nan"))
+    param[0:4] = q[4:8]  # rank 1 of 2: its half of q, k and v
+    param[4:8] = k[4:8]
+    param[8:12] = v[4:8]
+    fused = torch.cat([q, k, v])  # Phi3's fused checkpoint tensor
+    assert written_region(~torch.isnan(param)) == [[0, 12], [0, 6]]
+    assert source_slices(param, fused) == {"cols": None, "rows": [[0, 4, 4], [4, 12, 4], [8, 20, 4]]}
+    row_parallel = torch.randn(6, 8)
+    assert source_slices(row_parallel[:, 4:8].clone(), row_parallel) == {"cols": [4, 8], "rows": [[0, 0, 6]]}
+    expert = torch.zeros(3, 10, 6)
+    w1 = torch.randn(5, 6)
+    expert[1, 5:10] = w1
+    mask = torch.zeros(3, 10, 6, dtype=torch.bool)
+    mask[1, 5:10] = True
+    assert written_region(mask) == [[1, 2], [5, 10], [0, 6]]
+    assert source_slices(expert[1:2, 5:10], w1) == {"cols": None, "rows": [[0, 0, 5]]}
+    assert source_slices(torch.randn(5, 6), w1) is None  # not a copy: no slices claimed
+
+
+def test_module_parameters_name_shared_ones_once_and_the_record_round_trips(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    params = module_parameters(model)
+    assert params["1.weight"] == {
+        "module": "1",
+        "shape": [10, 4],
+        "dtype": "torch.float32",
+        "same_as": "0.weight",
+    }
+    assert len(params["0.weight"]["fingerprint"]) == 8
+    record = Correspondence(
+        parameters=params,
+        loads=[Load(param="0.weight", source="e", region=[[0, 10], [0, 4]], rows=[[0, 0, 10]])],
+    )
+    write_correspondence(tmp_path, record)
+    assert json.loads((tmp_path / "correspondence.json").read_text())["version"] == 1
+    assert read_correspondence(tmp_path) == record
