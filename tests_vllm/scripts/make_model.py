@@ -3,9 +3,9 @@
     python make_model.py OUT [--arch ARCH] [--dtype float32|bfloat16] [--seed 0]
 
 hidden 256, 4 heads of 64 (vLLM's CPU attention needs head_dim >= 64), 4 layers, vocab 512.
-ARCH: llama, llama-tied (tied embeddings), qwen2, qwen3, mistral, phi3, gemma, gemma2, mixtral,
-qwen3-moe (4 experts, 2 per token). Norm weights are 1 +- 0.3 (random), so that a norm's weight is
-no constant and every parameter's values tell it apart.
+ARCH: llama, llama-tied (tied embeddings; Gemma's are tied too), qwen2, qwen3, mistral, phi3,
+gemma, gemma2, mixtral, qwen3-moe (4 experts, 2 per token). Norm weights are 1 +- 0.3
+(random), so that a norm's weight is no constant and every parameter's values tell it apart.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def build(out: Path, arch: str, dtype: str, seed: int) -> None:
         eos_token_id=2,
         torch_dtype=dtype,
     )
+    gemma2 = dict(pad_token_id=0, sliding_window=64, tie_word_embeddings=True)
     mixtral = dict(num_local_experts=4, num_experts_per_tok=2)
     qwen3_moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
     families = {
@@ -44,8 +45,8 @@ def build(out: Path, arch: str, dtype: str, seed: int) -> None:
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
-        "gemma": ("GemmaConfig", "GemmaForCausalLM", {"pad_token_id": 0}),
-        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"pad_token_id": 0, "sliding_window": 64}),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", {"pad_token_id": 0, "tie_word_embeddings": True}),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", gemma2),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", mixtral),
         "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", qwen3_moe),
     }  # fmt: skip

@@ -70,7 +70,13 @@ ENGINE_CLASSES: dict[str, str] = {
     "rotary": r"Rotary|RoPE|Rope",
     "logits": r"^LogitsProcessor$",
     "norm": r"Norm",
+    "scaled": r"Scaled",  # an embedding that multiplies by a scale inside itself (HF's Gemma)
 }
+SCALE_REASON = (
+    "a scale factor applied between modules: one side's embedding scales its output inside "
+    "itself ({scaled}), the other after its embedding module; compared where both hold the "
+    "scaled value (the first layer's input, dumped with --inputs)"
+)
 
 
 def _bare(qualname: str) -> str:
@@ -267,7 +273,8 @@ def pair_modules(engine: Holdings, other: Holdings) -> Pairing:
     for module in sorted(engine.direct, key=lambda m: (m.count("."), m)):
         if module in engine.experts:
             continue
-        candidates = [m for m in by_set.get(frozenset(engine.direct[module]), []) if m not in taken]
+        same = by_set.get(frozenset(engine.direct[module]), [])
+        candidates = [m for m in same if m not in taken] or same  # else: one module under two names
         if candidates:
             chosen = module if module in candidates else min(candidates, key=lambda m: (m.count("."), m))
             out.leaves[module] = chosen
@@ -321,6 +328,9 @@ def synthesise_rules(
     leaf_id, split_id, box_id = "same weights", "fused, split at the load's offsets", "same weights below"
     for module, counterpart in pairing.leaves.items():
         m, c = _esc(module), counterpart
+        if _is("scaled", classes_engine.get(module)) != _is("scaled", classes_other.get(counterpart)):
+            rules.extend(_scaled(module, counterpart, pairing, classes_engine, classes_other))
+            continue
         if _is("norm", classes_engine.get(module)):  # a fused add + norm: (normed, input + residual)
             rules.append(_rule("rename", m + r"\[1\]", b=c + "@in[0]", id="add + norm residual"))
             rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_REASON, id="add + norm residual"))
@@ -364,6 +374,8 @@ def _weightless(
     inside = {top for _, top in homes.values()}
     for module, qualname in classes_engine.items():
         m = _esc(module)
+        if module in pairing.leaves:
+            continue  # a module the experts runner holds but that has weights of its own (the router)
         if module in engine.experts or any(module.startswith(t + ".") or module == t for t in inside):
             rules.append(_rule("skip", m + r"(\[\d+\])?", reason=EXPERTS_REASON, id="fused experts"))
         elif _is("rotary", qualname):
@@ -432,6 +444,30 @@ def _other_experts(pairing: Pairing, engine: Holdings, other: Holdings) -> list[
     homes = [pairing.containers[home] for home, _ in _homes(engine, pairing).values()]
     found += [u for u in other.unresolved if any(u.startswith(h + ".") for h in homes)]
     return found
+
+
+def _scaled(
+    module: str,
+    counterpart: str,
+    pairing: Pairing,
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    """An embedding one side scales inside itself and the other after it (Gemma's
+    ``sqrt(hidden)``): the scaled side's output against the other's first norm input (where
+    dumped); each unscaled output listed with the reason, never compared as if equal."""
+    scaled = _bare(classes_other.get(counterpart) or classes_engine.get(module) or "")
+    reason = SCALE_REASON.format(scaled=scaled)
+    rules: list[dict[str, Any]] = []
+    if _is("scaled", classes_other.get(counterpart)):
+        names = list(classes_engine)
+        after = names[names.index(module) + 1 :] if module in names else []
+        first = next((m for m in after if m in pairing.leaves and _is("norm", classes_engine[m])), None)
+        if first is not None:
+            rules.append(_rule("rename", _esc(first + "@in[0]"), b=counterpart, id="scaled embedding"))
+    rules.append(_rule("skip", _esc(module), reason=reason, id="scaled embedding"))
+    rules.append(_rule("skip", _esc(counterpart), side="b", reason=reason, id="scaled embedding"))
+    return rules
 
 
 def _head(pairing: Pairing, engine: Holdings) -> str | None:

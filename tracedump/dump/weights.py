@@ -32,7 +32,8 @@ def fingerprint(tensor: torch.Tensor) -> list[float]:
         return []
     count = min(FINGERPRINT_VALUES, n)
     index = torch.tensor([(i * (n - 1)) // max(count - 1, 1) for i in range(count)], device=flat.device)
-    return [float(v) for v in flat.index_select(0, index).to(torch.float64).cpu().tolist()]
+    values = flat.index_select(0, index).to(torch.float64).cpu().tolist()
+    return [float(f"{v:.6g}") for v in values]  # 6 digits: a dtype change still matches (1e-2)
 
 
 def module_parameters(model: nn.Module) -> dict[str, dict[str, Any]]:

@@ -79,8 +79,25 @@ class Correspondence:
 
 
 def write_correspondence(run_dir: Path, record: Correspondence) -> None:
-    """Write (or rewrite) the run dir's ``correspondence.json``, atomically."""
-    fsio.write_json_atomic(Path(run_dir) / CORRESPONDENCE_FILE, record.as_json())
+    """Write (or rewrite) the run dir's ``correspondence.json``, atomically; compact (one entry
+    per parameter and per load: a large model has thousands)."""
+    data = record.as_json()
+    lines = ["{"]
+    for i, (key, value) in enumerate(data.items()):
+        end = "," if i < len(data) - 1 else ""
+        if isinstance(value, dict) and value and key in ("parameters", "sources"):
+            inner = ",\n".join(f"  {json.dumps(k)}: {_compact(v)}" for k, v in value.items())
+            lines.append(f"{json.dumps(key)}: {{\n{inner}\n}}{end}")
+        elif isinstance(value, list) and value:
+            inner = ",\n".join(f"  {_compact(v)}" for v in value)
+            lines.append(f"{json.dumps(key)}: [\n{inner}\n]{end}")
+        else:
+            lines.append(f"{json.dumps(key)}: {_compact(value)}{end}")
+    fsio.write_text_atomic(Path(run_dir) / CORRESPONDENCE_FILE, "\n".join(lines) + "\n}\n")
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str)
 
 
 def read_correspondence(run_dir: Path) -> Correspondence | None:
