@@ -290,14 +290,24 @@ def test_with_hf_inputs_the_weightless_parts_meet_their_consumers_inputs() -> No
     )
 
 
-def test_two_runs_without_an_engine_load_get_no_derived_bridge() -> None:
+def test_two_runs_without_an_engine_load_pair_by_values_only_when_their_names_differ() -> None:
     hf = _hf_record()
-    assert (
-        derive_bridge(
-            hf, hf, framework_a="transformers", framework_b="transformers", classes_a={}, classes_b={}
-        )
-        is None
+    plain: dict = {"framework_a": "torch", "framework_b": "transformers", "classes_a": {}, "classes_b": {}}
+    assert derive_bridge(hf, hf, **plain) is None  # same names: matched by name, as always
+    renamed = {
+        k.replace("mlp.", "ffn."): {**v, "module": v["module"].replace("mlp.", "ffn.")}
+        if "module" in v
+        else v
+        for k, v in hf.parameters.items()
+    }
+    bridge = derive_bridge(Correspondence(parameters=renamed), hf, **plain)
+    assert bridge is not None
+    names_a = ["model.layers.0.ffn.down_proj", "model.layers.0.ffn", "model.layers.0"]
+    names_b = ["model.layers.0.mlp.down_proj", "model.layers.0.mlp", "model.layers.0"]
+    matched = Matcher(bridge=bridge, classes_a={}, classes_b={}).match(
+        names_a, names_b, parse_options("x", "y")
     )
+    assert _pairs(matched) == dict(zip(names_a, names_b, strict=True))
 
 
 # ------------------------------------------------------------------ the dump side

@@ -146,9 +146,10 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
 
 
 def _derived(a: SideInfo, b: SideInfo) -> Bridge | None:
-    """The bridge derived from the two runs' correspondence records, when one side recorded its
-    engine's weight load (:mod:`.correspondence`); None otherwise."""
-    if a.record is None or b.record is None or not (a.record.loads or b.record.loads):
+    """The bridge derived from the two runs' correspondence records (:mod:`.correspondence`):
+    when one side recorded its engine's weight load, or the two name their parameters
+    differently; None otherwise (and for dumps without the records)."""
+    if a.record is None or b.record is None:
         return None
     return derive_bridge(
         a.record,

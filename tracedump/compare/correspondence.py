@@ -529,16 +529,24 @@ def derive_bridge(
     classes_a: Mapping[str, str],
     classes_b: Mapping[str, str],
 ) -> Bridge | None:
-    """The bridge of two runs' records, or None when neither recorded an engine load (two HF runs
-    pair by name) or nothing pairs. A is the engine side when both recorded one."""
+    """The bridge of two runs' records, or None when nothing pairs, or when neither recorded an
+    engine load and both name their parameters alike (two HF runs: paired by name, as always).
+    A is the engine side when both recorded one. Two runs without a load whose parameter names
+    differ (a port that renamed HF's modules) pair by the values their parameters hold."""
     if a.loads:
         engine, other, classes_e, classes_o, swap = a, b, classes_a, classes_b, False
     elif b.loads:
         engine, other, classes_e, classes_o, swap = b, a, classes_b, classes_a, True
+    elif set(a.parameters) != set(b.parameters) and a.parameters and b.parameters:
+        engine, other, classes_e, classes_o, swap = a, b, classes_a, classes_b, False
     else:
         return None
-    held_engine = engine_holdings(engine)
-    held_other = engine_holdings(other) if other.loads else plain_holdings(other, engine.sources)
+    if engine.loads:
+        held_engine = engine_holdings(engine)
+        held_other = engine_holdings(other) if other.loads else plain_holdings(other, engine.sources)
+    else:  # both plain: B's parameters are the checkpoint both hold
+        sources = {name: meta for name, meta in other.parameters.items() if "same_as" not in meta}
+        held_engine, held_other = plain_holdings(engine, sources), plain_holdings(other, sources)
     pairing = pair_modules(held_engine, held_other)
     if not (pairing.leaves or pairing.splits):
         return None
