@@ -8,6 +8,7 @@ on the real engine): a Llama-like vLLM layer (fused qkv / gate_up, a tied head) 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -451,3 +452,72 @@ def test_an_embedding_scaled_inside_one_side_is_listed_not_compared_as_equal() -
         [*VLLM_NAMES, "model.layers.0.input_layernorm@in[0]"], HF_NAMES, parse_options("x", "y")
     )
     assert _pairs(with_inputs)["model.layers.0.input_layernorm@in[0]"] == "model.embed_tokens"
+
+
+def _tp_records() -> list[Correspondence]:
+    """A fused qkv_proj (q, k, v of 8 rows each) and a row-parallel o_proj on two ranks."""
+    sources = {f"l.{x}_proj.weight": _src([H, H], 40 + k) for k, x in enumerate("qkvo")}
+    records = []
+    for rank in range(2):
+        loads = [
+            Load(param="l.qkv_proj.weight", source=f"l.{x}_proj.weight", shard=x,
+                 region=[[k * 4, k * 4 + 4], [0, H]], rows=[[0, rank * 4, 4]])
+            for k, x in enumerate("qkv")
+        ]  # fmt: skip
+        loads.append(
+            Load(param="l.o_proj.weight", source="l.o_proj.weight", region=[[0, H], [0, 4]],
+                 rows=[[0, 0, H]], cols=[rank * 4, rank * 4 + 4])
+        )  # fmt: skip
+        params = {"l.qkv_proj.weight": {"module": "l.qkv_proj", "shape": [12, H]}}
+        records.append(
+            Correspondence(parameters=params, sources=sources, loads=loads, tp_rank=rank, tp_size=2)
+        )
+    return records
+
+
+def test_tensor_parallel_outputs_are_gathered_in_the_checkpoint_order() -> None:
+    from tracedump.compare.correspondence import merged_holdings, tensor_parallel_joins
+
+    records = _tp_records()
+    classes = {
+        "l.attn": "Attention",
+        "logits_processor": "LogitsProcessor",
+        "l.qkv_proj": "QKVParallelLinear",
+    }
+    joins = {rule.pattern.pattern: rule for rule in tensor_parallel_joins(records, classes)}
+    qkv = joins[r"^l\.qkv_proj(\[0\])?$"]
+    # q of rank 0, q of rank 1, then k, then v: the single-rank layout [q | k | v]
+    assert (qkv.op, qkv.pieces) == (
+        "gather",
+        ((0, 0, 4), (1, 0, 4), (0, 4, 8), (1, 4, 8), (0, 8, 12), (1, 8, 12)),
+    )
+    assert not any("o_proj" in p for p in joins)  # row-parallel: reduced, replicated
+    assert joins[r"^l\.attn$"].op == "cat" and joins[r"^logits_processor$"].op == "first"
+    assert all(p.whole for p in merged_holdings(records).pieces["l.qkv_proj"])  # so it splits
+
+
+def test_a_gathered_entry_joins_the_ranks_pieces() -> None:
+    import numpy as np
+
+    from tracedump.compare.options import UnshardRule
+    from tracedump.compare.reader import Stored
+    from tracedump.compare.sources import EntryMeta
+    from tracedump.compare.unshard import assemble, plan_entry
+
+    class View:  # the two methods plan_entry and assemble use
+        def __init__(self, rank: int, array: np.ndarray) -> None:
+            self.rank, self._array = rank, array
+            self.entries = {"qkv[0]": EntryMeta("tensor", array.shape, "float32")}
+
+        def array(self, name: str) -> Stored:
+            return Stored(self._array, "float32")
+
+    full = np.arange(2 * 12, dtype=np.float32).reshape(2, 12)  # [q0 q1 | k0 k1 | v0 v1], 2 each
+    ranks = [np.concatenate([full[:, 0:2], full[:, 4:6], full[:, 8:10]], axis=1),
+             np.concatenate([full[:, 2:4], full[:, 6:8], full[:, 10:12]], axis=1)]  # fmt: skip
+    views = [View(r, a) for r, a in enumerate(ranks)]
+    pieces = ((0, 0, 2), (1, 0, 2), (0, 2, 4), (1, 2, 4), (0, 4, 6), (1, 4, 6))
+    rule = UnshardRule(re.compile("qkv"), "gather", -1, pieces)
+    entry = plan_entry("qkv[0]", views, rule)  # type: ignore[arg-type]
+    assert entry.meta.shape == (2, 12) and entry.problem is None
+    assert np.array_equal(assemble(entry, views).array, full)  # type: ignore[arg-type]

@@ -44,8 +44,8 @@ from ..errors import UsageError
 from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
-from .correspondence import derive_bridge
-from .options import DiffOptions
+from .correspondence import DERIVED_NAME, derive_bridge, tensor_parallel_joins
+from .options import DiffOptions, UnshardRule
 from .sources import EntryMeta, Side
 from .unshard import SideEntry
 
@@ -65,6 +65,7 @@ class SideInfo:
     classes: Mapping[str, str]
     integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
     record: Correspondence | None = None  # its correspondence.json (rank 0's), if it wrote one
+    ranks: tuple[Correspondence, ...] = ()  # every rank's, in rank order (tensor parallelism)
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -82,11 +83,14 @@ def _framework(manifest: Mapping[str, Any]) -> str:
 def side_info(side: Side) -> SideInfo:
     manifest: Mapping[str, Any] = {}
     record = None
+    ranks: list[Correspondence] = []
     for group in side.groups:
         for run in group.runs:
             if run.run is not None:
                 manifest = run.run.manifest
                 record = read_correspondence(run.run.path)
+                found = [read_correspondence(r.run.path) for r in group.runs if r.run is not None]
+                ranks = [r for r in found if r is not None] if all(found) else []
                 break
         if manifest:
             break
@@ -106,6 +110,7 @@ def side_info(side: Side) -> SideInfo:
         classes=dict(classes) if isinstance(classes, dict) else {},
         integration=engine,
         record=record,
+        ranks=tuple(ranks),
     )
 
 
@@ -158,6 +163,8 @@ def _derived(a: SideInfo, b: SideInfo) -> Bridge | None:
         framework_b=b.framework,
         classes_a=a.classes,
         classes_b=b.classes,
+        ranks_a=list(a.ranks) or None,
+        ranks_b=list(b.ranks) or None,
     )
 
 
@@ -299,6 +306,7 @@ class Matcher:
     classes_b: Mapping[str, str]
     line: str = ""
     align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
+    unshard: tuple[UnshardRule, ...] = ()  # tensor-parallel joins derived from the ranks' loads
     # passes of one run usually hold the same names: matched once (names in order -> Matched)
     _seen: dict[tuple[tuple[str, ...], tuple[str, ...]], Matched] = field(
         default_factory=dict, compare=False, repr=False
@@ -594,7 +602,18 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     align = bridge.align if bridge is not None else None
     if align is None and (info_a.integration or info_b.integration):
         align = "tokens"  # an engine integration batches requests and records each step's layout
-    return Matcher(bridge=bridge, classes_a=info_a.classes, classes_b=info_b.classes, line=line, align=align)
+    unshard: tuple[UnshardRule, ...] = ()
+    if bridge is not None and bridge.name == DERIVED_NAME:
+        for info in (info_a, info_b):
+            unshard += tensor_parallel_joins(list(info.ranks), info.classes)
+    return Matcher(
+        bridge=bridge,
+        classes_a=info_a.classes,
+        classes_b=info_b.classes,
+        line=line,
+        align=align,
+        unshard=unshard,
+    )
 
 
 def _refuse_map_collisions(mapped: Mapping[str, str], names_b: set[str], options: DiffOptions) -> None:

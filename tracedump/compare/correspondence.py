@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..store.correspondence import Correspondence, Load
 from .bridge_rules import Bridge, parse_bridge
+from .options import UnshardRule
 
 DERIVED_NAME = "derived from the weight load"
 FINGERPRINT_RTOL = 1e-2  # a checkpoint tensor loaded in another dtype still matches
@@ -163,6 +164,62 @@ def engine_holdings(record: Correspondence) -> Holdings:
     for module in out.pieces:
         out.pieces[module].sort(key=lambda p: p.start)
     return out
+
+
+def merged_holdings(records: list[Correspondence]) -> Holdings:
+    """Rank 0's holdings, a piece counted whole when the ranks' pieces of its source together cover
+    it (a tensor-parallel shard: the gathered output holds all of it, in the single-rank layout)."""
+    held = engine_holdings(records[0])
+    if len(records) == 1:
+        return held
+    covered: dict[tuple[str, str], int] = {}
+    for record in records:
+        for module, pieces in engine_holdings(record).pieces.items():
+            for piece in pieces:
+                covered[(module, piece.source)] = covered.get((module, piece.source), 0) + piece.count
+    sizes = {name: (meta.get("shape") or [0])[0] for name, meta in records[0].sources.items()}
+    for module, pieces in held.pieces.items():
+        held.pieces[module] = [
+            replace(p, whole=covered.get((module, p.source)) == sizes.get(p.source)) for p in pieces
+        ]
+    return held
+
+
+def tensor_parallel_joins(
+    records: list[Correspondence], classes: Mapping[str, str]
+) -> tuple[UnshardRule, ...]:
+    """How each of a tensor-parallel engine's outputs is put back together from its ranks, from the
+    loads each rank recorded (no ``--unshard`` rule): a column-parallel output (its weight rows a
+    slice of their sources) gathered along its last dim in the checkpoint's order, the attention
+    op's and an ``*AndMul``'s per-rank slices concatenated by rank, the logits taken from rank 0
+    (gathered there); everything else (row-parallel outputs, reduced; norms) is replicated."""
+    if len(records) < 2:
+        return ()
+    per_rank = [engine_holdings(r) for r in records]
+    rules: list[UnshardRule] = []
+    for module, pieces0 in per_rank[0].pieces.items():
+        if module in per_rank[0].experts or all(p.whole for p in pieces0):
+            continue
+        if any(load.cols is not None for load in records[0].loads if load.module == module):
+            continue  # row-parallel: its output is reduced across the ranks
+        order = list(dict.fromkeys(p.source for p in pieces0))
+        gathered: list[tuple[int, int, int]] = []
+        for source in order:
+            found = sorted(
+                (p.source_row, rank, p.start, p.count)
+                for rank, held in enumerate(per_rank)
+                for p in held.pieces.get(module, [])
+                if p.source == source
+            )
+            gathered += [(rank, start, start + count) for _, rank, start, count in found]
+        pattern = re.compile(rf"^{re.escape(module)}(\[0\])?$")
+        rules.append(UnshardRule(pattern, "gather", -1, tuple(gathered)))
+    for module, qualname in classes.items():
+        if _is("attention", qualname) or _is("act_and_mul", qualname):
+            rules.append(UnshardRule(re.compile(rf"^{re.escape(module)}$"), "cat", -1))
+        elif _is("logits", qualname):
+            rules.append(UnshardRule(re.compile(rf"^{re.escape(module)}$"), "first"))
+    return tuple(rules)
 
 
 def _pieces(load: Load, source: Mapping[str, Any] | None) -> list[Piece]:
@@ -528,6 +585,8 @@ def derive_bridge(
     framework_b: str,
     classes_a: Mapping[str, str],
     classes_b: Mapping[str, str],
+    ranks_a: list[Correspondence] | None = None,
+    ranks_b: list[Correspondence] | None = None,
 ) -> Bridge | None:
     """The bridge of two runs' records, or None when nothing pairs, or when neither recorded an
     engine load and both name their parameters alike (two HF runs: paired by name, as always).
@@ -542,7 +601,8 @@ def derive_bridge(
     else:
         return None
     if engine.loads:
-        held_engine = engine_holdings(engine)
+        ranks = (ranks_b if swap else ranks_a) or [engine]
+        held_engine = merged_holdings(ranks)
         held_other = engine_holdings(other) if other.loads else plain_holdings(other, engine.sources)
     else:  # both plain: B's parameters are the checkpoint both hold
         sources = {name: meta for name, meta in other.parameters.items() if "same_as" not in meta}
