@@ -171,3 +171,38 @@ def test_a_one_layer_bug_is_named_at_its_layer(
 def test_the_tensor_parallel_rank_is_recorded(family: Callable[..., tuple[OfflineRun, Path]]) -> None:
     engine, _hf = family("phi3")
     assert _record(engine)["tensor_parallel"] == {"rank": 0, "size": 1}  # vllm_compat.tensor_parallel
+
+
+def test_tensor_parallel_2_against_hf_with_no_flag(
+    family: Callable[..., tuple[OfflineRun, Path]],
+    offline_dump: Callable[..., OfflineRun],
+    tiny_model: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """TP=2 on CPU (the mp backend, one OpenMP thread per rank): each rank's fused outputs
+    gathered by the loads it recorded, with no --unshard rule; clean exit 0, a bug named."""
+    _engine, hf = family("llama-tied")
+    model = tiny_model(arch="llama-tied")
+    clean = offline_dump("corr-tp2", model=model, args=["--tp", "2"])
+    assert [
+        json.loads((d / "correspondence.json").read_text())["tensor_parallel"] for d in clean.run_dirs()
+    ] == [
+        {"rank": 0, "size": 2},
+        {"rank": 1, "size": 2},
+    ]
+    code, out, report = diff(tmp_path, clean.dir, hf)
+    bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
+    assert code == 0, (bad, out[-1500:])
+    share, left = coverage_of_b(report)
+    assert share >= MIN_COVERAGE, (share, sorted(left))
+    names = {(t["name"], t["name_b"]) for t in report["tensors"]}
+    assert ("model.layers.1.self_attn.qkv_proj[0][256:512]", "model.layers.1.self_attn.k_proj") in names
+    bug = offline_dump(
+        "corr-tp2-bug",
+        model=model,
+        args=["--tp", "2"],
+        env={"TRACEDUMP_TEST_BUG": "model.layers.1.mlp.down_proj.weight*1.05"},
+    )
+    code, out, report = diff(tmp_path, bug.dir, hf)
+    first = report["summary"]["alignment"][0]["first"]
+    assert code == 1 and first is not None and first["name"].startswith("model.layers.1."), out[-2000:]

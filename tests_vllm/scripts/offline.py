@@ -1,6 +1,6 @@
 """An offline vLLM program that knows nothing of tracedump: batched prompts, greedy.
 
-    python offline.py MODEL [--prompts 5,3] [--max-tokens 4] [--out result.json]
+    python offline.py MODEL [--prompts 5,3] [--max-tokens 4] [--out result.json] [--tp 2]
 
 Prompts are token ids (``skip_tokenizer_init``): prompt i of length n is ``[1, 10+i, 11+i, ...]``.
 Writes the generated ids to ``--out`` (JSON) so a test can check the engine ran.
@@ -34,6 +34,7 @@ def main() -> None:
         "the prompts are prefilled together (multiprocess, the second may arrive a step later)",
     )
     parser.add_argument("--dummy-batch", action="store_true", help="a dummy run (as DP does) first")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (CPU: mp backend)")
     parser.add_argument("--unknown-internals", action="store_true", help="test: hide the runner")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -43,7 +44,11 @@ def main() -> None:
         hide_runners()
     from vllm import SamplingParams
 
-    llm = small_engine(args.model, dtype=args.dtype)
+    parallel = {}
+    if args.tp > 1:  # on CPU: one worker process per rank, one OpenMP thread each on its own core
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
+        parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"}
+    llm = small_engine(args.model, dtype=args.dtype, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     if args.dummy_batch:
         llm.collective_rpc("execute_dummy_batch")
