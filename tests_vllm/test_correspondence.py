@@ -19,6 +19,10 @@ from conftest import PYTHON, SCRIPTS, OfflineRun
 
 FAMILIES = ["llama-tied", "phi3", "mixtral"]  # qwen2, qwen3, mistral, gemma, gemma2, qwen3-moe: see the docs
 MIN_COVERAGE = 0.8
+# MoE families: HF 5's router also returns its top-k weights and ids, and its fused experts call an
+# act module per expert; vLLM's fused kernel computes all of that inside (listed, with the reason)
+MIN_COVERAGE_MOE = 0.7
+MOE = {"mixtral", "qwen3-moe"}
 BUGS = {  # family -> (the parameter scaled, the layer named)
     "phi3": ("model.layers.1.mlp.down_proj.weight*1.05", "model.layers.1."),
     "mixtral": ("model.layers.1.block_sparse_moe.experts.w2_weight*1.05", "model.layers.1."),
@@ -97,7 +101,7 @@ def test_vllm_against_hf_with_no_flag_compares_most_of_the_reference(
     assert report["summary"]["bridge"]["name"] == "derived from the weight load"
     assert report["summary"]["not_comparable"] == 0
     share, left = coverage_of_b(report)
-    assert share >= MIN_COVERAGE, (share, sorted(left))
+    assert share >= (MIN_COVERAGE_MOE if arch in MOE else MIN_COVERAGE), (share, sorted(left))
     measured = [t for t in report["tensors"] if t["rel_diff"] is not None]
     assert measured and max(t["rel_diff"] for t in measured) < 1e-6  # fp32 both: rounding only
     assert "derived from the weight load" in out

@@ -385,7 +385,8 @@ class Matcher:
                     partner.setdefault(own.names[0], (position, theirs))
             kept = []
             for leftover in out.leftovers:
-                source = self._identity_source(side, leftover, names) if leftover.side == side else None
+                plain = leftover.side == side and leftover.reason in PLAIN_REASONS  # not skipped by a rule
+                source = self._identity_source(side, leftover, names) if plain else None
                 found = partner.get(source) if source is not None else None
                 if found is None:
                     kept.append(leftover)
