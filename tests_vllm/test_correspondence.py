@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import PYTHON, SCRIPTS, OfflineRun
 
-FAMILIES = ["llama-tied", "phi3", "mixtral"]  # qwen2, qwen3, mistral, gemma, gemma2, qwen3-moe: see the docs
+FAMILIES = ["llama-tied", "phi3", "mixtral", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "qwen3-moe"]
 MIN_COVERAGE = 0.8
 # MoE families: HF 5's router also returns its top-k weights and ids, and its fused experts call an
 # act module per expert; vLLM's fused kernel computes all of that inside (listed, with the reason)
