@@ -30,26 +30,35 @@ BUGS = {  # family -> (the parameter scaled, the layer named)
 
 
 @pytest.fixture(scope="session")
-def family(
-    session_dir: Path,
-    tiny_model: Callable[..., Path],
-    offline_dump: Callable[..., OfflineRun],
-    run_engine: Callable[..., Any],
-) -> Callable[..., tuple[OfflineRun, Path]]:
-    """``family(arch)`` -> (the vLLM dump, the HF dump) of one tiny model, fp32, every module."""
-    done: dict[str, tuple[OfflineRun, Path]] = {}
+def hf_reference(
+    session_dir: Path, tiny_model: Callable[..., Path], run_engine: Callable[..., Any]
+) -> Callable[..., Path]:
+    """``hf_reference(arch)`` -> the HF dump of one tiny model (eager attention), every module."""
+    done: dict[str, Path] = {}
 
-    def make(arch: str) -> tuple[OfflineRun, Path]:
+    def make(arch: str) -> Path:
         if arch not in done:
-            model = tiny_model(arch=arch)
-            engine = offline_dump(f"corr-{arch}", model=model)
             out = session_dir / "hf" / f"corr-{arch}"
-            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(model), "--attn", "eager"]
+            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(tiny_model(arch=arch)), "--attn", "eager"]
             run_engine(
                 [PYTHON, "-m", "tracedump", "run", "-q", "--dir", str(out), "--modules", "all", "--", *script]
             )
-            done[arch] = (engine, out)
+            done[arch] = out
         return done[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def family(
+    tiny_model: Callable[..., Path],
+    offline_dump: Callable[..., OfflineRun],
+    hf_reference: Callable[..., Path],
+) -> Callable[..., tuple[OfflineRun, Path]]:
+    """``family(arch)`` -> (the vLLM dump, the HF dump) of one tiny model, fp32, every module."""
+
+    def make(arch: str) -> tuple[OfflineRun, Path]:
+        return offline_dump(f"corr-{arch}", model=tiny_model(arch=arch)), hf_reference(arch)
 
     return make
 
@@ -155,13 +164,13 @@ def test_moe_experts_are_loaded_per_expert_and_listed_not_comparable(
 @pytest.mark.parametrize("arch", sorted(BUGS))
 def test_a_one_layer_bug_is_named_at_its_layer(
     arch: str,
-    family: Callable[..., tuple[OfflineRun, Path]],
+    hf_reference: Callable[..., Path],
     offline_dump: Callable[..., OfflineRun],
     tiny_model: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
     spec, layer = BUGS[arch]
-    _engine, hf = family(arch)
+    hf = hf_reference(arch)
     bug = offline_dump(f"corr-{arch}-bug", model=tiny_model(arch=arch), env={"TRACEDUMP_TEST_BUG": spec})
     code, out, report = diff(tmp_path, bug.dir, hf)
     assert code == 1
@@ -178,14 +187,14 @@ def test_the_tensor_parallel_rank_is_recorded(family: Callable[..., tuple[Offlin
 
 
 def test_tensor_parallel_2_against_hf_with_no_flag(
-    family: Callable[..., tuple[OfflineRun, Path]],
+    hf_reference: Callable[..., Path],
     offline_dump: Callable[..., OfflineRun],
     tiny_model: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
     """TP=2 on CPU (the mp backend, one OpenMP thread per rank): each rank's fused outputs
     gathered by the loads it recorded, with no --unshard rule; clean exit 0, a bug named."""
-    _engine, hf = family("llama-tied")
+    hf = hf_reference("llama-tied")
     model = tiny_model(arch="llama-tied")
     clean = offline_dump("corr-tp2", model=model, args=["--tp", "2"])
     assert [
