@@ -521,3 +521,9 @@ def test_a_gathered_entry_joins_the_ranks_pieces() -> None:
     entry = plan_entry("qkv[0]", views, rule)  # type: ignore[arg-type]
     assert entry.meta.shape == (2, 12) and entry.problem is None
     assert np.array_equal(assemble(entry, views).array, full)  # type: ignore[arg-type]
+
+
+def test_a_parameter_without_values_has_no_fingerprint() -> None:
+    assert fingerprint(torch.empty(4, 4, device="meta")) == []
+    assert fingerprint(torch.empty(0)) == []
+    assert len(fingerprint(torch.arange(100.0))) == 8

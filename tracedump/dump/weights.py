@@ -26,6 +26,8 @@ def fingerprint(tensor: torch.Tensor) -> list[float]:
     """A few of the tensor's values at fixed spread positions (the same positions for the same
     shape), as floats: enough to tell which checkpoint tensor a parameter holds when names differ
     (a tied head, a renamed module), cheap for any size. Empty for a tensor with no elements."""
+    if tensor.device.type == "meta":  # no values (an offloaded or not yet materialised parameter)
+        return []
     flat = tensor.detach().reshape(-1)
     n = flat.numel()
     if n == 0:
