@@ -124,7 +124,9 @@ def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:
     )
 
 
-def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tuple[Bridge | None, str]:
+def select_bridge(
+    option: Bridge | str | None, a: SideInfo, b: SideInfo, *, mapped: bool = False
+) -> tuple[Bridge | None, str]:
     """The bridge to use and a line saying why: the user's file (as given, or swapped when its
     frameworks are the other way round), none, or the first built-in whose frameworks and
     architectures fit the two manifests (either way round)."""
@@ -134,7 +136,7 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
         if option.a is not None and option.b is not None and _fits(option.swapped(), a, b):
             return option.swapped(), f"bridge: {option.name} from {option.source} (A is its {option.b})"
         return option, f"bridge: {option.name} from {option.source}"
-    derived = _derived(a, b)
+    derived = _derived(a, b, mapped=mapped)
     if derived is not None:
         return derived, f"bridge: {derived.name} (correspondence.json; A {a.framework}, B {b.framework})"
     if not a.framework or not b.framework or a.framework == b.framework:
@@ -150,12 +152,14 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
     return None, f"bridge: none built in for A {a.framework} and B {b.framework} ({a.root})"
 
 
-def _derived(a: SideInfo, b: SideInfo) -> Bridge | None:
+def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None:
     """The bridge derived from the two runs' correspondence records (:mod:`.correspondence`):
     when one side recorded its engine's weight load, or the two name their parameters
     differently; None otherwise (and for dumps without the records)."""
     if a.record is None or b.record is None:
         return None
+    if mapped and not (a.record.loads or b.record.loads):
+        return None  # two plain runs renamed by --map: the user's rules pair them
     return derive_bridge(
         a.record,
         b.record,
@@ -599,7 +603,7 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     ``tokens`` when a side was dumped by an engine integration (the vLLM plugin's
     ``set_batch`` in every step), else passes."""
     info_a, info_b = side_info(side_a), side_info(side_b)
-    bridge, line = select_bridge(options.bridge, info_a, info_b)
+    bridge, line = select_bridge(options.bridge, info_a, info_b, mapped=bool(options.maps))
     align = bridge.align if bridge is not None else None
     if align is None and (info_a.integration or info_b.integration):
         align = "tokens"  # an engine integration batches requests and records each step's layout

@@ -379,8 +379,12 @@ def synthesise_rules(
     other: Holdings,
     classes_engine: Mapping[str, str],
     classes_other: Mapping[str, str],
+    *,
+    weightless: bool = True,
 ) -> list[dict[str, Any]]:
-    """The rules of the derived bridge (engine side "a"), in the order they are tried."""
+    """The rules of the derived bridge (engine side "a"), in the order they are tried; the
+    engine-wide rules for weightless parts only when side "a" is an engine that recorded its load
+    (two plain runs pair by their weights alone, the rest by name)."""
     rules: list[dict[str, Any]] = []
     leaf_id, split_id, box_id = "same weights", "fused, split at the load's offsets", "same weights below"
     for module, counterpart in pairing.leaves.items():
@@ -411,7 +415,8 @@ def synthesise_rules(
         rules.append(
             _rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output")
         )
-    rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other))
+    if weightless:
+        rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other))
     return rules
 
 
@@ -610,7 +615,9 @@ def derive_bridge(
     pairing = pair_modules(held_engine, held_other)
     if not (pairing.leaves or pairing.splits):
         return None
-    rules = synthesise_rules(pairing, held_engine, held_other, classes_e, classes_o)
+    rules = synthesise_rules(
+        pairing, held_engine, held_other, classes_e, classes_o, weightless=bool(engine.loads)
+    )
     fw_e, fw_o = (framework_b, framework_a) if swap else (framework_a, framework_b)
     data = {
         "bridge": {
