@@ -89,8 +89,7 @@ def side_info(side: Side) -> SideInfo:
             if run.run is not None:
                 manifest = run.run.manifest
                 record = read_correspondence(run.run.path)
-                found = [read_correspondence(r.run.path) for r in group.runs if r.run is not None]
-                ranks = [r for r in found if r is not None] if all(found) else []
+                ranks = _rank_records(side, run.run.root)
                 break
         if manifest:
             break
@@ -112,6 +111,21 @@ def side_info(side: Side) -> SideInfo:
         record=record,
         ranks=tuple(ranks),
     )
+
+
+def _rank_records(side: Side, root: str) -> list[Correspondence]:
+    """Every rank's record of the dump's runs of one root, in rank order (not only the ranks the
+    side compares: a tensor-parallel run is joined from all of them); empty when one lacks it."""
+    if not side.path.is_dir():
+        return []
+    from ..store.loader import open_dump
+
+    try:
+        runs = sorted((r for r in open_dump(side.path).runs if r.root == root), key=lambda r: r.rank)
+    except Exception:
+        return []
+    found = [read_correspondence(r.path) for r in runs]
+    return [r for r in found if r is not None] if all(r is not None for r in found) else []
 
 
 def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:

@@ -71,6 +71,7 @@ ENGINE_CLASSES: dict[str, str] = {
     "rotary": r"Rotary|RoPE|Rope",
     "logits": r"^LogitsProcessor$",
     "norm": r"Norm",
+    "embedding": r"Embedding|LMHead",
     "scaled": r"Scaled",  # an embedding that multiplies by a scale inside itself (HF's Gemma)
 }
 SCALE_REASON = (
@@ -198,8 +199,12 @@ def tensor_parallel_joins(
     per_rank = [engine_holdings(r) for r in records]
     rules: list[UnshardRule] = []
     for module, pieces0 in per_rank[0].pieces.items():
-        if module in per_rank[0].experts or all(p.whole for p in pieces0):
-            continue
+        if (
+            module in per_rank[0].experts
+            or all(p.whole for p in pieces0)
+            or _is("embedding", classes.get(module))
+        ):
+            continue  # an embedding's rows are the vocabulary, not its output: vLLM all-reduces it
         if any(load.cols is not None for load in records[0].loads if load.module == module):
             continue  # row-parallel: its output is reduced across the ranks
         order = list(dict.fromkeys(p.source for p in pieces0))
