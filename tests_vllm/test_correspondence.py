@@ -25,7 +25,7 @@ MIN_COVERAGE_MOE = 0.7
 MOE = {"mixtral", "qwen3-moe"}
 BUGS = {  # family -> (the parameter scaled, the layer named)
     "phi3": ("model.layers.1.mlp.down_proj.weight*1.05", "model.layers.1."),
-    "mixtral": ("model.layers.1.block_sparse_moe.experts.w2_weight*1.05", "model.layers.1."),
+    "mixtral": ("model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight*1.05", "model.layers.1."),
 }
 
 
