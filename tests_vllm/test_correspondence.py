@@ -146,7 +146,7 @@ def test_moe_experts_are_loaded_per_expert_and_listed_not_comparable(
     loads = [
         x
         for x in _record(engine)["loads"]
-        if x["param"] == "model.layers.0.block_sparse_moe.experts.w13_weight"
+        if x["param"] == "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"
     ]
     # vllm_compat.loader_call_tensors / loader_call_ids: FusedMoE's keyword call, expert and shard
     assert sorted((x["expert"], x["shard"]) for x in loads) == [
