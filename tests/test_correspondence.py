@@ -527,3 +527,19 @@ def test_a_parameter_without_values_has_no_fingerprint() -> None:
     assert fingerprint(torch.empty(4, 4, device="meta")) == []
     assert fingerprint(torch.empty(0)) == []
     assert len(fingerprint(torch.arange(100.0))) == 8
+
+
+def test_a_dropout_is_compared_as_the_tensor_it_returns() -> None:
+    classes_b = {**HF_CLASSES, "model.layers.0.resid_attn_dropout": "Dropout"}
+    names_b = [*HF_NAMES]
+    names_b.insert(names_b.index("model.layers.0.self_attn[0]") + 1, "model.layers.0.self_attn[1]")
+    names_b.insert(names_b.index("model.layers.0.self_attn[1]") + 1, "model.layers.0.resid_attn_dropout")
+    bridge = derive_bridge(_vllm_record(), _hf_record(), framework_a="vllm", framework_b="transformers",
+                           classes_a=VLLM_CLASSES, classes_b=classes_b)  # fmt: skip
+    matched = Matcher(bridge=bridge, classes_a=VLLM_CLASSES, classes_b=classes_b).match(
+        VLLM_NAMES, names_b, parse_options("x", "y")
+    )
+    found = {(p.a.label, p.b.label): p.how for p in matched.pairs}
+    # its input is the attention's output (the probabilities, a tuple's second element, are not)
+    assert found[("model.layers.0.self_attn", "model.layers.0.resid_attn_dropout")] == "identity"
+    assert "model.layers.0.resid_attn_dropout" not in {u.name for u in matched.leftovers}
