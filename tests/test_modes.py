@@ -409,7 +409,7 @@ def test_stats_mode_writes_no_pass_files_and_records_go_whole_into_the_pass_file
     dumper.close()
 
     files = sorted(p.name for p in dumper.run_dir.iterdir())
-    assert files == ["manifest.json", "pass00001.safetensors", "stats.jsonl"]
+    assert files == ["correspondence.json", "manifest.json", "pass00001.safetensors", "stats.jsonl"]
     record_file = load_pass(dumper.run_dir / "pass00001.safetensors")
     assert list(record_file) == ["logits"]
     assert torch.equal(record_file["logits"], logits)

@@ -225,11 +225,16 @@ def test_a_closed_run_leaves_no_temp_files_and_private_permissions(
     stats, _ = run_prompts(model, PROMPTS[:1])
 
     assert sorted(p.name for p in full.run_dir.iterdir()) == [
+        "correspondence.json",
         "manifest.json",
         "pass00000.safetensors",
         "pass00001.safetensors",
     ]
-    assert sorted(p.name for p in stats.run_dir.iterdir()) == ["manifest.json", "stats.jsonl"]
+    assert sorted(p.name for p in stats.run_dir.iterdir()) == [
+        "correspondence.json",
+        "manifest.json",
+        "stats.jsonl",
+    ]
     assert list(base.rglob("*.tmp")) == [] and list(base.rglob(".*")) == []
     for directory in (base, full.run_dir, stats.run_dir):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
@@ -252,7 +257,7 @@ def test_a_write_that_fails_halfway_leaves_no_file_under_the_final_name(
     with pytest.warns(TracedumpWarning, match="Input/output error"):
         dumper, _ = run_prompts(model, PROMPTS[:1])
 
-    assert sorted(p.name for p in dumper.run_dir.iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in dumper.run_dir.iterdir()) == ["correspondence.json", "manifest.json"]
     assert open_dump(dumper.run_dir).runs[0].passes == {}
     assert manifest(dumper.run_dir)["complete"] is False
 
@@ -336,7 +341,11 @@ def test_a_full_disk_stops_the_dump_once_while_the_model_keeps_running(
     assert str(failed_path) in message and "No space left on device" in message
     assert dumper.failure is not None and "No space left on device" in dumper.failure
     assert attempts == ["pass00000.safetensors", "pass00001.safetensors"], "no write after the failure"
-    assert sorted(p.name for p in dumper.run_dir.iterdir()) == ["manifest.json", "pass00000.safetensors"]
+    assert sorted(p.name for p in dumper.run_dir.iterdir()) == [
+        "correspondence.json",
+        "manifest.json",
+        "pass00000.safetensors",
+    ]
     written = manifest(dumper.run_dir)
     assert written["complete"] is False
     assert (

@@ -1,6 +1,6 @@
 """The HF transformers reference of offline.py: the same prompts, greedy, dumped by ``tracedump run``.
 
-    python hf_reference.py MODEL [--prompts 5,3] [--max-tokens 4] [--batch] [--first-token N]
+    python hf_reference.py MODEL [--prompts 5,3] [--max-tokens 4] [--batch] [--first-token N] [--attn eager]
 
 One ``generate`` per prompt (a prefill pass, then one pass per token), or with ``--batch`` one
 left-padded batched ``generate`` (the batch layout comes from its input_ids / attention_mask).
@@ -30,10 +30,13 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true")
     parser.add_argument("--first-token", type=int)
     parser.add_argument("--shared-prefix", type=int, default=0)
+    parser.add_argument("--attn", default="eager", help="attn_implementation (eager: Gemma2's soft-cap)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), attn_implementation=args.attn
+    ).eval()
     ids = prompts([int(n) for n in args.prompts.split(",")], args.shared_prefix)
     if args.first_token is not None:
         ids[0] = [args.first_token, *ids[0][1:]]

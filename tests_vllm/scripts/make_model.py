@@ -1,8 +1,11 @@
 """Save a tiny random HF model with save_pretrained (nothing downloaded): the engine tests' model.
 
-    python make_model.py OUT [--arch llama|qwen2] [--dtype float32|bfloat16] [--seed 0]
+    python make_model.py OUT [--arch ARCH] [--dtype float32|bfloat16] [--seed 0]
 
 hidden 256, 4 heads of 64 (vLLM's CPU attention needs head_dim >= 64), 4 layers, vocab 512.
+ARCH: llama, llama-tied (tied embeddings; Gemma's are tied too), qwen2, qwen3, mistral, phi3,
+gemma, gemma2, mixtral, qwen3-moe (4 experts, 2 per token). Norm weights are 1 +- 0.3
+(random), so that a norm's weight is no constant and every parameter's values tell it apart.
 """
 
 from __future__ import annotations
@@ -32,16 +35,33 @@ def build(out: Path, arch: str, dtype: str, seed: int) -> None:
         eos_token_id=2,
         torch_dtype=dtype,
     )
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        raise SystemExit(f"unknown --arch {arch!r}: llama or qwen2")
+    gemma2 = dict(pad_token_id=0, sliding_window=64, tie_word_embeddings=True)
+    mixtral = dict(num_local_experts=4, num_experts_per_tok=2)
+    qwen3_moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
+    families = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", {"pad_token_id": 0, "tie_word_embeddings": True}),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", gemma2),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", mixtral),
+        "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", qwen3_moe),
+    }  # fmt: skip
+    if arch not in families:
+        raise SystemExit(f"unknown --arch {arch!r}: {', '.join(families)}")
+    config_name, class_name, extra = families[arch]
+    config = getattr(transformers, config_name)(**{**common, **extra})
+    cls = getattr(transformers, class_name)
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():  # norms 1 +- 0.3 (Gemma's are stored as w, applied as 1 + w: 0 +- 0.3)
+        for name, param in model.named_parameters():
+            if "norm" in name and param.dim() == 1:
+                base = 0.0 if arch.startswith("gemma") else 1.0
+                param.copy_(base + 0.3 * (2 * torch.rand_like(param) - 1))
     model.save_pretrained(out, safe_serialization=True)
     (out / "tracedump_model.json").write_text(json.dumps({"arch": arch, "dtype": dtype, "seed": seed}))
 

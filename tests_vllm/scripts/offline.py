@@ -1,6 +1,6 @@
 """An offline vLLM program that knows nothing of tracedump: batched prompts, greedy.
 
-    python offline.py MODEL [--prompts 5,3] [--max-tokens 4] [--out result.json]
+    python offline.py MODEL [--prompts 5,3] [--max-tokens 4] [--out result.json] [--tp 2]
 
 Prompts are token ids (``skip_tokenizer_init``): prompt i of length n is ``[1, 10+i, 11+i, ...]``.
 Writes the generated ids to ``--out`` (JSON) so a test can check the engine ran.
@@ -37,6 +37,7 @@ def main() -> None:
         "the prompts are prefilled together (multiprocess, the second may arrive a step later)",
     )
     parser.add_argument("--dummy-batch", action="store_true", help="a dummy run (as DP does) first")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (CPU: mp backend)")
     parser.add_argument("--unknown-internals", action="store_true", help="test: hide the runner")
     parser.add_argument("--shared-prefix", type=int, default=0, help="share prompt 0's first N tokens")
     parser.add_argument("--n", type=int, default=1, help="parallel sampling: N children per prompt")
@@ -64,6 +65,9 @@ def main() -> None:
         options["enable_prefix_caching"] = True
     if args.chunk:
         options.update(enable_chunked_prefill=True, max_num_batched_tokens=args.chunk)
+    if args.tp > 1:  # on CPU: one worker process per rank, one OpenMP thread each on its own core
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
+        options.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     llm = small_engine(args.model, **options)
     params = SamplingParams(
         temperature=args.temperature,

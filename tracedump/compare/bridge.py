@@ -41,14 +41,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import UsageError
+from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
-from .options import DiffOptions
+from .correspondence import DERIVED_NAME, derive_bridge, tensor_parallel_joins
+from .options import DiffOptions, UnshardRule
 from .sources import EntryMeta, Side
 from .tolerance import pair_precision
 from .unshard import SideEntry
 
 _COMBINE = {"sum": " + ", "product": " * "}
+IDENTITY_CLASSES = re.compile(r"Dropout\d?d?|Identity")  # modules that return their input at inference
 
 
 # ------------------------------------------------------------------ which bridge, which classes
@@ -62,6 +65,8 @@ class SideInfo:
     root: str
     classes: Mapping[str, str]
     integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
+    record: Correspondence | None = None  # its correspondence.json (rank 0's), if it wrote one
+    ranks: tuple[Correspondence, ...] = ()  # every rank's, in rank order (tensor parallelism)
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -78,10 +83,14 @@ def _framework(manifest: Mapping[str, Any]) -> str:
 
 def side_info(side: Side) -> SideInfo:
     manifest: Mapping[str, Any] = {}
+    record = None
+    ranks: list[Correspondence] = []
     for group in side.groups:
         for run in group.runs:
             if run.run is not None:
                 manifest = run.run.manifest
+                record = read_correspondence(run.run.path)
+                ranks = _rank_records(side, run.run.root)
                 break
         if manifest:
             break
@@ -100,7 +109,24 @@ def side_info(side: Side) -> SideInfo:
         root=root,
         classes=dict(classes) if isinstance(classes, dict) else {},
         integration=engine,
+        record=record,
+        ranks=tuple(ranks),
     )
+
+
+def _rank_records(side: Side, root: str) -> list[Correspondence]:
+    """Every rank's record of the dump's runs of one root, in rank order (not only the ranks the
+    side compares: a tensor-parallel run is joined from all of them); empty when one lacks it."""
+    if not side.path.is_dir():
+        return []
+    from ..store.loader import open_dump
+
+    try:
+        runs = sorted((r for r in open_dump(side.path).runs if r.root == root), key=lambda r: r.rank)
+    except Exception:
+        return []
+    found = [read_correspondence(r.path) for r in runs]
+    return [r for r in found if r is not None] if all(r is not None for r in found) else []
 
 
 def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:
@@ -113,7 +139,9 @@ def _fits(bridge: Bridge, a: SideInfo, b: SideInfo) -> bool:
     )
 
 
-def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tuple[Bridge | None, str]:
+def select_bridge(
+    option: Bridge | str | None, a: SideInfo, b: SideInfo, *, mapped: bool = False
+) -> tuple[Bridge | None, str]:
     """The bridge to use and a line saying why: the user's file (as given, or swapped when its
     frameworks are the other way round), none, or the first built-in whose frameworks and
     architectures fit the two manifests (either way round)."""
@@ -123,6 +151,9 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
         if option.a is not None and option.b is not None and _fits(option.swapped(), a, b):
             return option.swapped(), f"bridge: {option.name} from {option.source} (A is its {option.b})"
         return option, f"bridge: {option.name} from {option.source}"
+    derived = _derived(a, b, mapped=mapped)
+    if derived is not None:
+        return derived, f"bridge: {derived.name} (correspondence.json; A {a.framework}, B {b.framework})"
     if not a.framework or not b.framework or a.framework == b.framework:
         return None, ""
     for bridge in builtin_bridges():
@@ -134,6 +165,26 @@ def select_bridge(option: Bridge | str | None, a: SideInfo, b: SideInfo) -> tupl
                 f"bridge: {bridge.name} ({bridge.source}; A {a.framework}, B {b.framework})",
             )
     return None, f"bridge: none built in for A {a.framework} and B {b.framework} ({a.root})"
+
+
+def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None:
+    """The bridge derived from the two runs' correspondence records (:mod:`.correspondence`):
+    when one side recorded its engine's weight load, or the two name their parameters
+    differently; None otherwise (and for dumps without the records)."""
+    if a.record is None or b.record is None:
+        return None
+    if mapped and not (a.record.loads or b.record.loads):
+        return None  # two plain runs renamed by --map: the user's rules pair them
+    return derive_bridge(
+        a.record,
+        b.record,
+        framework_a=a.framework,
+        framework_b=b.framework,
+        classes_a=a.classes,
+        classes_b=b.classes,
+        ranks_a=list(a.ranks) or None,
+        ranks_b=list(b.ranks) or None,
+    )
 
 
 # ------------------------------------------------------------------ expressions: what one side compares
@@ -284,6 +335,7 @@ class Matcher:
     classes_b: Mapping[str, str]
     line: str = ""
     align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
+    unshard: tuple[UnshardRule, ...] = ()  # tensor-parallel joins derived from the ranks' loads
     # passes of one run usually hold the same names: matched once (names in order -> Matched)
     _seen: dict[tuple[tuple[str, ...], tuple[str, ...]], Matched] = field(
         default_factory=dict, compare=False, repr=False
@@ -342,9 +394,59 @@ class Matcher:
             if name not in claimed["b"]:
                 out.leftovers.append(Leftover(side="B", name=name, reason=NO_NAME_IN_A))
         anchored.sort(key=lambda item: item[0])
+        if self.bridge is not None:
+            self._identities(out, anchored, names_a, names_b)
         out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
         out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
         return out
+
+    def _identities(
+        self, out: Matched, anchored: list[tuple[int, BridgedPair]], names_a: list[str], names_b: list[str]
+    ) -> None:
+        """A leftover that is an identity at inference (a ``Dropout``) or HF's ``last_hidden_state``
+        holds the tensor captured just before it on its side (its input; the final norm's
+        output): compared with that tensor's counterpart, bridged as ``identity``."""
+        for side, names in (("A", names_a), ("B", names_b)):
+            partner: dict[str, tuple[int, Expr]] = {}
+            for position, pair in anchored:
+                own, theirs = (pair.a, pair.b) if side == "A" else (pair.b, pair.a)
+                if own.op is None and pair.classes is None:
+                    partner.setdefault(own.names[0], (position, theirs))
+            kept = []
+            for leftover in out.leftovers:
+                plain = leftover.side == side and leftover.reason in PLAIN_REASONS  # not skipped by a rule
+                source = self._identity_source(side, leftover, names) if plain else None
+                found = partner.get(source) if source is not None else None
+                if found is None:
+                    kept.append(leftover)
+                    continue
+                position, other = found
+                mine = Expr(names=(leftover.name,))
+                pair = BridgedPair(a=mine, b=other, how="identity", rule=f"returns {source}")
+                if side == "B":
+                    pair = BridgedPair(a=other, b=mine, how="identity", rule=f"returns {source}")
+                anchored.append((position, pair))
+            out.leftovers = kept
+        anchored.sort(key=lambda item: item[0])
+
+    def _identity_source(self, side: str, leftover: Leftover, names: list[str]) -> str | None:
+        try:
+            key = Key.parse(leftover.name)
+        except ValueError:
+            return None
+        qualname = self.class_of(side.lower(), leftover.name) or ""
+        if not (IDENTITY_CLASSES.fullmatch(qualname) and not key.path) and key.path != "[last_hidden_state]":
+            return None
+        if key.input or leftover.name not in names:
+            return None
+        for name in reversed(names[: names.index(leftover.name)]):
+            try:
+                before = Key.parse(name)
+            except ValueError:
+                continue
+            if not before.input and not re.fullmatch(r"\[[1-9]\d*\]", before.path):
+                return name
+        return None
 
     def _anchor(
         self,
@@ -526,11 +628,22 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     ``tokens`` when a side was dumped by an engine integration (the vLLM plugin's
     ``set_batch`` in every step), else passes."""
     info_a, info_b = side_info(side_a), side_info(side_b)
-    bridge, line = select_bridge(options.bridge, info_a, info_b)
+    bridge, line = select_bridge(options.bridge, info_a, info_b, mapped=bool(options.maps))
     align = bridge.align if bridge is not None else None
     if align is None and (info_a.integration or info_b.integration):
         align = "tokens"  # an engine integration batches requests and records each step's layout
-    return Matcher(bridge=bridge, classes_a=info_a.classes, classes_b=info_b.classes, line=line, align=align)
+    unshard: tuple[UnshardRule, ...] = ()
+    if bridge is not None and bridge.name == DERIVED_NAME:
+        for info in (info_a, info_b):
+            unshard += tensor_parallel_joins(list(info.ranks), info.classes)
+    return Matcher(
+        bridge=bridge,
+        classes_a=info_a.classes,
+        classes_b=info_b.classes,
+        line=line,
+        align=align,
+        unshard=unshard,
+    )
 
 
 def _refuse_map_collisions(mapped: Mapping[str, str], names_b: set[str], options: DiffOptions) -> None:

@@ -68,8 +68,11 @@ class UnshardRule:
     """One ``--unshard REGEX=cat:DIM`` or ``REGEX=sum`` rule for tensor-parallel ranks."""
 
     pattern: re.Pattern[str]
-    op: Literal["cat", "sum"]
+    op: Literal["cat", "sum", "gather", "first"]
     dim: int | None = None
+    # gather (derived from the ranks' weight loads, never parsed): (rank, start, stop) along dim,
+    # in the order the pieces are concatenated; first: rank 0's tensor (the others hold none)
+    pieces: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> UnshardRule:
@@ -87,7 +90,7 @@ class UnshardRule:
         return self.pattern.search(name) is not None
 
     def __str__(self) -> str:
-        return f"{self.pattern.pattern}={self.op}" + (f":{self.dim}" if self.op == "cat" else "")
+        return f"{self.pattern.pattern}={self.op}" + (f":{self.dim}" if self.op in ("cat", "gather") else "")
 
 
 @dataclass(frozen=True)

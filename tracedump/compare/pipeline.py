@@ -58,6 +58,10 @@ def build_report(options: DiffOptions) -> DiffReport:
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     matcher = matcher_for(options, side_a, side_b)
+    if matcher.unshard and not options.unshard and options.rank is None:
+        # every rank joined as the loads say (--unshard or --rank given by hand override them)
+        options = replace(options, unshard=matcher.unshard)
+        side_a, side_b = open_side("A", options.a, options), open_side("B", options.b, options)
     if not options.align_given and matcher.align and matcher.align != options.align:
         options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
     if options.align == "tokens":

@@ -34,6 +34,7 @@ class SideEntry:
     op: str | None = None  # a bridge's derived entry (compare/bridge.py): sum, product, concat, split
     parts: tuple[SideEntry, ...] = ()  # the entries it is derived from
     piece: tuple[int, int, int] | None = None  # split: (dim, start, stop)
+    gather: tuple[tuple[int, int, int], ...] = ()  # how "gather:DIM": (rank, start, stop) in order
 
 
 def _cat_shape(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...] | str:
@@ -56,6 +57,8 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
     first = present[0]
     if len(views) == 1:
         return SideEntry(name=name, meta=first)
+    if rule is not None and rule.op == "first" and metas[0] is not None:
+        return SideEntry(name=name, meta=metas[0], how="rank0")  # gathered to rank 0 (the logits)
     missing = [view.rank for view, meta in zip(views, metas, strict=True) if meta is None]
     if missing:
         return SideEntry(
@@ -86,6 +89,8 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
                 problem_status="rank_mismatch",
             )
         return SideEntry(name=name, meta=first, how="replicated")
+    if rule.op == "gather":
+        return _plan_gather(name, first, shapes, rule)
     how = "sum" if rule.op == "sum" else f"cat:{rule.dim}"
     if rule.op == "sum":
         if len(set(shapes)) > 1:
@@ -101,6 +106,24 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
     if isinstance(shape, str):
         return SideEntry(name=name, meta=first, how=how, problem=shape, problem_status="error")
     return SideEntry(name=name, meta=EntryMeta("tensor", shape, first.dtype), how=how)
+
+
+def _plan_gather(name: str, first: EntryMeta, shapes: list[tuple[int, ...]], rule: UnshardRule) -> SideEntry:
+    """A column-parallel output put back in the single-rank layout: each rank's pieces along
+    ``dim`` (``[q_r | k_r | v_r]`` of a fused ``qkv_proj``), concatenated in the checkpoint's
+    order, as the ranks' weight loads recorded."""
+    dim = rule.dim if rule.dim is not None else -1
+    how = f"gather:{dim}"
+    for rank, start, stop in rule.pieces:
+        shape = shapes[rank] if rank < len(shapes) else ()
+        if not shape or not -len(shape) <= dim < len(shape) or stop > shape[dim]:
+            problem = f"gather: rank {rank} has no [{start}:{stop}] along dim {dim} in {list(shape)}"
+            return SideEntry(name=name, meta=first, how=how, problem=problem, problem_status="error")
+    base = list(shapes[0])
+    base[dim] = sum(stop - start for _, start, stop in rule.pieces)
+    return SideEntry(
+        name=name, meta=EntryMeta("tensor", tuple(base), first.dtype), how=how, gather=rule.pieces
+    )
 
 
 def assemble(entry: SideEntry, views: list[PassView]) -> Stored:
@@ -137,8 +160,18 @@ def _derive(entry: SideEntry, views: list[PassView]) -> Stored:
 
 def _join(entry: SideEntry, views: list[PassView]) -> Stored:
     """One rank's tensor, or the ranks' tensors joined as the rule says."""
-    if entry.how is None or entry.how == "replicated":
+    if entry.how is None or entry.how in ("replicated", "rank0"):
         return views[0].array(entry.name)
+    if entry.how.startswith("gather:"):
+        dim = int(entry.how.split(":", 1)[1])
+        arrays = {rank: views[rank].array(entry.name) for rank, _, _ in entry.gather}
+        first = next(iter(arrays.values()))
+        pieces = []
+        for rank, start, stop in entry.gather:
+            array = arrays[rank].array
+            axis = dim % array.ndim
+            pieces.append(array[(slice(None),) * axis + (slice(start, stop),)])
+        return Stored(np.concatenate(pieces, axis=dim), first.dtype)
     parts = [view.array(entry.name) for view in views]
     if entry.how == "sum":
         total = np.zeros(parts[0].shape, np.float64)

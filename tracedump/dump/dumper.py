@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import nn
 from ..config.settings import DumpConfig, DumpSettings, check_combination, load_settings
 from ..config.switch import DEFAULT_ENV_PREFIX, is_enabled
 from ..errors import ConfigError
+from ..store.correspondence import Correspondence, Load, write_correspondence
 from ..store.format import RECORDS_FILE
 from ..store.sequences import batch_metadata
 from .control import Controller
@@ -46,6 +48,7 @@ from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
 from .sinks import FileSink
 from .torch_compat import compiled_original
+from .weights import module_parameters
 
 
 def attach(
@@ -133,6 +136,7 @@ class Dumper:
         self.rundir = RunDir(settings, env_prefix, fields, self.warn)
         if self.graft is not None:
             self.rundir.update(graft=self.graft.summary())
+        self._correspondence = self._record_parameters(model)
         control = None
         if settings.control:
             control = Controller(dump_dir=Path(settings.dir), run_dir=self.rundir.path, warn=self.warn)  # type: ignore[arg-type]
@@ -197,6 +201,47 @@ class Dumper:
     def failure(self) -> str | None:
         """Why dumping stopped (a write error), or None."""
         return self.rundir.failure
+
+    # ---------------------------------------------------------------- the correspondence
+
+    def _record_parameters(self, model: nn.Module) -> Correspondence | None:
+        """Every parameter's name, module, shape and fingerprint into ``correspondence.json``, so
+        that a run loading one checkpoint under other names pairs with this one
+        (docs/engines.md). A failure is reported, never raised: it costs only the pairing."""
+        try:
+            record = Correspondence(parameters=module_parameters(model))
+            write_correspondence(self.rundir.path, record)
+            return record
+        except Exception as e:
+            self.rundir.report("correspondence", e)
+            return None
+
+    def record_weight_sources(
+        self,
+        sources: dict[str, dict[str, Any]],
+        loads: list[Load],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        failures: Sequence[str] = (),
+    ) -> None:
+        """What an engine's weight load filled each parameter from (the checkpoint tensors it read
+        and each load's slices), added to ``correspondence.json``: the vLLM plugin calls it after
+        ``attach()``. Never raises."""
+        try:
+            base = self._correspondence or Correspondence(parameters={})
+            record = replace(
+                base,
+                sources=sources,
+                loads=list(loads),
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                failures=list(failures),
+            )
+            write_correspondence(self.rundir.path, record)
+            self._correspondence = record
+        except Exception as e:
+            self.rundir.report("correspondence", e)
 
     # ---------------------------------------------------------------- engine API
 

@@ -61,6 +61,7 @@ _MARK = "_tracedump_patched"
 _ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
 
 _registered = False
+_loaded: dict[int, Any] = {}  # id(model) -> its LoadRecord, until the runner attaches to it
 
 
 def register() -> None:
@@ -76,6 +77,7 @@ def register() -> None:
         if patched:
             _yield_auto_attach()
             _force_eager()
+            _record_weight_loads()
     except Exception as e:  # never break vLLM's start-up: dumping is a diagnostic
         _warn(f"tracedump: the vLLM plugin failed to install ({type(e).__name__}: {e}); not dumped")
         return
@@ -153,6 +155,44 @@ def _force_eager() -> None:
 
     setattr(create_engine_config, _MARK, True)
     cls.create_engine_config = create_engine_config
+
+
+def _record_weight_loads() -> None:
+    """Wrap the model loaders' ``load_weights`` so that each load records which checkpoint tensors
+    filled each parameter (:mod:`.vllm_load`); the runner hands the record to its dumper after
+    ``attach()``. A failure to record never stops the load."""
+    from . import vllm_compat
+
+    for cls in vllm_compat.loader_classes():
+        original = cls.load_weights
+        if getattr(original, _MARK, False):
+            continue
+
+        @functools.wraps(original)
+        def load_weights(self: Any, model: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            try:
+                from .vllm_load import recording
+
+                context: Any = recording(model)
+                record = context.__enter__()
+            except Exception as e:
+                _warn(f"tracedump: cannot record vLLM's weight load ({e!r}); no correspondence")
+                return _original(self, model, *args, **kwargs)
+            try:
+                result = _original(self, model, *args, **kwargs)
+            except BaseException:
+                context.__exit__(*sys.exc_info())
+                raise
+            try:
+                context.__exit__(None, None, None)
+                if record is not None:
+                    _loaded[id(model)] = record
+            except Exception as e:
+                _warn(f"tracedump: cannot record vLLM's weight load ({e!r}); no correspondence")
+            return result
+
+        setattr(load_weights, _MARK, True)
+        cls.load_weights = load_weights  # type: ignore[method-assign]
 
 
 def _find_plain(module_name: str, name: str) -> Any:
@@ -256,6 +296,17 @@ class RunnerHooks:
         self.dumper.rundir.update(
             integration={"name": "vllm", "version": _vllm_version(), "runner": type(runner).__name__}
         )
+        record = _loaded.pop(id(model), None)
+        if record is None and len(_loaded) == 1:  # the runner holds the loaded model wrapped
+            record = _loaded.popitem()[1]
+        if record is not None:
+            self.dumper.record_weight_sources(
+                record.sources,
+                record.loads,
+                tp_rank=record.tp_rank,
+                tp_size=record.tp_size,
+                failures=record.failures,
+            )
         self._guard_cuda_graphs()
 
     def _guard_cuda_graphs(self) -> None:

@@ -1,0 +1,637 @@
+"""The bridge derived from the weight load: two module trees paired by the checkpoint tensors
+their parameters hold, with no rule file (docs/engines.md, "The derived correspondence").
+
+An engine that loads an HF checkpoint itself (the vLLM plugin) records in ``correspondence.json``
+which checkpoint tensors, and which rows of them, filled each of its parameters; every dumped run
+records its parameters' names and fingerprints (:mod:`tracedump.store.correspondence`). From the
+two records, with nothing written per family:
+
+- **leaves**: a module whose parameters hold the same checkpoint tensors as a module of the other
+  side computes the same thing, whatever the two classes: compared (its ``(out, bias)`` tuple
+  unwrapped). A fused module (vLLM's ``qkv_proj``, ``gate_up_proj``) whose weight rows come from
+  several checkpoint tensors held whole by modules of the other side: its output is split at the
+  recorded row offsets, in row order, each piece against its module;
+- **containers** (decoder layers, attention, MLP / MoE blocks, the model): the modules whose
+  subtrees hold the same checkpoint tensors pair; a container returning ``(hidden, residual)``
+  compares ``hidden + residual``, a plain or tuple output its first element;
+- **weightless parts, engine-wide** (:data:`ENGINE_CLASSES`): a fused add + norm's running
+  residual against the other norm's input, every ``*AndMul`` against ``act(gate) * up``, the
+  attention op against the output projection's input, rotary embeddings and fused experts listed
+  as not comparable with the reason, the logits against the head's counterpart.
+
+The result is an ordinary :class:`~.bridge_rules.Bridge` of synthesised rules, so the executor,
+the table's ``bridged`` column and the JSON stay the same; ``--bridge FILE`` overrides it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..store.correspondence import Correspondence, Load
+from .bridge_rules import Bridge, parse_bridge
+from .options import UnshardRule
+
+DERIVED_NAME = "derived from the weight load"
+FINGERPRINT_RTOL = 1e-2  # a checkpoint tensor loaded in another dtype still matches
+
+ROTARY_REASON = (
+    "the rotary embedding: one side returns the rotated q and k, the other cos/sin tables or "
+    "rotates inside a function (different quantities); a rotary bug shows at the attention output"
+)
+EXPERTS_REASON = (
+    "fused experts: every expert runs in one kernel whose per-expert outputs are never tensors; "
+    "compared as the MoE block's output and its router"
+)
+RESIDUAL_REASON = (
+    "the running residual (input + residual) of a fused add + norm: the other side's norm input, "
+    "dumped with --inputs; without it, the residual stream is compared at each decoder layer"
+)
+ATTENTION_REASON = (
+    "the attention op: the other side computes it in a function, not a module; dump it with "
+    "--inputs to compare it with the output projection's input"
+)
+ACT_REASON = (
+    "a fused act(gate) * up: the other side's act and up outputs (or its down projection's input, "
+    "with --inputs) were not dumped as whole tensors"
+)
+
+EXTRA_REASON = (
+    "an extra output of this module (attention probabilities, a router's top-k weights and ids) "
+    "that the engine's counterpart does not return (its fused kernel computes them inside)"
+)
+
+# Weightless modules, engine-wide (never per family): class name regexes (searched in the bare
+# class name) and what they are compared with.
+ENGINE_CLASSES: dict[str, str] = {
+    "act_and_mul": r"AndMul$",
+    "attention": r"^(Attention|MLAAttention|EncoderOnlyAttention)$",
+    "rotary": r"Rotary|RoPE|Rope",
+    "logits": r"^LogitsProcessor$",
+    "norm": r"Norm",
+    "embedding": r"Embedding|LMHead",
+    "scaled": r"Scaled",  # an embedding that multiplies by a scale inside itself (HF's Gemma)
+}
+SCALE_REASON = (
+    "a scale factor applied between modules: one side's embedding scales its output inside "
+    "itself ({scaled}), the other after its embedding module; compared where both hold the "
+    "scaled value (the first layer's input, dumped with --inputs)"
+)
+
+
+def _bare(qualname: str) -> str:
+    return qualname.rsplit(".", 1)[-1]
+
+
+def _is(kind: str, qualname: str | None) -> bool:
+    return bool(qualname) and re.search(ENGINE_CLASSES[kind], _bare(qualname or "")) is not None
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _esc(name: str) -> str:
+    return re.escape(name)
+
+
+# ------------------------------------------------------------------ what each module holds
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, start + count)`` of a module's weight, filled from ``source`` (its rows
+    from ``source_row``); ``whole``: the piece is all of the source tensor."""
+
+    source: str
+    start: int
+    count: int
+    source_row: int
+    whole: bool
+    expert: int | None = None
+
+
+@dataclass
+class Holdings:
+    """One side: each module's direct checkpoint tensors, each module's weight pieces."""
+
+    direct: dict[str, set[str]] = field(default_factory=dict)
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)  # the weight (dims >= 2) param's
+    experts: set[str] = field(default_factory=set)  # modules loaded per expert
+    unresolved: set[str] = field(default_factory=set)  # modules holding parameters of no known source
+
+    def subtree(self, universe: set[str]) -> dict[str, frozenset[str]]:
+        """Every module (ancestors included) -> the known checkpoint tensors of its subtree."""
+        out: dict[str, set[str]] = {}
+        for module, sources in self.direct.items():
+            kept = sources & universe
+            name = module
+            while True:
+                out.setdefault(name, set()).update(kept)
+                if not name:
+                    break
+                name = _parent(name)
+        return {name: frozenset(s) for name, s in out.items()}
+
+
+def _is_weight(param: str, meta: Mapping[str, Any] | None) -> bool:
+    shape = (meta or {}).get("shape") or []
+    return len(shape) >= 2 or param.endswith(".weight")
+
+
+def engine_holdings(record: Correspondence) -> Holdings:
+    """From the loads an engine recorded: which checkpoint tensors (and rows) each module holds;
+    a shared parameter (a tied head) counts for every module holding it."""
+    out = Holdings()
+    by_param: dict[str, list[Load]] = {}
+    for load in record.loads:
+        by_param.setdefault(load.param, []).append(load)
+    for name, meta in record.parameters.items():
+        if meta.get("same_as") in by_param and name not in by_param:
+            by_param[name] = [Load(**{**x.__dict__, "param": name}) for x in by_param[meta["same_as"]]]
+    for param, loads in by_param.items():
+        module = param.rpartition(".")[0]
+        out.direct.setdefault(module, set()).update(load.source for load in loads)
+        if any(load.expert is not None for load in loads):
+            out.experts.add(module)
+            continue
+        meta = record.parameters.get(param)
+        if not _is_weight(param, meta):
+            continue
+        for load in loads:
+            out.pieces.setdefault(module, []).extend(_pieces(load, record.sources.get(load.source)))
+    for module in out.pieces:
+        out.pieces[module].sort(key=lambda p: p.start)
+    return out
+
+
+def merged_holdings(records: list[Correspondence]) -> Holdings:
+    """Rank 0's holdings, a piece counted whole when the ranks' pieces of its source together cover
+    it (a tensor-parallel shard: the gathered output holds all of it, in the single-rank layout)."""
+    held = engine_holdings(records[0])
+    if len(records) == 1:
+        return held
+    covered: dict[tuple[str, str], int] = {}
+    for record in records:
+        for module, pieces in engine_holdings(record).pieces.items():
+            for piece in pieces:
+                covered[(module, piece.source)] = covered.get((module, piece.source), 0) + piece.count
+    sizes = {name: (meta.get("shape") or [0])[0] for name, meta in records[0].sources.items()}
+    for module, pieces in held.pieces.items():
+        held.pieces[module] = [
+            replace(p, whole=covered.get((module, p.source)) == sizes.get(p.source)) for p in pieces
+        ]
+    return held
+
+
+def tensor_parallel_joins(
+    records: list[Correspondence], classes: Mapping[str, str]
+) -> tuple[UnshardRule, ...]:
+    """How each of a tensor-parallel engine's outputs is put back together from its ranks, from the
+    loads each rank recorded (no ``--unshard`` rule): a column-parallel output (its weight rows a
+    slice of their sources) gathered along its last dim in the checkpoint's order, the attention
+    op's and an ``*AndMul``'s per-rank slices concatenated by rank, the logits taken from rank 0
+    (gathered there); everything else (row-parallel outputs, reduced; norms) is replicated."""
+    if len(records) < 2:
+        return ()
+    per_rank = [engine_holdings(r) for r in records]
+    rules: list[UnshardRule] = []
+    for module, pieces0 in per_rank[0].pieces.items():
+        if (
+            module in per_rank[0].experts
+            or all(p.whole for p in pieces0)
+            or _is("embedding", classes.get(module))
+        ):
+            continue  # an embedding's rows are the vocabulary, not its output: vLLM all-reduces it
+        if any(load.cols is not None for load in records[0].loads if load.module == module):
+            continue  # row-parallel: its output is reduced across the ranks
+        order = list(dict.fromkeys(p.source for p in pieces0))
+        gathered: list[tuple[int, int, int]] = []
+        for source in order:
+            found = sorted(
+                (p.source_row, rank, p.start, p.count)
+                for rank, held in enumerate(per_rank)
+                for p in held.pieces.get(module, [])
+                if p.source == source
+            )
+            gathered += [(rank, start, start + count) for _, rank, start, count in found]
+        pattern = re.compile(rf"^{re.escape(module)}(\[0\])?$")
+        rules.append(UnshardRule(pattern, "gather", -1, tuple(gathered)))
+    for module, qualname in classes.items():
+        if _is("attention", qualname) or _is("act_and_mul", qualname):
+            rules.append(UnshardRule(re.compile(rf"^{re.escape(module)}$"), "cat", -1))
+        elif _is("logits", qualname):
+            rules.append(UnshardRule(re.compile(rf"^{re.escape(module)}$"), "first"))
+    return tuple(rules)
+
+
+def _pieces(load: Load, source: Mapping[str, Any] | None) -> list[Piece]:
+    """The weight rows one load filled: the region's first dim past the dropped leading ones."""
+    if load.rows is None or load.region is None:
+        return []
+    source_shape = list((source or {}).get("shape") or [])
+    dim = max(len(load.region) - len(source_shape), 0) if source_shape else 0
+    base = load.region[dim][0] if dim < len(load.region) else 0
+    source_rows = source_shape[0] if source_shape else None
+    whole = load.cols is None and len(load.rows) == 1 and load.rows[0][1] == 0
+    return [
+        Piece(
+            source=load.source,
+            start=base + block_row,
+            count=count,
+            source_row=source_row,
+            whole=whole and count == source_rows,
+            expert=load.expert,
+        )
+        for block_row, source_row, count in load.rows
+    ]
+
+
+def plain_holdings(record: Correspondence, sources: Mapping[str, Mapping[str, Any]]) -> Holdings:
+    """For a run that did not record its load (HF): each parameter is the checkpoint tensor of its
+    name, else the one of its shape and fingerprint among the engine's ``sources``."""
+    out = Holdings()
+    by_print: dict[tuple[int, ...], list[tuple[str, list[float]]]] = {}
+    for name, meta in sources.items():
+        by_print.setdefault(tuple(meta.get("shape") or ()), []).append(
+            (name, list(meta.get("fingerprint") or []))
+        )
+    firsts = {name: meta for name, meta in record.parameters.items() if "same_as" not in meta}
+    for param, meta in record.parameters.items():
+        module = param.rpartition(".")[0]
+        own = firsts.get(meta.get("same_as", param), meta)
+        source = _resolve(param, own, sources, by_print)
+        if source is None:
+            out.unresolved.add(module)
+            continue
+        out.direct.setdefault(module, set()).add(source)
+        if _is_weight(param, meta):
+            rows = int((meta.get("shape") or [0])[0])
+            out.pieces.setdefault(module, []).append(Piece(source, 0, rows, 0, True))
+    return out
+
+
+def _resolve(
+    param: str,
+    meta: Mapping[str, Any],
+    sources: Mapping[str, Mapping[str, Any]],
+    by_print: Mapping[tuple[int, ...], list[tuple[str, list[float]]]],
+) -> str | None:
+    shape = tuple(meta.get("shape") or ())
+    if param in sources and tuple(sources[param].get("shape") or ()) == shape:
+        return param
+    mine = list(meta.get("fingerprint") or [])
+    if not mine:
+        return None
+    found = [name for name, theirs in by_print.get(shape, []) if _close(mine, theirs)]
+    if not found:
+        return None
+    return max(found, key=lambda s: _shared_tail(s, param))
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(
+        abs(x - y) <= FINGERPRINT_RTOL * max(abs(x), abs(y), 1e-6) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _shared_tail(a: str, b: str) -> int:
+    count = 0
+    for x, y in zip(reversed(a.split(".")), reversed(b.split(".")), strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+# ------------------------------------------------------------------ pairing
+
+
+@dataclass
+class Pairing:
+    """Engine module -> the other side's, and the fused leaves' pieces."""
+
+    leaves: dict[str, str] = field(default_factory=dict)
+    splits: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # fused engine leaf -> other modules in row order
+    containers: dict[str, str] = field(default_factory=dict)
+
+
+def pair_modules(engine: Holdings, other: Holdings) -> Pairing:
+    """Pairs by held checkpoint tensors: leaves by their direct tensors (an equal name breaks a
+    tie), fused leaves split into the modules holding each piece whole, containers by subtree."""
+    out = Pairing()
+    by_set: dict[frozenset[str], list[str]] = {}
+    for module, sources in other.direct.items():
+        by_set.setdefault(frozenset(sources), []).append(module)
+    holder: dict[str, str] = {}
+    for module, sources in other.direct.items():
+        for source in sources:
+            holder.setdefault(source, module)
+    taken: set[str] = set()
+    for module in sorted(engine.direct, key=lambda m: (m.count("."), m)):
+        if module in engine.experts:
+            continue
+        same = by_set.get(frozenset(engine.direct[module]), [])
+        candidates = [m for m in same if m not in taken] or same  # else: one module under two names
+        if candidates:
+            chosen = module if module in candidates else min(candidates, key=lambda m: (m.count("."), m))
+            out.leaves[module] = chosen
+            taken.add(chosen)
+            continue
+        pieces = engine.pieces.get(module, [])
+        targets = [holder.get(p.source) for p in pieces]
+        if (
+            len(pieces) >= 2
+            and all(p.whole for p in pieces)
+            and all(targets)
+            and len(set(targets)) == len(targets)
+        ):
+            out.splits[module] = [t for t in targets if t is not None]
+    universe = (
+        set().union(*engine.direct.values()) & set().union(*other.direct.values()) if other.direct else set()
+    )
+    mine, theirs = engine.subtree(universe), other.subtree(universe)
+    groups: dict[frozenset[str], tuple[list[str], list[str]]] = {}
+    for side, tree, leaves in ((0, mine, engine.direct), (1, theirs, other.direct)):
+        for module, sources in tree.items():
+            if sources and module and module not in leaves:
+                groups.setdefault(sources, ([], []))[side].append(module)
+    for a_list, b_list in groups.values():
+        remaining = sorted(b_list, key=lambda m: (m.count("."), m))
+        for module in sorted(a_list, key=lambda m: (m.count("."), m)):
+            if not remaining:
+                break
+            chosen = module if module in remaining else remaining[0]
+            out.containers[module] = chosen
+            remaining.remove(chosen)
+    return out
+
+
+# ------------------------------------------------------------------ rules
+
+
+def _rule(op: str, match: str, **keys: Any) -> dict[str, Any]:
+    return {"op": op, "match": match, **keys}
+
+
+def synthesise_rules(
+    pairing: Pairing,
+    engine: Holdings,
+    other: Holdings,
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+    *,
+    weightless: bool = True,
+) -> list[dict[str, Any]]:
+    """The rules of the derived bridge (engine side "a"), in the order they are tried; the
+    engine-wide rules for weightless parts only when side "a" is an engine that recorded its load
+    (two plain runs pair by their weights alone, the rest by name)."""
+    rules: list[dict[str, Any]] = []
+    leaf_id, split_id, box_id = "same weights", "fused, split at the load's offsets", "same weights below"
+    for module, counterpart in pairing.leaves.items():
+        m, c = _esc(module), counterpart
+        if _is("scaled", classes_engine.get(module)) != _is("scaled", classes_other.get(counterpart)):
+            rules.extend(_scaled(module, counterpart, pairing, classes_engine, classes_other))
+            continue
+        if _is("norm", classes_engine.get(module)):  # a fused add + norm: (normed, input + residual)
+            rules.append(_rule("rename", m + r"\[1\]", b=c + "@in[0]", id="add + norm residual"))
+            rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_REASON, id="add + norm residual"))
+        rules.append(_rule("unwrap", m, b=c, index=0, id=leaf_id))
+        rules.append(_rule("rename", m, b=c, id=leaf_id))
+        rules.append(_rule("rename", m + r"\[0\]", b=c + "[0]", id=leaf_id))
+        rules.append(
+            _rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output")
+        )
+    for module, pieces in pairing.splits.items():
+        m = _esc(module)
+        rules.append(_rule("split", m + r"\[0\]", b=pieces, dim=-1, id=split_id))
+        rules.append(_rule("split", m, b=pieces, dim=-1, id=split_id))
+    for module, counterpart in pairing.containers.items():
+        m, c = _esc(module), counterpart
+        tuple_a = ["{0}", module + "[1]"]
+        rules.append(_rule("sum", m + r"\[0\]", a=tuple_a, b=c, id="(hidden, residual)"))
+        rules.append(_rule("sum", m + r"\[0\]", a=tuple_a, b=c + "[0]", id="(hidden, residual)"))
+        for target in (c, c + "[0]", c + "[last_hidden_state]"):
+            rules.append(_rule("rename", m, b=target, id=box_id))
+        rules.append(
+            _rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output")
+        )
+    if weightless:
+        rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other))
+    return rules
+
+
+def _weightless(
+    pairing: Pairing,
+    engine: Holdings,
+    other: Holdings,
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = []
+    fused = _fused_experts(engine, other, pairing)
+    for top, counterpart in fused.items():  # the routed experts' weighted sum, on both sides
+        rules.append(_rule("rename", _esc(top), b=counterpart, id="fused experts"))
+        rules.append(_rule("unwrap", _esc(top), b=counterpart, index=0, id="fused experts"))
+    homes = _homes(engine, pairing)
+    inside = {top for _, top in homes.values()}
+    for module, qualname in classes_engine.items():
+        m = _esc(module)
+        if module in pairing.leaves:
+            continue  # a module the experts runner holds but that has weights of its own (the router)
+        if module in engine.experts or any(module.startswith(t + ".") or module == t for t in inside):
+            rules.append(_rule("skip", m + r"(\[\d+\])?", reason=EXPERTS_REASON, id="fused experts"))
+        elif _is("rotary", qualname):
+            rules.append(
+                _rule("skip", m + r"(\..*)?(\[\d+\])?(::call\d+)?", reason=ROTARY_REASON, id="rotary")
+            )
+        elif _is("logits", qualname):
+            head = _head(pairing, engine)
+            if head is not None:
+                rules.append(_rule("rename", m, b=head, id="logits"))
+        elif _is("attention", qualname):
+            consumer = _consumer(module, pairing, classes_engine)
+            if consumer is not None:
+                rules.append(_rule("rename", m, b=consumer + "@in[0]", id="attention op"))
+            rules.append(_rule("skip", m, reason=ATTENTION_REASON, id="attention op"))
+        elif _is("act_and_mul", qualname):
+            rules.extend(_act_and_mul(module, pairing, classes_engine, classes_other))
+    experts_other = _other_experts(pairing, engine, other)
+    for module, qualname in classes_other.items():
+        m = _esc(module)
+        if _is("rotary", qualname):
+            rules.append(
+                _rule("skip", m + r"(\[\w+\])?(::call\d+)?", side="b", reason=ROTARY_REASON, id="rotary")
+            )
+        elif module not in fused.values() and any(
+            module == e or module.startswith(e + ".") for e in experts_other
+        ):
+            rules.append(
+                _rule("skip", m + r"(\[\w+\])?", side="b", reason=EXPERTS_REASON, id="fused experts")
+            )
+    return rules
+
+
+def _homes(engine: Holdings, pairing: Pairing) -> dict[str, tuple[str, str]]:
+    """Each engine module loaded per expert -> (its nearest paired ancestor, that ancestor's child
+    on the way down: the fused experts module whose output is the routed experts' sum)."""
+    out = {}
+    for module in engine.experts:
+        below, name = module, _parent(module)
+        while name and name not in pairing.containers:
+            below, name = name, _parent(name)
+        if name in pairing.containers:
+            out[module] = (name, below)
+    return out
+
+
+def _fused_experts(engine: Holdings, other: Holdings, pairing: Pairing) -> dict[str, str]:
+    """The engine's fused experts module -> the other side's, where the other side fuses them too
+    (one module of parameters of no known source under the counterpart block, HF's ``experts``):
+    both output the weighted sum over the routed experts."""
+    out = {}
+    for home, top in _homes(engine, pairing).values():
+        there = pairing.containers[home]
+        candidates = [u for u in other.unresolved if _parent(u) == there]
+        if len(candidates) == 1:
+            out[top] = candidates[0]
+    return out
+
+
+def _other_experts(pairing: Pairing, engine: Holdings, other: Holdings) -> list[str]:
+    """The other side's expert modules: those holding only the engine's per-expert checkpoint
+    tensors, and those holding tensors of no known source inside the counterpart of a block of
+    the engine's fused experts (HF's own fused ``experts``)."""
+    expert_sources = set().union(*(engine.direct[m] for m in engine.experts)) if engine.experts else set()
+    found = [m for m, sources in other.direct.items() if sources and sources <= expert_sources]
+    homes = [pairing.containers[home] for home, _ in _homes(engine, pairing).values()]
+    found += [u for u in other.unresolved if any(u.startswith(h + ".") for h in homes)]
+    return found
+
+
+def _scaled(
+    module: str,
+    counterpart: str,
+    pairing: Pairing,
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    """An embedding one side scales inside itself and the other after it (Gemma's
+    ``sqrt(hidden)``): the scaled side's output against the other's first norm input (where
+    dumped); each unscaled output listed with the reason, never compared as if equal."""
+    scaled = _bare(classes_other.get(counterpart) or classes_engine.get(module) or "")
+    reason = SCALE_REASON.format(scaled=scaled)
+    rules: list[dict[str, Any]] = []
+    if _is("scaled", classes_other.get(counterpart)):
+        names = list(classes_engine)
+        after = names[names.index(module) + 1 :] if module in names else []
+        first = next((m for m in after if m in pairing.leaves and _is("norm", classes_engine[m])), None)
+        if first is not None:
+            rules.append(_rule("rename", _esc(first + "@in[0]"), b=counterpart, id="scaled embedding"))
+    rules.append(_rule("skip", _esc(module), reason=reason, id="scaled embedding"))
+    rules.append(_rule("skip", _esc(counterpart), side="b", reason=reason, id="scaled embedding"))
+    return rules
+
+
+def _head(pairing: Pairing, engine: Holdings) -> str | None:
+    """The counterpart of the engine's output head (the module named ``lm_head``, whose forward
+    the engine replaces by its logits processor)."""
+    for module, counterpart in pairing.leaves.items():
+        if module.rpartition(".")[2] == "lm_head":
+            return counterpart
+    return None
+
+
+def _consumer(module: str, pairing: Pairing, classes_engine: Mapping[str, str]) -> str | None:
+    """The counterpart of the module that consumes ``module``'s output: of its siblings paired
+    whole, the last one the model defines (``o_proj`` after ``qkv_proj``, ``down_proj`` after
+    ``gate_up_proj``: projections out are defined after projections in)."""
+    parent = _parent(module)
+    siblings = [m for m in classes_engine if _parent(m) == parent and m in pairing.leaves]
+    return pairing.leaves[siblings[-1]] if siblings else None
+
+
+def _act_and_mul(
+    module: str, pairing: Pairing, classes_engine: Mapping[str, str], classes_other: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """``act(gate) * up``: the down projection's input where dumped, else the product of the other
+    side's act module and up projection (the fused sibling's pieces, in row order)."""
+    m = _esc(module)
+    rules = []
+    consumer = _consumer(module, pairing, classes_engine)
+    if consumer is not None:
+        rules.append(_rule("rename", m, b=consumer + "@in[0]", id="*AndMul"))
+    parent = _parent(module)
+    fused = [
+        pieces for name, pieces in pairing.splits.items() if _parent(name) == parent and len(pieces) == 2
+    ]
+    if len(fused) == 1:
+        gate, up = fused[0]
+        own = module.rpartition(".")[2]
+        acts = [
+            name
+            for name, qualname in classes_other.items()
+            if _parent(name) == _parent(gate)
+            and (name.rpartition(".")[2] == own or "Activation" in _bare(qualname))
+        ]
+        if acts:
+            rules.append(_rule("product", m, b=[acts[0], up], id="*AndMul"))
+    rules.append(_rule("skip", m, reason=ACT_REASON, id="*AndMul"))
+    return rules
+
+
+# ------------------------------------------------------------------ the bridge
+
+
+def derive_bridge(
+    a: Correspondence,
+    b: Correspondence,
+    *,
+    framework_a: str,
+    framework_b: str,
+    classes_a: Mapping[str, str],
+    classes_b: Mapping[str, str],
+    ranks_a: list[Correspondence] | None = None,
+    ranks_b: list[Correspondence] | None = None,
+) -> Bridge | None:
+    """The bridge of two runs' records, or None when nothing pairs, or when neither recorded an
+    engine load and both name their parameters alike (two HF runs: paired by name, as always).
+    A is the engine side when both recorded one. Two runs without a load whose parameter names
+    differ (a port that renamed HF's modules) pair by the values their parameters hold."""
+    if a.loads:
+        engine, other, classes_e, classes_o, swap = a, b, classes_a, classes_b, False
+    elif b.loads:
+        engine, other, classes_e, classes_o, swap = b, a, classes_b, classes_a, True
+    elif set(a.parameters) != set(b.parameters) and a.parameters and b.parameters:
+        engine, other, classes_e, classes_o, swap = a, b, classes_a, classes_b, False
+    else:
+        return None
+    if engine.loads:
+        ranks = (ranks_b if swap else ranks_a) or [engine]
+        held_engine = merged_holdings(ranks)
+        held_other = engine_holdings(other) if other.loads else plain_holdings(other, engine.sources)
+    else:  # both plain: B's parameters are the checkpoint both hold
+        sources = {name: meta for name, meta in other.parameters.items() if "same_as" not in meta}
+        held_engine, held_other = plain_holdings(engine, sources), plain_holdings(other, sources)
+    pairing = pair_modules(held_engine, held_other)
+    if not (pairing.leaves or pairing.splits):
+        return None
+    rules = synthesise_rules(
+        pairing, held_engine, held_other, classes_e, classes_o, weightless=bool(engine.loads)
+    )
+    fw_e, fw_o = (framework_b, framework_a) if swap else (framework_a, framework_b)
+    data = {
+        "bridge": {
+            "name": DERIVED_NAME,
+            "description": "modules paired by the checkpoint tensors they hold (correspondence.json)",
+            "a": fw_e,
+            "b": fw_o,
+        },
+        "rule": rules,
+    }
+    bridge = parse_bridge(data, "correspondence.json")
+    return bridge.swapped() if swap else bridge

