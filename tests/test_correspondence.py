@@ -543,3 +543,15 @@ def test_a_dropout_is_compared_as_the_tensor_it_returns() -> None:
     # its input is the attention's output (the probabilities, a tuple's second element, are not)
     assert found[("model.layers.0.self_attn", "model.layers.0.resid_attn_dropout")] == "identity"
     assert "model.layers.0.resid_attn_dropout" not in {u.name for u in matched.leftovers}
+
+
+def test_two_runs_of_one_engine_get_no_derived_bridge() -> None:
+    """vLLM against vLLM (a bug against a clean run): one tree, matched by name."""
+    vllm = _vllm_record()
+    kwargs: dict = {
+        "framework_a": "vllm",
+        "framework_b": "vllm",
+        "classes_a": VLLM_CLASSES,
+        "classes_b": VLLM_CLASSES,
+    }
+    assert derive_bridge(vllm, vllm, **kwargs) is None

@@ -44,7 +44,7 @@ from ..errors import UsageError
 from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
-from .correspondence import DERIVED_NAME, derive_bridge, tensor_parallel_joins
+from .correspondence import derive_bridge, tensor_parallel_joins
 from .options import DiffOptions, UnshardRule
 from .sources import EntryMeta, Side
 from .tolerance import pair_precision
@@ -633,9 +633,8 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     if align is None and (info_a.integration or info_b.integration):
         align = "tokens"  # an engine integration batches requests and records each step's layout
     unshard: tuple[UnshardRule, ...] = ()
-    if bridge is not None and bridge.name == DERIVED_NAME:
-        for info in (info_a, info_b):
-            unshard += tensor_parallel_joins(list(info.ranks), info.classes)
+    for info in (info_a, info_b):  # a tensor-parallel side joined as its ranks' loads say
+        unshard += tensor_parallel_joins(list(info.ranks), info.classes)
     return Matcher(
         bridge=bridge,
         classes_a=info_a.classes,

@@ -598,10 +598,12 @@ def derive_bridge(
     ranks_a: list[Correspondence] | None = None,
     ranks_b: list[Correspondence] | None = None,
 ) -> Bridge | None:
-    """The bridge of two runs' records, or None when nothing pairs, or when neither recorded an
-    engine load and both name their parameters alike (two HF runs: paired by name, as always).
+    """The bridge of two runs' records, or None when nothing pairs, or when both name their
+    parameters alike (two runs of one engine, two HF runs: paired by name, as always).
     A is the engine side when both recorded one. Two runs without a load whose parameter names
     differ (a port that renamed HF's modules) pair by the values their parameters hold."""
+    if set(a.parameters) == set(b.parameters):
+        return None  # one tree on both sides (two runs of one engine, two HF runs): paired by name
     if a.loads:
         engine, other, classes_e, classes_o, swap = a, b, classes_a, classes_b, False
     elif b.loads:
