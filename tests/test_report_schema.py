@@ -16,7 +16,7 @@ from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare import html as html_report
 from tracedump.compare.display import STATUS_TEXT
-from tracedump.compare.report_schema import Report, schema_markdown
+from tracedump.compare.report_schema import Report, Summary, TensorRecord, schema_markdown
 from tracedump.compare.status import Status
 from tracedump.compare.verdict import FAILING
 
@@ -68,3 +68,12 @@ def test_the_schema_in_the_docs_is_up_to_date() -> None:
     assert (ROOT / "docs" / "report-schema.md").read_text() == schema_markdown(), (
         "docs/report-schema.md is stale: run python tools/report_schema_gen.py"
     )
+
+
+def test_the_page_s_key_lists_name_only_keys_the_report_has() -> None:
+    """The page shows some keys in places of its own and lists the rest: its lists must not name a
+    key the report no longer writes (they had drifted from the JSON's before the model)."""
+    tensor_keys = {field.alias or name for name, field in TensorRecord.model_fields.items()}
+    summary_keys = set(Summary.model_fields)
+    assert tensor_keys >= html_report._SHOWN_KEYS, html_report._SHOWN_KEYS - tensor_keys
+    assert summary_keys >= html_report._SUMMARY_SHOWN, html_report._SUMMARY_SHOWN - summary_keys
