@@ -18,18 +18,9 @@ from .inputs import describe_output_change
 from .metrics import WORK_DTYPE_RULE
 from .plan import Plan, Unmatched
 from .results import DiffReport, Growth, TensorResult
+from .status import Status
 
-STATUS_TEXT = {  # each status as the table and the report page print it
-    "ok": "ok",
-    "diverged": "DIVERGED",
-    "shape_mismatch": "shape mismatch",
-    "rank_mismatch": "rank mismatch",
-    "error": "error",
-    "routing_flip": "routing flip",
-    "routing": "routing differs",
-    "not_aligned": "no token rows",
-    "not_comparable": "not comparable",
-}
+STATUS_TEXT = {status.value: status.text for status in Status}  # the table's and the page's words
 _STATUS_STYLE = {  # ok rows keep the table's style
     "diverged": "red",
     "shape_mismatch": "yellow",

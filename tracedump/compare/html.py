@@ -27,6 +27,12 @@ Bounds, for dumps of many passes: at most :data:`MAX_LINES` lines and :data:`MAX
 :data:`HEATMAP_ROWS` x :data:`HEATMAP_COLS` cells (the rows that matter most, columns binned by
 their maximum), :data:`MAX_TABLE_ROWS` table rows (chosen as the terminal's ``--max-rows``
 chooses) and :data:`MAX_LISTED` names per note list; the page says what was left out.
+
+Bounded in bytes too, not only in rows (issue 34, defect 16: 100 names of 100 KB once made a
+50 MB page): every string from a dump is cut at :data:`MAX_TEXT` characters, with a marker that
+says how much was cut, and a page over :data:`MAX_PAGE_BYTES` is drawn again with tighter limits
+(:data:`_TIGHTER`: shorter strings, fewer rows, points and names), and at last as its summary
+alone, which is bounded whatever the dump holds. The ``--json`` report keeps every string whole.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ import math
 import re
 import struct
 import zlib
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..store.fsio import write_output
-from .display import STATUS_TEXT, dtype_text
+from .display import dtype_text
 from .results import DiffReport
+from .status import Status, status_text
 
 MAX_LINES = 24
 MAX_POINTS = 3000  # markers in the curve, over every line
@@ -53,6 +61,57 @@ HEATMAP_ROWS = 240
 HEATMAP_COLS = 512
 MAX_TABLE_ROWS = 4000
 MAX_LISTED = 200
+MAX_TEXT = 1000  # characters of one string from a dump (a name, a message) shown before the cut
+MAX_LINES_SHOWN = 400  # lines of the terminal's verdict in the summary
+MAX_PAGE_BYTES = 6 << 20  # "a few MB" (docs/comparator.md): the page is drawn again, tighter, above it
+
+
+@dataclass
+class _Limits:
+    """The bounds one drawing of the page works within, and how many strings it cut."""
+
+    text: int
+    table_rows: int
+    points: int
+    listed: int
+    heat_rows: int
+    lines: int
+    summary_only: bool = False
+    cut: int = 0  # strings cut at ``text`` characters in this drawing
+
+
+def _first_limits() -> _Limits:
+    """The module's constants, read when a page is drawn (tests set them smaller)."""
+    return _Limits(
+        text=MAX_TEXT,
+        table_rows=MAX_TABLE_ROWS,
+        points=MAX_POINTS,
+        listed=MAX_LISTED,
+        heat_rows=HEATMAP_ROWS,
+        lines=MAX_LINES_SHOWN,
+    )
+
+
+# Each further drawing of a page over MAX_PAGE_BYTES: (text, divisor of rows/points/names/lines).
+_TIGHTER = ((200, 4), (60, 20))
+_LIMITS: ContextVar[_Limits | None] = ContextVar("tracedump_html_limits", default=None)
+
+
+def _limit() -> _Limits:
+    """The limits of the drawing in progress (outside one, the module's: :func:`esc` is public)."""
+    current = _LIMITS.get()
+    return current if current is not None else _first_limits()
+
+
+def cut(text: str) -> str:
+    """``text`` whole, or its first characters and ``… [N more characters]`` when over the page's
+    limit for one string (the ``--json`` report holds it whole)."""
+    limits = _limit()
+    if len(text) <= limits.text:
+        return text
+    limits.cut += 1
+    return f"{text[: limits.text]}… [{len(text) - limits.text} more characters]"
+
 
 # ----------------------------------------------------------------------------- strings and numbers
 
@@ -67,7 +126,7 @@ def _visible(char: re.Match[str]) -> str:
 
 def visible(value: object) -> str:
     """Any value as the text a reader sees: control characters and lone surrogates as escapes."""
-    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    text = cut(str(value)).encode("utf-8", "backslashreplace").decode("utf-8")
     return _UNSAFE_CHARS.sub(_visible, text)
 
 
@@ -104,7 +163,7 @@ def _sort_key(value: float | None) -> str:
     return repr(value) if math.isfinite(value) else ("1e999" if value > 0 else "-1e999")
 
 
-_NOT_COMPARED = ("shape_mismatch", "error", "routing", "not_aligned")
+_NOT_COMPARED = tuple(s.value for s in Status if s.not_compared)  # the order the summary looks in
 # Keys of a tensor record the table shows in columns of its own; any other key (a later flag's)
 # is shown in the row's details cell, so nothing a result carries is lost from the page.
 _SHOWN = (
@@ -214,22 +273,75 @@ def _group(doc: dict[str, Any], lines: list[str]) -> _Page:
 
 
 def render(report: DiffReport, doc: dict[str, Any] | None = None) -> str:
-    """The whole page, as text; ``doc`` is ``report.to_json()`` when the caller has it already."""
+    """The whole page, as text; ``doc`` is ``report.to_json()`` when the caller has it already.
+
+    At most :data:`MAX_PAGE_BYTES` (UTF-8): drawn with the module's limits first, then tighter
+    ones (:data:`_TIGHTER`), then as the summary alone."""
     from .display import summary_lines
 
-    page = _group(doc if doc is not None else report.to_json(), summary_lines(report))
-    body = [
-        _header(page),
-        _summary(page),
-        _section("curve-section", "Error through the model", _curve(page)),
-        _section("heatmap-section", "Error per token", _heatmap(page)),
-        _section("table-section", "Every tensor", _table(page, _table_indices(page))),
-        _section("notes-section", "Notes", _notes(page)),
+    doc = doc if doc is not None else report.to_json()
+    lines = summary_lines(report)
+    first = _first_limits()
+    attempts = [first]
+    attempts += [
+        replace(
+            first,
+            text=text,
+            table_rows=max(first.table_rows // divisor, 20),
+            points=max(first.points // divisor, 100),
+            listed=max(first.listed // divisor, 10),
+            heat_rows=max(first.heat_rows // divisor, 12),
+            lines=max(first.lines // divisor, 20),
+        )
+        for text, divisor in _TIGHTER
     ]
+    attempts.append(replace(attempts[-1], summary_only=True))
+    size = 0
+    for number, limits in enumerate(attempts):
+        token = _LIMITS.set(limits)
+        try:
+            text = _draw(doc, lines, limits, tightened=(number, size))
+        finally:
+            _LIMITS.reset(token)
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size <= MAX_PAGE_BYTES:
+            break
+    return text
+
+
+def _draw(doc: dict[str, Any], lines: list[str], limits: _Limits, tightened: tuple[int, int]) -> str:
+    """One drawing of the page within ``limits``; ``tightened``: (how many drawings were over
+    :data:`MAX_PAGE_BYTES` before this one, the size of the last)."""
+    page = _group(doc, lines)
+    body = [_header(page), _summary(page)]
+    if not limits.summary_only:
+        body += [
+            _section("curve-section", "Error through the model", _curve(page)),
+            _section("heatmap-section", "Error per token", _heatmap(page)),
+            _section("table-section", "Every tensor", _table(page, _table_indices(page))),
+            _section("notes-section", "Notes", _notes(page)),
+        ]
+    if tightened[0]:
+        page.left_out.append(
+            f"page size: drawn {tightened[0] + 1} times to stay under {MAX_PAGE_BYTES / 2**20:.3g} MB (the "
+            f"last drawing was {tightened[1] / 2**20:.1f} MB): "
+            + (
+                "the summary alone"
+                if limits.summary_only
+                else f"at most {limits.table_rows} table rows, {limits.points} points, "
+                f"{limits.listed} names per list"
+            )
+        )
+    if limits.cut:
+        page.left_out.append(
+            f"{limits.cut} strings (names, messages, values) cut at {limits.text} characters, "
+            'marked "… [N more characters]"'
+        )
     # The bounds are known once every part is drawn: said at the top, where a reader starts.
     bounds = (
         "<div class='bounds' id='bounds'><b>This page is bounded:</b><ul>"
-        + "".join(f"<li>{esc(line)}</li>" for line in page.left_out)
+        # tracedump's own lines (counts, limits), never cut
+        + "".join(f"<li>{html.escape(_UNSAFE_CHARS.sub(_visible, line))}</li>" for line in page.left_out)
         + "</ul>The full per-tensor data is in the <code>--json</code> report.</div>"
         if page.left_out
         else ""
@@ -314,7 +426,7 @@ def _summary(page: _Page) -> str:
         if failing is not None:
             parts.append(
                 f"<p class='lead'>No numeric divergence, but {_link(failing.index, esc(failing.name))}: "
-                f"{esc(STATUS_TEXT.get(failing.data['status'], failing.data['status']))}"
+                f"{esc(status_text(failing.data['status']))}"
                 + (f" ({esc(failing.data['message'])})" if failing.data.get("message") else "")
                 + "</p>"
             )
@@ -327,9 +439,12 @@ def _summary(page: _Page) -> str:
             f"{fmt(growth['error'])}, {fmt(growth['ratio'])}× the largest error before it "
             f"({fmt(growth['previous_max'])}).</p>"
         )
+    limit = _limit().lines
+    more = len(page.lines) - limit
     parts.append(
         "<details class='lines'><summary>The verdict as the terminal prints it</summary><pre>"
-        + esc("\n".join(page.lines))
+        + "\n".join(esc(line) for line in page.lines[:limit])  # each line cut on its own
+        + (f"\n… {more} more lines" if more > 0 else "")
         + "</pre></details></section>"
     )
     return "\n".join(parts)
@@ -377,7 +492,7 @@ def _why(row: dict[str, Any], factor: object) -> str:
         facts.append(("why", f"{esc(metric)} {fmt(error)} &gt; threshold {fmt(threshold)} ({fmt(ratio)}×)"))
         facts.append(("threshold from", esc(_basis(row, factor))))
     else:
-        facts.append(("why", esc(STATUS_TEXT.get(row["status"], row["status"]))))
+        facts.append(("why", esc(status_text(row["status"]))))
     if row.get("message"):
         facts.append(("detail", esc(row["message"])))
     if row.get("max_abs") is not None:
@@ -559,7 +674,7 @@ def _curve(page: _Page) -> str:
     width = max(max(r.position for r in plotted[u]) + 1 for u in units)
     axis = _axis([r for u in units for r in plotted[u]], width)
     keep = {i for i in (page.first_index, page.growth_index) if i is not None}
-    budget = max(MAX_POINTS // len(units), 50)
+    budget = max(_limit().points // len(units), 50)
     shown = {u: _decimate(plotted[u], budget, keep) for u in units}
     total, drawn = sum(len(plotted[u]) for u in units), sum(len(v) for v in shown.values())
     if drawn < total:
@@ -649,7 +764,7 @@ def _point_title(label: str, row: _Row) -> str:
     data = row.data
     text = f"{row.name}\n{label}, #{row.position}: {data['metric']} {fmt(row.error)}"
     text += f", threshold {fmt(row.threshold)}" if row.threshold is not None else ""
-    text += f"\n{STATUS_TEXT.get(data['status'], data['status'])}"
+    text += f"\n{status_text(data['status'])}"
     if data.get("name_b") != data.get("name"):
         text += f"\nB: {data.get('name_b')}"
     return text
@@ -736,7 +851,8 @@ def png(width: int, height: int, pixels: bytes, palette: list[tuple[int, int, in
 
 def _heat_rows(page: _Page) -> list[_Row]:
     rows = [r for r in page.rows if (r.data.get("per_token") or {}).get("rel_diff")]
-    if len(rows) <= HEATMAP_ROWS:
+    heat_rows = _limit().heat_rows
+    if len(rows) <= heat_rows:
         return rows
 
     def worst(r: _Row) -> float:
@@ -748,9 +864,9 @@ def _heat_rows(page: _Page) -> list[_Row]:
     ranked = sorted(
         rows, key=lambda r: (r.index not in keep, r.unit != first_unit, r.data["status"] == "ok", -worst(r))
     )
-    chosen = {r.index for r in ranked[:HEATMAP_ROWS]}
+    chosen = {r.index for r in ranked[:heat_rows]}
     page.left_out.append(
-        f"heatmap: {HEATMAP_ROWS} of {len(rows)} tensors shown (the first divergence and its "
+        f"heatmap: {heat_rows} of {len(rows)} tensors shown (the first divergence and its "
         f"{'sequence' if page.aligned else 'pass'}, those not ok, then the largest worst-token errors), "
         "in execution order"
     )
@@ -843,7 +959,7 @@ def _heatmap(page: _Page) -> str:
         "bin": binned,
         "low": low,
         "high": high,
-        "rows": [f"{r.name} ({page.units[r.unit]})" for r in rows],
+        "rows": [visible(f"{r.name} ({page.units[r.unit]})") for r in rows],
         "left": left,
         "cellW": cell_w,
         "rowH": row_h,
@@ -925,7 +1041,8 @@ def _json_script(ident: str, data: object) -> str:
 def _table_indices(page: _Page) -> list[int] | None:
     """The rows in the page: all when they fit; else, as the terminal's ``--max-rows`` picks them,
     the first divergence and its neighbours, the growth row, every row not ok, the largest errors."""
-    if len(page.rows) <= MAX_TABLE_ROWS:
+    table_rows = _limit().table_rows
+    if len(page.rows) <= table_rows:
         return None
     wanted: list[int] = []
     if page.first_index is not None:
@@ -934,7 +1051,7 @@ def _table_indices(page: _Page) -> list[int] | None:
         wanted.append(page.growth_index)
     wanted += [r.index for r in page.rows if r.data["status"] != "ok"]
     wanted += [r.index for r in sorted(page.rows, key=lambda r: -(r.error or 0.0)) if r.error is not None]
-    return sorted(list(dict.fromkeys(wanted))[:MAX_TABLE_ROWS])
+    return sorted(list(dict.fromkeys(wanted))[:table_rows])
 
 
 def _table(page: _Page, indices: list[int] | None) -> str:
@@ -974,7 +1091,7 @@ def _table(page: _Page, indices: list[int] | None) -> str:
         "<label>name <input id='f-name' type='search' placeholder='part of a name' "
         "autocomplete='off'></label>"
         "<label>status <select id='f-status'><option value=''>all</option>"
-        + "".join(f"<option value='{esc(s)}'>{esc(STATUS_TEXT.get(s, s))}</option>" for s in statuses)
+        + "".join(f"<option value='{esc(s)}'>{esc(status_text(s))}</option>" for s in statuses)
         + "<option value='!ok'>all but ok</option></select></label>"
         f"<label>{'sequence' if page.aligned else 'pass'} <select id='f-unit'><option value=''>all</option>"
         + "".join(f"<option value='{u}'>{esc(page.units[u])}</option>" for u in units)
@@ -1006,7 +1123,7 @@ def _table_row(page: _Page, row: _Row, kinds: list[str], with_noise: bool, with_
         flags.append("first divergence")
     if row.index == page.growth_index:
         flags.append("largest growth")
-    status_html = esc(STATUS_TEXT.get(status, status)) + "".join(f"<br>← {esc(f)}" for f in flags)
+    status_html = esc(status_text(status)) + "".join(f"<br>← {esc(f)}" for f in flags)
     cells = [
         (str(row.index), esc(row.index)),
         (esc(page.units[row.unit]), esc(page.units[row.unit])),
@@ -1088,10 +1205,11 @@ def _clip_end(text: str, width: int) -> str:
 def _listing(title: str, items: list[str], ident: str) -> str:
     if not items:
         return ""
-    shown = items[:MAX_LISTED]
+    listed = _limit().listed
+    shown = items[:listed]
     more = (
-        f"<li class='muted'>… {len(items) - MAX_LISTED} more (in the --json report)</li>"
-        if len(items) > MAX_LISTED
+        f"<li class='muted'>… {len(items) - listed} more (in the --json report)</li>"
+        if len(items) > listed
         else ""
     )
     return (
@@ -1113,7 +1231,7 @@ def _notes(page: _Page) -> str:
             "Tensors not compared",
             [
                 f"{_link(r.index, '<code>' + esc(r.name) + '</code>')} ({esc(page.units[r.unit])}): "
-                f"{esc(STATUS_TEXT.get(r.data['status'], r.data['status']))}"
+                f"{esc(status_text(r.data['status']))}"
                 + (f": {esc(r.data['message'])}" if r.data.get("message") else "")
                 for r in page.rows
                 if r.data["status"] in _NOT_COMPARED
@@ -1250,7 +1368,7 @@ def _side(which: str, side: dict[str, Any]) -> str:
 
 def _value(value: object) -> str:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return "<br>".join(f"<code>{esc(v)}</code>" for v in value[:MAX_LISTED])
+        return "<br>".join(f"<code>{esc(v)}</code>" for v in value[: _limit().listed])
     if isinstance(value, (dict, list)):
         return f"<code>{esc(_clip_end(json.dumps(value, default=str, ensure_ascii=False), 2000))}</code>"
     return esc("-" if value is None else value)

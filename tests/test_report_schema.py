@@ -1,0 +1,79 @@
+"""The ``--json`` report's typed model (issue 34): one ``Status`` for the table, the JSON and the
+page; real reports validate against the model with unknown keys refused; the schema in the docs is
+the one generated from it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_compare_unshard import write_run
+
+from tracedump.cli import main
+from tracedump.compare import compare
+from tracedump.compare import html as html_report
+from tracedump.compare.display import STATUS_TEXT
+from tracedump.compare.report_schema import Report, Summary, TensorRecord, schema_markdown
+from tracedump.compare.status import Status
+from tracedump.compare.verdict import FAILING
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sides(tmp_path: Path) -> tuple[Path, Path]:
+    """A diverged pair, a shape mismatch, a NaN pattern, names on one side only, two passes."""
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with_nan = values.clone()
+    with_nan[0, 0] = math.nan
+    a = {"x": values + 1, "y": values, "z": with_nan, "only_a": values}
+    b = {"x": values, "y": values.reshape(4, 3), "z": values, "only_b": values}
+    write_run(tmp_path / "a", 0, {0: a, 1: a})
+    write_run(tmp_path / "b", 0, {0: b, 1: b})
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_a_real_report_validates_against_the_model(tmp_path: Path) -> None:
+    a, b = _sides(tmp_path)
+    out = tmp_path / "r.json"
+    assert main(["diff", str(a), str(b), "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    report = Report.model_validate(doc)
+    statuses = {t.status for t in report.tensors}
+    assert {Status.DIVERGED, Status.SHAPE_MISMATCH} <= statuses  # the premise: more than ok
+    assert report.summary.first_divergence is not None and report.only_in_a and report.only_in_b
+    # the model describes what is there: dumped back by alias, it is the document itself
+    assert report.model_dump(by_alias=True, exclude_unset=True, mode="json") == doc
+
+
+def test_a_key_the_model_does_not_know_is_refused(tmp_path: Path) -> None:
+    doc = compare(*_sides(tmp_path)).to_json()
+    doc["summary"]["a_new_count"] = 3
+    with pytest.raises(ValueError, match="a_new_count"):
+        Report.model_validate(doc)
+
+
+def test_one_status_list_for_the_verdict_the_table_and_the_page(tmp_path: Path) -> None:
+    assert {s.value for s in Status if s.fails} == set(FAILING)
+    assert {s.value: s.text for s in Status} == STATUS_TEXT
+    report = compare(*_sides(tmp_path))
+    page = html_report.render(report)
+    for status in {r.status for r in report.results}:
+        assert f">{Status(status).text}<" in page  # the filter's option, in the table's words
+
+
+def test_the_schema_in_the_docs_is_up_to_date() -> None:
+    assert (ROOT / "docs" / "report-schema.md").read_text() == schema_markdown(), (
+        "docs/report-schema.md is stale: run python tools/report_schema_gen.py"
+    )
+
+
+def test_the_page_s_key_lists_name_only_keys_the_report_has() -> None:
+    """The page shows some keys in places of its own and lists the rest: its lists must not name a
+    key the report no longer writes (they had drifted from the JSON's before the model)."""
+    tensor_keys = {field.alias or name for name, field in TensorRecord.model_fields.items()}
+    summary_keys = set(Summary.model_fields)
+    assert tensor_keys >= html_report._SHOWN_KEYS, html_report._SHOWN_KEYS - tensor_keys
+    assert summary_keys >= html_report._SUMMARY_SHOWN, html_report._SUMMARY_SHOWN - summary_keys

@@ -1,0 +1,207 @@
+"""The ``--json`` report as a typed model: what :meth:`.results.DiffReport.to_json` writes, once.
+
+Why a model beside the dict-building ``to_json`` rather than ``to_json`` through the model: a
+report of 30 000 pairs is built in about a second as plain dicts; validating each record through
+pydantic would add several. So the report is written as before, and this model *describes* it:
+``tests/test_report_schema.py`` validates real reports (every status, stats pairs, per-token
+records, a bridge, ``--align tokens``) against it with unknown keys refused, so a key added to
+``to_json`` and not here fails a test; docs/report-schema.md is the JSON schema generated from it
+(``tools/report_schema_gen.py``; a test checks the doc is up to date).
+
+To add a field (a summary count, a tensor record's key): add it to ``to_json`` and here, with a
+description, and regenerate the doc. Optional keys (written only when they apply) default to
+``None`` here and are marked "absent when ..." in their description.
+
+Imported by the tests and the doc generator only: a diff never imports pydantic for its report.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .status import Status
+
+JsonNumber = float | Literal["nan", "inf", "-inf"]
+"""A measured number: NaN and infinities are strings, so the file is strict JSON."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StatDeltaRecord(_Record):
+    a: JsonNumber
+    b: JsonNumber
+    rel_err: JsonNumber
+
+
+class UnshardRecord(_Record):
+    a: str | None
+    b: str | None
+
+
+class PerTokenRecord(_Record):
+    dim: int | None = Field(description="the dim per_token runs along")
+    positions: list[int] | None = Field(
+        None, description="--align tokens: each row's sequence position (absent otherwise)"
+    )
+    rel_diff: list[JsonNumber | None]
+    worst: int | None
+    worst_rel_diff: JsonNumber | None
+
+
+class TensorRecord(_Record):
+    """One pair (``tensors[]``), in execution order."""
+
+    index: int = Field(description="its position in tensors[]")
+    pass_: int = Field(alias="pass", description="A's pass")
+    name: str = Field(description="A's name as stored")
+    name_b: str = Field(description="B's name")
+    kind: Literal["tensor", "stats"]
+    shape_a: list[int] | None
+    shape_b: list[int] | None
+    dtype_a: str | None
+    dtype_b: str | None
+    max_abs: JsonNumber | None
+    mean_abs: JsonNumber | None
+    rel_diff: JsonNumber | None
+    cosine: JsonNumber | None
+    sqnr_db: JsonNumber | None
+    argmax: list[int] | None = Field(description="where max_abs is, as coordinates in A's shape")
+    a_at_argmax: JsonNumber | None
+    b_at_argmax: JsonNumber | None
+    nan_a: int | None
+    nan_b: int | None
+    inf_a: int | None
+    inf_b: int | None
+    metric: str = Field(description="the number judged: rel_diff | cosine | max_abs | exact | stats")
+    error: JsonNumber | None = Field(description="that number (1 - cosine for cosine)")
+    tolerance: JsonNumber | None = Field(description="the threshold the error had to stay under")
+    rtol: float | None
+    atol: float | None
+    tolerance_source: str
+    status: Status
+    basis: str | None = Field(description="how the threshold was set: upstream | baseline | fixed | routing")
+    root: str | None = Field(None, description="absent unless several roots are compared")
+    stats: dict[str, StatDeltaRecord] | None = Field(None, description="stats pairs only")
+    unshard: UnshardRecord | None = Field(None, description="absent unless a side was joined")
+    bridge: str | None = Field(None, description="how the bridge paired it; absent: by name")
+    message: str | None = Field(None, description="absent when there is nothing to say")
+    level_before: str | None = Field(None, description="absent unless judged by the level before it")
+    noise: JsonNumber | None = Field(None, description="--baseline: err(C, B); absent otherwise")
+    x_noise: JsonNumber | None = Field(None, description="--baseline: the error over the noise")
+    per_token: PerTokenRecord | None = Field(None, description="absent for a tensor with no token dim")
+
+
+class FindingRecord(_Record):
+    """The first divergence (``summary.first_divergence``), a pair named by the summary."""
+
+    index: int
+    pass_: int = Field(alias="pass")
+    name: str
+    name_b: str
+    status: Status
+    metric: str
+    error: JsonNumber | None
+    tolerance: JsonNumber | None
+    root: str | None = None
+    message: str | None = None
+
+
+class GrowthRecord(FindingRecord):
+    """``summary.largest_growth``: the pair, and how far its error jumped."""
+
+    previous_max: JsonNumber
+    ratio: JsonNumber
+
+
+class UnmatchedRecord(_Record):
+    """A tensor without a counterpart (``only_in_a[]``, ``only_in_b[]``)."""
+
+    pass_: int = Field(alias="pass")
+    name: str
+    root: str | None = None
+    mapped: str | None = Field(None, description="the name --map or the bridge made of it")
+    reason: str | None = Field(None, description="absent: no tensor of that name on the other side")
+
+
+class Summary(_Record):
+    """``summary``: the counts and the verdict. Helpers that add a count add it here."""
+
+    compared: int = Field(description="pairs whose values or statistics were compared")
+    ok: int
+    diverged: int
+    shape_mismatch: int
+    rank_mismatch: int
+    errors: int
+    routing_flips: list[dict[str, Any]]
+    not_compared_routing: int
+    not_aligned: int
+    not_comparable: int
+    bridged: int
+    bridge: dict[str, Any] | None
+    inputs_differ: list[dict[str, Any]]
+    leftovers: dict[str, dict[str, int]]
+    notes: list[str]
+    unused_rules: list[str]
+    alignment: list[dict[str, Any]] | None = Field(None, description="--align tokens only")
+    dtype_mismatch: int
+    only_in_a: int
+    only_in_b: int
+    passes: list[int]
+    passes_only_in_a: list[int]
+    passes_only_in_b: list[int]
+    roots_only_in_a: list[str]
+    roots_only_in_b: list[str]
+    first_divergence: FindingRecord | None
+    largest_growth: GrowthRecord | None
+    exit_code: Literal[0, 1]
+
+
+class SideRoot(_Record):
+    runs: list[str]
+    ranks: list[int]
+    mode: str
+    manifest: dict[str, Any] = Field(description="the run's manifest less its module and pass lists")
+
+
+class SideRecord(_Record):
+    path: str
+    roots: dict[str, SideRoot]
+
+
+class Report(_Record):
+    """The ``--json`` document."""
+
+    a: str = Field(description="A's path")
+    b: str = Field(description="B's path")
+    sides: dict[Literal["a", "b"], SideRecord]
+    settings: dict[str, Any] = Field(description="the options as the report states them")
+    summary: Summary
+    tensors: list[TensorRecord]
+    only_in_a: list[UnmatchedRecord]
+    only_in_b: list[UnmatchedRecord]
+
+
+def schema() -> dict[str, Any]:
+    """The JSON schema of the ``--json`` report (by alias: ``pass``, not ``pass_``)."""
+    return Report.model_json_schema(by_alias=True)
+
+
+def schema_markdown() -> str:
+    """docs/report-schema.md: a few lines on the model, then the schema."""
+    statuses = ", ".join(f"`{s.value}` ({s.text})" for s in Status)
+    return (
+        "# The `--json` report's schema\n\n"
+        "Generated from `tracedump/compare/report_schema.py` by `tools/report_schema_gen.py`; do not\n"
+        "edit by hand (`tests/test_report_schema.py` fails when it is out of date, and validates real\n"
+        "reports against the model with unknown keys refused). What each field means:\n"
+        "[comparator.md](comparator.md#json-report---json). NaN and infinities are the strings\n"
+        '`"nan"`, `"inf"`, `"-inf"`: the file is strict JSON.\n\n'
+        "Statuses of a pair (`Status`, `tracedump/compare/status.py`, shared by the table, the JSON\n"
+        f"and the page): {statuses}.\n\n"
+        "```json\n" + json.dumps(schema(), indent=1, sort_keys=True) + "\n```\n"
+    )

@@ -1,0 +1,67 @@
+"""The one list of a tensor pair's statuses, read by the table, the JSON report and the page.
+
+Each status once, with what the terminal and the page print for it and whether it makes the exit
+code 1. Before issue 34 the table, the page and the JSON each kept their own copies of these
+lists, and the page's had drifted from the JSON's. A ``str`` enum: ``Status.OK == "ok"`` and
+``json.dumps`` writes ``"ok"``, so the JSON's values stay exactly the strings they always were.
+Imports nothing (the comparator's hot path and ``tracedump ls`` never pay for it).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Status(str, Enum):
+    """A tensor pair's verdict (docs/comparator.md; :mod:`.results` says what each means)."""
+
+    OK = "ok"
+    DIVERGED = "diverged"
+    SHAPE_MISMATCH = "shape_mismatch"
+    RANK_MISMATCH = "rank_mismatch"
+    ERROR = "error"
+    ROUTING_FLIP = "routing_flip"
+    ROUTING = "routing"
+    NOT_ALIGNED = "not_aligned"
+    NOT_COMPARABLE = "not_comparable"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def text(self) -> str:
+        """The status as the table and the page print it."""
+        return _TEXT[self]
+
+    @property
+    def fails(self) -> bool:
+        """Whether a pair of this status makes the exit code 1 (decided in :mod:`.verdict`)."""
+        return self in _FAILS
+
+    @property
+    def not_compared(self) -> bool:
+        """A pair whose values were not compared, for a reason the page lists in its notes."""
+        return self in _NOT_COMPARED
+
+
+_TEXT = {
+    Status.OK: "ok",
+    Status.DIVERGED: "DIVERGED",
+    Status.SHAPE_MISMATCH: "shape mismatch",
+    Status.RANK_MISMATCH: "rank mismatch",
+    Status.ERROR: "error",
+    Status.ROUTING_FLIP: "routing flip",
+    Status.ROUTING: "routing differs",
+    Status.NOT_ALIGNED: "no token rows",
+    Status.NOT_COMPARABLE: "not comparable",
+}
+_FAILS = frozenset({Status.DIVERGED, Status.SHAPE_MISMATCH, Status.RANK_MISMATCH, Status.ERROR})
+_NOT_COMPARED = (Status.SHAPE_MISMATCH, Status.ERROR, Status.ROUTING, Status.NOT_ALIGNED)
+
+
+def status_text(status: str) -> str:
+    """What the table and the page print for ``status`` (an unknown one as it is)."""
+    try:
+        return Status(status).text
+    except ValueError:
+        return status
