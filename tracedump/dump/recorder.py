@@ -86,12 +86,17 @@ class Recorder(PassMachine):
             and self.name_filter is None
             and not self._suspend_depth
             and not suspend.globally_suspended()
+            and not self._refused_steps
             and (current.owner is None or current.owner == threading.get_ident())
         ):
             # The plain case, decided in one test: a kept pass of this thread's, no gate, no
             # filter, no suspension. What the general path below would decide, without its steps.
             try:
-                leaves = [("", value)] if isinstance(value, torch.Tensor) else list(flatten_tensors(value))
+                if isinstance(value, torch.Tensor):
+                    leaves = [("", value)]
+                else:
+                    leaves, deep = _leaves(value, False)
+                    self._count_too_deep(deep)
                 if leaves:
                     self._capture_module(current, name, leaves, is_input=False)
             except Exception as e:
