@@ -236,13 +236,16 @@ def test_a_constructed_near_tie_passes_bf16_vs_fp32(tie: dict[str, Path], baseli
     _assert_tie_premise(report, tie)
     layer = _by_name(report.results)["model.layers.1"]
     assert report.exit_code == 0, report.first_divergence and report.first_divergence.message
+    if baseline is None:  # issue 33: tests/test_verdict_after_flip.py
+        assert layer.status in ("routing_flip", "not_judged") and layer.after_flip is not None
+        return
     assert layer.status == "routing_flip" and layer.error is not None and layer.error < 1e-2
     assert "routed alike" in (layer.message or "")
 
 
 @numerics
 def test_a_bug_downstream_of_the_near_tie_is_still_found(tie: dict[str, Path]) -> None:
-    for baseline in (None, tie["bf16"]):
+    for baseline in (tie["bf16"],):  # without one: tests/test_verdict_after_flip.py (issue 33)
         report = compare(tie["bf16+norm_eps"], tie["fp32"], baseline=baseline)
         _assert_tie_premise(report, tie)
         first = report.first_divergence
@@ -250,10 +253,7 @@ def test_a_bug_downstream_of_the_near_tie_is_still_found(tie: dict[str, Path]) -
         assert first.name == "model.layers.2.post_attention_layernorm", first.name
         assert first.status == "diverged" and "routed alike" in (first.message or "")
         assert first.error is not None and first.threshold is not None and first.error > first.threshold
-        if baseline is None:
-            assert first.threshold <= first.tolerance.rtol  # the ceiling still holds on the kept tokens
-        else:
-            assert first.basis == "baseline" and first.noise is not None  # C's error on the kept tokens
+        assert first.basis == "baseline" and first.noise is not None  # C's error on the kept tokens
 
 
 # ------------------------------------------------------------------ the ceiling on flipped tokens, by hand
@@ -261,11 +261,12 @@ def test_a_bug_downstream_of_the_near_tie_is_still_found(tie: dict[str, Path]) -
 TOKENS, FLIPPED = 16, (3, 7)
 
 
-def _routed_pass(tmp_path: Path, side: str, layer_error: float) -> Path:
+def _routed_pass(tmp_path: Path, side: str, layer_error: float, block_error: float = 0.0) -> Path:
     """B: an fp32 reference; A: a bf16 run whose router flips tokens 3 and 7 at a near-tie (their
     experts 1 and 2 are 1e-3 apart in fp32, equal after bf16 rounding). The flipped tokens' rows
     hold another expert's answer from the block on; the others differ by rounding, plus
-    ``layer_error`` (rel_diff) in ``layer`` (a bug on the tokens that kept their experts)."""
+    ``layer_error`` (rel_diff) in ``layer`` and ``block_error`` in the block's output ``moe`` (a
+    bug on the tokens that kept their experts)."""
     generator = torch.Generator().manual_seed(SEED + 11)
     logits = torch.randn(TOKENS, 4, generator=generator)
     for t in FLIPPED:
@@ -278,7 +279,7 @@ def _routed_pass(tmp_path: Path, side: str, layer_error: float) -> Path:
         logits = logits.bfloat16()
         assert all(logits[t, 1] == logits[t, 2] for t in FLIPPED)  # a tie in bf16: top-k takes expert 1
         block, layer = (
-            block.bfloat16(),
+            (_perturbed(block, block_error, 5) if block_error else block.bfloat16()),
             (_perturbed(layer, layer_error, 6) if layer_error else layer.bfloat16()),
         )
         block[:, flipped] = (block[:, flipped] + other[:, flipped]).bfloat16()
@@ -303,16 +304,19 @@ def test_the_ceiling_does_not_judge_tokens_a_near_tie_flip_sent_elsewhere(tmp_pa
     rows = _by_name(report.results)
     assert rows["layer"].metrics.rel_diff > rows["layer"].tolerance.rtol, "premise not met: under the ceiling"
     assert report.exit_code == 0, rows["layer"]
-    assert rows["layer"].status == "routing_flip" and rows["layer"].error < 1e-5  # bf16 rounding
+    assert rows["moe"].status == "routing_flip" and rows["moe"].error < 1e-5  # bf16 rounding
+    # after the block, with no manifest to say the attention is causal, nothing is provably
+    # out of the flip's reach: listed, not judged (issue 33)
+    assert rows["layer"].status == "not_judged" and rows["layer"].after_flip is not None
 
 
 @numerics
 def test_a_bug_on_the_tokens_that_kept_their_experts_is_still_flagged(tmp_path: Path) -> None:
-    a, b = _routed_pass(tmp_path / "bug", "a", 0.05), _routed_pass(tmp_path / "bug", "b", 0.0)
+    a, b = _routed_pass(tmp_path / "bug", "a", 0.0, 0.05), _routed_pass(tmp_path / "bug", "b", 0.0)
     report = compare(a, b)
     assert report.flips and report.flips[0].near_tie, "premise not met: no near-tie flip"
     first = report.first_divergence
-    assert report.exit_code == 1 and first is not None and first.name == "layer"
+    assert report.exit_code == 1 and first is not None and first.name == "moe"
     assert first.error is not None and first.error > 0.01
 
 

@@ -229,12 +229,15 @@ def summary_lines(report: DiffReport) -> list[str]:
             + (f"; {first.message}" if first.message else "")
         )
     elif report.exit_code == 0:
+        unjudged = sum(s["not_judged"].values())
         lines.append(
-            f"no divergence: every compared tensor is within tolerance ({report.settings['tolerance']})"
+            f"no divergence: every judged tensor ({s['judged']}) is within tolerance "
+            f"({report.settings['tolerance']})" + (f"; {unjudged} not judged (below)" if unjudged else "")
         )
     lines.extend(describe_output_change(change) for change in report.output_changed)
     if report.coverage is not None:
         lines.extend(coverage_warnings(report.coverage))
+    lines.extend(_not_judged_lines(report))
     if first is not None and first.worst_token is not None and first.worst_token[1] > 0:
         position, value = first.worst_token
         lines.append(
@@ -297,6 +300,21 @@ def _lead_lines(report: DiffReport) -> list[str]:
     differ (printed before the table)."""
     lines = [coverage_line(report.coverage)] if report.coverage is not None else []
     return lines + [describe_inputs(finding) for finding in report.inputs_differ]
+
+
+def _not_judged_lines(report: DiffReport) -> list[str]:
+    """Tensors measured but not judged, by reason, with their first names."""
+    by_reason: dict[str, list[TensorResult]] = {}
+    for r in report.results:
+        if r.status == "not_judged":
+            reason = r.after_flip.reason() if r.after_flip is not None else (r.message or "not judged")
+            by_reason.setdefault(reason, []).append(r)
+    return [
+        f"not judged ({len(items)}): {reason}: "
+        + ", ".join(r.label for r in items[:_LISTED])
+        + (f", ... {len(items) - _LISTED} more" if len(items) > _LISTED else "")
+        for reason, items in by_reason.items()
+    ]
 
 
 def _basis(result: TensorResult) -> str:

@@ -18,7 +18,7 @@ from ..store.sequences import token_dim
 from .metrics import RowSums, TensorMetrics, compare_arrays, compare_by_row, per_token_rel_diff
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
-from .results import TensorResult
+from .results import AfterFlip, TensorResult
 from .routing import (
     Flip,
     detect,
@@ -28,6 +28,7 @@ from .routing import (
     kept_rows,
     merged,
     module_of,
+    unaffected_tokens,
 )
 from .sources import PassView
 from .stats import compare_stats, numeric_stats, stats_of
@@ -61,6 +62,8 @@ class Executor:
         self._units_by_name: dict[int, dict[str, PairPlan]] = {}
         for pair in plan.pairs:
             self._units_by_name.setdefault(pair.unit, {})[pair.a.name] = pair
+        self._sequences: set[tuple[int, int]] = set()  # (batch, seq) of the unit's [batch, seq, hidden]
+        self._causal: bool | None = None
 
     def run(self) -> list[TensorResult]:
         results: list[TensorResult] = []
@@ -80,8 +83,9 @@ class Executor:
         return results
 
     def _enter_unit(self, unit: int) -> None:
-        self._unit_flips, self._tokens = [], None
+        self._unit_flips, self._tokens, self._sequences = [], None, set()
         self._by_name = self._units_by_name.get(unit, {})
+        self._causal = self.plan.units[unit].causal
 
     def _one(self, index: int, pair: PairPlan) -> TensorResult:
         unit = self.plan.units[pair.unit]
@@ -125,15 +129,37 @@ class Executor:
                 return flipped
         covering = next((f for f in self._unit_flips if f.covers(pair.a.name)), None)
         if covering is not None:
-            covering = merged(covering, self._unit_flips)  # and the tokens earlier routers flipped
-            return self._inside_flipped_block(base, covering, (stored_a, stored_b), metrics)
+            flip = merged(covering, self._unit_flips)  # and the tokens earlier routers flipped
+            inside = self._inside_flipped_block(base, flip, (stored_a, stored_b), metrics)
+            earlier = [f for f in self._unit_flips[: self._unit_flips.index(covering)] if f.flipped]
+            if earlier and inside.status == "routing_flip":  # also downstream of an earlier router's flip
+                return self._with_unaffected(inside, flip, (stored_a, stored_b))
+            return inside
         if self.per_token and self._tokens is None and not is_integer(pair.a.meta.dtype):
             self._tokens = self._unit_tokens(stored_a.shape)  # from the unit's first float tensor
+        if len(stored_a.shape) == 3 and not is_integer(pair.a.meta.dtype):
+            self._sequences.add((stored_a.shape[0], stored_a.shape[1]))
         per_token = None if dim is None else self._per_token(stored_a, stored_b, metrics, dim, rows)
-        downstream = downstream_of(self._unit_flips, stored_a.shape) if self._unit_flips else None
-        if downstream is not None and pair.tolerance.metric in ("rel_diff", "cosine"):
-            return self._after_flip(base, downstream, (stored_a, stored_b), metrics, dim, per_token)
+        after = self._unit_flips and any(f.near_tie and f.flipped for f in self._unit_flips)
+        if after and pair.tolerance.metric in ("rel_diff", "cosine") and not is_integer(pair.a.meta.dtype):
+            downstream = downstream_of(self._unit_flips, stored_a.shape)
+            if downstream is not None:
+                return self._after_flip(base, downstream, (stored_a, stored_b), metrics, dim, per_token)
+            why = "its rows are not the router's tokens"
+            return replace(
+                base,
+                metrics=metrics,
+                token_dim=dim,
+                per_token=per_token,
+                after_flip=AfterFlip(router=self._first_router(), tokens=0, error=None, why=why),
+            )
         return replace(base, metrics=metrics, token_dim=dim, per_token=per_token)
+
+    def _sequence_length(self, tokens: int) -> int | None:
+        """How long each sequence of the router's ``tokens`` is: from a ``[batch, seq, hidden]``
+        tensor of the unit whose batch x seq is that count (one length, or none known)."""
+        lengths = {s for b, s in self._sequences if b * s == tokens}
+        return lengths.pop() if len(lengths) == 1 else None
 
     def _after_flip(
         self,
@@ -149,7 +175,43 @@ class Executor:
         answer from there on), its whole error joining the level as the block's does."""
         kept_a, kept_b = kept_rows(stored[0], flip), kept_rows(stored[1], flip)
         assert kept_a is not None and kept_b is not None  # downstream_of checked the rows
-        return _on_kept_tokens(base, flip, (kept_a, kept_b), metrics, token_dim=dim, per_token=per_token)
+        result = _on_kept_tokens(base, flip, (kept_a, kept_b), metrics, token_dim=dim, per_token=per_token)
+        return self._with_unaffected(result, flip, stored)
+
+    def _with_unaffected(
+        self, result: TensorResult, flip: Flip, stored: tuple[Stored, Stored]
+    ) -> TensorResult:
+        """``result`` with its :class:`.results.AfterFlip`: the error on the tokens ``flip``'s
+        consequence provably did not reach (none, when that cannot be shown)."""
+        keep, why = unaffected_tokens(flip, self._sequence_length(flip.tokens), self._causal)
+        error = None
+        if keep is not None and keep.any():
+            clean_a, clean_b = kept_rows(stored[0], flip, keep), kept_rows(stored[1], flip, keep)
+            assert clean_a is not None and clean_b is not None
+            error = compare_arrays(clean_a, clean_b).rel_diff
+        tokens = int(keep.sum()) if keep is not None else 0
+        if keep is not None and not tokens:
+            why = "causal attention, but a flipped token at the start of every sequence"
+        after = AfterFlip(router=self._first_router(), tokens=tokens, error=error, why=why)
+        return replace(result, after_flip=after)
+
+    def _first_router(self) -> str:
+        """The router of the pass's first near-tie flip: where the flip's consequence starts."""
+        return next(f.router for f in self._unit_flips if f.near_tie and f.flipped)
+
+    def _affected(self, tokens: int) -> frozenset[int]:
+        """The router's tokens that may carry an earlier near-tie flip's consequence by now: the
+        flipped ones, and every one not provably unaffected (:func:`.routing.unaffected_tokens`)."""
+        flipped = flipped_before(self._unit_flips, tokens)
+        if not flipped:
+            return flipped
+        flip = next(f for f in self._unit_flips if f.tokens == tokens and f.near_tie)
+        keep, _ = unaffected_tokens(
+            replace(flip, flipped=tuple(sorted(flipped))), self._sequence_length(tokens), self._causal
+        )
+        if keep is None:
+            return frozenset(range(tokens))
+        return flipped | frozenset(int(t) for t in range(tokens) if not keep[t])
 
     def _unit_tokens(self, shape: tuple[int, ...]) -> int | None:
         """The unit's token count: the second-to-last dim of its first measured float tensor of 2
@@ -196,7 +258,7 @@ class Executor:
         router = module_of(pair.a.name)
         tokens, k = indices[0].shape
         scores = self._router_scores(router, pair, tokens, k, views_a, views_b)
-        flip = detect(router, indices, scores, flipped_before(self._unit_flips, tokens))
+        flip = detect(router, indices, scores, self._affected(tokens))
         if flip is None:
             return None
         self.flips.append(flip)

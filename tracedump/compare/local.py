@@ -170,9 +170,12 @@ def judge_local(report: DiffReport, side_a: Side, side_b: Side) -> list[TensorRe
         _check_source(report, info, side_b)
     judged = []
     depth = _Depth()
+    flipped_in = _flipped_in(report.results, infos, single)
     for result in report.results:
         info = infos.get(result.root or "", single) if result.root is not None else single
-        judged.append(_judge(result, info, depth) if info is not None else _as_local(result, False))
+        judged.append(
+            _judge(result, info, depth, flipped_in) if info is not None else _as_local(result, False)
+        )
     _summarise(report, judged, infos)
     return judged
 
@@ -232,7 +235,28 @@ class _Depth:
         return len(self.ran.get((result.pass_index, result.root, owner), ()))
 
 
-def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
+def _flipped_in(
+    results: list[TensorResult], infos: dict[str, GraftInfo], single: GraftInfo | None
+) -> dict[tuple[int, str | None, str | None], int]:
+    """(pass, root, grafted module) -> the index of its first near-tie routing flip (the router's
+    indices' own result: ``routing_flip``, basis ``routing``); None as the module: outside every
+    graft. A flip's consequence reaches only what runs after it on its values: inside that grafted
+    module, after the router; every other grafted module ran on the reference's inputs."""
+    found: dict[tuple[int, str | None, str | None], int] = {}
+    for r in results:
+        if r.status == "routing_flip" and r.basis == "routing":
+            info = infos.get(r.root or "", single) if r.root is not None else single
+            owner = info.owner(Key.parse(r.name).module) if info is not None else None
+            found.setdefault((r.pass_index, r.root, owner), r.index)
+    return found
+
+
+def _judge(
+    result: TensorResult,
+    info: GraftInfo,
+    depth: _Depth,
+    flipped_in: dict[tuple[int, str | None, str | None], int] | None = None,
+) -> LocalResult:
     key = Key.parse(result.name)
     owner = info.owner(key.module)
     if owner is None:
@@ -257,7 +281,10 @@ def _judge(result: TensorResult, info: GraftInfo, depth: _Depth) -> LocalResult:
         + (f", x{tail:.3g} for {allowance.elements} elements" if tail > 1 else "")
         + ")"
     )
-    return _as_local(judge_locally(result, allowance, source), True, grafted_at=owner)
+    first_flip = (flipped_in or {}).get((result.pass_index, result.root, owner))
+    flip_inside = first_flip is not None and first_flip < result.index
+    judged = judge_locally(result, allowance, source, flip_inside=flip_inside)
+    return _as_local(judged, True, grafted_at=owner)
 
 
 def _summarise(report: DiffReport, judged: list[TensorResult], infos: dict[str, GraftInfo]) -> None:

@@ -30,6 +30,7 @@ class Unit:
     root: str | None
     pass_a: int
     pass_b: int
+    causal: bool | None = None  # both runs' attentions declared causal (the manifests' "attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,7 +319,7 @@ def build_plan(
         views_a = [run.open_pass(pass_a) for run in group_a.runs]
         views_b = [run.open_pass(pass_b) for run in group_b.runs]
         unit = len(units)
-        units.append(Unit(root, pass_a, pass_b))
+        units.append(Unit(root, pass_a, pass_b, causal=causal_attention(group_a, group_b)))
         workspace.views.append((views_a, views_b))
         precisions = (
             run_precision(views_a, group_a.declared_precision),
@@ -345,6 +346,20 @@ def build_plan(
         roots_only_in_b=tuple(roots_only_b),
     )
     return plan, workspace
+
+
+def causal_attention(*groups: RootGroup) -> bool | None:
+    """Whether every run of ``groups`` declared every attention causal (the manifest's
+    ``attention``, written at ``attach()``): False when one declared otherwise, None when one did
+    not say (older dumps, lone pass files, a model whose attention declares nothing)."""
+    flags = []
+    for group in groups:
+        for run in group.runs:
+            attention = run.facts.get("attention")
+            flags.append(attention.get("causal") if isinstance(attention, dict) else None)
+    if any(flag is False for flag in flags):
+        return False
+    return True if flags and all(flag is True for flag in flags) else None
 
 
 def run_precision(views: list[PassView], declared: str | None) -> str | None:

@@ -17,11 +17,15 @@ Statuses of a tensor pair:
 - ``not_aligned``: with ``--align tokens``, a tensor whose rows of a sequence cannot be found on
   a side (no dim of the pass's token count, e.g. logits of the last token only): reported, not
   compared;
+- ``not_judged``: downstream of a near-tie routing flip, a tensor whose tokens may all have
+  received a flipped token's value (through attention in a later layer), with no ``--baseline``
+  and no graft to measure what that flip moves: measured, listed with the reason, never judged
+  (:attr:`TensorResult.after_flip`; :mod:`.verdict`);
 - ``not_comparable``: one name, two module classes (the manifests' ``module_classes``: vLLM's
   ``SiluAndMul`` against HF's ``SiLUActivation``), and no bridge rule relates them: never measured,
   listed with both class names (:mod:`.bridge`).
 
-Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned`` and ``not_comparable``
+Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned``, ``not_judged`` and ``not_comparable``
 makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`). Those rules, the
 first divergence and the largest growth are decided in :mod:`.verdict` (:func:`.verdict.conclude`);
 this module holds what they decide, as :class:`Findings`.
@@ -74,6 +78,23 @@ def unravel(flat: int | None, shape: tuple[int, ...] | None) -> list[int] | None
 
 
 @dataclass(frozen=True, kw_only=True)
+class AfterFlip:
+    """A tensor downstream of a near-tie routing flip, outside the flipped MoE block: which of its
+    tokens provably carry none of the flip's consequence (under a causal mask on both runs, the
+    positions before the first flipped one of each sequence) and their error; ``error`` None when
+    none does (an empty prefix, a mask not known causal, rows that are not the router's tokens)."""
+
+    router: str  # the router(s) that flipped
+    tokens: int  # how many of the router's tokens are provably unaffected
+    error: float | None  # rel_diff on those tokens
+    why: str  # why only those (for the report)
+
+    def reason(self) -> str:
+        """The not-judged reason, as the summary counts it."""
+        return f"downstream of a near-tie routing flip in {self.router}, judge with `--baseline` or a graft"
+
+
+@dataclass(frozen=True, kw_only=True)
 class TensorResult:
     """The verdict on one pair, with every measurement behind it."""
 
@@ -106,6 +127,7 @@ class TensorResult:
     pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
     level_before: str | None = None  # a container's own output: explained by the level before this tensor
     bridge: str | None = None  # how the bridge paired it ("split -1 (rule 4: qkv)"); None: by name
+    after_flip: AfterFlip | None = None  # downstream of a near-tie flip, outside its MoE block
 
     @property
     def label(self) -> str:
@@ -166,6 +188,13 @@ class TensorResult:
         if self.noise is not None:
             data["noise"] = _number(self.noise)
             data["x_noise"] = _number(self.times_noise)
+        if self.after_flip is not None:
+            data["after_flip"] = {
+                "router": self.after_flip.router,
+                "unaffected_tokens": self.after_flip.tokens,
+                "unaffected_rel_diff": _number(self.after_flip.error),
+                "why": self.after_flip.why,
+            }
         if self.per_token is not None:
             worst = self.worst_token
             data["per_token"] = {
@@ -309,6 +338,20 @@ class DiffReport:
     def exit_code(self) -> int:
         return self.concluded.exit_code
 
+    def not_judged_by_reason(self) -> dict[str, int]:
+        """Tensors measured but not judged (``not_judged``), counted by why."""
+        counts: dict[str, int] = {}
+        for r in self.results:
+            if r.status == "not_judged":
+                reason = r.after_flip.reason() if r.after_flip is not None else (r.message or "not judged")
+                counts[reason] = counts.get(reason, 0) + 1
+        return counts
+
+    @property
+    def judged(self) -> int:
+        """Pairs the verdict judged (a number against a threshold): compared, less not judged."""
+        return sum(1 for r in self.results if r.error is not None and r.status != "not_judged")
+
     def leftovers_by_reason(self) -> dict[str, dict[str, int]]:
         """Tensors without a counterpart, per side, counted by why (plain: "no tensor of that name")."""
         counts: dict[str, dict[str, int]] = {}
@@ -326,6 +369,9 @@ class DiffReport:
         return {
             "coverage": self.coverage,
             "compared": self.compared,
+            "judged": self.judged,
+            "not_judged": self.not_judged_by_reason(),
+            "not_compared": sum(1 for r in self.results if r.error is None and r.status != "not_judged"),
             "ok": self.count("ok"),
             "diverged": self.count("diverged"),
             "shape_mismatch": self.count("shape_mismatch"),
@@ -354,7 +400,20 @@ class DiffReport:
             "first_divergence": _finding(first) if first else None,
             "largest_growth": growth.to_json() if growth else None,
             "exit_code": self.exit_code,
+            "verdict": self.verdict_line(),
         }
+
+    def verdict_line(self) -> str:
+        """What the exit code says, about what was judged only: "no divergence" covers the judged
+        tensors, and the ones not judged are counted beside it."""
+        if self.first_divergence is not None:
+            return f"first divergence: {self.first_divergence.label}"
+        if self.exit_code != 0:
+            return "diverged"
+        unjudged = sum(self.not_judged_by_reason().values())
+        return f"no divergence among the {self.judged} judged tensors" + (
+            f"; {unjudged} not judged" if unjudged else ""
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

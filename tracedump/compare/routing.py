@@ -59,7 +59,8 @@ class Flip:
         if self.flipped and not self.margins:
             return (
                 f"router {self.router}: {len(self.flipped)} of {self.tokens} tokens routed differently, "
-                f"all of them flipped by an earlier router (tokens {_short(self.flipped)}): not a divergence"
+                f"all of them flipped by an earlier router or downstream of its near-tie flip "
+                f"(tokens {_short(self.flipped)}): not a divergence"
             )
         if not self.flipped:
             return (
@@ -212,14 +213,16 @@ def _token_dims(shape: tuple[int, ...], tokens: int) -> tuple[str, tuple[int, ..
     return ("each", tuple(dims)) if dims else None
 
 
-def kept_rows(stored: Stored, flip: Flip) -> Stored | None:
+def kept_rows(stored: Stored, flip: Flip, keep: np.ndarray | None = None) -> Stored | None:
     """The tensor without the flipped tokens, when it holds the router's tokens (see
-    :func:`_token_dims`); None when it does not (per-expert tensors, whose rows are its tokens)."""
+    :func:`_token_dims`); None when it does not (per-expert tensors, whose rows are its tokens).
+    ``keep``: the tokens to keep instead (a bool mask over the router's tokens)."""
     where = _token_dims(stored.shape, flip.tokens)
     if where is None:
         return None
-    keep = np.ones(flip.tokens, dtype=bool)
-    keep[list(flip.flipped)] = False
+    if keep is None:
+        keep = np.ones(flip.tokens, dtype=bool)
+        keep[list(flip.flipped)] = False
     how, dims = where
     if how == "lead":
         rows = stored.array.reshape(flip.tokens, -1)
@@ -228,3 +231,27 @@ def kept_rows(stored: Stored, flip: Flip) -> Stored | None:
     for d in dims:
         array = np.compress(keep, array, axis=d)
     return Stored(np.ascontiguousarray(array), stored.dtype)
+
+
+def unaffected_tokens(flip: Flip, sequence: int | None, causal: bool | None) -> tuple[np.ndarray | None, str]:
+    """The router's tokens that provably carry none of ``flip``'s consequence in a tensor after
+    the flipped block, and why only those.
+
+    A flipped token's new value reaches every token that attends to it in a later layer. Under a
+    causal mask (both runs' attentions declare it: the manifest's ``attention``) a token attends
+    only to positions up to its own, so the positions before the first flipped one of each sequence
+    (``sequence`` tokens long, the router's tokens being whole sequences laid end to end) are
+    untouched; anything else may have received it. None (nothing provable) when the mask is not
+    known causal, or the sequences' length is not known."""
+    if causal is not True:
+        why = "a bidirectional attention" if causal is False else "attention masks not known causal"
+        return None, f"{why}: every token may have attended to a flipped one"
+    if not sequence or flip.tokens % sequence:
+        return None, "the sequences' layout is not known: every token may have attended to a flipped one"
+    first = np.full(flip.tokens // sequence, sequence)
+    for t in flip.flipped:
+        first[t // sequence] = min(first[t // sequence], t % sequence)
+    positions = np.arange(flip.tokens)
+    keep = (positions % sequence) < first[positions // sequence]
+    return keep, "causal attention: the positions before each sequence's first flipped token"
+

@@ -24,6 +24,7 @@ class Status(str, Enum):
     ROUTING = "routing"
     NOT_ALIGNED = "not_aligned"
     NOT_COMPARABLE = "not_comparable"
+    NOT_JUDGED = "not_judged"
 
     def __str__(self) -> str:
         return self.value
@@ -54,6 +55,7 @@ _TEXT = {
     Status.ROUTING: "routing differs",
     Status.NOT_ALIGNED: "no token rows",
     Status.NOT_COMPARABLE: "not comparable",
+    Status.NOT_JUDGED: "not judged",
 }
 _FAILS = frozenset({Status.DIVERGED, Status.SHAPE_MISMATCH, Status.RANK_MISMATCH, Status.ERROR})
 _NOT_COMPARED = (Status.SHAPE_MISMATCH, Status.ERROR, Status.ROUTING, Status.NOT_ALIGNED)

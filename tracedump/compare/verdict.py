@@ -175,6 +175,9 @@ def _judge(
     if result.status == "routing_flip" and result.tolerance.metric == "exact":
         return result  # the router's own indices: judged by their margins (routing.py)
     tolerance, metrics = result.tolerance, result.metrics
+    measured = noise is not None and result.index in noise
+    if result.after_flip is not None and tolerance.metric in NOISE_MODEL and not measured:
+        return judge_after_flip(result, level, scope)
     measured_noise = None
     if tolerance.metric not in NOISE_MODEL or tolerance.fixed:
         error, threshold, ok = fixed_rule(metrics, tolerance)
@@ -184,7 +187,8 @@ def _judge(
         if result.status == "routing_flip":  # error on the tokens that kept their experts
             error = result.error if result.error is not None else error
         floor = rounding_floor(tolerance.precision, _last_dim(result))
-        if noise is not None and result.index in noise:
+        if measured:
+            assert noise is not None
             measured_noise = noise[result.index]
             threshold = BASELINE_FACTOR * measured_noise + floor
             if result.status != "routing_flip":  # the ceiling overrules no noise measured past a flip
@@ -208,6 +212,54 @@ def _judge(
         noise=measured_noise,
         basis=basis,
         message=result.message or _nonfinite_message(result),
+        level_before=scope[1] if scope is not None and basis == "upstream" else None,
+    )
+
+
+def judge_after_flip(
+    result: TensorResult, level: _Level, scope: tuple[float, str] | None = None
+) -> TensorResult:
+    """A tensor downstream of a near-tie routing flip, outside the flipped block, with no baseline.
+
+    Every token that attended to a flipped one in a later layer carries the flip's consequence,
+    which no rounding model bounds (another expert's answer, mixed in by attention): judging it
+    names a layer that is fine. So only the tokens that provably received nothing of it are judged
+    (:attr:`.results.AfterFlip.error`: under a causal mask, the positions before the first flipped
+    one), by the upstream rule; when none can be shown, the tensor is ``not_judged``, with the
+    reason, never a divergence. ``--baseline`` (a rerun that flips the same tokens) and a grafted
+    run (each module fed the reference's inputs) judge it instead."""
+    after = result.after_flip
+    assert after is not None and result.metrics is not None
+    if after.error is None:
+        return replace(
+            result,
+            status="not_judged",
+            error=None,
+            threshold=None,
+            absorbed=None,
+            basis="not judged",
+            message=f"not judged: {after.reason()} ({after.why})",
+        )
+    tolerance, metrics = result.tolerance, result.metrics
+    floor = rounding_floor(tolerance.precision, _last_dim(result))
+    if tolerance.fixed:
+        threshold, basis = tolerance.rtol, "fixed"
+    else:
+        inputs = input_rounding(tolerance.precision) if tolerance.mixed else 0.0
+        threshold = explained(level, result.name, floor, tolerance.rtol, inputs, scope[0] if scope else None)
+        basis = "upstream"
+    ok = (after.error <= threshold or metrics.max_abs <= tolerance.atol) and metrics.nonfinite_mismatch == 0
+    return replace(
+        result,
+        status="routing_flip" if ok else "diverged",
+        error=after.error,
+        threshold=threshold,
+        absorbed=after.error,
+        basis=basis,
+        message=(
+            f"compared on the {after.tokens} tokens no near-tie flip of {after.router} can have reached "
+            f"({after.why})"
+        ),
         level_before=scope[1] if scope is not None and basis == "upstream" else None,
     )
 
@@ -412,7 +464,7 @@ def local_judgeable(result: TensorResult) -> bool:
     return (
         result.metrics is not None
         and result.kind == "tensor"
-        and result.status in ("ok", "diverged", "routing_flip")
+        and result.status in ("ok", "diverged", "routing_flip", "not_judged")
         and result.tolerance.metric in NOISE_MODEL
         and not result.tolerance.fixed
     )
@@ -436,15 +488,25 @@ def local_allowance_of(
     return LocalAllowance(roundings=roundings, tail=tail, elements=elements, threshold=threshold)
 
 
-def judge_locally(result: TensorResult, allowance: LocalAllowance, source: str) -> TensorResult:
+def judge_locally(
+    result: TensorResult, allowance: LocalAllowance, source: str, *, flip_inside: bool = True
+) -> TensorResult:
     """``result`` judged by its local error (no growth allowance, no baseline); ``source`` says so
-    in its tolerance. After a near-tie routing flip the error is the kept tokens'."""
+    in its tolerance. ``flip_inside``: a near-tie routing flip ran inside the grafted module this
+    tensor is local to, before it; then the error is the one the propagated verdict chose (the
+    tokens routed alike inside the block, the tokens the flip provably did not reach after it),
+    and a tensor with none of those stays not judged. A flip anywhere else cannot reach it: the
+    grafted module ran on the reference's inputs, so the whole tensor is judged."""
     metrics, tolerance = result.metrics, result.tolerance
     assert metrics is not None
     error = metrics.one_minus_cosine if tolerance.metric == "cosine" else metrics.rel_diff
-    flipped = result.status == "routing_flip"  # after a near-tie flip: the tokens routed alike
+    if flip_inside and result.status == "not_judged":
+        return replace(result, tolerance=replace(tolerance, source=source))
+    flipped = flip_inside and result.status == "routing_flip"  # the tokens routed alike
     if flipped and result.error is not None:
         error = result.error
+    if not flip_inside and result.status in ("routing_flip", "not_judged"):
+        result = replace(result, message=None, after_flip=None, absorbed=None)
     threshold = allowance.threshold
     ok = (error <= threshold or metrics.max_abs <= tolerance.atol) and metrics.nonfinite_mismatch == 0
     return replace(

@@ -146,7 +146,35 @@ def model_fields(
         "module_classes": classes,
         "shared_modules": {name: list(aliases) for name, aliases in shared.items()},
         "precision": run_precision(model),
+        "attention": attention_masks(model),
     }
+
+
+def attention_masks(model: nn.Module) -> dict[str, Any]:
+    """Whether every attention of ``model`` is causal, as its modules declare it (HF attention's
+    ``is_causal``; vLLM's ``attn_type``, ``"decoder"`` being causal): ``causal`` true when some
+    declare it and none declares otherwise, false when one declares a bidirectional or cross
+    attention, None when none says. The comparator reads it to know which tokens a near-tie routing
+    flip cannot reach (under a causal mask, the positions before the first flipped one)."""
+    causal, other = 0, []
+    for name, module in model.named_modules():
+        flag = _declared_causal(module)
+        if flag is True:
+            causal += 1
+        elif flag is False:
+            other.append(name)
+    verdict = None if not causal and not other else not other
+    return {"causal": verdict, "causal_modules": causal, "not_causal": other[:8]}
+
+
+def _declared_causal(module: nn.Module) -> bool | None:
+    flag = module.__dict__.get("is_causal", getattr(type(module), "is_causal", None))
+    if isinstance(flag, bool):
+        return flag
+    kind = module.__dict__.get("attn_type")
+    if kind is not None:
+        return str(getattr(kind, "value", kind)) == "decoder"
+    return None
 
 
 class ErrorLog:
