@@ -13,7 +13,7 @@ import torch
 
 from tracedump.compare import metrics, reader, tolerance, verdict
 from tracedump.compare.reader import Stored, stored_from_torch, widen
-from tracedump.store import dtypes, loader, stformat
+from tracedump.store import dtypes, header, stformat
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -164,7 +164,7 @@ def test_the_derived_tables_hold_the_old_values() -> None:
     assert dtypes.TORCH_WIDENED == OLD_FP8
     assert metrics.WIDER_THAN_FLOAT32 == dtypes.WIDER_THAN_FLOAT32 == OLD_WIDE
     assert dtypes.SHORT_NAMES == OLD_SHORT
-    assert loader.ELEMENT_BYTES is dtypes.ELEMENT_BYTES
+    assert header.ELEMENT_BYTES is dtypes.ELEMENT_BYTES
 
 
 @pytest.mark.parametrize("name", sorted(dtypes.CODES_ON_DISK_ORDER.values()))

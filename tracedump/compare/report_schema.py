@@ -94,6 +94,25 @@ class TensorRecord(_Record):
     noise: JsonNumber | None = Field(None, description="--baseline: err(C, B); absent otherwise")
     x_noise: JsonNumber | None = Field(None, description="--baseline: the error over the noise")
     per_token: PerTokenRecord | None = Field(None, description="absent for a tensor with no token dim")
+    after_flip: AfterFlipRecord | None = Field(None, description="absent unless downstream of a near-tie flip")
+
+
+class AfterFlipRecord(_Record):
+    """``after_flip``: a tensor downstream of a near-tie routing flip (docs/comparator.md)."""
+
+    router: str = Field(description="the router whose near-tie flip it follows")
+    unaffected_tokens: int | None = Field(description="tokens provably untouched by the flip")
+    unaffected_rel_diff: JsonNumber | None = Field(description="the error on those tokens")
+    why: str = Field(description="why the rest is not judged")
+
+
+class CoverageRecord(_Record):
+    """``summary.coverage``: how much of the reference (B) was compared, per step."""
+
+    compared: int = Field(description="reference tensors a measured pair read")
+    reference: int = Field(description="distinct names B recorded in the compared steps")
+    fraction: float
+    low: bool = Field(description="less than half of the reference was compared")
 
 
 class FindingRecord(_Record):
@@ -131,7 +150,11 @@ class UnmatchedRecord(_Record):
 class Summary(_Record):
     """``summary``: the counts and the verdict. Helpers that add a count add it here."""
 
+    coverage: CoverageRecord | None = Field(description="null when no step was compared")
     compared: int = Field(description="pairs whose values or statistics were compared")
+    judged: int = Field(description="pairs the verdict judged: compared, less not judged")
+    not_judged: dict[str, int] = Field(description="pairs measured but not judged, counted by reason")
+    not_compared: int = Field(description="pairs whose values were not compared")
     ok: int
     diverged: int
     shape_mismatch: int
@@ -144,6 +167,9 @@ class Summary(_Record):
     bridged: int
     bridge: dict[str, Any] | None
     inputs_differ: list[dict[str, Any]]
+    output_changed: list[dict[str, Any]] = Field(
+        description="--align tokens: sequences whose generated tokens differ, after the first divergence"
+    )
     leftovers: dict[str, dict[str, int]]
     notes: list[str]
     unused_rules: list[str]
@@ -158,7 +184,8 @@ class Summary(_Record):
     roots_only_in_b: list[str]
     first_divergence: FindingRecord | None
     largest_growth: GrowthRecord | None
-    exit_code: Literal[0, 1]
+    exit_code: Literal[0, 1, 2]
+    verdict: str = Field(description="what the exit code says, about the judged tensors only")
 
 
 class SideRoot(_Record):
