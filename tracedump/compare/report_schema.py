@@ -94,7 +94,9 @@ class TensorRecord(_Record):
     noise: JsonNumber | None = Field(None, description="--baseline: err(C, B); absent otherwise")
     x_noise: JsonNumber | None = Field(None, description="--baseline: the error over the noise")
     per_token: PerTokenRecord | None = Field(None, description="absent for a tensor with no token dim")
-    after_flip: AfterFlipRecord | None = Field(None, description="absent unless downstream of a near-tie flip")
+    after_flip: AfterFlipRecord | None = Field(
+        None, description="absent unless downstream of a near-tie flip"
+    )
 
 
 class AfterFlipRecord(_Record):

@@ -254,4 +254,3 @@ def unaffected_tokens(flip: Flip, sequence: int | None, causal: bool | None) -> 
     positions = np.arange(flip.tokens)
     keep = (positions % sequence) < first[positions // sequence]
     return keep, "causal attention: the positions before each sequence's first flipped token"
-
