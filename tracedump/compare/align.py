@@ -9,10 +9,17 @@ row remembers the step (A's pass) it came from, so the first divergence reads as
 position 17, step 5, ``model.layers.3.self_attn.o_proj``": the earliest step in which a row
 diverged, and the first module in that step's capture order.
 
-Sequences pair by seq id when both sides name them (``set_batch``) and share ids, else by equal
-tokens (``input_ids``, one a prefix of the other), else in order of first appearance; the report
-says which. Tensors without a token dim, or whose rows have another shape on the other side, are
-reported, never guessed.
+Sequences pair by seq id when both sides name them (``set_batch``) and share ids, else by their
+tokens (agreeing at every prompt position, longest shared prefix first: parallel-sampling children
+pair once, never by order), else in order of first appearance; the report says which. Tensors
+without a token dim, or whose rows have another shape on the other side, are reported, never
+guessed.
+
+Causes before consequences: each pair is compared only before the first position where the two
+sides fed different tokens. At a prompt position that is an input difference (no module named); at
+a generated position, a consequence (``output_changed``), said after the first divergence before
+it. A later step that computes positions again (preemption with recompute) replaces them; a pass
+cut short by an exception is not compared from its first row on; ``--pass`` picks A's steps.
 """
 
 from __future__ import annotations
@@ -197,13 +204,6 @@ def _pair_notes(
 def _span(rows: dict[int, Any]) -> str:
     positions = sorted(rows)
     return f"{positions[0]}-{positions[-1]}" if positions else "nothing"
-
-
-def _prefix(x: list[int] | None, y: list[int] | None) -> bool:
-    """Both known, and one a prefix of the other."""
-    if not x or not y:
-        return False
-    return x[: len(y)] == y[: len(x)]
 
 
 def _last_in_pass(batch: Batch, seq_id: SeqId) -> int:
