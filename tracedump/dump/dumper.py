@@ -39,6 +39,7 @@ from .cuda import SyncEscape
 from .grafter import Grafter, check_not_into_reference, refuse_unsafe
 from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
+from .ops import OpTaps, PausingTarget
 from .passes import KeepPolicy
 from .recorder import Recorder, check_tag
 from .rundir import RunDir, model_fields, rank_and_world
@@ -154,7 +155,14 @@ class Dumper:
         keep = kept_names(settings, self.shared, self.modules)
         sites = CallSites(model, names, self.shared, keep) if self.shared else None
         layout = batch_layout_for(model)  # HF: each root forward's batch layout from its inputs
-        self.hooks = HookSet(model, self.recorder, self.modules, inputs, sites=sites, layout=layout)
+        self.ops = self._op_taps(model, names)
+        target: Any = self.recorder if self.ops is None else PausingTarget(self.recorder, self.ops)
+        try:
+            self.hooks = HookSet(model, target, self.modules, inputs, sites=sites, layout=layout)
+        except BaseException:
+            if self.ops is not None:
+                self.ops.remove()
+            raise
         if self.graft is not None:
             self.graft.register()
         self.rundir.close_at_exit(self.close)
@@ -240,12 +248,18 @@ class Dumper:
         code, and storing it would make the whole pass file unreadable.
         """
         check_tag(tag)
-        self.recorder.record(tag, tensor, once=once)
+        with self._ops_paused():
+            self.recorder.record(tag, tensor, once=once)
 
     def record_step(self, tag: str, tensor: torch.Tensor) -> None:
         """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
         check_tag(tag)
-        self.recorder.record(tag, tensor, numbered=True)
+        with self._ops_paused():
+            self.recorder.record(tag, tensor, numbered=True)
+
+    def _ops_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A record() made inside a module ``OPS`` matched is not one of its ops."""
+        return self.ops.paused() if self.ops is not None else contextlib.nullcontext()
 
     def flush(self) -> None:
         """Wait until every pass closed so far is on disk (the open pass is not cut short)."""
@@ -308,8 +322,19 @@ class Dumper:
         runtime().remove(self)
         self.rundir.forget_exit()
         self.hooks.remove()
+        if self.ops is not None:
+            self.ops.remove()
         if self.graft is not None:
             self.graft.remove()
+
+    def _op_taps(self, model: nn.Module, names: dict[str, nn.Module]) -> Any:
+        """``OPS``: the op taps on the matching modules (:mod:`tracedump.dump.ops`), or None."""
+        if self.settings.ops is None:
+            return None
+        taps = OpTaps(self.recorder, names.items(), self.settings.ops)
+        if not taps.names:
+            self.warn("ops_none", f"tracedump: {self.settings.describe('ops')} matches no module")
+        return taps
 
     def _grafter(self, model: nn.Module, settings: DumpSettings) -> Grafter:
         """GRAFT_FROM: the grafter, checked (reference, level, map, target dir) before any hook."""
