@@ -46,6 +46,7 @@ from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
 from .sinks import FileSink
+from .taps import TapHooks, TapTarget
 from .torch_compat import compiled_original
 
 
@@ -69,6 +70,8 @@ def attach(
         return None
     if settings.graft_from is not None:  # grafting refuses a compiled model rather than unwrap it
         refuse_unsafe(model)
+    if settings.compiled:  # the compiled wrapper traces the original's hooks: taps go there
+        model = original_module(model)
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
@@ -163,6 +166,7 @@ class Dumper:
             if self.ops is not None:
                 self.ops.remove()
             raise
+        self.taps = self._tap_hooks(model, target, inputs) if settings.compiled else None
         if self.graft is not None:
             self.graft.register()
         self.rundir.close_at_exit(self.close)
@@ -313,6 +317,8 @@ class Dumper:
             self.rundir.writer.flush()
 
     def note_compiled(self) -> None:
+        if self.settings.compiled:
+            return  # COMPILED: the graph holds taps; nothing is missing to warn about
         self.recorder.note_compiled()
 
     # ---------------------------------------------------------------- internals
@@ -324,8 +330,37 @@ class Dumper:
         self.hooks.remove()
         if self.ops is not None:
             self.ops.remove()
+        if self.taps is not None:
+            self.taps.remove()
+            self.taps.target.unregister()
         if self.graft is not None:
             self.graft.remove()
+
+    def _tap_hooks(self, model: nn.Module, target: Any, inputs: Any) -> TapHooks:
+        """``COMPILED``: the hooks that put a ``tracedump::tap`` op into every graph Dynamo traces
+        through the selected modules (:mod:`tracedump.dump.taps`); at run time the op hands the
+        compiled program's tensors to ``target`` (the recorder) and opens and closes the passes
+        through the root's pass hooks, as an eager forward does."""
+        root = self.hooks.root
+
+        def open_pass(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if root.layout is not None:
+                root.before_with_kwargs(model, args, kwargs)
+            else:
+                root.before(model, args)
+
+        tap_target = TapTarget(
+            capture=lambda name, value, is_input: target.on_module_tensors(name, value, is_input=is_input),
+            open_pass=open_pass,
+            close_pass=lambda: root.after(model, (), ()),
+            report=self.recorder.report,
+        ).register()
+        try:
+            return TapHooks(model, tap_target, self.modules, inputs)
+        except BaseException:
+            tap_target.unregister()
+            self.hooks.remove()
+            raise
 
     def _op_taps(self, model: nn.Module, names: dict[str, nn.Module]) -> Any:
         """``OPS``: the op taps on the matching modules (:mod:`tracedump.dump.ops`), or None."""
