@@ -69,6 +69,8 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["control"] = _run_module("bench_control", quick)
     if "cli" not in skip:
         results["cli"] = _run_module("bench_cli", quick)
+    if "compiled" not in skip:  # COMPILED=1 on an inductor-compiled model, beside the eager dump
+        results["compiled"] = _run_module("bench_compiled", quick)
     if "vllm" not in skip:  # where vLLM is importable, here or in make test-vllm's .venv-vllm
         results["vllm"] = _run_module("bench_vllm", quick)
         if "skipped" in results["vllm"]:
