@@ -4,7 +4,8 @@ dump costs the eager model.
 Four steps on identical weights (medians of per-round ratios): the eager model untouched and with
 a full eager dump, interleaved round by round; the compiled model untouched, then with a full
 ``COMPILED=1`` dump (one after the other, Dynamo reset between). Each dumped step waits for its
-pass to be on disk (``flush``), so the writer's work is not hidden. Compile time (the first call) is reported apart, once per compiled model.
+pass to be on disk (``flush``), so the writer's work is not hidden. Compile time (the first
+call) is reported apart, once per compiled model.
 
 Run alone: ``python benchmarks/bench_compiled.py [--quick]`` prints the JSON.
 """
