@@ -80,6 +80,8 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["cli"] = _run_module("bench_cli", quick)
     if "budget" not in skip:  # where a dumped decode step's time goes, layer by layer (issue 35)
         results["budget"] = _run_module("bench_budget", quick)
+    if "compiled" not in skip:  # COMPILED=1 on an inductor-compiled model, beside the eager dump
+        results["compiled"] = _run_module("bench_compiled", quick)
     if "vllm" not in skip:  # where vLLM is importable, here or in make test-vllm's .venv-vllm
         results["vllm"] = _run_module("bench_vllm", quick)
         if "skipped" in results["vllm"]:

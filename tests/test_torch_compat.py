@@ -318,3 +318,28 @@ def test_registered_children_keep_a_child_held_under_two_names() -> None:
     walked = [(name, id(m)) for name, m in parent.named_modules(remove_duplicate=False) if name]
     assert walked == expected, _broken("named_modules(remove_duplicate=False)", f"gave {walked}")
     assert [name for name, _ in parent.named_children()] == ["first", "other"]
+
+
+def test_a_dispatch_mode_sees_each_op_once_and_not_the_ops_of_its_own_handler() -> None:
+    """``OPS`` relies on ``TorchDispatchMode``: entered with ``__enter__`` (a pre-hook) and left
+    with ``__exit__`` (a post-hook), it sees every aten op in between, and torch runs
+    ``__torch_dispatch__`` with the mode popped, so the recorder's copies there are not seen."""
+    seen: list[str] = []
+
+    class Mode(tc.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            seen.append(str(func))
+            torch.empty(2).copy_(torch.ones(2))  # the handler's own ops: not seen again
+            return out
+
+    x = torch.ones(3)
+    mode = Mode()
+    mode.__enter__()
+    try:
+        y = x * 2 + 1
+    finally:
+        mode.__exit__(None, None, None)
+    _ = x * 3  # after __exit__: not seen
+    assert seen == ["aten.mul.Tensor", "aten.add.Tensor"], _broken("TorchDispatchMode", f"saw {seen}")
+    assert y.tolist() == [3.0, 3.0, 3.0]

@@ -30,6 +30,7 @@ _STATUS_STYLE = {  # ok rows keep the table's style
     "routing": "dim",
     "not_aligned": "dim",
     "not_comparable": "dim",
+    "extra_op": "red",
 }
 _LISTED = 10  # names shown per "only in" line
 
@@ -216,7 +217,8 @@ def summary_lines(report: DiffReport) -> list[str]:
         f"compared {s['compared']} tensors in {where}: "
         f"{s['diverged']} diverged, {s['shape_mismatch']} shape mismatches, "
         f"{s['rank_mismatch']} rank mismatches, "
-        f"{s['errors']} errors; {s['only_in_a']} only in A, {s['only_in_b']} only in B"
+        + (f"{s['extra_ops']} extra ops, " if s["extra_ops"] else "")
+        + f"{s['errors']} errors; {s['only_in_a']} only in A, {s['only_in_b']} only in B"
     ]
     if report.bridge is not None:
         lines.append(f"{report.bridge['why']}: {s['bridged']} tensors bridged (the table's bridged column)")
@@ -228,6 +230,8 @@ def summary_lines(report: DiffReport) -> list[str]:
             f"first divergence: {_aligned_where(report) or _where(first)}: {_describe_error(first)}"
             + (f"; {first.message}" if first.message else "")
         )
+        if report.look_inside is not None:
+            lines.append(f"look inside: rerun both runs with {report.look_inside} (each aten op's output)")
     elif report.exit_code == 0:
         unjudged = sum(s["not_judged"].values())
         lines.append(

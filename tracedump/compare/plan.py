@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import UsageError
 from ..store.format import last_row_dim
 from .bridge import PLAIN_REASONS, BridgedPair, Matcher, matcher_for, size_splits
+from .ops_align import EXTRA_OP, ExtraOp, OpAlignment, align_ops, split_ops
 from .options import DiffOptions
 from .sources import PassView, RootGroup, Side
 from .tolerance import Tolerance, is_integer, pair_precision, resolve, resolve_stats
@@ -326,13 +327,21 @@ def build_plan(
             run_precision(views_b, group_b.declared_precision),
         )
         entries_a, entries_b = side_entries(views_a, options), side_entries(views_b, options)
-        found, unmatched_a, unmatched_b = bridged_pairs(matcher, entries_a, entries_b, options, pass_a, root)
+        (ops_a, rest_a), (ops_b, rest_b) = split_ops(entries_a), split_ops(entries_b)
+        found, unmatched_a, unmatched_b = bridged_pairs(matcher, rest_a, rest_b, options, pass_a, root)
+        unit_pairs: list[PairPlan] = []
         for bridged, entry_a, entry_b in found:
             entry_a, entry_b = _apply_cut(entry_a, entry_b, group_a, group_b)
             planned = replace(_pair(unit, entry_a, entry_b, options, precisions), bridge=bridged.describe())
             if bridged.classes is not None:
                 planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
-            pairs.append(planned)
+            unit_pairs.append(planned)
+        if ops_a or ops_b:  # OPS: the ops inside tapped modules, aligned by name (compare/ops_align.py)
+            alignment = align_ops(ops_a, ops_b, options)
+            unit_pairs = _with_ops(unit, unit_pairs, alignment, list(entries_a), options, precisions)
+            unmatched_a.extend(_op_leftovers(alignment.only_a, pass_a, root))
+            unmatched_b.extend(_op_leftovers(alignment.only_b, pass_a, root))
+        pairs.extend(unit_pairs)
         only_in_a.extend(unmatched_a)
         only_in_b.extend(unmatched_b)
     plan = Plan(
@@ -360,6 +369,53 @@ def causal_attention(*groups: RootGroup) -> bool | None:
     if any(flag is False for flag in flags):
         return False
     return True if flags and all(flag is True for flag in flags) else None
+
+
+def _with_ops(
+    unit: int,
+    pairs: list[PairPlan],
+    alignment: OpAlignment,
+    order_a: list[str],
+    options: DiffOptions,
+    precisions: tuple[str | None, str | None],
+) -> list[PairPlan]:
+    """The unit's pairs with its op pairs and extra ops merged in, in A's capture order: an op
+    only B ran takes the place right after the A op it follows in B's sequence."""
+    position = {name: float(i) for i, name in enumerate(order_a)}
+    placed: list[tuple[float, int, PairPlan]] = []
+    at = -1.0
+    for planned in pairs:  # the bridge's pairs keep their order; a derived name takes its neighbour's place
+        at = position.get(planned.a.name, at)
+        placed.append((at, len(placed), planned))
+    for entry_a, entry_b in alignment.pairs:
+        planned = _pair(unit, entry_a, entry_b, options, precisions)
+        placed.append((position[entry_a.name], len(placed), planned))
+    for extra in alignment.extras:
+        if extra.side == "A":
+            at = position[extra.entry.name]
+        else:
+            after = extra.after
+            at = position[after] + 0.5 if after is not None else _first_of(extra, position, order_a)
+        tolerance = pair_tolerance(
+            options, (extra.entry.name,) * 2, (extra.entry.meta.dtype,) * 2, precisions
+        )
+        planned = PairPlan(
+            unit=unit, a=extra.entry, b=extra.entry, kind=EXTRA_OP, tolerance=tolerance, message=extra.message
+        )
+        placed.append((at, len(placed), planned))
+    return [planned for _, _, planned in sorted(placed, key=lambda item: (item[0], item[1]))]
+
+
+def _first_of(extra: ExtraOp, position: dict[str, float], order_a: list[str]) -> float:
+    """Where an op only B ran, first of its module call, goes: just before A's first op of it."""
+    prefix = f"{extra.module}/"
+    first = next((position[name] for name in order_a if name.startswith(prefix)), None)
+    return first - 0.5 if first is not None else float(len(order_a))
+
+
+def _op_leftovers(names: list[str], pass_index: int, root: str | None) -> list[Unmatched]:
+    reason = "ops of this module call dumped by one run only (OPS)"
+    return [Unmatched(pass_index=pass_index, root=root, name=name, reason=reason) for name in names]
 
 
 def run_precision(views: list[PassView], declared: str | None) -> str | None:

@@ -185,6 +185,10 @@ class Summary(_Record):
     roots_only_in_a: list[str]
     roots_only_in_b: list[str]
     first_divergence: FindingRecord | None
+    look_inside: str | None = Field(
+        description="OPS: the suggested rerun when the first divergence is a module's tensor, else null"
+    )
+    extra_ops: int = Field(description="OPS: ops one run only ran (status extra_op)")
     largest_growth: GrowthRecord | None
     exit_code: Literal[0, 1, 2]
     verdict: str = Field(description="what the exit code says, about the judged tensors only")

@@ -21,6 +21,8 @@ Statuses of a tensor pair:
   received a flipped token's value (through attention in a later layer), with no ``--baseline``
   and no graft to measure what that flip moves: measured, listed with the reason, never judged
   (:attr:`TensorResult.after_flip`; :mod:`.verdict`);
+- ``extra_op``: an op that one run ran and the other did not, inside a module both tapped with
+  ``OPS`` (:mod:`.ops_align`): a divergence of its own, never measured;
 - ``not_comparable``: one name, two module classes (the manifests' ``module_classes``: vLLM's
   ``SiluAndMul`` against HF's ``SiLUActivation``), and no bridge rule relates them: never measured,
   listed with both class names (:mod:`.bridge`).
@@ -40,6 +42,7 @@ from typing import Any
 from ..errors import ExitCode
 from ..store.format import json_number
 from .metrics import TensorMetrics
+from .ops_align import suggest_ops
 from .plan import Plan
 from .stats import StatDelta
 from .tolerance import Tolerance
@@ -326,6 +329,16 @@ class DiffReport:
     def largest_growth(self) -> Growth | None:
         return self.concluded.largest_growth
 
+    @property
+    def look_inside(self) -> str | None:
+        """The rerun that shows the ops inside a module-level first divergence
+        (``TRACEDUMP_DUMP_OPS='^model\\.layers\\.2\\.mlp$'``, :func:`.ops_align.suggest_ops`); None
+        when there is none, or it is an op already."""
+        first = self.first_divergence
+        if first is None:
+            return None
+        return suggest_ops(first.name, {r.name: None for r in self.results})
+
     def count(self, status: str) -> int:
         return sum(1 for r in self.results if r.status == status)
 
@@ -377,6 +390,7 @@ class DiffReport:
             "shape_mismatch": self.count("shape_mismatch"),
             "rank_mismatch": self.count("rank_mismatch"),
             "errors": self.count("error"),
+            "extra_ops": self.count("extra_op"),
             "routing_flips": [flip.to_json() for flip in self.flips],
             "not_compared_routing": self.count("routing"),
             "not_aligned": self.count("not_aligned"),
@@ -398,6 +412,7 @@ class DiffReport:
             "roots_only_in_a": list(plan.roots_only_in_a),
             "roots_only_in_b": list(plan.roots_only_in_b),
             "first_divergence": _finding(first) if first else None,
+            "look_inside": self.look_inside,
             "largest_growth": growth.to_json() if growth else None,
             "exit_code": self.exit_code,
             "verdict": self.verdict_line(),

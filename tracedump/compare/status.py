@@ -25,6 +25,7 @@ class Status(str, Enum):
     NOT_ALIGNED = "not_aligned"
     NOT_COMPARABLE = "not_comparable"
     NOT_JUDGED = "not_judged"
+    EXTRA_OP = "extra_op"
 
     def __str__(self) -> str:
         return self.value
@@ -56,8 +57,11 @@ _TEXT = {
     Status.NOT_ALIGNED: "no token rows",
     Status.NOT_COMPARABLE: "not comparable",
     Status.NOT_JUDGED: "not judged",
+    Status.EXTRA_OP: "EXTRA OP",
 }
-_FAILS = frozenset({Status.DIVERGED, Status.SHAPE_MISMATCH, Status.RANK_MISMATCH, Status.ERROR})
+_FAILS = frozenset(
+    {Status.DIVERGED, Status.SHAPE_MISMATCH, Status.RANK_MISMATCH, Status.ERROR, Status.EXTRA_OP}
+)
 _NOT_COMPARED = (Status.SHAPE_MISMATCH, Status.ERROR, Status.ROUTING, Status.NOT_ALIGNED)
 
 

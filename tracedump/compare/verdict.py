@@ -317,8 +317,9 @@ def _nonfinite_message(result: TensorResult) -> str | None:
 
 # Statuses that make the exit code 1; the others (ok, routing_flip, routing, not_aligned,
 # not_comparable) are reported and never fail the diff.
-FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error")
-NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch")  # the statuses a first divergence may have
+# extra_op: an op one run ran and the other did not (OPS, compare/ops_align.py): a divergence
+FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error", "extra_op")
+NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch", "extra_op")  # the statuses a first divergence may have
 GROWTH_FACTOR = 10.0  # a jump: an error this many times the largest before it in its pass
 # Errors below this are rounding dust: a jump from 1e-16 to 1e-14 is not where a bug starts.
 GROWTH_FLOOR = 1e-12

@@ -139,6 +139,20 @@ class DumpFields(BaseModel):
         "this model's module names into the reference's, as `tracedump diff --map`.",
     )
 
+    ops: Annotated[str | None, BeforeValidator(parse_regex)] = Field(
+        None,
+        description="A regex (`re.search` on the module name): inside every matching module, the "
+        "output of each aten operation is dumped too, keyed `<module>/<i>:<op>` "
+        "(`model.layers.2.mlp/3:aten.mul.Tensor`, i: the op's index within that call); "
+        "`tracedump diff` aligns the two runs' ops by name (docs/file-format.md).",
+    )
+    compiled: Annotated[bool, BeforeValidator(parse_bool)] = Field(
+        False,
+        description="`1` keeps `torch.compile` on and dumps the compiled program: each capture "
+        "becomes an operation in the graph (`tracedump::tap`), so the values dumped are the ones "
+        "the compiled code computed (docs/compiled.md says what compiling cannot keep).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _blank_is_unset(cls, data: Any) -> Any:

@@ -81,7 +81,10 @@ def resolve_cuda_graph(requested: bool, dumper: Any) -> bool:
 
 
 def resolve_compile(requested: bool, dumper: Any) -> bool:
-    """Whether the engine may ``torch.compile``: never while dumping, since Dynamo drops the hooks."""
+    """Whether the engine may ``torch.compile``: not while dumping, since a compiled graph runs no
+    capture hook; yes with ``COMPILED=1``, whose taps are operations of the graph."""
+    if getattr(getattr(dumper, "settings", None), "compiled", False):
+        return requested
     return _refused_while_dumping(
         requested,
         dumper,

@@ -41,12 +41,14 @@ from .cuda import SyncEscape
 from .grafter import Grafter, check_not_into_reference, refuse_unsafe
 from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
+from .ops import OpTaps, PausingTarget
 from .passes import KeepPolicy
 from .recorder import Recorder, check_tag
 from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
 from .sinks import FileSink
+from .taps import TapHooks, TapTarget
 from .torch_compat import compiled_original
 from .weights import module_parameters
 
@@ -71,6 +73,8 @@ def attach(
         return None
     if settings.graft_from is not None:  # grafting refuses a compiled model rather than unwrap it
         refuse_unsafe(model)
+    if settings.compiled:  # the compiled wrapper traces the original's hooks: taps go there
+        model = original_module(model)
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
@@ -158,11 +162,19 @@ class Dumper:
         keep = kept_names(settings, self.shared, self.modules)
         sites = CallSites(model, names, self.shared, keep) if self.shared else None
         layout = batch_layout_for(model)  # HF: each root forward's batch layout from its inputs
-        self.hooks = HookSet(
-            model, self.recorder, self.modules, inputs, sites=sites, layout=layout, capturing=control is None
-        )
+        self.ops = self._op_taps(model, names)
+        target: Any = self.recorder if self.ops is None else PausingTarget(self.recorder, self.ops)
+        try:
+            self.hooks = HookSet(
+                model, target, self.modules, inputs, sites=sites, layout=layout, capturing=control is None
+            )
+        except BaseException:
+            if self.ops is not None:
+                self.ops.remove()
+            raise
         if control is not None:  # disarmed: no capture hook at all until an order arms a step
             self.recorder.hooks_follow = self.hooks.set_capturing
+        self.taps = self._tap_hooks(model, target, inputs) if settings.compiled else None
         if self.graft is not None:
             self.graft.register()
         self.rundir.close_at_exit(self.close)
@@ -289,12 +301,18 @@ class Dumper:
         code, and storing it would make the whole pass file unreadable.
         """
         check_tag(tag)
-        self.recorder.record(tag, tensor, once=once)
+        with self._ops_paused():
+            self.recorder.record(tag, tensor, once=once)
 
     def record_step(self, tag: str, tensor: torch.Tensor) -> None:
         """Store ``tag_<n>``, n counting this tag's calls from 0 (e.g. a margin per decode step)."""
         check_tag(tag)
-        self.recorder.record(tag, tensor, numbered=True)
+        with self._ops_paused():
+            self.recorder.record(tag, tensor, numbered=True)
+
+    def _ops_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A record() made inside a module ``OPS`` matched is not one of its ops."""
+        return self.ops.paused() if self.ops is not None else contextlib.nullcontext()
 
     def flush(self) -> None:
         """Wait until every pass closed so far is on disk (the open pass is not cut short)."""
@@ -348,6 +366,8 @@ class Dumper:
             self.rundir.writer.flush()
 
     def note_compiled(self) -> None:
+        if self.settings.compiled:
+            return  # COMPILED: the graph holds taps; nothing is missing to warn about
         self.recorder.note_compiled()
 
     # ---------------------------------------------------------------- internals
@@ -357,8 +377,48 @@ class Dumper:
         runtime().remove(self)
         self.rundir.forget_exit()
         self.hooks.remove()
+        if self.ops is not None:
+            self.ops.remove()
+        if self.taps is not None:
+            self.taps.remove()
+            self.taps.target.unregister()
         if self.graft is not None:
             self.graft.remove()
+
+    def _tap_hooks(self, model: nn.Module, target: Any, inputs: Any) -> TapHooks:
+        """``COMPILED``: the hooks that put a ``tracedump::tap`` op into every graph Dynamo traces
+        through the selected modules (:mod:`tracedump.dump.taps`); at run time the op hands the
+        compiled program's tensors to ``target`` (the recorder) and opens and closes the passes
+        through the root's pass hooks, as an eager forward does."""
+        root = self.hooks.root
+
+        def open_pass(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if root.layout is not None:
+                root.before_with_kwargs(model, args, kwargs)
+            else:
+                root.before(model, args)
+
+        tap_target = TapTarget(
+            capture=lambda name, value, is_input: target.on_module_tensors(name, value, is_input=is_input),
+            open_pass=open_pass,
+            close_pass=lambda: root.after(model, (), ()),
+            report=self.recorder.report,
+        ).register()
+        try:
+            return TapHooks(model, tap_target, self.modules, inputs)
+        except BaseException:
+            tap_target.unregister()
+            self.hooks.remove()
+            raise
+
+    def _op_taps(self, model: nn.Module, names: dict[str, nn.Module]) -> Any:
+        """``OPS``: the op taps on the matching modules (:mod:`tracedump.dump.ops`), or None."""
+        if self.settings.ops is None:
+            return None
+        taps = OpTaps(self.recorder, names.items(), self.settings.ops)
+        if not taps.names:
+            self.warn("ops_none", f"tracedump: {self.settings.describe('ops')} matches no module")
+        return taps
 
     def _grafter(self, model: nn.Module, settings: DumpSettings) -> Grafter:
         """GRAFT_FROM: the grafter, checked (reference, level, map, target dir) before any hook."""

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import safetensors.torch
 import torch
 from torch import nn
+from torch.utils import _python_dispatch
 from torch.utils.hooks import RemovableHandle
 
 CHECKED_TORCH = "2.13.0"  # the torch release every assumption below was run against
@@ -217,6 +218,15 @@ def compiled_in_place(module: nn.Module) -> bool:
     """``module.compile()`` was called: torch then sets ``_compiled_call_impl`` (None otherwise),
     which ``_wrapped_call_impl`` runs instead of ``_call_impl``."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+# ------------------------------------------------------------------------------ dispatch modes
+
+# ``torch.utils._python_dispatch.TorchDispatchMode`` (``OPS``, :mod:`tracedump.dump.ops`): a
+# class whose ``__torch_dispatch__`` sees every aten op while the mode is entered; torch runs that
+# method with the mode popped, so the ops it runs itself are not seen again. The module is private
+# by name; the class is the documented way to intercept ops (torch's own ``FlopCounterMode``).
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 # ------------------------------------------------------------------------------ safetensors

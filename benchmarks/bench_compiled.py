@@ -1,0 +1,102 @@
+"""What ``COMPILED=1`` costs a ``torch.compile``d model (inductor, CPU), beside what a full eager
+dump costs the eager model.
+
+Four steps on identical weights (medians of per-round ratios): the eager model untouched and with
+a full eager dump, interleaved round by round; the compiled model untouched, then with a full
+``COMPILED=1`` dump (one after the other, Dynamo reset between). Each dumped step waits for its
+pass to be on disk (``flush``), so the writer's work is not hidden. Compile time (the first
+call) is reported apart, once per compiled model.
+
+Run alone: ``python benchmarks/bench_compiled.py [--quick]`` prints the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tracedump
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common
+
+SPEC = common.ModelSpec(hidden=128, layers=2, intermediate=344, heads=4, vocab=2000, tokens=64)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    rounds = 3 if quick else 10
+    base = common.build_model(SPEC).eval()
+    ids = common.make_inputs(SPEC)
+    models = {name: copy.deepcopy(base) for name in ("eager", "eager_dump", "compiled", "compiled_dump")}
+    with tempfile.TemporaryDirectory(prefix="td-bench-compiled-") as root:
+        dumpers = {
+            "eager_dump": tracedump.attach(models["eager_dump"], {"dir": f"{root}/eager"}),
+            "compiled_dump": tracedump.attach(
+                models["compiled_dump"], {"dir": f"{root}/compiled", "compiled": True}
+            ),
+        }
+        torch._dynamo.utils.counters.clear()
+        times: dict[str, list[float]] = {name: [] for name in models}
+        compile_s: dict[str, float] = {}
+        with torch.inference_mode():
+            # Eager pair interleaved. The compiled pair runs one after the other, with Dynamo's
+            # caches reset between: Dynamo would reuse one model's graph for its deep copy, hooks
+            # or not (docs/compiled.md), so the two cannot be compiled side by side.
+            for _ in range(rounds + 1):
+                for name in ("eager", "eager_dump"):
+                    times[name].append(_timed_step(models[name], dumpers.get(name), ids))
+            for name in ("compiled", "compiled_dump"):
+                torch._dynamo.reset()
+                call = torch.compile(models[name])
+                compile_s[name] = _timed_step(call, dumpers.get(name), ids)
+                times[name] = [_timed_step(call, dumpers.get(name), ids) for _ in range(rounds + 1)]
+        times = {name: values[1:] for name, values in times.items()}  # the first round warms up
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        for dumper in dumpers.values():
+            if dumper is not None:
+                dumper.close()
+    med = {name: common.median(values) for name, values in times.items()}
+    ratios = {
+        "eager_dump_ratio": _paired(times["eager_dump"], times["eager"]),
+        "compiled_dump_ratio": _paired(times["compiled_dump"], times["compiled"]),
+        "compiled_dump_vs_eager_dump": _paired(times["compiled_dump"], times["eager_dump"]),
+    }
+    return {
+        "model": f"llama hidden={SPEC.hidden} layers={SPEC.layers} tokens={SPEC.tokens}",
+        "rounds": rounds,
+        "step_ms": {name: value * 1e3 for name, value in med.items()},
+        "compile_s": compile_s,
+        "graph_breaks": breaks,
+        **ratios,
+    }
+
+
+def _timed_step(call: Any, dumper: Any, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    common.forward(call, ids)
+    if dumper is not None:
+        dumper.flush()
+    return time.perf_counter() - start
+
+
+def _paired(numerator: list[float], denominator: list[float]) -> float:
+    return common.median([common.ratio(n, d) for n, d in zip(numerator, denominator, strict=True)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    print(json.dumps(run(quick=parser.parse_args().quick), indent=2))
+
+
+if __name__ == "__main__":
+    main()

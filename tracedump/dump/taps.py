@@ -1,0 +1,314 @@
+"""``TRACEDUMP_DUMP_COMPILED=1``: the capture as an operation of the compiled graph.
+
+Dynamo traces a module's forward hooks into the graph it compiles; a host copy in a hook would
+break the graph, so tracedump's capture hooks stay out of it (:func:`~.hooks.traced_by_dynamo`).
+With ``COMPILED=1`` a second set of hooks (:class:`TapHooks`) acts *only while Dynamo traces*:
+each selected module's output leaves become the arguments of one call of the custom op
+``tracedump::tap(Tensor[] xs, str key) -> ()``, registered with :mod:`torch.library` and marked
+effectful (``EffectType.ORDERED``, as ``aten::_print``), so no pass removes or reorders it.
+Inductor keeps it as a fallback kernel: at run time, inside the compiled code, the op's
+implementation hands the tensors the compiled program computed to the dumper's recorder (gates,
+STEPS, the pass, the copy), under the key the eager hook would have used. The root model's hooks
+emit two more taps (``open``, with the root's tensor arguments for the HF batch layout, and
+``close``), so each compiled root forward is one pass, as an eager one is.
+
+The ``key`` argument is a constant of the graph: ``<dumper serial>\\x1f<kind>\\x1f<name>\\x1f<paths>``
+(kind ``out``, ``in``, ``open``, ``close``; paths the output paths of the leaves, joined by
+``\\x1e``). The op looks the dumper up by its serial in :data:`_TARGETS` (a dumper closed since the
+graph was compiled is skipped: the op then does nothing).
+
+What compiling cannot keep (docs/compiled.md): an output inductor would have fused away is
+materialised for the tap (the tap is an extern call, a fusion boundary; values are the same bits
+the fused kernel would have fed on only when inductor does not recompute them inside the fused
+kernel); a module shared by several parents is named by its first name (the stack walk of
+:class:`~.hooks.CallSites` has no frames to walk in compiled code); ``OPS`` sees no op of a
+compiled region.
+
+CUDA graphs: a tap that runs while a CUDA graph is captured copies its tensors into buffers that
+live as long as the graph (the copy kernels are captured with it, so every replay refreshes them);
+:meth:`GraphTaps.replayed` hands the buffers to the recorder after each replay. Tested on CPU with
+fakes; no GPU was lent when this was written.
+
+Off (``COMPILED`` unset): nothing here runs; the op is registered by the first dumper that asks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .cuda import stream_is_capturing
+from .hooks import flatten_inputs, flatten_tensors
+
+__all__ = ["GraphTaps", "TapHooks", "TapTarget", "register_tap_op", "tap"]
+
+OP_NAMESPACE = "tracedump"
+OP_NAME = "tap"
+FIELD = "\x1f"  # between the parts of a tap's key
+PATH = "\x1e"  # between the paths of its leaves
+
+_TARGETS: dict[int, TapTarget] = {}  # dumper serial -> where its taps go (the one process-wide table)
+_serials = itertools.count(1)
+_register_lock = threading.Lock()
+_registered = False
+
+
+class TapTarget:
+    """What a tap running in compiled code reaches: the recorder's capture entry point and the
+    root's pass hooks, for one dumper. ``graph`` keeps the captures made during a CUDA-graph
+    capture (:class:`GraphTaps`)."""
+
+    def __init__(
+        self,
+        capture: Callable[[str, Any, bool], None],
+        open_pass: Callable[[tuple[Any, ...], dict[str, Any]], None],
+        close_pass: Callable[[], None],
+        report: Callable[[str, Exception], None],
+    ) -> None:
+        self.capture = capture
+        self.open_pass = open_pass
+        self.close_pass = close_pass
+        self.report = report
+        self.serial = next(_serials)
+        self.graph = GraphTaps(self)
+        self.taps = 0  # taps run (outputs and inputs), for the manifest and the tests
+
+    def register(self) -> TapTarget:
+        _TARGETS[self.serial] = self
+        return self
+
+    def unregister(self) -> None:
+        _TARGETS.pop(self.serial, None)
+
+    def run(self, tensors: list[torch.Tensor], key: str) -> None:
+        """One tap, at run time (inside the compiled code): the capture, or a pass edge."""
+        _, kind, name, paths = key.split(FIELD, 3)
+        if kind == "open":
+            args, kwargs = _rebuild_call(tensors, paths)
+            self.open_pass(args, kwargs)
+        elif kind == "close":
+            self.close_pass()
+        elif stream_is_capturing():
+            self.graph.capture(kind, name, paths, tensors)
+        else:
+            self.taps += 1
+            self.capture(name, _rebuild(kind, paths, tensors), kind == "in")
+
+
+def _rebuild(kind: str, paths: str, tensors: list[torch.Tensor]) -> Any:
+    """A value the recorder flattens to exactly these ``(path, tensor)`` leaves: nested dicts keyed
+    by each path's items as text (``flatten_tensors`` writes ``[{key}]``, so ``"0"`` gives ``[0]``).
+    An input's value is ``((), kwargs)``, flattened under ``@in`` as its paths were."""
+    root: dict[str, Any] = {}
+    single = None
+    for path, tensor in zip(paths.split(PATH) if paths else [""], tensors, strict=False):
+        items = _path_items(path.removeprefix("@in") if kind == "in" else path)
+        if not items:
+            single = tensor
+            continue
+        node = root
+        for item in items[:-1]:
+            node = node.setdefault(item, {})
+        node[items[-1]] = tensor
+    if kind == "in":
+        return ((), root)
+    return single if single is not None and not root else root
+
+
+_ITEM = re.compile(r"\[([^\]]*)\]")
+
+
+def _path_items(path: str) -> list[str]:
+    return _ITEM.findall(path)
+
+
+def _rebuild_call(tensors: list[torch.Tensor], paths: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The root call's tensor arguments: ``paths`` names each (``0`` positional, else a keyword)."""
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for name, tensor in zip(paths.split(PATH) if paths else [], tensors, strict=False):
+        if name.isdigit():
+            index = int(name)
+            args.extend([None] * (index + 1 - len(args)))
+            args[index] = tensor
+        else:
+            kwargs[name] = tensor
+    return tuple(args), kwargs
+
+
+def tap(tensors: list[torch.Tensor], key: str) -> None:
+    """The op's implementation, on every device: hand the tensors to the dumper whose serial the
+    key names. Never raises into the compiled program: a failure is reported by the dumper."""
+    serial = int(key.split(FIELD, 1)[0])
+    target = _TARGETS.get(serial)
+    if target is None:
+        return  # the dumper closed since this graph was compiled
+    try:
+        target.run(tensors, key)
+    except Exception as e:
+        target.report("COMPILED tap", e)
+
+
+def register_tap_op() -> Any:
+    """``torch.ops.tracedump.tap``, registered once per process (the first ``COMPILED`` dumper):
+    a custom op with no output, no fake-mode work, and an ordered effect so that neither Dynamo,
+    AOTAutograd nor inductor drops or reorders it."""
+    global _registered
+    with _register_lock:
+        if not _registered:
+            from torch._library.effects import EffectType
+
+            library = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
+            library.define(f"{OP_NAME}(Tensor[] xs, str key) -> ()")
+            library.impl(OP_NAME, tap, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{OP_NAMESPACE}::{OP_NAME}", _fake_tap, lib=library)
+            torch.library._register_effectful_op(f"{OP_NAMESPACE}::{OP_NAME}", EffectType.ORDERED)
+            _LIBRARIES.append(library)
+            _registered = True
+    return getattr(torch.ops, OP_NAMESPACE).tap
+
+
+_LIBRARIES: list[Any] = []  # a torch.library.Library unregisters its ops when collected
+
+
+def _fake_tap(tensors: list[torch.Tensor], key: str) -> None:
+    return None
+
+
+def _key(serial: int, kind: str, name: str, paths: Iterable[str]) -> str:
+    return FIELD.join((str(serial), kind, name, PATH.join(paths)))
+
+
+class TapHooks:
+    """The hooks that put taps into a graph Dynamo traces; in an eager call they return at once.
+
+    One forward hook per selected module (and a pre-hook per module whose inputs are kept), and on
+    the root a pre-hook that runs first and a post-hook that runs last (the pass edges)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target: TapTarget,
+        outputs: Iterable[tuple[str, nn.Module]],
+        inputs: Iterable[tuple[str, nn.Module]] = (),
+    ) -> None:
+        self.target = target
+        self.op = register_tap_op()
+        self.handles: list[RemovableHandle] = []
+        serial = target.serial
+        try:
+            self.handles.append(
+                model.register_forward_pre_hook(_RootOpen(self.op, serial), prepend=True, with_kwargs=True)
+            )
+            for name, module in inputs:
+                self.handles.append(
+                    module.register_forward_pre_hook(_InputTap(self.op, serial, name), with_kwargs=True)
+                )
+            for name, module in outputs:
+                self.handles.append(module.register_forward_hook(_OutputTap(self.op, serial, name)))
+            self.handles.append(model.register_forward_hook(_RootClose(self.op, serial), always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class _Tap:
+    """A hook that, while Dynamo traces, calls the tap op; eager calls return at once."""
+
+    __slots__ = ("name", "op", "serial")
+
+    def __init__(self, op: Any, serial: int, name: str = "") -> None:
+        self.op = op
+        self.serial = serial
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class _OutputTap(_Tap):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            return
+        leaves = list(flatten_tensors(output))
+        if leaves:
+            self.op([t for _, t in leaves], _key(self.serial, "out", self.name, [p for p, _ in leaves]))
+
+
+class _InputTap(_Tap):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.compiler.is_compiling():
+            return
+        leaves = flatten_inputs(args, kwargs)
+        if leaves:
+            self.op([t for _, t in leaves], _key(self.serial, "in", self.name, [p for p, _ in leaves]))
+
+
+class _RootOpen(_Tap):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.compiler.is_compiling():
+            return
+        named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+        tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
+        self.op([t for _, t in tensors], _key(self.serial, "open", "", [n for n, _ in tensors]))
+
+
+class _RootClose(_Tap):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            return
+        self.op([], _key(self.serial, "close", "", []))
+
+
+class GraphTaps:
+    """Taps inside a captured CUDA graph: the graph replays kernels, not Python, so a tap's Python
+    implementation runs once, at capture. There it copies its tensors into buffers of their own
+    (the copies are captured, and each replay refreshes the buffers) and remembers them;
+    :meth:`replayed`, called after each replay of the graph, hands them to the recorder in capture
+    order. :meth:`captured` closes the list of one graph's taps (between two captures)."""
+
+    def __init__(self, target: TapTarget) -> None:
+        self.target = target
+        self.pending: list[tuple[str, str, str, list[torch.Tensor]]] = []
+        self.graphs: dict[int, list[tuple[str, str, str, list[torch.Tensor]]]] = {}
+
+    def capture(self, kind: str, name: str, paths: str, tensors: list[torch.Tensor]) -> None:
+        buffers = [torch.empty_like(t).copy_(t) for t in tensors]  # captured: refreshed by each replay
+        self.pending.append((kind, name, paths, buffers))
+
+    def captured(self, graph: object) -> int:
+        """The graph whose capture just ended holds the taps made since the last one: how many."""
+        taps, self.pending = self.pending, []
+        self.graphs[id(graph)] = taps
+        return len(taps)
+
+    def replayed(self, graph: object) -> int:
+        """After a replay of ``graph``: its buffers hold this replay's values; captured now."""
+        taps = self.graphs.get(id(graph), [])
+        for kind, name, paths, buffers in taps:
+            self.target.taps += 1
+            self.target.capture(name, _rebuild(kind, paths, buffers), kind == "in")
+        return len(taps)
+
+    def forget(self, graph: object) -> None:
+        self.graphs.pop(id(graph), None)
