@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from tracedump.cli import main
 from tracedump.compare import compare
+from tracedump.errors import BridgeError
 from tracedump.store.format import MANIFEST, ORDER_KEY, STATS_FILE, pass_file_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +171,20 @@ def test_a_concat_of_0d_parts_is_an_error_row(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.parametrize("op", ["concat", "split"])
-@pytest.mark.parametrize("dim", [10**23, 2, -3])
+def test_a_dim_no_tensor_has_is_refused_when_the_rule_file_is_read(
+    tmp_path: Path, op: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rules = f'[[rule]]\nop = "{op}"\nmatch = "gate_up"\nb = ["gate", "up"]\ndim = {10**23}\n'
+    a, b, path = _concat_pair(tmp_path, torch.randn(4, 6), torch.randn(4, 3), rules)
+    with pytest.raises(BridgeError, match="'dim' must lie within"):
+        compare(a, b, bridge=path)
+    assert main(["diff", str(a), str(b), "--bridge", str(path)]) == 2
+    _, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("op", ["concat", "split"])
+@pytest.mark.parametrize("dim", [2, -3])
 def test_a_dim_out_of_range_is_an_error_row_naming_it(tmp_path: Path, op: str, dim: int) -> None:
     gate, up = torch.randn(4, 6), torch.randn(4, 3)
     if op == "concat":

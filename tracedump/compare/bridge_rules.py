@@ -19,6 +19,7 @@ from ..errors import BridgeError
 from ..store.jsonio import LimitError, check_depth, loads, read_limited
 
 OPS = ("rename", "unwrap", "split", "concat", "sum", "product", "skip")
+MAX_DIM = 64  # split/concat dims and unwrap indices beyond this are refused when the file is read
 _RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason", "id"})
 _HEADER_KEYS = frozenset({"name", "description", "a", "b", "architectures", "align"})
 _PLACEHOLDER = re.compile(r"\{(\d+)(?:([+-])(\d+))?\}")
@@ -207,6 +208,8 @@ def _parse_rule(number: int, raw: Any, where: str) -> Rule:
     for key, value in (("dim", dim), ("index", index)):
         if type(value) is not int:
             raise _fail(here, f"{key!r} must be an integer, got {value!r}")
+        if abs(value) > MAX_DIM:  # no tensor has that many dims: a usage error, not an error row
+            raise _fail(here, f"{key!r} must lie within -{MAX_DIM}..{MAX_DIM}, got {value}")
     reason = raw.get("reason", "")
     if not isinstance(reason, str) or (op == "skip" and not reason):
         raise _fail(here, "skip needs a 'reason': the report lists the skipped tensors by it")

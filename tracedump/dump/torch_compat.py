@@ -21,6 +21,7 @@ parser) is in :mod:`tracedump.dump.stdlib_compat`.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -30,7 +31,6 @@ from typing import Any, TypeVar
 import safetensors.torch
 import torch
 from torch import nn
-from torch.utils import _python_dispatch
 from torch.utils.hooks import RemovableHandle
 
 CHECKED_TORCH = "2.13.0"  # the torch release every assumption below was run against
@@ -226,7 +226,7 @@ def compiled_in_place(module: nn.Module) -> bool:
 # class whose ``__torch_dispatch__`` sees every aten op while the mode is entered; torch runs that
 # method with the mode popped, so the ops it runs itself are not seen again. The module is private
 # by name; the class is the documented way to intercept ops (torch's own ``FlopCounterMode``).
-TorchDispatchMode = _python_dispatch.TorchDispatchMode
+TorchDispatchMode = importlib.import_module("torch.utils._python_dispatch").TorchDispatchMode
 
 
 # ------------------------------------------------------------------------------ safetensors
