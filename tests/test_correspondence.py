@@ -555,3 +555,28 @@ def test_two_runs_of_one_engine_get_no_derived_bridge() -> None:
         "classes_b": VLLM_CLASSES,
     }
     assert derive_bridge(vllm, vllm, **kwargs) is None
+
+
+def test_an_engine_that_names_its_parameters_as_the_checkpoint_does_still_gets_the_derived_bridge() -> None:
+    """vLLM's Phi3 keeps HF's names (qkv_proj and gate_up_proj are fused in both): one parameter
+    list on both sides, but an engine load on one only, and other classes everywhere. Name matching
+    would call every module not comparable; the derived bridge pairs them."""
+    hf = _hf_record()
+    sources = {name: meta for name, meta in hf.parameters.items() if "same_as" not in meta}
+    loads = [
+        Load(param=name, source=name, region=[[0, d] for d in meta["shape"]], rows=[[0, 0, meta["shape"][0]]])
+        for name, meta in sources.items()
+    ]
+    engine = Correspondence(parameters=dict(hf.parameters), sources=sources, loads=loads)
+    assert set(engine.parameters) == set(hf.parameters) and engine.loads and not hf.loads  # the premise
+    kwargs: dict = {
+        "framework_a": "vllm",
+        "framework_b": "transformers",
+        "classes_a": VLLM_CLASSES,
+        "classes_b": {name: f"transformers.{cls.rpartition('.')[2]}" for name, cls in VLLM_CLASSES.items()},
+    }
+    bridge = derive_bridge(engine, hf, **kwargs)
+    assert bridge is not None
+    matched = {rule.match.pattern for rule in bridge.rules}
+    assert any("embed_tokens" in pattern for pattern in matched)
+    assert any("o_proj" in pattern for pattern in matched)

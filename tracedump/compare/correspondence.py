@@ -602,8 +602,11 @@ def derive_bridge(
     parameters alike (two runs of one engine, two HF runs: paired by name, as always).
     A is the engine side when both recorded one. Two runs without a load whose parameter names
     differ (a port that renamed HF's modules) pair by the values their parameters hold."""
-    if set(a.parameters) == set(b.parameters):
-        return None  # one tree on both sides (two runs of one engine, two HF runs): paired by name
+    if set(a.parameters) == set(b.parameters) and bool(a.loads) == bool(b.loads):
+        # one tree on both sides (two runs of one engine, two HF runs): paired by name. An engine
+        # against HF can name its parameters as the checkpoint does (vLLM's Phi3: qkv_proj and
+        # gate_up_proj are fused in both) and still differ in every class: derived all the same.
+        return None
     if a.loads:
         engine, other, classes_e, classes_o, swap = a, b, classes_a, classes_b, False
     elif b.loads:
