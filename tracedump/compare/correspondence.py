@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..store.correspondence import Correspondence, Load
+from ..store.correspondence import Correspondence, Load, shared_tail
 from .bridge_rules import Bridge, parse_bridge
 from .options import UnshardRule
 
@@ -288,22 +288,13 @@ def _resolve(
     found = [name for name, theirs in by_print.get(shape, []) if _close(mine, theirs)]
     if not found:
         return None
-    return max(found, key=lambda s: _shared_tail(s, param))
+    return max(found, key=lambda s: shared_tail(s, param))
 
 
 def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(
         abs(x - y) <= FINGERPRINT_RTOL * max(abs(x), abs(y), 1e-6) for x, y in zip(a, b, strict=True)
     )
-
-
-def _shared_tail(a: str, b: str) -> int:
-    count = 0
-    for x, y in zip(reversed(a.split(".")), reversed(b.split(".")), strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 # ------------------------------------------------------------------ pairing

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..dump.weights import block_of, fingerprint, source_slices, written_region
-from ..store.correspondence import Load
+from ..store.correspondence import Load, shared_tail
 from . import vllm_compat
 
 
@@ -138,19 +138,10 @@ class LoadRecord:
             candidates = by_print.get(key)
             if not candidates:
                 continue
-            source = max(candidates, key=lambda s: _shared_tail(s, name))
+            source = max(candidates, key=lambda s: shared_tail(s, name))
             whole = [[0, dim] for dim in param.shape]
             rows = [[0, 0, param.shape[0]]] if param.dim() else None
             self.loads.append(Load(param=name, source=source, region=whole, rows=rows))
-
-
-def _shared_tail(a: str, b: str) -> int:
-    count = 0
-    for x, y in zip(reversed(a.split(".")), reversed(b.split(".")), strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 @contextlib.contextmanager

@@ -78,6 +78,18 @@ class Correspondence:
         )
 
 
+def shared_tail(a: str, b: str) -> int:
+    """How many trailing dotted components two names share: the tie-break that picks, among
+    checkpoint tensors of equal values (a tied head, a copied norm), the one named like the
+    parameter (``lm_head.weight`` for ``lm_head.weight``, not ``model.embed_tokens.weight``)."""
+    count = 0
+    for x, y in zip(reversed(a.split(".")), reversed(b.split(".")), strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
 def write_correspondence(run_dir: Path, record: Correspondence) -> None:
     """Write (or rewrite) the run dir's ``correspondence.json``, atomically; compact (one entry
     per parameter and per load: a large model has thousands)."""
