@@ -30,12 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..store.correspondence import Correspondence, Load, shared_tail
+from ..store.correspondence import Correspondence, Load, fingerprints_match, shared_tail
 from .bridge_rules import Bridge, parse_bridge
 from .options import UnshardRule
 
 DERIVED_NAME = "derived from the weight load"
-FINGERPRINT_RTOL = 1e-2  # a checkpoint tensor loaded in another dtype still matches
 
 ROTARY_REASON = (
     "the rotary embedding: one side returns the rotated q and k, the other cos/sin tables or "
@@ -285,16 +284,10 @@ def _resolve(
     mine = list(meta.get("fingerprint") or [])
     if not mine:
         return None
-    found = [name for name, theirs in by_print.get(shape, []) if _close(mine, theirs)]
+    found = [name for name, theirs in by_print.get(shape, []) if fingerprints_match(mine, theirs)]
     if not found:
         return None
     return max(found, key=lambda s: shared_tail(s, param))
-
-
-def _close(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(
-        abs(x - y) <= FINGERPRINT_RTOL * max(abs(x), abs(y), 1e-6) for x, y in zip(a, b, strict=True)
-    )
 
 
 # ------------------------------------------------------------------ pairing

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..dump.weights import block_of, fingerprint, source_slices, written_region
-from ..store.correspondence import Load, shared_tail
+from ..store.correspondence import Load, fingerprints_match, shared_tail
 from . import vllm_compat
 
 
@@ -128,14 +128,16 @@ class LoadRecord:
         checkpoint tensor of the same shape and values; of several, the one whose name shares the
         longest dotted tail with the parameter's."""
         done = {load.param for load in self.loads}
-        by_print: dict[tuple[Any, ...], list[str]] = {}
+        by_shape: dict[tuple[int, ...], list[tuple[str, list[float]]]] = {}
         for source, meta in self.sources.items():
-            by_print.setdefault((tuple(meta["shape"]), tuple(meta["fingerprint"])), []).append(source)
+            by_shape.setdefault(tuple(meta["shape"]), []).append((source, list(meta["fingerprint"])))
         for name, param in self.params.items():
             if name in done or not param.is_floating_point():
                 continue
-            key = (tuple(param.shape), tuple(fingerprint(param)))
-            candidates = by_print.get(key)
+            mine = fingerprint(param)  # in the engine's dtype: a bf16 copy of an fp32 tensor matches
+            candidates = [
+                s for s, theirs in by_shape.get(tuple(param.shape), []) if fingerprints_match(mine, theirs)
+            ]
             if not candidates:
                 continue
             source = max(candidates, key=lambda s: shared_tail(s, name))

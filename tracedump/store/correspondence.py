@@ -78,6 +78,18 @@ class Correspondence:
         )
 
 
+FINGERPRINT_RTOL = 1e-2  # a checkpoint tensor loaded in another dtype (bf16 from fp32) still matches
+
+
+def fingerprints_match(a: list[float], b: list[float]) -> bool:
+    """Whether two fingerprints are one tensor's, allowing the rounding of a dtype change."""
+    return (
+        bool(a)
+        and len(a) == len(b)
+        and all(abs(x - y) <= FINGERPRINT_RTOL * max(abs(x), abs(y), 1e-6) for x, y in zip(a, b, strict=True))
+    )
+
+
 def shared_tail(a: str, b: str) -> int:
     """How many trailing dotted components two names share: the tie-break that picks, among
     checkpoint tensors of equal values (a tied head, a copied norm), the one named like the
