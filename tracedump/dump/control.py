@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OrderError
+from ..store.control import STATE_FILE, read_state_bytes
 from ..store.fsio import write_text_atomic
 from .stdlib_compat import parsed_regex
 
 ORDER_FILE = "control.json"
-STATE_FILE = "control.state"
 LEAD_SECONDS = 1.0  # how far ahead of the furthest run an order starts, in that run's time
 MIN_LEAD_STEPS = 2
 HEARTBEAT_SECONDS = 0.5
@@ -516,7 +516,7 @@ def watchers(dump_dir: Path) -> list[Watcher]:
     now = time.time()
     for path in sorted(dump_dir.glob(f"rank*_pid*/{STATE_FILE}")):
         try:
-            data = json.loads(_read_heartbeat(path))
+            data = json.loads(read_state_bytes(path))
             if not isinstance(data, dict):
                 continue
             when, step, rate = data["time"], data["step"], data.get("rate") or 0.0
@@ -537,20 +537,6 @@ def watchers(dump_dir: Path) -> list[Watcher]:
                 )
             )
     return found
-
-
-def _read_heartbeat(path: Path) -> bytes:
-    """A heartbeat's bytes: a regular file, not a link, at most :data:`MAX_ORDER_BYTES` (OSError
-    otherwise). A FIFO would block ``arm``, a link to ``/dev/zero`` fill its memory; no engine
-    writes either."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: not a regular file")
-        data = handle.read(MAX_ORDER_BYTES + 1)
-    if len(data) > MAX_ORDER_BYTES:
-        raise OSError(f"{path}: larger than {MAX_ORDER_BYTES} bytes")
-    return data
 
 
 def _check_heartbeat(path: Path, when: Any, step: Any, rate: Any) -> None:

@@ -46,14 +46,17 @@ class _Refused(Exception):
     pass
 
 
-def _read_bytes(path: Path) -> bytes:
+def read_state_bytes(path: Path) -> bytes:
+    """A heartbeat's bytes: a regular file, not a link, at most :data:`MAX_STATE_BYTES` (OSError
+    otherwise). ``ls`` and ``arm`` both read it here: a FIFO would block them, a link to
+    ``/dev/zero`` fill their memory; no engine writes either."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _Refused("not a regular file")
+            raise OSError(f"{path}: not a regular file")
         data = handle.read(MAX_STATE_BYTES + 1)
     if len(data) > MAX_STATE_BYTES:
-        raise _Refused(f"larger than {MAX_STATE_BYTES} bytes")
+        raise OSError(f"{path}: larger than {MAX_STATE_BYTES} bytes")
     return data
 
 
@@ -61,7 +64,7 @@ def read_heartbeat(run_dir: Path) -> Heartbeat | None:
     """The run's heartbeat, or None when there is none an engine could have written (missing, a
     link, a FIFO, a device, too large, not JSON, a field of the wrong type)."""
     try:
-        data = loads(_read_bytes(run_dir / STATE_FILE))
+        data = loads(read_state_bytes(run_dir / STATE_FILE))
         return validated(_ADAPTER.validate_python, data, _Refused)
     except (OSError, ValueError, _Refused):
         return None
