@@ -63,6 +63,7 @@ from ..store.dtypes import UNIT_ROUNDOFF
 from .containers import anchors
 from .metrics import TensorMetrics
 from .results import DiffReport, Findings, FirstInTime, Growth, TensorResult
+from .status import Status
 from .tolerance import Tolerance
 
 GROWTH = 100.0  # how much one op may amplify the upstream error (rel_diff, i.e. 10x in RMS)
@@ -315,10 +316,9 @@ def _nonfinite_message(result: TensorResult) -> str | None:
 
 # ------------------------------------------------------------------------- the report's findings
 
-# Statuses that make the exit code 1; the others (ok, routing_flip, routing, not_aligned,
-# not_comparable) are reported and never fail the diff.
-# extra_op: an op one run ran and the other did not (OPS, compare/ops_align.py): a divergence
-FAILING = ("diverged", "shape_mismatch", "rank_mismatch", "error", "extra_op")
+# Statuses that make the exit code 1 (compare/status.py says which); the others are reported and
+# never fail the diff.
+FAILING = tuple(status.value for status in Status if status.fails)
 NUMERIC_DIVERGENCE = ("diverged", "rank_mismatch", "extra_op")  # the statuses a first divergence may have
 GROWTH_FACTOR = 10.0  # a jump: an error this many times the largest before it in its pass
 # Errors below this are rounding dust: a jump from 1e-16 to 1e-14 is not where a bug starts.
