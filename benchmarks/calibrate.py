@@ -1065,10 +1065,11 @@ def _g(value: float | None) -> str:
 
 
 def _x(ratio: float | None) -> str:
-    """A ratio to the allowance as the tables print it: 0.12x, 4.4x, 3e+08x."""
+    """A ratio to the allowance as the tables print it: 0.123x, 1.96x (not rounded up to a goal
+    it missed), 3e+08x."""
     if ratio is None:
         return "-"
-    return f"{ratio:.2g}x" if ratio < 1000 else f"{ratio:.0e}x"
+    return f"{ratio:.3g}x" if ratio < 1000 else f"{ratio:.0e}x"
 
 
 def markdown(outcomes: list[Outcome]) -> str:
