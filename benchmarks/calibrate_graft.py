@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +42,25 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchmarks.calibrate as calibrate_module
 import tracedump
 from benchmarks import common
-from benchmarks.calibrate import FAMILIES, INIT, Family
+from benchmarks.calibrate import (
+    DEFAULT_SETTINGS,
+    FAMILIES,
+    INIT,
+    SETTINGS,
+    Family,
+    _g,
+    _x,
+    cpu_name,
+    failed_setting,
+    goal_met,
+    merge_settings,
+    ratios,
+    settings_markdown,
+    summary_markdown,
+)
 
 # The layer-level regex of each family (what `--graft-level` would be given).
 LEVELS = {
@@ -54,8 +71,14 @@ LEVELS = {
     "gpt2": r"h\.\d+$",
     "t5": r"block\.\d+$",
     "unet": r"(down_blocks|up_blocks)\.\d+$|mid_block$",
+    "phi3": r"layers\.\d+$",
+    "gemma2": r"layers\.\d+$",
+    "bart": r"layers\.\d+$",
 }
-LEAF_VISIBLE = ("norm_eps",)  # bugs inside a leaf: the only ones a leaf-level graft can see
+# Bugs inside a leaf: the only ones a leaf-level graft can see (an eps, Bart's fc2 scaled, and
+# Gemma2's MLP branch, scaled at its post-norm's output).
+LEAF_VISIBLE = ("norm_eps", "fc2_scale")
+LEAF_VISIBLE_IN = {("gemma2", "mlp_scale")}
 # The planted layer of each family, as its module (for the layer-level first divergence).
 PLANTED = {
     "llama": "model.layers.3",
@@ -65,7 +88,11 @@ PLANTED = {
     "gpt2": "transformer.h.2",
     "t5": "decoder.block.1",
     "unet": "mid_block",
+    "phi3": "model.layers.2",
+    "gemma2": "model.layers.1",
+    "bart": "model.decoder.layers.1",
 }
+DEFAULT_FAMILIES = "llama,gpt2,mixtral,qwen2moe,olmoe,t5,phi3,gemma2,bart"
 
 
 SEED = int(os.environ.get("TEST_SEED", "0"))  # another seed: other random weights, same configs
@@ -159,7 +186,7 @@ def cases(fam: Family) -> list[GraftCase]:
         if len(fam.attentions) > 1:
             out.append(GraftCase(fam.name, f"bf16-{fam.attentions[-1]}", level, "clean"))  # kernel change
         for bug in fam.bugs:
-            visible = level == "layer" or bug in LEAF_VISIBLE
+            visible = level == "layer" or bug in LEAF_VISIBLE or (fam.name, bug) in LEAF_VISIBLE_IN
             out.append(GraftCase(fam.name, f"{eager}+{bug}", level, "detect" if visible else "invisible"))
     return out
 
@@ -173,10 +200,14 @@ class GraftOutcome:
     threshold: float | None
     worst_clean: float  # the largest error / threshold of a local tensor outside the planted layer
     passed: bool
+    ratio: float | None = None  # clean: worst error / threshold anywhere; bug: clearest in the planted layer
 
     def row(self) -> dict[str, Any]:
+        """The row in calibrate.py's form (``case``: "<variant> @ <level>"), so its settings table,
+        summary and merge read it, plus this script's own keys."""
         return {
             "family": self.case.family,
+            "case": f"{self.case.variant} @ {self.case.level}",
             "variant": self.case.variant,
             "level": self.case.level,
             "expect": self.case.expect,
@@ -185,6 +216,8 @@ class GraftOutcome:
             "error": self.error,
             "threshold": self.threshold,
             "worst_clean_ratio": self.worst_clean,
+            "ratio": self.ratio,
+            "goal_met": goal_met(self.case.expect, self.ratio),
             "passed": self.passed,
         }
 
@@ -209,6 +242,7 @@ def judge(case: GraftCase, grafted: Path, reference: Path) -> GraftOutcome:
         passed = report.exit_code == 0
     else:
         passed = True
+    anywhere, inside = ratios(report.results, lambda n: planted(n, case.family))
     return GraftOutcome(
         case,
         report.exit_code,
@@ -217,6 +251,7 @@ def judge(case: GraftCase, grafted: Path, reference: Path) -> GraftOutcome:
         first.threshold if first else None,
         max(outside, default=0.0),
         passed,
+        ratio=max(anywhere, inside) if case.expect == "clean" else inside,
     )
 
 
@@ -234,61 +269,123 @@ def calibrate_family(name: str, root: Path, log: Callable[[str], None] = print) 
         log(
             f"  {mark} {name:8s} {case.level:5s} {case.variant:26s} expect {case.expect:9s} exit "
             f"{outcome.exit_code} first {outcome.first} ({_g(outcome.error)} > {_g(outcome.threshold)}) "
-            f"worst clean {outcome.worst_clean:.2f}"
+            f"ratio {_x(outcome.ratio)} worst clean {outcome.worst_clean:.2f}"
         )
         shutil.rmtree(grafted, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
     log(f"{name}: {len(outcomes)} grafted cases in {time.perf_counter() - started:.1f} s")
     return outcomes
 
 
-def _g(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def markdown(outcomes: list[GraftOutcome]) -> str:
-    """One row per family and run, the leaf and layer columns side by side (the docs table)."""
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """One row per family and run, the leaf and layer columns side by side (the docs table), each
+    with its ratio to the allowance and whether it meets issue 33's margins."""
     lines = [
         "| family | bf16 run, grafted from fp32 | leaf level | layer level | held |",
         "|---|---|---|---|---|",
     ]
-    by_row: dict[tuple[str, str], dict[str, GraftOutcome]] = {}
-    for o in outcomes:
-        by_row.setdefault((o.case.family, o.case.variant), {})[o.case.level] = o
+    by_row: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_row.setdefault((row["family"], row["variant"]), {})[row["level"]] = row
     for (fam, variant), levels in by_row.items():
-        cells = []
-        for level in ("leaf", "layer"):
-            o = levels.get(level)
-            if o is None:
-                cells.append("-")
-            elif o.first:
-                tag = " (propagated: a container's output)" if o.case.expect == "invisible" else ""
-                cells.append(f"exit {o.exit_code}: {o.first} {_g(o.error)} / {_g(o.threshold)}{tag}")
-            else:
-                tag = " (not visible)" if o.case.expect == "invisible" else ""
-                cells.append(f"exit {o.exit_code}, worst {o.worst_clean:.2f}x{tag}")
-        held = "yes" if all(o.passed for o in levels.values()) else "NO"
+        cells = [_cell(levels.get(level)) for level in ("leaf", "layer")]
+        held = "yes" if all(r["passed"] for r in levels.values()) else "NO"
         lines.append(f"| {fam} | {variant} | {cells[0]} | {cells[1]} | {held} |")
     return "\n".join(lines)
 
 
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    invisible = row["expect"] == "invisible"
+    missed = " **(goal missed)**" if row.get("goal_met") is False else ""
+    if row["first_divergence"]:
+        tag = " (propagated: a container's output)" if invisible else ""
+        return (
+            f"exit {row['exit']}: {row['first_divergence']} {_g(row['error'])} / {_g(row['threshold'])}, "
+            f"bug {_x(row.get('ratio'))}{missed}{tag}"
+        )
+    if row["expect"] == "clean":
+        return f"exit {row['exit']}, worst {_x(row.get('ratio'))}{missed}"
+    tag = " (not visible)" if invisible else ""
+    return f"exit {row['exit']}, bug {_x(row.get('ratio'))}{missed}{tag}"
+
+
+def run_setting(name: str, families: list[str], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One setting of calibrate.py's SETTINGS, in a child process whose env holds its ISA caps."""
+    env_vars, seed = SETTINGS[name]
+    with tempfile.TemporaryDirectory(prefix="tracedump-calibrate-graft-") as scratch:
+        out = Path(scratch) / "rows.json"
+        command = [sys.executable, __file__, "--one", "--families", ",".join(families)]
+        command += ["--seed", str(seed), "--out", str(out)]
+        started = time.perf_counter()
+        done = subprocess.run(command, env={**os.environ, **env_vars}, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        log(f"graft setting {name}: {seconds:.0f} s")
+        if done.returncode not in (0, 1) or not out.exists():
+            raise RuntimeError(f"setting {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        data = json.loads(out.read_text())
+    return {"env": env_vars, "seed": seed, "seconds": round(seconds, 1), **data}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="llama,gpt2,mixtral,qwen2moe,olmoe,t5")
+    parser.add_argument("--families", default=DEFAULT_FAMILIES)
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"of {', '.join(SETTINGS)}")
     parser.add_argument("--out", type=Path, help="write the outcomes as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
+    parser.add_argument("--one", action="store_true", help="run in this process, as the env is (no settings)")
+    parser.add_argument("--seed", type=int, default=0, help="with --one: calibrate.py's model seed")
+    parser.add_argument("--merge", type=Path, nargs="+", help="instead of running: merge these --out files")
     args = parser.parse_args(argv)
+    names = [n for n in args.families.split(",") if n]
+    if args.one:
+        return _main_one(names, args)
+    if args.merge:
+        results = merge_settings(args.merge)
+    else:
+        unknown = [n for n in args.settings.split(",") if n and n not in SETTINGS]
+        if unknown:
+            parser.error(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+        results = {}
+        for setting in [n for n in args.settings.split(",") if n]:
+            try:
+                results[setting] = run_setting(setting, names)
+            except (RuntimeError, OSError, json.JSONDecodeError) as exc:
+                results[setting] = failed_setting(setting, exc)
+    if args.markdown and results:
+        print(markdown(next(iter(results.values()))["rows"]))
+        print()
+        print(settings_markdown(results))
+        print()
+        print(summary_markdown(results))
+    if args.out:
+        document = {"cpu": cpu_name(), "torch": torch.__version__, "settings": results}
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
+    failed = {name: sum(1 for r in data["rows"] if not r["passed"]) for name, data in results.items()}
+    for name, data in results.items():
+        print(f"graft {name}: {len(data['rows']) - failed[name]} of {len(data['rows'])} as expected")
+    errors = any(data.get("errors") for data in results.values())
+    return 1 if any(failed.values()) or errors else 0
+
+
+def _main_one(names: list[str], args: argparse.Namespace) -> int:
+    """Every family in this process, as the env is; ``--seed`` is calibrate.py's model seed."""
+    calibrate_module.SEED = args.seed
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="tracedump-calibrate-graft-"))
     outcomes: list[GraftOutcome] = []
     try:
-        for name in [n for n in args.families.split(",") if n]:
+        for name in names:
             outcomes += calibrate_family(name, root / name)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    rows = [o.row() for o in outcomes]
     if args.markdown:
-        print(markdown(outcomes))
+        print(markdown(rows))
     if args.out:
-        args.out.write_text(json.dumps([o.row() for o in outcomes], indent=1) + "\n")
+        document = {"capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
     failed = [o for o in outcomes if not o.passed]
     print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0

@@ -338,4 +338,9 @@ def test_calibrate_runs_each_setting_in_a_process_of_its_own_and_reports_them_si
     assert capped["capability"] == "DEFAULT"  # the child really ran with ATen's kernels capped
     assert document["cpu"] and all(row["passed"] for row in capped["rows"])
     assert "| family | case | must | native | capped |" in printed  # a column per setting
-    assert "native: 4 of 4 as expected" in printed and "capped: 4 of 4 as expected" in printed
+    count = len(calibrate.cases(calibrate.FAMILIES["gemma2"]()))
+    assert f"native: {count} of {count} as expected" in printed
+    assert f"capped: {count} of {count} as expected" in printed
+    # issue 33: each row's ratio to its allowance, the margin goal, the minutes each setting took
+    assert all(row["ratio"] is not None and "goal_met" in row for row in capped["rows"])
+    assert capped["seconds"] > 0 and "native: clean max / bug min" in printed
