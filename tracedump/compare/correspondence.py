@@ -82,9 +82,9 @@ ENGINE_CLASSES: dict[str, str] = {
     "scaled": r"Scaled",  # an embedding that multiplies by a scale inside itself (HF's Gemma)
 }
 LOGITS_REASON = (
-    "the logits after the logits processor's soft cap and scale (Gemma2's final_logit_softcapping, "
-    "Granite's logits_scaling), which the other side applies after its head in no module: the "
-    "logits are compared before them, as {raw}"
+    "the logits processor's output: the head's logits after its soft cap and scale where the model "
+    "has them (Gemma2's final_logit_softcapping, Granite's logits_scaling), which the other side "
+    "applies after its head in no module: the logits are compared before them, as {raw}"
 )
 SCALE_REASON = (
     "a scale factor applied between modules: one side's embedding scales its output inside "
