@@ -285,7 +285,7 @@ def test_the_derived_bridge_compares_every_hf_tensor_but_the_rotary_tables(swap:
 def test_the_logits_are_compared_before_the_processors_soft_cap(swap: bool, engine_head: bool) -> None:
     """The head's output the plugin records inside vLLM's LogitsProcessor (``[raw]``, before the
     soft cap / scale that HF applies in no module) against HF's head; the processor's own output
-    listed with the reason. An engine that keeps no head module (vLLM's Gemma: the tied
+    listed with the reason. An engine that keeps no head module (vLLM's Gemma2: the tied
     embedding computes the logits) is paired with HF's tied head all the same."""
     names_a = [n for n in VLLM_NAMES if n != "logits_processor"] + [
         "logits_processor[raw]",

@@ -177,10 +177,11 @@ def test_moe_experts_are_loaded_per_expert_and_listed_not_comparable(
 def test_the_logits_are_compared_before_the_soft_cap(
     arch: str, family: Callable[..., tuple[OfflineRun, Path]], tmp_path: Path
 ) -> None:
-    """vLLM's Gemma keeps no head module (its tied embedding computes the logits inside
-    LogitsProcessor, which for Gemma2 also applies the final soft cap that HF applies after its
-    lm_head, in no module): the head's output recorded inside the processor
-    (vllm_compat.logits_processors) is compared with HF's lm_head; the capped output is listed."""
+    """vLLM's Gemma2 keeps no head module (its tied embedding computes the logits inside
+    LogitsProcessor, which also applies the final soft cap that HF applies after its lm_head, in
+    no module; Gemma ties a head module, with no cap): the head's output recorded inside the
+    processor (vllm_compat.logits_processors) is compared with HF's lm_head in both; the
+    processor's output is listed."""
     engine, hf = family(arch)
     _code, _out, report = diff(tmp_path, engine.dir, hf)
     rows = {t["name"]: t for t in report["tensors"]}

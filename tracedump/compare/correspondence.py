@@ -573,7 +573,7 @@ def _logits(
 ) -> list[dict[str, Any]]:
     """The logits: the head's output before the logits processor's soft cap and scale (recorded as
     ``<processor>[raw]``) against the other side's head module, the engine's ``lm_head`` or, where
-    the engine computes a tied head with its embedding (vLLM's Gemma), the other side's module
+    the engine computes a tied head with its embedding (vLLM's Gemma2), the other side's module
     holding the embedding's tensor. The processor's own output (after the cap) is listed with the
     reason where ``[raw]`` was recorded; a dump without it (made before) compares it with the
     head as before, where the engine has an ``lm_head``."""
