@@ -280,6 +280,40 @@ def test_the_derived_bridge_compares_every_hf_tensor_but_the_rotary_tables(swap:
     assert "residual" in reasons["model.layers.0.post_attention_layernorm[1]"]
 
 
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("engine_head", [True, False])
+def test_the_logits_are_compared_before_the_processors_soft_cap(swap: bool, engine_head: bool) -> None:
+    """The head's output the plugin records inside vLLM's LogitsProcessor (``[raw]``, before the
+    soft cap / scale that HF applies in no module) against HF's head; the processor's own output
+    listed with the reason. An engine that keeps no head module (vLLM's Gemma2: the tied
+    embedding computes the logits) is paired with HF's tied head all the same."""
+    names_a = [n for n in VLLM_NAMES if n != "logits_processor"] + [
+        "logits_processor[raw]",
+        "logits_processor",
+    ]
+    a, b = _vllm_record(), _hf_record()
+    classes_a = dict(VLLM_CLASSES)
+    if not engine_head:
+        a = Correspondence(
+            parameters={k: v for k, v in a.parameters.items() if k != "lm_head.weight"},
+            sources=a.sources,
+            loads=a.loads,
+        )
+        classes_a.pop("lm_head")
+    sides = [(a, classes_a, names_a, "vllm"), (b, HF_CLASSES, HF_NAMES, "transformers")]
+    if swap:
+        sides.reverse()
+    (ra, ca, na, fa), (rb, cb, nb, fb) = sides
+    bridge = derive_bridge(ra, rb, framework_a=fa, framework_b=fb, classes_a=ca, classes_b=cb)
+    matched = Matcher(bridge=bridge, classes_a=ca, classes_b=cb).match(na, nb, parse_options("x", "y"))
+    pairs = {(p.a.label, p.b.label) if not swap else (p.b.label, p.a.label) for p in matched.pairs}
+    assert ("logits_processor[raw]", "lm_head") in pairs
+    assert not [x for x in pairs if x[0] == "logits_processor"]
+    reasons = {u.name: u.reason for u in matched.leftovers}
+    assert "soft cap" in reasons["logits_processor"]
+    assert "lm_head" not in reasons
+
+
 def test_with_hf_inputs_the_weightless_parts_meet_their_consumers_inputs() -> None:
     names_b = [*HF_NAMES, "model.layers.0.self_attn.o_proj@in[0]", "model.layers.0.mlp.down_proj@in[0]",
                "model.layers.0.post_attention_layernorm@in[0]"]  # fmt: skip
@@ -397,7 +431,10 @@ def _moe_records() -> tuple[Correspondence, Correspondence]:
     return engine, hf
 
 
-def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert() -> None:
+@pytest.mark.parametrize("routing", [False, True])
+def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routing: bool) -> None:
+    """With the engine's routing recorded (the vLLM plugin, under the block), HF's top-k weights
+    and ids are compared with it; without it, they are listed with the reason."""
     engine, hf = _moe_records()
     classes_a = {
         "model.layers.0.block_sparse_moe": "MixtralMoE",
@@ -417,6 +454,10 @@ def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert() -> N
     )
     names_a = ["model.layers.0.block_sparse_moe.experts.gate[0]", "model.layers.0.block_sparse_moe.experts",
                "model.layers.0.block_sparse_moe"]  # fmt: skip
+    recorded = [
+        f"model.layers.0.block_sparse_moe.routing[{w}]" for w in ("logits", "topk_weights", "topk_ids")
+    ]
+    names_a = names_a[:1] + recorded + names_a[1:] if routing else names_a
     names_b = [
         "model.layers.0.mlp.gate[0]",
         "model.layers.0.mlp.gate[1]",
@@ -433,10 +474,21 @@ def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert() -> N
         "model.layers.0.block_sparse_moe.experts.gate[0]": "model.layers.0.mlp.gate[0]",
         "model.layers.0.block_sparse_moe.experts": "model.layers.0.mlp.experts",  # both: the routed sum
         "model.layers.0.block_sparse_moe": "model.layers.0.mlp",
-    }
+    } | (
+        {  # the engine's own routing against HF's router outputs, in HF's order
+            recorded[0]: "model.layers.0.mlp.gate[0]",
+            recorded[1]: "model.layers.0.mlp.gate[1]",
+            recorded[2]: "model.layers.0.mlp.gate[2]",
+        }
+        if routing
+        else {}
+    )
     reasons = {u.name: u.reason for u in matched.leftovers}
     assert "fused experts" in reasons["model.layers.0.mlp.experts.act_fn"]
-    assert "top-k" in reasons["model.layers.0.mlp.gate[2]"]
+    if routing:
+        assert not [u for u in matched.leftovers if u.side == "A"]
+    else:
+        assert "top-k" in reasons["model.layers.0.mlp.gate[2]"]
 
 
 def test_an_embedding_scaled_inside_one_side_is_listed_not_compared_as_equal() -> None:
@@ -492,7 +544,7 @@ def test_tensor_parallel_outputs_are_gathered_in_the_checkpoint_order() -> None:
         ((0, 0, 4), (1, 0, 4), (0, 4, 8), (1, 4, 8), (0, 8, 12), (1, 8, 12)),
     )
     assert not any("o_proj" in p for p in joins)  # row-parallel: reduced, replicated
-    assert joins[r"^l\.attn$"].op == "cat" and joins[r"^logits_processor$"].op == "first"
+    assert joins[r"^l\.attn$"].op == "cat" and joins[r"^logits_processor(\[raw\])?$"].op == "first"
     assert all(p.whole for p in merged_holdings(records).pieces["l.qkv_proj"])  # so it splits
 
 

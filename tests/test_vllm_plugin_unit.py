@@ -301,3 +301,73 @@ def test_bench_vllm_is_skipped_with_a_message_where_vllm_is_absent(monkeypatch: 
     monkeypatch.setattr(bench_vllm, "VLLM_VENV_PYTHON", ROOT / "no-such-venv" / "python")
     monkeypatch.setattr(bench_vllm.importlib.util, "find_spec", lambda name: None)
     assert bench_vllm.run(quick=True) == {"skipped": bench_vllm.SKIP_MESSAGE}
+
+
+class FakeRouter:
+    """vLLM's router object (no module): ``select_experts`` returns its top-k in another order
+    than HF's (smallest first here; the CPU router's ``topk(sorted=False)``: any order)."""
+
+    def select_experts(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, **kw: Any) -> Any:
+        values, ids = torch.topk(router_logits, k=2, dim=-1)
+        return torch.softmax(values, dim=-1).flip(-1), ids.to(torch.int32).flip(-1)
+
+
+class FakeRunner(nn.Module):  # vLLM's MoERunner: the router is a plain attribute
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = FakeRouter()
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router.select_experts(hidden_states=hidden, router_logits=router_logits)
+        return hidden * (weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True))
+
+
+class LogitsProcessor(nn.Module):  # vLLM's: the head, then the soft cap
+    def forward(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self._get_logits(hidden, head) / 2.0) * 2.0
+
+    def _get_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        return head(hidden)
+
+
+class FakeMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Module()
+        self.block.gate = nn.Linear(8, 4, bias=False)
+        self.block.experts = FakeRunner()
+        self.head = nn.Linear(8, 16, bias=False)
+        self.logits_processor = LogitsProcessor()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.block.experts(x, self.block.gate(x))
+        return self.logits_processor(self.head, hidden)
+
+
+def test_the_routing_and_the_raw_logits_are_recorded_and_the_engines_numbers_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """integrations/vllm_records.py on fakes shaped like vLLM's (the real engine: tests_vllm):
+    each router's logits and top-k, rows ordered by weight; the head's logits before the cap."""
+    from tracedump.integrations.vllm_records import record_head_logits, record_routing
+
+    torch.manual_seed(0)
+    model, x = FakeMoE(), torch.randn(5, 8)
+    expected = model(x)
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODULES", "all")
+    dumper = tracedump.attach(model)
+    assert record_routing(model, dumper) == 1 and record_head_logits(model, dumper) == 1
+    assert record_routing(model, dumper) == 0  # wrapped once
+    with dumper.step():
+        got = model(x)
+    dumper.close()
+    assert torch.equal(got, expected)  # the engine's numbers untouched
+    stored = tracedump.open_dump(tmp_path).run().passes[0]
+    logits = model.block.gate(x).detach()
+    top, ids = torch.topk(logits, k=2, dim=-1)  # sorted: largest first
+    assert torch.equal(stored["block.routing[logits]"], logits)
+    assert torch.equal(stored["block.routing[topk_ids]"], ids.to(torch.int32))
+    assert torch.allclose(stored["block.routing[topk_weights]"], torch.softmax(top, dim=-1))
+    assert torch.allclose(stored["logits_processor[raw]"], model.head(model.block.experts(x, logits)))
+    assert not torch.allclose(stored["logits_processor[raw]"], stored["logits_processor"])

@@ -30,7 +30,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..store.correspondence import Correspondence, Load, fingerprints_match, shared_tail
+from ..store.correspondence import (
+    RAW_LOGITS,
+    ROUTING_PATHS,
+    Correspondence,
+    Load,
+    fingerprints_match,
+    routing_name,
+    shared_tail,
+)
 from .bridge_rules import Bridge, parse_bridge
 from .options import UnshardRule
 
@@ -73,6 +81,11 @@ ENGINE_CLASSES: dict[str, str] = {
     "embedding": r"Embedding|LMHead",
     "scaled": r"Scaled",  # an embedding that multiplies by a scale inside itself (HF's Gemma)
 }
+LOGITS_REASON = (
+    "the logits processor's output: the head's logits after its soft cap and scale where the model "
+    "has them (Gemma2's final_logit_softcapping, Granite's logits_scaling), which the other side "
+    "applies after its head in no module: the logits are compared before them, as {raw}"
+)
 SCALE_REASON = (
     "a scale factor applied between modules: one side's embedding scales its output inside "
     "itself ({scaled}), the other after its embedding module; compared where both hold the "
@@ -221,8 +234,10 @@ def tensor_parallel_joins(
     for module, qualname in classes.items():
         if _is("attention", qualname) or _is("act_and_mul", qualname):
             rules.append(UnshardRule(re.compile(rf"^{re.escape(module)}$"), "cat", -1))
-        elif _is("logits", qualname):
-            rules.append(UnshardRule(re.compile(rf"^{re.escape(module)}$"), "first"))
+        elif _is("logits", qualname):  # the processor's output and its recorded head output
+            rules.append(
+                UnshardRule(re.compile(rf"^{re.escape(module)}({re.escape(RAW_LOGITS)})?$"), "first")
+            )
     return tuple(rules)
 
 
@@ -423,6 +438,7 @@ def _weightless(
         rules.append(_rule("unwrap", _esc(top), b=counterpart, index=0, id="fused experts"))
     homes = _homes(engine, pairing)
     inside = {top for _, top in homes.values()}
+    rules.extend(_routing(pairing, inside))
     for module, qualname in classes_engine.items():
         m = _esc(module)
         if module in pairing.leaves:
@@ -434,9 +450,7 @@ def _weightless(
                 _rule("skip", m + r"(\..*)?(\[\d+\])?(::call\d+)?", reason=ROTARY_REASON, id="rotary")
             )
         elif _is("logits", qualname):
-            head = _head(pairing, engine)
-            if head is not None:
-                rules.append(_rule("rename", m, b=head, id="logits"))
+            rules.extend(_logits(module, pairing, other, classes_engine))
         elif _is("attention", qualname):
             consumer = _consumer(module, pairing, classes_engine)
             if consumer is not None:
@@ -471,6 +485,30 @@ def _homes(engine: Holdings, pairing: Pairing) -> dict[str, tuple[str, str]]:
         if name in pairing.containers:
             out[module] = (name, below)
     return out
+
+
+def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
+    """The routing an engine records beside its fused experts (``<block>.routing[logits |
+    topk_weights | topk_ids]``, the vLLM plugin: :mod:`tracedump.integrations.vllm_records`)
+    against the other side's router outputs ``(logits, top-k weights, top-k ids)`` (HF 5's
+    ``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``): the router is the counterpart of the engine's
+    leaves in the block (the experts are none; the one named ``gate`` when there are several: a
+    shared expert's).
+    The top-k ids are compared as routing: a near-tie flip is told from a routing change by the
+    logits beside them (docs/comparator.md)."""
+    rules: list[dict[str, Any]] = []
+    for top in sorted(tops):
+        block = _parent(top)
+        counterparts = {c for m, c in pairing.leaves.items() if m.startswith(block + ".")}
+        if len(counterparts) > 1:
+            counterparts = {c for c in counterparts if c.rpartition(".")[2] == "gate"}
+        if len(counterparts) != 1:
+            continue
+        (router,) = counterparts
+        for index, what in enumerate(ROUTING_PATHS):
+            match = _esc(routing_name(block, what))
+            rules.append(_rule("rename", match, b=f"{router}[{index}]", id="routing (top-k)"))
+    return rules
 
 
 def _fused_experts(engine: Holdings, other: Holdings, pairing: Pairing) -> dict[str, str]:
@@ -521,12 +559,50 @@ def _scaled(
     return rules
 
 
-def _head(pairing: Pairing, engine: Holdings) -> str | None:
+def _head(pairing: Pairing, engine: Holdings | None) -> str | None:
     """The counterpart of the engine's output head (the module named ``lm_head``, whose forward
     the engine replaces by its logits processor)."""
     for module, counterpart in pairing.leaves.items():
         if module.rpartition(".")[2] == "lm_head":
             return counterpart
+    return None
+
+
+def _logits(
+    module: str, pairing: Pairing, other: Holdings, classes_engine: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """The logits: the head's output before the logits processor's soft cap and scale (recorded as
+    ``<processor>[raw]``) against the other side's head module, the engine's ``lm_head`` or, where
+    the engine computes a tied head with its embedding (vLLM's Gemma2), the other side's module
+    holding the embedding's tensor. The processor's own output (after the cap) is listed with the
+    reason where ``[raw]`` was recorded; a dump without it (made before) compares it with the
+    head as before, where the engine has an ``lm_head``."""
+    m, raw = _esc(module), module + RAW_LOGITS
+    head = _head(pairing, None)
+    rules: list[dict[str, Any]] = []
+    target = head or _tied_head(pairing, other, classes_engine)
+    if target is not None:
+        rules.append(_rule("rename", _esc(raw), b=target, id="logits"))
+    # listed only when [raw] is there too (the rule needs both names; [raw] is recorded inside the
+    # processor's forward, so it comes first and is paired before this rule claims it)
+    rules.append(_rule("skip", m, a=["{0}", raw], reason=LOGITS_REASON.format(raw=raw), id="logits"))
+    if head is not None:
+        rules.append(_rule("rename", m, b=head, id="logits"))
+    return rules
+
+
+def _tied_head(pairing: Pairing, other: Holdings, classes_engine: Mapping[str, str]) -> str | None:
+    """The other side's head where the engine keeps no head module (a tied head computed with the
+    embedding): the one module, not paired, holding the same tensors as the embedding's
+    counterpart."""
+    paired = set(pairing.leaves.values())
+    for module, counterpart in pairing.leaves.items():
+        if not _is("embedding", classes_engine.get(module)):
+            continue
+        held = other.direct.get(counterpart)
+        tied = [m for m, s in other.direct.items() if s == held and m != counterpart and m not in paired]
+        if len(tied) == 1:
+            return tied[0]
     return None
 
 

@@ -307,7 +307,19 @@ class RunnerHooks:
                 tp_size=record.tp_size,
                 failures=record.failures,
             )
+        self._record_routing(model)
         self._guard_cuda_graphs()
+
+    def _record_routing(self, model: Any) -> None:
+        """Each fused-MoE router's top-k and the head's logits before the soft cap, recorded per
+        pass (:mod:`.vllm_records`): vLLM computes them outside every module's output."""
+        try:
+            from .vllm_records import record_head_logits, record_routing
+
+            record_routing(model, self.dumper)
+            record_head_logits(model, self.dumper)
+        except Exception as e:
+            _warn(f"tracedump: cannot record vLLM's MoE routing or raw logits ({e!r}); not dumped")
 
     def _guard_cuda_graphs(self) -> None:
         """A runner that will capture CUDA graphs or run a compiled model would dump nothing in

