@@ -27,6 +27,7 @@ to a report that :mod:`.verdict` judged; it changes nothing for a dump that was 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -251,15 +252,28 @@ def _flipped_in(
     return found
 
 
+_COMBINED = re.compile(r"^cat\((.*), dim=-?\d+\)$")
+
+
+def a_key(name: str) -> Key | None:
+    """A's key of a result. A bridged combination of A's tensors (``x[0] + x[1]``: a decoder
+    layer's ``(hidden, residual)``; ``x * y``; ``cat(x, y, dim=d)``) counts as its first tensor's
+    when all of them are one module's outputs; None when they are several modules'."""
+    inner = _COMBINED.match(name)
+    parts = re.split(r" [+*] |, ", inner.group(1) if inner else name)
+    keys = [Key.parse(part) for part in parts]
+    return keys[0] if all(k.module == keys[0].module and k.input == keys[0].input for k in keys) else None
+
+
 def _judge(
     result: TensorResult,
     info: GraftInfo,
     depth: _Depth,
     flipped_in: dict[tuple[int, str | None, str | None], int] | None = None,
 ) -> LocalResult:
-    key = Key.parse(result.name)
-    owner = info.owner(key.module)
-    if owner is None:
+    key = a_key(result.name)
+    owner = info.owner(key.module) if key is not None else None
+    if key is None or owner is None:
         return _as_local(result, False)
     ops = depth.after(result, key, owner, info)
     call = key.call if key.module == owner else None
