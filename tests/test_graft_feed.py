@@ -276,6 +276,12 @@ def test_a_grafted_engine_is_judged_layer_by_layer_pass_by_pass(models, tmp_path
     assert [r.name for r in layers] == [f"layers.{i}[0] + layers.{i}[1]" for i in range(LAYERS)]
     assert all(r.local and r.grafted_at == r.name_b for r in layers)  # each layer's own error
     assert report.exit_code == (1 if bug else 0), [(r.name, r.status) for r in report.results]
+    fed = {r.name: r for r in report.results if r.name.startswith("layers.1@in")}
+    assert fed["layers.1@in[1]"].name_b == "layers.1@in[0]" and fed["layers.1@in[1]"].status == "ok"
+    assert "layers.1@in[0]" not in fed and "layers.1@in[2]" not in fed  # positions, zeros: listed
+    skipped = {item.name: item.reason for item in report.plan.only_in_a}
+    assert "kept this run's own value" in skipped["layers.1@in[0]"]
+    assert "fed zeros" in skipped["layers.1@in[2]"]
     if bug:
         assert report.first_divergence is not None and report.first_divergence.name.startswith("layers.1")
         assert [r.name_b for r in layers if r.status == "diverged"] == ["layers.1"]

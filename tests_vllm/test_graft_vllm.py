@@ -99,9 +99,12 @@ def test_vllm_grafted_from_hf_at_layer_level_is_clean(
     code, out, report = _diff(tmp_path, grafted.dir, hf_inputs)
     bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"]
     assert code == 0, (bad, out[-3000:])
-    local = [t for t in report["tensors"] if t.get("local")]
-    layers = {t["name"].split("[")[0] for t in local if t["name"].split("[")[0].count(".") == 2}
-    assert layers == {f"model.layers.{i}" for i in range(LAYERS)}  # each layer's own output judged
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    outputs = [t for t in report["tensors"] if t["name_b"] in layers]  # (hidden + residual) vs HF's
+    assert [t["name"] for t in outputs] == [f"{n}[0] + {n}[1]" for n in layers] * 3  # 3 passes
+    assert all(t["local"] and t["grafted_at"] == t["name_b"] for t in outputs)  # each layer's own error
+    fed = [t for t in report["tensors"] if t["name"] == "model.layers.1@in[1]"]  # the stream it took
+    assert [(t["name_b"], t["status"]) for t in fed] == [("model.layers.1@in[0]", "ok")] * 3
     assert report["settings"]["align"] == "passes"
     assert report["summary"]["bridge"]["name"] == "derived from the weight load"
 
@@ -120,3 +123,32 @@ def test_a_bug_in_one_vllm_layer_is_named_at_that_layer_when_grafted(
     assert not any(n.startswith(("model.layers.0", "model.layers.1", "model.layers.3")) for n in diverged), (
         diverged
     )
+
+
+def test_vllm_grafted_at_leaf_level_adds_the_residual_once_and_lists_what_it_cannot_feed(
+    offline_dump: Callable[..., OfflineRun], hf_inputs: Path, tmp_path: Path
+) -> None:
+    """The reported case: at leaf level, vLLM's fused add + norm took HF's stream as x and added its
+    own residual (a false divergence at post_attention_layernorm[0]); now it takes it once."""
+    # INPUTS off: vLLM's ungrafted layers' inputs (positions first) would meet HF's by path
+    grafted = _grafted(
+        offline_dump, "graft-leaves", hf_inputs, TRACEDUMP_DUMP_GRAFT_LEVEL="", TRACEDUMP_DUMP_INPUTS=""
+    )
+    graft = _manifest_graft(grafted)
+    assert graft["level"] == "leaves"
+    norm = "model.layers.1.post_attention_layernorm"
+    assert graft["grafted_calls"][norm] == 3 and "(added once)" in graft["feeds"][norm]
+    assert graft["reference_names"]["model.layers.1.self_attn.qkv_proj"] == "model.layers.1.self_attn.q_proj"
+    assert graft["grafted_calls"]["model.layers.1.self_attn.qkv_proj"] == 3
+    for leaf, why in (("self_attn.attn", "attention op"), ("mlp.act_fn", "act(gate) * up")):
+        listed = graft["not_grafted"][f"model.layers.1.{leaf}"]["listed"]
+        assert why in listed[0]["reason"]
+    mine, ref = (
+        tracedump.open_dump(grafted.dir).run().passes[0],
+        tracedump.open_dump(hf_inputs).run().passes[0],
+    )
+    stream = ref[f"{norm}@in[0]"]
+    assert torch.equal(mine[f"{norm}[1]"], stream.reshape(mine[f"{norm}[1]"].shape))  # the stream, once
+    code, out, report = _diff(tmp_path, grafted.dir, hf_inputs)
+    bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] == "diverged"]
+    assert code == 0 and not bad, (bad, out[-3000:])

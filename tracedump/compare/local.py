@@ -28,18 +28,21 @@ to a report that :mod:`.verdict` judged; it changes nothing for a dump that was 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
 from ..store.format import Key
+from .bridge import Matcher
+from .bridge_rules import parse_bridge
 from .options import DiffOptions
 from .results import DiffReport, TensorResult
 from .sources import Side, open_side
 from .verdict import K_LEAF, K_LEVEL, K_OP, judge_locally, local_allowance_of, local_judgeable
 
 LEAVES = "leaves"
+ZERO_FED, KEPT_OWN = "0", "own"  # graft.fed_inputs: zeros, the run's own value (dump/graft_feed.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +141,56 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
                     entry, dumped if isinstance(dumped, list) else []
                 )
     return found
+
+
+FED_ZERO_REASON = (
+    "a grafted input fed zeros (the deferred residual: the reference's input already holds it); "
+    "the reference's module takes no such input"
+)
+FED_OWN_REASON = "a grafted input that kept this run's own value (the reference's module takes no such input)"
+
+
+def grafted_input_rules(side_a: Side) -> list[dict[str, Any]]:
+    """Bridge rules pairing each input a grafted A was fed by parameter (the manifest's
+    ``graft.fed_inputs``: an engine's decoder layer took the reference's ``[0]`` as its ``[1]``)
+    with the reference input it took; its zeroed and kept inputs listed with the reason, never
+    compared with the reference input of the same path (another quantity)."""
+    rules: list[dict[str, Any]] = []
+    for group in side_a.groups:
+        for source in group.runs:
+            entry = (source.run.manifest if source.run is not None else {}).get("graft")
+            if not isinstance(entry, dict):
+                continue
+            names = entry.get("reference_names") or {}
+            for module, paths in (entry.get("fed_inputs") or {}).items():
+                for path, taken in paths.items():
+                    match = re.escape(f"{module}@in{path}")
+                    if taken == ZERO_FED:
+                        rules.append(
+                            {"op": "skip", "match": match, "reason": FED_ZERO_REASON, "id": "fed zeros"}
+                        )
+                    elif taken == KEPT_OWN:
+                        rules.append(
+                            {"op": "skip", "match": match, "reason": FED_OWN_REASON, "id": "kept own"}
+                        )
+                    else:
+                        target = f"{names.get(module, module)}@in{taken}"
+                        rules.append({"op": "rename", "match": match, "b": target, "id": "grafted input"})
+    return rules
+
+
+def with_grafted_inputs(matcher: Matcher, side_a: Side) -> Matcher:
+    """The diff's matcher with :func:`grafted_input_rules` tried first (A unchanged when it was not
+    grafted by parameter)."""
+    rules = grafted_input_rules(side_a)
+    if not rules:
+        return matcher
+    fed = parse_bridge(
+        {"bridge": {"name": "grafted inputs"}, "rule": rules}, "manifest.json graft.fed_inputs"
+    )
+    if matcher.bridge is None:
+        return replace(matcher, bridge=fed)
+    return replace(matcher, bridge=replace(matcher.bridge, rules=fed.rules + matcher.bridge.rules))
 
 
 def refuse_grafted_alignment(options: DiffOptions) -> None:

@@ -23,7 +23,7 @@ from .coverage import CoverageCount, enforce, nothing_comparable
 from .display import print_report, progress_bar
 from .execute import Executor
 from .inputs import inputs_differ_by_pass
-from .local import graft_infos, judge_local, refuse_grafted_alignment
+from .local import graft_infos, judge_local, refuse_grafted_alignment, with_grafted_inputs
 from .notes import side_notes, truncated_passes
 from .options import DiffOptions
 from .plan import Plan, Unmatched, Workspace, build_plan, short_list
@@ -57,7 +57,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     a side comes from an engine integration (:func:`.bridge.matcher_for`)."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
-    matcher = matcher_for(options, side_a, side_b)
+    matcher = with_grafted_inputs(matcher_for(options, side_a, side_b), side_a)
     if matcher.unshard and not options.unshard and options.rank is None:
         # every rank joined as the loads say (--unshard or --rank given by hand override them)
         options = replace(options, unshard=matcher.unshard)

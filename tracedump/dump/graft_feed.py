@@ -28,9 +28,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["ZERO", "FeedRefused", "InputFeed", "fed_paths"]
+__all__ = ["KEPT", "ZERO", "FeedRefused", "InputFeed", "fed_paths"]
 
 ZERO = "0"  # fed_paths: this input is replaced by zeros of its own shape, dtype and device
+KEPT = "own"  # the manifest's graft.fed_inputs: this input kept the run's own value
 
 _FIRST = re.compile(r"^\[([^\]]*)\](.*)$")
 

@@ -26,7 +26,7 @@ from ..errors import ConfigError, DumpReadError
 from ..store.correspondence import Correspondence, module_counterparts, read_correspondence
 from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
-from .graft_feed import ZERO, FeedRefused, InputFeed, fed_paths
+from .graft_feed import KEPT, ZERO, FeedRefused, InputFeed, fed_paths
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
 from .recorder import leaf_path
 from .selection import display_name
@@ -278,6 +278,7 @@ class Grafter:
         self.not_grafted_count: Counter[str] = Counter()
         self.kept_own: dict[str, list[str]] = {}  # name -> inputs the reference has no tensor for
         self.feeds: dict[str, InputFeed] = {}  # name -> how its calls take the reference's inputs
+        self.fed: dict[str, dict[str, str]] = {}  # name -> own input path -> reference path, 0, own
 
     # ---------------------------------------------------------------- choosing
 
@@ -463,6 +464,7 @@ class Grafter:
             new[flat] = cast_like(pass_file[key], tensor)
         if kept:
             self.kept_own.setdefault(name, sorted(kept))
+        self.fed.setdefault(name, {**fed, **dict.fromkeys(kept, KEPT)})
         new_args = _replace(tuple(args), input_prefix(), new)
         new_kwargs = {k: _replace(v, input_prefix(k), new) for k, v in kwargs.items()}
         return new_args, new_kwargs
@@ -506,6 +508,7 @@ class Grafter:
             "grafted_calls": dict(self.grafted),
             "kept_own_inputs": dict(self.kept_own),
             "feeds": {name: feed.describe() for name, feed in self.feeds.items()},
+            "fed_inputs": {name: dict(paths) for name, paths in self.fed.items()},
             "not_grafted": {
                 name: {"calls": self.not_grafted_count[name], "listed": listed}
                 for name, listed in self.not_grafted.items()

@@ -60,6 +60,7 @@ class GraftRecord(_Record):
     grafted_calls: dict[str, int] = {}
     kept_own_inputs: dict[str, list[str]] = {}
     feeds: dict[str, str] = {}
+    fed_inputs: dict[str, dict[str, str]] = {}
     not_grafted: dict[str, NotGrafted] = {}
 
 
