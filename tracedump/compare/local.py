@@ -27,18 +27,22 @@ to a report that :mod:`.verdict` judged; it changes nothing for a dump that was 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import re
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
 from ..store.format import Key
+from .bridge import Matcher
+from .bridge_rules import parse_bridge
 from .options import DiffOptions
 from .results import DiffReport, TensorResult
 from .sources import Side, open_side
 from .verdict import K_LEAF, K_LEVEL, K_OP, judge_locally, local_allowance_of, local_judgeable
 
 LEAVES = "leaves"
+ZERO_FED, KEPT_OWN = "0", "own"  # graft.fed_inputs: zeros, the run's own value (dump/graft_feed.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +141,56 @@ def graft_infos(side: Side) -> dict[str, GraftInfo]:
                     entry, dumped if isinstance(dumped, list) else []
                 )
     return found
+
+
+FED_ZERO_REASON = (
+    "a grafted input fed zeros (the deferred residual: the reference's input already holds it); "
+    "the reference's module takes no such input"
+)
+FED_OWN_REASON = "a grafted input that kept this run's own value (the reference's module takes no such input)"
+
+
+def grafted_input_rules(side_a: Side) -> list[dict[str, Any]]:
+    """Bridge rules pairing each input a grafted A was fed by parameter (the manifest's
+    ``graft.fed_inputs``: an engine's decoder layer took the reference's ``[0]`` as its ``[1]``)
+    with the reference input it took; its zeroed and kept inputs listed with the reason, never
+    compared with the reference input of the same path (another quantity)."""
+    rules: list[dict[str, Any]] = []
+    for group in side_a.groups:
+        for source in group.runs:
+            entry = (source.run.manifest if source.run is not None else {}).get("graft")
+            if not isinstance(entry, dict):
+                continue
+            names = entry.get("reference_names") or {}
+            for module, paths in (entry.get("fed_inputs") or {}).items():
+                for path, taken in paths.items():
+                    match = re.escape(f"{module}@in{path}")
+                    if taken == ZERO_FED:
+                        rules.append(
+                            {"op": "skip", "match": match, "reason": FED_ZERO_REASON, "id": "fed zeros"}
+                        )
+                    elif taken == KEPT_OWN:
+                        rules.append(
+                            {"op": "skip", "match": match, "reason": FED_OWN_REASON, "id": "kept own"}
+                        )
+                    else:
+                        target = f"{names.get(module, module)}@in{taken}"
+                        rules.append({"op": "rename", "match": match, "b": target, "id": "grafted input"})
+    return rules
+
+
+def with_grafted_inputs(matcher: Matcher, side_a: Side) -> Matcher:
+    """The diff's matcher with :func:`grafted_input_rules` tried first (A unchanged when it was not
+    grafted by parameter)."""
+    rules = grafted_input_rules(side_a)
+    if not rules:
+        return matcher
+    fed = parse_bridge(
+        {"bridge": {"name": "grafted inputs"}, "rule": rules}, "manifest.json graft.fed_inputs"
+    )
+    if matcher.bridge is None:
+        return replace(matcher, bridge=fed)
+    return replace(matcher, bridge=replace(matcher.bridge, rules=fed.rules + matcher.bridge.rules))
 
 
 def refuse_grafted_alignment(options: DiffOptions) -> None:
@@ -251,15 +305,28 @@ def _flipped_in(
     return found
 
 
+_COMBINED = re.compile(r"^cat\((.*), dim=-?\d+\)$")
+
+
+def a_key(name: str) -> Key | None:
+    """A's key of a result. A bridged combination of A's tensors (``x[0] + x[1]``: a decoder
+    layer's ``(hidden, residual)``; ``x * y``; ``cat(x, y, dim=d)``) counts as its first tensor's
+    when all of them are one module's outputs; None when they are several modules'."""
+    inner = _COMBINED.match(name)
+    parts = re.split(r" [+*] |, ", inner.group(1) if inner else name)
+    keys = [Key.parse(part) for part in parts]
+    return keys[0] if all(k.module == keys[0].module and k.input == keys[0].input for k in keys) else None
+
+
 def _judge(
     result: TensorResult,
     info: GraftInfo,
     depth: _Depth,
     flipped_in: dict[tuple[int, str | None, str | None], int] | None = None,
 ) -> LocalResult:
-    key = Key.parse(result.name)
-    owner = info.owner(key.module)
-    if owner is None:
+    key = a_key(result.name)
+    owner = info.owner(key.module) if key is not None else None
+    if key is None or owner is None:
         return _as_local(result, False)
     ops = depth.after(result, key, owner, info)
     call = key.call if key.module == owner else None

@@ -23,7 +23,7 @@ from .coverage import CoverageCount, enforce, nothing_comparable
 from .display import print_report, progress_bar
 from .execute import Executor
 from .inputs import inputs_differ_by_pass
-from .local import judge_local, refuse_grafted_alignment
+from .local import graft_infos, judge_local, refuse_grafted_alignment, with_grafted_inputs
 from .notes import side_notes, truncated_passes
 from .options import DiffOptions
 from .plan import Plan, Unmatched, Workspace, build_plan, short_list
@@ -57,12 +57,18 @@ def build_report(options: DiffOptions) -> DiffReport:
     a side comes from an engine integration (:func:`.bridge.matcher_for`)."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
-    matcher = matcher_for(options, side_a, side_b)
+    matcher = with_grafted_inputs(matcher_for(options, side_a, side_b), side_a)
     if matcher.unshard and not options.unshard and options.rank is None:
         # every rank joined as the loads say (--unshard or --rank given by hand override them)
         options = replace(options, unshard=matcher.unshard)
         side_a, side_b = open_side("A", options.a, options), open_side("B", options.b, options)
-    if not options.align_given and matcher.align and matcher.align != options.align:
+    if (
+        not options.align_given
+        and matcher.align
+        and matcher.align != options.align
+        and not graft_infos(side_a)
+    ):
+        # a grafted A was fed the reference's inputs pass by pass: compared pass by pass
         options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
     if options.align == "tokens":
         refuse_grafted_alignment(options)

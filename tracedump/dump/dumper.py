@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from ..store.format import RECORDS_FILE
 from ..store.sequences import batch_metadata
 from .control import Controller
 from .cuda import SyncEscape
+from .graft_feed import InputFeed
 from .grafter import Grafter, check_not_into_reference, refuse_unsafe
 from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
@@ -252,8 +253,21 @@ class Dumper:
             )
             write_correspondence(self.rundir.path, record)
             self._correspondence = record
+            if self.graft is not None:  # grafted: each module takes its counterpart's inputs
+                self.graft.use_correspondence(record)
+                self.rundir.update(graft=self.graft.summary())
         except Exception as e:
             self.rundir.report("correspondence", e)
+
+    def set_graft_feeds(self, feeds: Mapping[str, InputFeed]) -> None:
+        """With ``GRAFT_FROM``: how some grafted modules take the reference's inputs when their
+        signature is not the reference module's (an engine's decoder layer, a fused add + norm),
+        or why they cannot (:mod:`tracedump.dump.graft_feed`); by module name as the manifest
+        spells it. Nothing without a graft. Call it after ``attach()``, before the first step."""
+        if self.graft is None:
+            return
+        self.graft.use_feeds(feeds)
+        self.rundir.update(graft=self.graft.summary())
 
     # ---------------------------------------------------------------- engine API
 

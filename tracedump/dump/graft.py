@@ -24,7 +24,9 @@ graph capture (a graph would bake the reference's tensors in, or replay without 
 
 Layout: this module is the public entry (:func:`graft`, :class:`Graft`), a
 :class:`~tracedump.dump.dumper.Dumper` with ``GRAFT_FROM`` set; the hooks that replace the inputs
-are :mod:`tracedump.dump.grafter`'s, which the dumper wires in.
+are :mod:`tracedump.dump.grafter`'s, which the dumper wires in. A module whose call takes the
+reference's values in another form (an engine's decoder layer with a deferred residual) is fed as
+an engine integration describes it (:mod:`tracedump.dump.graft_feed`, ``Dumper.set_graft_feeds``).
 """
 
 from __future__ import annotations

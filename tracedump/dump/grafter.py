@@ -23,8 +23,10 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config.reference import reference_problem
 from ..errors import ConfigError, DumpReadError
+from ..store.correspondence import Correspondence, module_counterparts, read_correspondence
 from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
+from .graft_feed import KEPT, ZERO, FeedRefused, InputFeed, fed_paths
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
 from .recorder import leaf_path
 from .selection import display_name
@@ -259,6 +261,7 @@ class Grafter:
         self._maps = parse_graft_map(self.map_rules)
         self._pass_index = pass_index
         self._warn = warn
+        self.counterparts: dict[str, str] = {}  # from the correspondence (use_correspondence)
         try:
             self.targets = self._choose(model, level, list(captured))
         except DumpReadError as e:  # the reference's first pass, read for its routing
@@ -274,13 +277,18 @@ class Grafter:
         self.not_grafted: dict[str, list[dict[str, Any]]] = {}  # name -> [{pass, call, reason}]
         self.not_grafted_count: Counter[str] = Counter()
         self.kept_own: dict[str, list[str]] = {}  # name -> inputs the reference has no tensor for
+        self.feeds: dict[str, InputFeed] = {}  # name -> how its calls take the reference's inputs
+        self.fed: dict[str, dict[str, str]] = {}  # name -> own input path -> reference path, 0, own
 
     # ---------------------------------------------------------------- choosing
 
     def reference_name(self, name: str) -> str:
+        """The reference's name of a module: the map rules' when they rename it, else its
+        counterpart from the correspondence (:meth:`use_correspondence`), else its own."""
+        mapped = name
         for pattern, repl in self._maps:
-            name = pattern.sub(repl, name)
-        return name
+            mapped = pattern.sub(repl, mapped)
+        return self.counterparts.get(name, name) if mapped == name else mapped
 
     def _choose(
         self, model: nn.Module, level: str | None, captured: list[tuple[str, nn.Module]]
@@ -365,6 +373,9 @@ class Grafter:
     def _replaced(
         self, pass_index: int, name: str, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        refused = self.feeds[name].refuse if name in self.feeds else None
+        if refused is not None:
+            raise _NotGrafted(refused)
         pass_file = self.reference.pass_file(pass_index)
         if pass_file is None:
             raise _NotGrafted(f"the reference has no pass {pass_index}")
@@ -375,6 +386,8 @@ class Grafter:
         dumped = self.reference.inputs(pass_index).get((ref_name, call), set())
         if not dumped:
             raise _NotGrafted(f"the reference dumped no input of {ref_name}, call {call}, pass {pass_index}")
+        if name in self.feeds:
+            return self._replaced_by_feed(self.feeds[name], pass_file, name, call, own, dumped, args, kwargs)
         new: dict[str, torch.Tensor] = {}
         kept: list[str] = []
         for flat, tensor in own:
@@ -390,6 +403,68 @@ class Grafter:
             raise _NotGrafted(f"no input of this call lines up with the reference's ({listed})")
         if kept:
             self.kept_own.setdefault(name, sorted(kept))
+        new_args = _replace(tuple(args), input_prefix(), new)
+        new_kwargs = {k: _replace(v, input_prefix(k), new) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    # ---------------------------------------------------------------- correspondence
+
+    def use_correspondence(self, record: Correspondence) -> None:
+        """An engine's load record (which checkpoint tensors each parameter holds): each grafted
+        module takes the recorded inputs of the reference module holding the same checkpoint
+        tensors (:func:`~tracedump.store.correspondence.module_counterparts`; a fused ``qkv_proj``
+        takes ``q_proj``'s), where the map rules do not rename it. Nothing when the reference has
+        no ``correspondence.json``."""
+        theirs = read_correspondence(self.reference.path)
+        if theirs is None or not record.loads:
+            return
+        found = module_counterparts(record, theirs)
+        with self._lock:
+            self.counterparts = {
+                display_name(mine): display_name(other) for mine, other in found.items() if mine != other
+            }
+
+    # ---------------------------------------------------------------- feeds
+
+    def use_feeds(self, feeds: Mapping[str, InputFeed]) -> None:
+        """How some grafted modules take the reference's inputs when their signature is not the
+        reference module's (:mod:`tracedump.dump.graft_feed`); a feed for a module not grafted is
+        ignored. Set before the first pass (an engine integration, right after ``attach()``)."""
+        with self._lock:
+            targets = {name for name, _ in self.targets}
+            self.feeds = {name: feed for name, feed in feeds.items() if name in targets}
+
+    def _replaced_by_feed(
+        self,
+        feed: InputFeed,
+        pass_file: Any,
+        name: str,
+        call: int,
+        own: list[tuple[str, torch.Tensor]],
+        dumped: set[str],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's inputs as ``feed`` says: some from the reference (by parameter, not by
+        path), some zeros, the rest its own."""
+        tensors = {leaf_path(flat, is_input=True): (flat, tensor) for flat, tensor in own}
+        try:
+            fed, kept = fed_paths(feed, tensors, dumped)
+        except FeedRefused as why:
+            raise _NotGrafted(str(why)) from None
+        ref_name = self.reference_name(name)
+        new: dict[str, torch.Tensor] = {}
+        for path, source in fed.items():
+            flat, tensor = tensors[path]
+            if source == ZERO:
+                new[flat] = torch.zeros_like(tensor)
+                continue
+            key = key_text(ref_name, source, input=True, call=call)
+            _check_pair(f"{path} (the reference's {source})", tensor, pass_file.info(key))
+            new[flat] = cast_like(pass_file[key], tensor)
+        if kept:
+            self.kept_own.setdefault(name, sorted(kept))
+        self.fed.setdefault(name, {**fed, **dict.fromkeys(kept, KEPT)})
         new_args = _replace(tuple(args), input_prefix(), new)
         new_kwargs = {k: _replace(v, input_prefix(k), new) for k, v in kwargs.items()}
         return new_args, new_kwargs
@@ -432,6 +507,8 @@ class Grafter:
             },
             "grafted_calls": dict(self.grafted),
             "kept_own_inputs": dict(self.kept_own),
+            "feeds": {name: feed.describe() for name, feed in self.feeds.items()},
+            "fed_inputs": {name: dict(paths) for name, paths in self.fed.items()},
             "not_grafted": {
                 name: {"calls": self.not_grafted_count[name], "listed": listed}
                 for name, listed in self.not_grafted.items()

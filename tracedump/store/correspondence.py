@@ -143,3 +143,93 @@ def read_correspondence(run_dir: Path) -> Correspondence | None:
         return Correspondence.from_json(data) if isinstance(data, dict) else None
     except (OSError, ValueError, TypeError):
         return None
+
+
+# ------------------------------------------------------------------ counterparts (grafting)
+
+
+def _held(record: Correspondence, sources: dict[str, dict[str, Any]]) -> dict[str, set[str]]:
+    """Module -> the checkpoint tensors its own parameters hold: from the recorded loads, else
+    (a run that did not record one) each parameter's own name when it is a checkpoint tensor's,
+    else the tensor of its shape and fingerprint among ``sources``."""
+    held: dict[str, set[str]] = {}
+    if record.loads:
+        for load in record.loads:
+            held.setdefault(load.module, set()).add(load.source)
+        for name, meta in record.parameters.items():  # a tied parameter: held under each name
+            first = meta.get("same_as")
+            for load in record.loads if first else ():
+                if load.param == first:
+                    held.setdefault(name.rpartition(".")[0], set()).add(load.source)
+        return held
+    firsts = {name: meta for name, meta in record.parameters.items() if "same_as" not in meta}
+    for name, meta in record.parameters.items():
+        own = firsts.get(meta.get("same_as", name), meta)
+        shape = list(own.get("shape") or [])
+        if name in sources and list(sources[name].get("shape") or []) == shape:
+            source: str | None = name
+        else:
+            found = [
+                s
+                for s, m in sources.items()
+                if list(m.get("shape") or []) == shape
+                and fingerprints_match(list(own.get("fingerprint") or []), list(m.get("fingerprint") or []))
+            ]
+            source = max(found, key=lambda s: shared_tail(s, name)) if found else None
+        if source is not None:
+            held.setdefault(name.rpartition(".")[0], set()).add(source)
+    return held
+
+
+def _subtrees(held: dict[str, set[str]]) -> dict[str, frozenset[str]]:
+    out: dict[str, set[str]] = {}
+    for module, sources in held.items():
+        name = module
+        while True:
+            out.setdefault(name, set()).update(sources)
+            if not name:
+                break
+            name = name.rpartition(".")[0]
+    return {name: frozenset(s) for name, s in out.items()}
+
+
+def module_counterparts(engine: Correspondence, reference: Correspondence) -> dict[str, str]:
+    """Each module of an engine that recorded its load -> the reference's module that computes the
+    same thing, for grafting (whose recorded inputs it takes; ``""`` is the root):
+
+    - the reference module whose subtree holds exactly the same checkpoint tensors (a decoder
+      layer, an attention or MLP block, a norm, a projection): of several (nested modules
+      holding one set), the one of the same name, else outermost with outermost;
+    - a leaf filled from several checkpoint tensors stacked along its rows (vLLM's ``qkv_proj``,
+      ``gate_up_proj``), each held alone by one reference leaf: the holder of its first rows.
+      Stacked rows of one weight multiply one input, so each holder took the input it takes.
+
+    Modules with no such counterpart are left out. Only the correspondence: no tensor is read."""
+    mine = _held(engine, engine.sources)
+    theirs = _held(reference, engine.sources)
+    tree_mine, tree_theirs = _subtrees(mine), _subtrees(theirs)
+    by_set: dict[frozenset[str], list[str]] = {}
+    for module, sources in tree_theirs.items():
+        if sources:
+            by_set.setdefault(sources, []).append(module)
+    alone = {next(iter(s)): m for m, s in theirs.items() if len(s) == 1}
+    first_rows: dict[str, tuple[int, str]] = {}
+    experts = {load.module for load in engine.loads if load.expert is not None}
+    for load in engine.loads:
+        if load.module in experts:
+            continue  # fused experts: stacked per expert, not along one input's rows
+        start = load.region[0][0] if load.region else 0
+        if load.module not in first_rows or start < first_rows[load.module][0]:
+            first_rows[load.module] = (start, load.source)
+    out: dict[str, str] = {}
+    depth = {s: sorted(ms, key=lambda m: (m.count("."), m)) for s, ms in by_set.items()}
+    for module, sources in sorted(tree_mine.items(), key=lambda item: (item[0].count("."), item[0])):
+        same = depth.get(sources, [])
+        if same:  # nested modules holding one set pair outermost with outermost
+            out[module] = module if module in same else same[0]
+            same.remove(out[module])
+        elif module in mine and len(sources) > 1 and all(s in alone for s in sources):
+            holders = {alone[s] for s in sources}
+            if len(holders) == len(sources) and module in first_rows:
+                out[module] = alone[first_rows[module][1]]
+    return out

@@ -58,7 +58,9 @@ class GraftRecord(_Record):
     leaves: dict[str, list[str]] = {}
     reference_names: dict[str, str] = {}
     grafted_calls: dict[str, int] = {}
-    kept_own_inputs: dict[str, int] = {}
+    kept_own_inputs: dict[str, list[str]] = {}
+    feeds: dict[str, str] = {}
+    fed_inputs: dict[str, dict[str, str]] = {}
     not_grafted: dict[str, NotGrafted] = {}
 
 
