@@ -6,7 +6,8 @@ vLLM's internals, nothing patched. With it set:
 
 - in the process that builds the engine config, the engine is made eager (``enforce_eager``):
   compiled graphs and CUDA graphs run no forward hooks, so a dumped engine must not use them
-  (one warning when the user asked otherwise);
+  (one warning when the user asked otherwise); with ``TRACEDUMP_DUMP_COMPILED=1`` vLLM's
+  compilation stays on instead, its taps dumping the compiled program (docs/compiled.md);
 - in each worker, every model runner (V1's ``GPUModelRunner`` and the CPU/XPU runners built on
   it; the V2 runner where it is used) is instrumented when it is constructed:
 
