@@ -311,14 +311,110 @@ def _version() -> str:
     return str(getattr(vllm, "__version__", "?"))
 
 
+# ------------------------------------------------------------------ compiled: TRACEDUMP_DUMP_COMPILED=1
+
+
+def run_compiled(quick: bool = False) -> dict[str, Any]:
+    """The cost of ``COMPILED=1`` on vLLM's compiled engine (no ``enforce_eager``; on CPU Dynamo +
+    inductor): the engine compiled untouched against the engine compiled with the plugin dumping
+    every module through taps (docs/compiled.md). A compiled graph is fixed at its first call, so
+    the two are two engine processes, one after the other (not interleaved: noisier than
+    :func:`run`'s in-process rounds); each reports its start-up (the compile included) and the
+    medians of its generate rounds. ``python -m benchmarks.bench_vllm --compiled``."""
+    python = vllm_python()
+    if python is None:
+        return {"skipped": SKIP_MESSAGE}
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tracedump-bench-vllm-compiled-") as work:
+        for variant in ("untouched", "dumped"):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEDUMP_")}
+            env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+            env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_DISABLE_COMPILE_CACHE="1")
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+            if variant == "dumped":
+                env.update(TRACEDUMP_DUMP_DIR=str(Path(work) / "dumps"), TRACEDUMP_DUMP_COMPILED="1")
+                env.update(TRACEDUMP_DUMP_MODULES="all")
+            command = [python, "-m", "benchmarks.bench_vllm", "--compiled-variant", work]
+            done = subprocess.run(
+                [*command, *(["--quick"] if quick else [])],
+                cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=1200,
+            )  # fmt: skip
+            if done.returncode != 0:
+                return {"error": f"{variant} exited {done.returncode}", "stderr": done.stderr[-4000:]}
+            out[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    from benchmarks import common
+
+    base, dumped = out["untouched"], out["dumped"]
+    return {
+        **out,
+        "generate_ratio": common.ratio(dumped["generate_ms"], base["generate_ms"]),
+        "generate_ratio_min": common.ratio(dumped["generate_ms_min"], base["generate_ms_min"]),
+        "startup_ratio": common.ratio(dumped["startup_s"], base["startup_s"]),
+        "quick": quick,
+    }
+
+
+def _compiled_variant(work: Path, quick: bool) -> dict[str, Any]:
+    """One compiled engine in this process, dumped or not as the env says (the plugin registered
+    as vLLM would, before the engine is built): start-up seconds and generate rounds."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    import tracedump.integrations.vllm as plugin
+    from benchmarks import common
+
+    model_dir = work / "model"
+    if not model_dir.exists():
+        _save_model(model_dir, quick)
+    plugin.register()
+    start = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=False,
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    prompts, prompt_len, new_tokens = (2, 16, 4) if quick else (8, 32, 16)
+    inputs = [
+        {"prompt_token_ids": [1 + (i * 31 + k * 7) % 7000 for k in range(prompt_len)]} for i in range(prompts)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    with torch.inference_mode():
+        llm.generate(inputs, params, use_tqdm=False)  # warm-up (the compile ran in the profile run)
+        startup = time.perf_counter() - start
+        rounds = [
+            common.timed(lambda: llm.generate(inputs, params, use_tqdm=False))
+            for _ in range(3 if quick else 7)
+        ]
+    return {
+        "startup_s": startup,
+        "generate_ms": 1e3 * common.median(rounds),
+        "generate_ms_min": 1e3 * min(rounds),
+        "rounds_ms": [round(1e3 * r, 1) for r in rounds],
+        "dumping": bool(os.environ.get("TRACEDUMP_DUMP_DIR")),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="COMPILED=1's cost (run_compiled)")
+    parser.add_argument("--compiled-variant", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(json.dumps({"skipped": SKIP_MESSAGE}))
         return
-    result = measure(args.quick)
+    if args.compiled_variant is not None:
+        result = _compiled_variant(args.compiled_variant, args.quick)
+    elif args.compiled:
+        result = run_compiled(args.quick)
+    else:
+        result = measure(args.quick)
     sys.stdout.flush()
     print(json.dumps(result))
 

@@ -371,3 +371,28 @@ def test_the_routing_and_the_raw_logits_are_recorded_and_the_engines_numbers_kep
     assert torch.allclose(stored["block.routing[topk_weights]"], torch.softmax(top, dim=-1))
     assert torch.allclose(stored["logits_processor[raw]"], model.head(model.block.experts(x, logits)))
     assert not torch.allclose(stored["logits_processor[raw]"], stored["logits_processor"])
+
+
+def test_without_compiled_the_engine_is_made_eager_and_with_it_compiling_stays_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one decision (``_make_dumpable``) on fake ``EngineArgs``: eager unless ``COMPILED=1``;
+    with it, ``enforce_eager`` stays as asked, vLLM's compile cache is off for the engine's
+    processes, and CUDA graphs are off (a dict ``compilation_config`` as ``LLM(...)`` takes it)."""
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    plain = types.SimpleNamespace(enforce_eager=False, compilation_config={})
+    plugin._make_dumpable(plain)
+    assert plain.enforce_eager is True and plain.compilation_config == {}
+    assert "VLLM_DISABLE_COMPILE_CACHE" not in os.environ
+
+    monkeypatch.setenv("TRACEDUMP_DUMP_COMPILED", "1")
+    compiled = types.SimpleNamespace(enforce_eager=False, compilation_config={"mode": 3})
+    plugin._make_dumpable(compiled)
+    assert compiled.enforce_eager is False
+    assert compiled.compilation_config == {"mode": 3, "cudagraph_mode": "NONE"}
+    assert os.environ["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+
+    monkeypatch.setenv("TRACEDUMP_DUMP_COMPILED", "maybe")  # a bad value fails before the engine starts
+    with pytest.raises(tracedump.ConfigError, match="TRACEDUMP_DUMP_COMPILED"):
+        plugin._make_dumpable(types.SimpleNamespace(enforce_eager=False, compilation_config={}))

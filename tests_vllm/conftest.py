@@ -16,7 +16,10 @@ What other test files use:
   4 new tokens each, ``MODULES=all``), clean and with layer 2's MLP x1.05
   (:data:`BUG_SPEC`, planted in the worker by the test plugin in ``testbug/``); the scheduler may
   prefill the second prompt a step after the first;
-- ``batched_dump``: the clean run in-process, both prompts prefilled in pass 0.
+- ``batched_dump``: the clean run in-process, both prompts prefilled in pass 0;
+- ``hf_dump(name, *args, arch="llama")``: the HF reference (``scripts/hf_reference.py`` under
+  ``tracedump run --modules all``), once per name per session; ``diff(tmp_path, A, B)``:
+  ``tracedump diff`` as a user runs it (exit code, printed report, JSON report).
 """
 
 from __future__ import annotations
@@ -214,3 +217,39 @@ def batched_dump(offline_dump: Callable[..., OfflineRun]) -> OfflineRun:
 def bug_dump(offline_dump: Callable[..., OfflineRun]) -> OfflineRun:
     """The clean run with layer 2's MLP x1.05, planted in vLLM's worker by the test plugin."""
     return offline_dump("bug", env={"TRACEDUMP_TEST_BUG": BUG_SPEC})
+
+
+@pytest.fixture(scope="session")
+def hf_dump(
+    session_dir: Path, tiny_model: Callable[..., Path], run_engine: Callable[..., Any]
+) -> Callable[..., Path]:
+    """``hf_dump(name, *args, arch="llama")``: ``scripts/hf_reference.py`` on the fp32 model under
+    ``tracedump run --modules all``, once per name per session."""
+    done: dict[str, Path] = {}
+
+    def dump(name: str, *args: str, arch: str = "llama") -> Path:
+        if name not in done:
+            out = session_dir / "hf" / name
+            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(tiny_model(arch=arch)), *args]
+            run_engine(
+                [PYTHON, "-m", "tracedump", "run", "-q", "--dir", str(out), "--modules", "all", "--", *script]
+            )
+            done[name] = out
+        return done[name]
+
+    return dump
+
+
+def diff(tmp_path: Path, *args: str | Path) -> tuple[int, str, dict[str, Any]]:
+    """``tracedump diff`` as a user runs it: exit code, printed report, JSON report."""
+    report = tmp_path / f"report{len(list(tmp_path.glob('report*.json')))}.json"
+    done = subprocess.run(
+        [PYTHON, "-m", "tracedump", "diff", *map(str, args), "--max-rows", "0", "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, done.stdout, json.loads(report.read_text())

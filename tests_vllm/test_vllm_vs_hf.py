@@ -16,47 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BUG_SPEC, PYTHON, SCRIPTS, OfflineRun
+from conftest import BUG_SPEC, PYTHON, OfflineRun, diff
 
 import tracedump
 
 HF_LAYOUT = importlib.util.find_spec("tracedump.integrations.hf") is not None  # the HF batch layout
-
-
-@pytest.fixture(scope="session")
-def hf_dump(
-    session_dir: Path, tiny_model: Callable[..., Path], run_engine: Callable[..., Any]
-) -> Callable[..., Path]:
-    """``hf_dump(name, *args, arch="llama")``: ``scripts/hf_reference.py`` on the fp32 model under
-    ``tracedump run --modules all``, once per name per session."""
-    done: dict[str, Path] = {}
-
-    def dump(name: str, *args: str, arch: str = "llama") -> Path:
-        if name not in done:
-            out = session_dir / "hf" / name
-            script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(tiny_model(arch=arch)), *args]
-            run_engine(
-                [PYTHON, "-m", "tracedump", "run", "-q", "--dir", str(out), "--modules", "all", "--", *script]
-            )
-            done[name] = out
-        return done[name]
-
-    return dump
-
-
-def diff(tmp_path: Path, *args: str | Path) -> tuple[int, str, dict[str, Any]]:
-    """``tracedump diff`` as a user runs it: exit code, printed report, JSON report."""
-    report = tmp_path / f"report{len(list(tmp_path.glob('report*.json')))}.json"
-    done = subprocess.run(
-        [PYTHON, "-m", "tracedump", "diff", *map(str, args), "--max-rows", "0", "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode in (0, 1), done.stderr
-    return done.returncode, done.stdout, json.loads(report.read_text())
 
 
 def test_vllm_against_hf_with_no_flags_passes_and_shows_what_was_bridged(

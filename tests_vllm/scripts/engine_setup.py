@@ -15,13 +15,13 @@ def hide_runners() -> None:
 
 def small_engine(model: str, **options: Any) -> Any:
     """vLLM's ``LLM`` as the tests run it: eager, a third of the memory, short contexts, seed 0
-    (``options``: what a script varies, e.g. ``dtype``)."""
+    (``options``: what a script varies, e.g. ``dtype``; ``enforce_eager=False`` compiles)."""
     from vllm import LLM
 
+    options.setdefault("enforce_eager", True)
     return LLM(
         model=model,
         skip_tokenizer_init=True,
-        enforce_eager=True,
         gpu_memory_utilization=0.3,
         max_model_len=128,
         max_num_seqs=4,

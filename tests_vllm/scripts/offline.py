@@ -47,6 +47,14 @@ def main() -> None:
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--chunk", type=int, help="max_num_batched_tokens: prefills chunked to N tokens")
     parser.add_argument("--sequential", action="store_true", help="one generate() per prompt, in order")
+    parser.add_argument(
+        "--compiled", action="store_true", help="vLLM's compilation on (no enforce_eager; CPU: inductor)"
+    )
+    parser.add_argument(
+        "--post-grad-pass",
+        help="with --compiled: the qualified name of an inductor post-grad pass, planted through "
+        "vLLM's compilation_config.inductor_passes (e.g. tracedump_vllm_testbug.scale_layer2_mlp)",
+    )
     parser.add_argument("--allow-crash", action="store_true", help="an engine error ends the run, exit 0")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -65,6 +73,11 @@ def main() -> None:
         options["enable_prefix_caching"] = True
     if args.chunk:
         options.update(enable_chunked_prefill=True, max_num_batched_tokens=args.chunk)
+    if args.compiled:
+        options["enforce_eager"] = False
+        if args.post_grad_pass:
+            passes = {"post_grad_custom_post_pass": args.post_grad_pass}
+            options["compilation_config"] = {"inductor_passes": passes}
     if args.tp > 1:  # on CPU: one worker process per rank, one OpenMP thread each on its own core
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
         options.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")

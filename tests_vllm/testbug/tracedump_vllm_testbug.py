@@ -5,6 +5,7 @@ has loaded the weights, before it processes them for its kernels (so layer 2's M
 x1.05); several specs are separated by ``;``.
 ``TRACEDUMP_TEST_CRASH="model.layers.1.mlp:3"`` makes that module's forward raise at its third call
 of fewer than 16 token rows (an engine step that crashes mid-forward).
+``scale_layer2_mlp``: an inductor post-grad pass that plants a bug of the compiled program only.
 Unset, it does nothing. The conftest puts this folder (with its ``.dist-info``) on ``PYTHONPATH``
 of the engine subprocesses only; it is never installed.
 """
@@ -83,3 +84,38 @@ def register() -> None:
 
     process_weights_after_loading._testbug = True
     base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+SCALED_MODULE = ".layers.2.mlp.act_fn"  # the module path (under the compiled model) the pass changes
+
+
+def scale_layer2_mlp(graph) -> None:
+    """An inductor post-grad pass (planted with ``offline.py --compiled --post-grad-pass
+    tracedump_vllm_testbug.scale_layer2_mlp``, i.e. vLLM's ``compilation_config.inductor_passes``):
+    the output of layer 2's activation (the last aten op traced from ``*.layers.2.mlp.act_fn``,
+    found by the ``nn_module_stack`` Dynamo keeps on each node, not by tracedump's taps) is scaled
+    by 1.05 for every user, tracedump's tap included. A bug of the compiled program only: the eager
+    engine never runs this graph. Prints the node it changed (the test's premise)."""
+    import torch
+
+    nodes = [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and _module_path(node).endswith(SCALED_MODULE)
+    ]
+    if not nodes:
+        return
+    source = nodes[-1]
+    with graph.inserting_after(source):
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (source, 1.05))
+    scaled.meta.update(source.meta)
+    source.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    print(f"tracedump_vllm_testbug: post-grad pass scaled {source.name} ({source.target}) x1.05", flush=True)
+
+
+def _module_path(node) -> str:
+    """The innermost module a node was traced from (Dynamo's ``L['self'].layers.2.mlp.act_fn``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""

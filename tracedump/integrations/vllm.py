@@ -6,7 +6,8 @@ vLLM's internals, nothing patched. With it set:
 
 - in the process that builds the engine config, the engine is made eager (``enforce_eager``):
   compiled graphs and CUDA graphs run no forward hooks, so a dumped engine must not use them
-  (one warning when the user asked otherwise);
+  (one warning when the user asked otherwise); with ``TRACEDUMP_DUMP_COMPILED=1`` vLLM's
+  compilation stays on instead, its taps dumping the compiled program (docs/compiled.md);
 - in each worker, every model runner (V1's ``GPUModelRunner`` and the CPU/XPU runners built on
   it; the V2 runner where it is used) is instrumented when it is constructed:
 
@@ -137,7 +138,8 @@ def _auto_attach() -> Any:
 
 
 def _force_eager() -> None:
-    """Make the engine that this process configures eager: compiled and CUDA graphs run no hooks."""
+    """Wrap ``EngineArgs.create_engine_config`` so that the engine this process configures runs a
+    program the dump can see (:func:`_make_dumpable`)."""
     cls = _find_plain(*_ENGINE_ARGS)
     if cls is None or getattr(cls.create_engine_config, _MARK, False):
         return
@@ -145,16 +147,51 @@ def _force_eager() -> None:
 
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(self, "enforce_eager", True):
-            _warn(
-                "tracedump: dumping vLLM runs it eagerly (enforce_eager=True): torch.compile'd "
-                "and CUDA-graph forwards run no hooks"
-            )
-            self.enforce_eager = True
+        _make_dumpable(self)
         return original(self, *args, **kwargs)
 
     setattr(create_engine_config, _MARK, True)
     cls.create_engine_config = create_engine_config
+
+
+def _make_dumpable(engine_args: Any) -> None:
+    """The one decision on how a dumped engine runs, made on its ``EngineArgs``.
+
+    Without ``COMPILED=1``: eager (``enforce_eager=True``): compiled and CUDA-graph forwards run
+    no hooks (one warning when the user asked otherwise). With it: vLLM's compilation stays as
+    configured (on CPU: Dynamo + inductor), the graphs holding ``tracedump::tap`` ops; vLLM's
+    compile cache is off (``VLLM_DISABLE_COMPILE_CACHE=1``, inherited by the engine's processes),
+    since its key ignores hooks and an artifact compiled without taps would dump nothing; and CUDA
+    graphs are off (``cudagraph_mode=NONE``): no engine graph runner hands a replay's tap buffers
+    to the dump yet (docs/compiled.md)."""
+    if not _compiled_requested():
+        if not getattr(engine_args, "enforce_eager", True):
+            _warn(
+                "tracedump: dumping vLLM runs it eagerly (enforce_eager=True): torch.compile'd "
+                "and CUDA-graph forwards run no hooks (TRACEDUMP_DUMP_COMPILED=1 keeps compiling on)"
+            )
+            engine_args.enforce_eager = True
+        return
+    import os
+
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if getattr(engine_args, "enforce_eager", False):
+        return  # the user's eager engine: nothing compiled, nothing captured
+    config = getattr(engine_args, "compilation_config", None)
+    if isinstance(config, dict):
+        config["cudagraph_mode"] = "NONE"
+    elif config is not None and hasattr(config, "cudagraph_mode"):
+        from vllm.config import CUDAGraphMode
+
+        config.cudagraph_mode = CUDAGraphMode.NONE
+
+
+def _compiled_requested() -> bool:
+    """``TRACEDUMP_DUMP_COMPILED``, read by the settings' own rules (a bad value raises
+    :class:`~tracedump.ConfigError` naming it, before the engine starts)."""
+    from ..config.settings import load_settings
+
+    return bool(load_settings(None).compiled)
 
 
 def _record_weight_loads() -> None:
