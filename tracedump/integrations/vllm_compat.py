@@ -163,6 +163,7 @@ def logits_processors(model: Any) -> list[tuple[str, Any]]:
         and callable(getattr(module, HEAD_LOGITS, None))
     ]
 
+
 # ------------------------------------------------------------------ grafting (vllm_graft.py)
 
 # vLLM's decoder layers: ``forward(self, positions, hidden_states, residual, ...)``, returning
