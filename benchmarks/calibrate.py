@@ -1,6 +1,6 @@
 """Calibrate ``tracedump diff``'s verdict: detection and false alarms over model families and bugs.
 
-Builds tiny models of seventeen families (:data:`FAMILIES`) from configs (random weights, nothing
+Builds tiny models of sixteen families (:data:`FAMILIES`) from configs (random weights, nothing
 downloaded): a Llama (GQA, rotary), GPT2 (learned positions, LayerNorm), three MoE (Mixtral, whose
 router weights come out of an fp32 softmax; Qwen2-MoE with a shared expert; OLMoE), T5
 (encoder-decoder, ``wo`` kept in fp32 inside bf16 as HF does), a diffusers UNet run as a 25-step
