@@ -1,20 +1,26 @@
 """Calibrate ``tracedump diff``'s verdict: detection and false alarms over model families and bugs.
 
-Builds tiny models of seven families from configs (random weights, nothing downloaded): a Llama
-(GQA, rotary), GPT2 (learned positions, LayerNorm), three MoE (Mixtral, whose router weights come
-out of an fp32 softmax; Qwen2-MoE with a shared expert; OLMoE), T5 (encoder-decoder, ``wo`` kept
-in fp32 inside bf16 as HF does) and a diffusers UNet run as a 25-step DDIM loop (one pass per
-step). Each family is dumped
+Builds tiny models of sixteen families (:data:`FAMILIES`) from configs (random weights, nothing
+downloaded): a Llama (GQA, rotary), GPT2 (learned positions, LayerNorm), three MoE (Mixtral, whose
+router weights come out of an fp32 softmax; Qwen2-MoE with a shared expert; OLMoE), T5
+(encoder-decoder, ``wo`` kept in fp32 inside bf16 as HF does), a diffusers UNet run as a 25-step
+DDIM loop (one pass per step), the issue-23 families, and since issue 33 families the verdict was
+never tuned on: Phi3 (fused ``qkv_proj`` and ``gate_up_proj``), Bart (a second encoder-decoder) and
+Gemma2 with every kind of bug. Each family is dumped
 
 - clean, in fp32 and bf16, with eager and sdpa attention where the family has both;
 - with one planted bug in one middle layer, in fp32 and bf16 (see :attr:`Family.bugs`);
 
 and every case of :func:`cases` is compared with default flags (``--baseline`` where the case
-says so). The table it prints (and writes as JSON with ``--out``) is the one in
-``docs/comparator.md``; ``tests/test_compare_verdict.py`` runs a slice of it.
+says so), in every setting of :data:`SETTINGS` (ISA caps, seeds), each in a child process. Every
+row carries its ratio to its allowance (:func:`ratios`) and whether it meets issue 33's margins
+(clean <= 0.5x, bug >= 2x). The tables it prints (and writes as JSON with ``--out``) are the ones
+in ``docs/comparator.md``; ``tests/test_compare_verdict.py`` runs a slice of it.
 
-Run: ``python benchmarks/calibrate.py [--families llama,gpt2] [--out calibration.json]``
-(``make calibrate``). Dumps go to a temp dir that is deleted at the end.
+Run: ``python benchmarks/calibrate.py [--families llama,gpt2] [--settings native,capped]
+[--out calibration.json] [--markdown]`` (``make calibrate``: all of them, about half a minute to
+one minute a setting on one core). ``--merge A.json B.json ...`` makes one table of slices run one
+at a time. Dumps go to a temp dir that is deleted at the end.
 """
 
 from __future__ import annotations

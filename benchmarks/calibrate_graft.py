@@ -15,8 +15,14 @@ inside a leaf (a norm's eps); bugs in code between leaves (rotary, attention sca
 output scale) are invisible at leaf level by construction (docs/comparator.md) and marked "(not
 visible)" there. ``tests/test_graft*.py`` run Llama, Mixtral and T5 rows in CI.
 
-Run: ``python benchmarks/calibrate_graft.py [--families llama,t5] [--markdown] [--out FILE]``
-(``make calibrate`` runs it after ``calibrate.py``).
+Since issue 33: Phi3, Gemma2 and Bart too (:data:`DEFAULT_FAMILIES`), every setting of
+calibrate.py's ``SETTINGS`` (each a child process; ``--seed`` there is calibrate.py's model seed),
+and each row's ratio to its allowance and the margin goals, in calibrate.py's row form, so its
+settings table, summary and ``--merge`` serve both scripts.
+
+Run: ``python benchmarks/calibrate_graft.py [--families llama,t5] [--settings native,capped]
+[--markdown] [--out FILE]`` (``make calibrate`` runs it after ``calibrate.py``: about 20 s a
+setting on one core).
 """
 
 from __future__ import annotations
