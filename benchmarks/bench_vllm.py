@@ -397,7 +397,19 @@ def _compiled_variant(work: Path, quick: bool) -> dict[str, Any]:
         "generate_ms_min": 1e3 * min(rounds),
         "rounds_ms": [round(1e3 * r, 1) for r in rounds],
         "dumping": bool(os.environ.get("TRACEDUMP_DUMP_DIR")),
+        **_dump_counts(),
     }
+
+
+def _dump_counts() -> dict[str, int]:
+    """The passes the plugin's dumper opened and the taps that ran in compiled code (none: the
+    dump saw nothing of the compiled program)."""
+    from tracedump.dump.dumper import active_dumper
+
+    dumper = active_dumper()
+    if dumper is None:
+        return {"passes": 0, "taps": 0}
+    return {"passes": dumper.pass_index, "taps": dumper.taps.target.taps if dumper.taps is not None else 0}
 
 
 def main() -> None:
