@@ -48,7 +48,7 @@ def test_vllm_against_hf_with_no_flags_passes_and_shows_what_was_bridged(
             assert name in names, name
     assert all(t.get("bridge") for t in report["tensors"])
     assert summary["bridged"] == len(report["tensors"]) and summary["not_comparable"] == 0
-    logits = [t for t in report["tensors"] if t["name"] == "logits_processor"]
+    logits = [t for t in report["tensors"] if t["name"] == "logits_processor[raw]"]  # before any soft cap
     assert logits and all(t["name_b"] == "lm_head" and t["status"] == "ok" for t in logits)
     assert sum(len(t["per_token"]["positions"]) for t in logits) == 2 * 4  # 4 sampled tokens each
     for t in report["tensors"]:  # the premise of "exit 0": fp32 rounding, measured, not skipped

@@ -450,7 +450,7 @@ def _weightless(
                 _rule("skip", m + r"(\..*)?(\[\d+\])?(::call\d+)?", reason=ROTARY_REASON, id="rotary")
             )
         elif _is("logits", qualname):
-            rules.extend(_logits(module, pairing, other, classes_engine))
+            rules.extend(_logits(module, pairing, engine, other, classes_engine))
         elif _is("attention", qualname):
             consumer = _consumer(module, pairing, classes_engine)
             if consumer is not None:
@@ -559,7 +559,7 @@ def _scaled(
     return rules
 
 
-def _head(pairing: Pairing, engine: Holdings | None) -> str | None:
+def _head(pairing: Pairing, engine: Holdings) -> str | None:
     """The counterpart of the engine's output head (the module named ``lm_head``, whose forward
     the engine replaces by its logits processor)."""
     for module, counterpart in pairing.leaves.items():
@@ -569,7 +569,7 @@ def _head(pairing: Pairing, engine: Holdings | None) -> str | None:
 
 
 def _logits(
-    module: str, pairing: Pairing, other: Holdings, classes_engine: Mapping[str, str]
+    module: str, pairing: Pairing, engine: Holdings, other: Holdings, classes_engine: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """The logits: the head's output before the logits processor's soft cap and scale (recorded as
     ``<processor>[raw]``) against the other side's head module, the engine's ``lm_head`` or, where
@@ -578,7 +578,7 @@ def _logits(
     reason where ``[raw]`` was recorded; a dump without it (made before) compares it with the
     head as before, where the engine has an ``lm_head``."""
     m, raw = _esc(module), module + RAW_LOGITS
-    head = _head(pairing, None)
+    head = _head(pairing, engine)
     rules: list[dict[str, Any]] = []
     target = head or _tied_head(pairing, other, classes_engine)
     if target is not None:
