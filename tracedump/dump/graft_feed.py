@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["KEPT", "ZERO", "FeedRefused", "InputFeed", "fed_paths"]
+__all__ = ["KEPT", "ZERO", "InputFeed", "fed_paths"]
 
 ZERO = "0"  # fed_paths: this input is replaced by zeros of its own shape, dtype and device
 KEPT = "own"  # the manifest's graft.fed_inputs: this input kept the run's own value
@@ -36,7 +36,7 @@ KEPT = "own"  # the manifest's graft.fed_inputs: this input kept the run's own v
 _FIRST = re.compile(r"^\[([^\]]*)\](.*)$")
 
 
-class FeedRefused(Exception):
+class _FeedRefused(Exception):
     """A call an :class:`InputFeed` cannot feed (the message is the manifest's reason)."""
 
 
@@ -83,10 +83,10 @@ def _parameter(path: str, params: tuple[str, ...]) -> tuple[str, str]:
 def fed_paths(feed: InputFeed, own: Iterable[str], dumped: set[str]) -> tuple[dict[str, str], list[str]]:
     """For a call whose tensor inputs are at ``own`` (paths as a key spells them, ``[1]``), with
     the reference's inputs at ``dumped``: ``(own path -> reference path, or ZERO)`` and the own
-    paths kept as they are. Raises :class:`FeedRefused` (the reason) when the module is refused,
+    paths kept as they are. Raises :class:`_FeedRefused` (the reason) when the module is refused,
     when an input to take has no reference tensor, or when nothing would be taken."""
     if feed.refuse is not None:
-        raise FeedRefused(feed.refuse)
+        raise _FeedRefused(feed.refuse)
     fed: dict[str, str] = {}
     kept: list[str] = []
     for path in own:
@@ -98,7 +98,7 @@ def fed_paths(feed: InputFeed, own: Iterable[str], dumped: set[str]) -> tuple[di
             found = next((c for c in candidates if c in dumped), None)
             if found is None:
                 listed = ", ".join(sorted(dumped)) or "none"
-                raise FeedRefused(
+                raise _FeedRefused(
                     f"input {param} ({path}) takes the reference's {' or '.join(candidates)}, which it "
                     f"did not dump (it dumped: {listed})"
                 )
@@ -107,5 +107,5 @@ def fed_paths(feed: InputFeed, own: Iterable[str], dumped: set[str]) -> tuple[di
             kept.append(path)
     if not any(source != ZERO for source in fed.values()):
         wanted = ", ".join(feed.take) or "none"
-        raise FeedRefused(f"no input of this call is one the feed takes from the reference ({wanted})")
+        raise _FeedRefused(f"no input of this call is one the feed takes from the reference ({wanted})")
     return fed, kept
