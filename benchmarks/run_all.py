@@ -234,6 +234,11 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("vllm", "off_ratio_min", "x"),
         ("vllm", "full_ratio_min", "x"),
         ("vllm", "register_off_us", "us"),
+        ("compiled", "eager_dump_ratio", "x"),
+        ("compiled", "eager_dump_host_ratio", "x"),
+        ("compiled", "compiled_dump_ratio", "x"),
+        ("compiled", "compiled_dump_host_ratio", "x"),
+        ("compiled", "compiled_taps_idle_ratio", "x"),
     ]
     rows = []
     for section, key, unit in shown:

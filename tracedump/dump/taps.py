@@ -34,6 +34,7 @@ Off (``COMPILED`` unset): nothing here runs; the op is registered by the first d
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
@@ -89,8 +90,11 @@ class TapTarget:
 
     def run(self, tensors: list[torch.Tensor], key: str) -> None:
         """One tap, at run time (inside the compiled code): the capture, or a pass edge."""
-        _, kind, name, paths = key.split(FIELD, 3)
-        if kind == "open":
+        _, kind, name, paths = _parsed(key)
+        if kind == "out" and not paths and len(tensors) == 1 and not stream_is_capturing():
+            self.taps += 1  # one tensor, the module's whole output: nothing to rebuild
+            self.capture(name, tensors[0], False)
+        elif kind == "open":
             args, kwargs = _rebuild_call(tensors, paths)
             self.open_pass(args, kwargs)
         elif kind == "close":
@@ -143,11 +147,18 @@ def _rebuild_call(tensors: list[torch.Tensor], paths: str) -> tuple[tuple[Any, .
     return tuple(args), kwargs
 
 
+@functools.lru_cache(maxsize=65536)
+def _parsed(key: str) -> tuple[int, str, str, str]:
+    """A tap's key taken apart: ``(serial, kind, name, paths)``. Cached: each key is a constant of
+    its graph, met again at every step (docs/performance.md, issue 35: the compiled path)."""
+    serial, kind, name, paths = key.split(FIELD, 3)
+    return int(serial), kind, name, paths
+
+
 def tap(tensors: list[torch.Tensor], key: str) -> None:
     """The op's implementation, on every device: hand the tensors to the dumper whose serial the
     key names. Never raises into the compiled program: a failure is reported by the dumper."""
-    serial = int(key.split(FIELD, 1)[0])
-    target = _TARGETS.get(serial)
+    target = _TARGETS.get(_parsed(key)[0])
     if target is None:
         return  # the dumper closed since this graph was compiled
     try:
