@@ -28,6 +28,7 @@ to a report that :mod:`.verdict` judged; it changes nothing for a dump that was 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,20 @@ from .bridge import Matcher
 from .bridge_rules import parse_bridge
 from .options import DiffOptions
 from .results import DiffReport, TensorResult
+from .shadow import ShadowKey, ShadowMeasure
 from .sources import Side, open_side
-from .verdict import K_LEAF, K_LEVEL, K_OP, judge_locally, local_allowance_of, local_judgeable
+from .verdict import (
+    K_LEAF,
+    K_LEVEL,
+    K_OP,
+    K_WEIGHTS,
+    ROUNDING_HEADROOM,
+    judge_locally,
+    judge_with_shadow,
+    local_allowance_of,
+    local_judgeable,
+    shadow_parts,
+)
 
 LEAVES = "leaves"
 ZERO_FED, KEPT_OWN = "0", "own"  # graft.fed_inputs: zeros, the run's own value (dump/graft_feed.py)
@@ -208,9 +221,15 @@ def refuse_grafted_alignment(options: DiffOptions) -> None:
 # ------------------------------------------------------------------------------------ judging
 
 
-def judge_local(report: DiffReport, side_a: Side, side_b: Side) -> list[TensorResult]:
+def judge_local(
+    report: DiffReport,
+    side_a: Side,
+    side_b: Side,
+    shadow: Callable[[], dict[ShadowKey, ShadowMeasure]] | None = None,
+) -> list[TensorResult]:
     """The report's results with every grafted tensor of A judged by its local error; unchanged
-    when A was not grafted. Adds the graft to the report's settings and notes."""
+    when A was not grafted. Adds the graft to the report's settings and notes. ``shadow``: measures
+    A's fp32 shadow (:func:`.shadow.measure_shadow`), called only when A was grafted."""
     infos = graft_infos(side_a)
     if graft_infos(side_b):
         report.notes.append(
@@ -225,12 +244,20 @@ def judge_local(report: DiffReport, side_a: Side, side_b: Side) -> list[TensorRe
     judged = []
     depth = _Depth()
     flipped_in = _flipped_in(report.results, infos, single)
+    shadows = _Shadows(shadow() if shadow is not None else {})
     for result in report.results:
         info = infos.get(result.root or "", single) if result.root is not None else single
         judged.append(
-            _judge(result, info, depth, flipped_in) if info is not None else _as_local(result, False)
+            _judge(result, info, depth, flipped_in, shadows) if info is not None else _as_local(result, False)
         )
     _summarise(report, judged, infos)
+    if shadows.measures:
+        report.notes.append(
+            f"fp32 shadow: {shadows.used} tensors judged by their shadow (logic: the shadow against the "
+            f"reference, within {K_WEIGHTS:g}x the weights' measured rounding; rounding: the run against "
+            f"its shadow, within {ROUNDING_HEADROOM:g}x the counting rule), {shadows.counted} by the "
+            "counting rule (no shadow, or a near-tie routing flip)"
+        )
     return judged
 
 
@@ -318,11 +345,37 @@ def a_key(name: str) -> Key | None:
     return keys[0] if all(k.module == keys[0].module and k.input == keys[0].input for k in keys) else None
 
 
+class _Shadows:
+    """The shadow's measures, and where the shadow routed otherwise than the reference (a
+    near-tie: from there on in that grafted module the shadow is not the reference's computation)."""
+
+    def __init__(self, measures: dict[ShadowKey, ShadowMeasure]) -> None:
+        self.measures = measures
+        self.routed_otherwise: set[tuple[int, str | None, str]] = set()
+        self.used = 0
+        self.counted = 0
+
+    def of(self, result: TensorResult, owner: str) -> tuple[ShadowMeasure | None, str | None]:
+        """(the measure to judge ``result`` by, or None; why not, when it has one it cannot use)."""
+        measure = self.measures.get((result.pass_index, result.root, result.name))
+        scope = (result.pass_index, result.root, owner)
+        if measure is not None and measure.routed_otherwise:
+            self.routed_otherwise.add(scope)
+        if measure is None or measure.logic is None or measure.rounding is None or measure.weights is None:
+            return None, None
+        if scope in self.routed_otherwise:
+            return None, "its shadow routed otherwise at a near-tie earlier in the grafted module"
+        if result.status in ("routing_flip", "not_judged") or result.after_flip is not None:
+            return None, "a near-tie routing flip reaches it: the shadow's routing is its own"
+        return measure, None
+
+
 def _judge(
     result: TensorResult,
     info: GraftInfo,
     depth: _Depth,
     flipped_in: dict[tuple[int, str | None, str | None], int] | None = None,
+    shadows: _Shadows | None = None,
 ) -> LocalResult:
     key = a_key(result.name)
     owner = info.owner(key.module) if key is not None else None
@@ -350,6 +403,25 @@ def _judge(
     )
     first_flip = (flipped_in or {}).get((result.pass_index, result.root, owner))
     flip_inside = first_flip is not None and first_flip < result.index
+    measure, why_not = shadows.of(result, owner) if shadows is not None else (None, None)
+    if measure is not None and not flip_inside:
+        assert measure.logic is not None and measure.rounding is not None and measure.weights is not None
+        assert shadows is not None
+        shadows.used += 1
+        parts = shadow_parts(result, allowance, measure.logic, measure.rounding, measure.weights)
+        shadow_source = (
+            f"local error: what {what} alone may add, split by its fp32 shadow: logic (the shadow vs "
+            "the reference) "
+            f"{parts.logic[0]:.3g} within {parts.logic[1]:.3g} ({K_WEIGHTS:g} x {parts.weights:.3g}, "
+            f"the weights' rounding measured on the shadow, + fp32's floor); rounding (the run vs its "
+            f"shadow) {parts.rounding[0]:.3g} within {parts.rounding[1]:.3g} ({ROUNDING_HEADROOM:g} x "
+            f"{allowance.roundings * tail:.3g} u^2 at {result.tolerance.precision}, {how})"
+        )
+        return _as_local(judge_with_shadow(result, parts, shadow_source), True, grafted_at=owner)
+    if shadows is not None and shadows.measures:
+        shadows.counted += 1
+        reason = why_not or "no shadow of this tensor"
+        source = f"{source[:-1]}; counting rule: {reason})"
     judged = judge_locally(result, allowance, source, flip_inside=flip_inside)
     return _as_local(judged, True, grafted_at=owner)
 

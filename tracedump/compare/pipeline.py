@@ -30,6 +30,7 @@ from .plan import Plan, Unmatched, Workspace, build_plan, short_list
 from .plot import check_available, write_plot
 from .report import bridge_summary, report_settings
 from .results import DiffReport, TensorResult
+from .shadow import measure_shadow
 from .sources import Side, open_side
 from .verdict import conclude, judge_all
 
@@ -94,7 +95,9 @@ def build_report(options: DiffOptions) -> DiffReport:
     report.flips = executor.flips
     noise = _baseline_noise(options, side_b, measured, report) if options.baseline is not None else None
     report.results = judge_all(measured, noise)
-    report.results = judge_local(report, side_a, side_b)  # a grafted A: each module's own error
+    report.results = judge_local(  # a grafted A: each module's own error, split by its fp32 shadow
+        report, side_a, side_b, lambda: measure_shadow(side_a, side_b, options, matcher)
+    )
     report.unused_rules = [
         str(rule)
         for rule in (*options.rtol_rules, *options.atol_rules)

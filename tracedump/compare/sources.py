@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import DumpReadError, UsageError
-from ..store.format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key, dtype_name
+from ..store.format import MODE_KEY, STATS_FILE, STATS_PARTIAL, Key, dtype_name, is_shadow_key
 from ..store.loader import (
     PassFile,
     Run,
@@ -82,6 +82,7 @@ class PassView:
         self._maps: dict[str, SafetensorsMap] = {}
         self._dict: dict[str, torch.Tensor] = {}
         self._stats: dict[str, dict[str, Any]] = {}
+        self.shadow: dict[str, EntryMeta] = {}  # shadow~KEY entries (dump/shadow.py), never paired
         found: list[tuple[int | None, str, EntryMeta]] = []
         if isinstance(tensors, PassFile):
             found.extend(self._index_pass_file(tensors))
@@ -106,6 +107,9 @@ class PassView:
             header = pass_file.header_of(name)
             self._maps[name] = maps[id(header)]
             info = header.tensors[name].info
+            if is_shadow_key(name):  # a grafted run's fp32 shadow: read by compare/shadow.py only
+                self.shadow[name] = EntryMeta("tensor", info.shape, info.dtype)
+                continue
             found.append((seq.get(name), name, EntryMeta("tensor", info.shape, info.dtype)))
         return found
 

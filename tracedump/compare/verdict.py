@@ -519,3 +519,75 @@ def judge_locally(
         noise=None,
         tolerance=replace(tolerance, source=source),
     )
+
+
+# ------------------------------------------------------------------------- grafted dumps: the fp32 shadow
+# A grafted run with its fp32 shadow (dump/shadow.py) splits each local tensor's error in two
+# (compare/shadow.py measures both): the logic (the shadow against the reference) and the rounding
+# (the run against its own shadow). Each is judged on its own allowance.
+
+K_WEIGHTS = 4.0  # x the measured effect of the weights' rounding on the shadow (the logic's noise)
+ROUNDING_HEADROOM = 4.0  # x the counting rule, for the run's rounding against its own shadow
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShadowParts:
+    """One local tensor's error, split by its shadow: each part's error and threshold."""
+
+    logic: tuple[float, float]  # (the shadow vs the reference, its allowance)
+    rounding: tuple[float, float]  # (the run vs its shadow, its allowance)
+    weights: float  # the measured effect of the weights' rounding (the logic's noise)
+
+
+def shadow_parts(
+    result: TensorResult,
+    allowance: LocalAllowance,
+    logic: tuple[float, float],
+    rounding: tuple[float, float],
+    weights: tuple[float, float],
+) -> ShadowParts:
+    """The two allowances of a tensor with a shadow, in the result's metric.
+
+    logic: ``K_WEIGHTS`` x the weights' measured rounding effect (x the size factor of
+    :func:`tail_factor`) plus fp32's own floor (``K_LEAF`` roundings at float32 and the fp32
+    accumulation over the last dim): the shadow and the reference compute the same code in float32,
+    so what is left is the weights' rounding to the run's dtype, and a bug.
+    rounding: ``ROUNDING_HEADROOM`` x the counting rule (:func:`local_allowance_of`): the run's own
+    rounding, which no logic bug changes; only a defect of the narrow dtype's path (an accumulation
+    in bf16, an overflow) reaches it."""
+    pick = 1 if result.tolerance.metric == "cosine" else 0
+    shape = result.shape_b or result.shape_a or ()
+    last = shape[-1] if shape else 1
+    floor = local_allowance("float32", last, K_LEAF)
+    logic_threshold = K_WEIGHTS * allowance.tail * weights[pick] + floor
+    return ShadowParts(
+        logic=(logic[pick], logic_threshold),
+        rounding=(rounding[pick], ROUNDING_HEADROOM * allowance.threshold),
+        weights=weights[pick],
+    )
+
+
+def judge_with_shadow(result: TensorResult, parts: ShadowParts, source: str) -> TensorResult:
+    """``result`` judged by its shadow: diverged when its logic or its rounding exceeds its own
+    allowance; the part nearest its allowance is the error and threshold shown (``source`` says
+    which, and both)."""
+    metrics, tolerance = result.metrics, result.tolerance
+    assert metrics is not None
+    logic_ok = parts.logic[0] <= parts.logic[1]
+    rounding_ok = parts.rounding[0] <= parts.rounding[1]
+    ok = (logic_ok and rounding_ok) or metrics.max_abs <= tolerance.atol
+    ok = ok and metrics.nonfinite_mismatch == 0
+    ratio = lambda part: part[0] / part[1] if part[1] > 0 else math.inf  # noqa: E731
+    error, threshold = parts.logic if ratio(parts.logic) >= ratio(parts.rounding) else parts.rounding
+    return replace(
+        result,
+        status="ok" if ok else "diverged",
+        error=error,
+        threshold=threshold,
+        basis="local",
+        noise=None,
+        message=None,
+        after_flip=None,
+        absorbed=None,
+        tolerance=replace(tolerance, source=source),
+    )

@@ -138,6 +138,15 @@ class DumpFields(BaseModel):
         description="With GRAFT_FROM: `PATTERN=REPL` rules (a JSON array, or one rule) that turn "
         "this model's module names into the reference's, as `tracedump diff --map`.",
     )
+    graft_shadow: Annotated[bool, BeforeValidator(parse_bool)] = Field(
+        True,
+        description="With GRAFT_FROM: each grafted call runs a second time in float32 (its inputs "
+        "the reference's own values, its weights upcast, on a hook-free copy), stored as "
+        "`shadow~KEY` beside each tensor, so `tracedump diff` judges the logic on the shadow "
+        "against the reference and the rounding on the run against its shadow "
+        "(docs/comparator.md). `0`: no shadow (less time: about 2 float32 forwards of each "
+        "grafted module more), each tensor judged by the counting rule.",
+    )
 
     ops: Annotated[str | None, BeforeValidator(parse_regex)] = Field(
         None,

@@ -48,6 +48,7 @@ from .recorder import Recorder, check_tag
 from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
+from .shadow import Shadow
 from .sinks import FileSink
 from .taps import TapHooks, TapTarget
 from .torch_compat import compiled_original
@@ -135,6 +136,8 @@ class Dumper:
         self.graft = self._grafter(model, settings) if settings.graft_from is not None else None
         if self.graft is not None:
             self.modules = self.graft.with_targets(self.modules)
+            if self.graft.shadow is not None:
+                self.graft.shadow.captured = {id(m): n for n, m in self.modules}
         self.shared = shared_names(names, self.modules)  # modules with several names (vLLM's rotary)
         fields = model_fields(model, self.root_label, self.modules, self.shared)
         self.model_class = str(fields["model_class"])  # one spelling, the manifest's
@@ -447,9 +450,22 @@ class Dumper:
             pass_index=self._graft_pass,
             warn=self.warn,
             where=settings.describe("graft_from"),
+            shadow=self._shadow(settings),
         )
         check_not_into_reference(settings.dir, grafter.reference, settings.graft_from)  # type: ignore[arg-type]
         return grafter
+
+    def _shadow(self, settings: DumpSettings) -> Shadow | None:
+        """GRAFT_SHADOW (on by default): each grafted call run again in float32 (:mod:`.shadow`),
+        its tensors recorded beside the real ones. Late-bound: the recorder does not exist yet."""
+        if not settings.graft_shadow:
+            return None
+        return Shadow(
+            record=lambda tag, tensor: self.record(tag, tensor),
+            quiet=lambda: self._ops_paused(),
+            captured={},
+            inputs=settings.inputs,
+        )
 
     def _graft_pass(self) -> int | None:
         """The pass a grafted call belongs to: this thread's open pass, if it is kept."""

@@ -121,6 +121,7 @@ def graft(
     modules: str = "all",
     filter: str | Iterable[str] | None = None,
     inputs: bool = True,
+    shadow: bool = True,
 ) -> Graft:
     """Run ``model`` with each grafted module fed the reference's captured inputs.
 
@@ -134,6 +135,8 @@ def graft(
         modules, filter: what is dumped, as ``MODULES`` and ``FILTER``; grafted modules are always
             dumped.
         inputs: also dump the inputs (the grafted ones), so a test can check they were replaced.
+        shadow: run each grafted call again in float32 (``GRAFT_SHADOW``, :mod:`.shadow`), so the
+            diff judges logic and rounding apart; False: the counting rule only.
 
     A bad reference, level or map raises :class:`tracedump.ConfigError` before any hook exists.
     """
@@ -148,6 +151,7 @@ def graft(
         "graft_from": str(reference),
         "graft_level": level,
         "graft_map": list(maps) or None,
+        "graft_shadow": shadow,
     }
     if filter is not None:
         settings["filter"] = [filter] if isinstance(filter, str) else list(filter)

@@ -30,6 +30,7 @@ from .graft_feed import KEPT, ZERO, InputFeed, _FeedRefused, fed_paths
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
 from .recorder import leaf_path
 from .selection import display_name
+from .shadow import Shadow, fp32_inputs, shadow_applies, upcast
 from .torch_compat import compiled_in_place, compiled_original
 
 __all__ = ["LEAVES", "Grafter", "check_not_into_reference", "is_compiled", "parse_graft_map", "refuse_unsafe"]
@@ -251,8 +252,10 @@ class Grafter:
         pass_index: Callable[[], int | None] = lambda: None,
         warn: Callable[[str, str], None] | None = None,
         where: str = "the graft reference",
+        shadow: Shadow | None = None,
     ) -> None:
-        """``where``: the setting that named ``reference``, for the messages of its refusals."""
+        """``where``: the setting that named ``reference``, for the messages of its refusals;
+        ``shadow``: runs each grafted call again in float32 (:mod:`.shadow`), None: no shadow."""
         refuse_unsafe(model)
         self.given = Path(reference).expanduser()
         self.reference = _Reference(self.given, rank, root, where)
@@ -279,6 +282,7 @@ class Grafter:
         self.kept_own: dict[str, list[str]] = {}  # name -> inputs the reference has no tensor for
         self.feeds: dict[str, InputFeed] = {}  # name -> how its calls take the reference's inputs
         self.fed: dict[str, dict[str, str]] = {}  # name -> own input path -> reference path, 0, own
+        self.shadow = shadow
 
     # ---------------------------------------------------------------- choosing
 
@@ -334,6 +338,8 @@ class Grafter:
         for name, module in self.targets:
             hook = _GraftHook(self, name)
             self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            if self.shadow is not None:
+                self.handles.append(module.register_forward_hook(_ShadowHook(self.shadow, name)))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -350,6 +356,8 @@ class Grafter:
 
     def inputs_for(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The replaced ``(args, kwargs)`` for this call, or None to run on its own inputs."""
+        if self.shadow is not None and self.shadow.is_running():
+            return None  # the shadow's own run (a hook-free copy; nothing of it is grafted)
         with self._lock:
             pass_index = self._pass_index()
             if pass_index is None:
@@ -389,6 +397,7 @@ class Grafter:
         if name in self.feeds:
             return self._replaced_by_feed(self.feeds[name], pass_file, name, call, own, dumped, args, kwargs)
         new: dict[str, torch.Tensor] = {}
+        references: dict[str, tuple[torch.Tensor, str]] = {}  # flat -> (the reference's value, dtype)
         kept: list[str] = []
         for flat, tensor in own:
             path = leaf_path(flat, is_input=True)
@@ -398,6 +407,8 @@ class Grafter:
             key = key_text(ref_name, path, input=True, call=call)
             _check_pair(path, tensor, pass_file.info(key))
             new[flat] = cast_like(pass_file[key], tensor)
+            if self.shadow is not None:
+                references[flat] = (pass_file[key], pass_file.info(key).dtype)
         if not new:
             listed = ", ".join(sorted(dumped))
             raise _NotGrafted(f"no input of this call lines up with the reference's ({listed})")
@@ -405,6 +416,8 @@ class Grafter:
             self.kept_own.setdefault(name, sorted(kept))
         new_args = _replace(tuple(args), input_prefix(), new)
         new_kwargs = {k: _replace(v, input_prefix(k), new) for k, v in kwargs.items()}
+        if self.shadow is not None:
+            self._prepare_shadow(name, call, (args, kwargs), dict(own), references)
         return new_args, new_kwargs
 
     # ---------------------------------------------------------------- correspondence
@@ -469,6 +482,31 @@ class Grafter:
         new_kwargs = {k: _replace(v, input_prefix(k), new) for k, v in kwargs.items()}
         return new_args, new_kwargs
 
+    def _prepare_shadow(
+        self,
+        name: str,
+        call: int,
+        call_inputs: tuple[tuple[Any, ...], dict[str, Any]],
+        own: dict[str, torch.Tensor],
+        references: dict[str, tuple[torch.Tensor, str]],
+    ) -> None:
+        """The shadow's inputs of this call (:mod:`.shadow`): each grafted input the reference's own
+        value in float32, every other float input upcast; or the reason no shadow runs."""
+        assert self.shadow is not None
+        floats = [(flat, value) for flat, value in references.items() if own[flat].is_floating_point()]
+        why = next(
+            (w for flat, (_, dtype) in floats if (w := shadow_applies(own[flat], dtype)) is not None),
+            None if floats else "no float input was grafted",
+        )
+        if why is not None:
+            self.shadow.skip(why)
+            return
+        fresh = {flat: fp32_inputs(value, own[flat]) for flat, (value, _) in references.items()}
+        args, kwargs = call_inputs
+        shadow_args = upcast(_replace(tuple(args), input_prefix(), fresh))
+        shadow_kwargs = {k: upcast(_replace(v, input_prefix(k), fresh)) for k, v in kwargs.items()}
+        self.shadow.prepare(name, call, shadow_args, shadow_kwargs)
+
     def _not_grafted(self, name: str, pass_index: int, call: int, reason: str) -> None:
         self.not_grafted_count[name] += 1
         listed = self.not_grafted.setdefault(name, [])
@@ -513,6 +551,7 @@ class Grafter:
                 name: {"calls": self.not_grafted_count[name], "listed": listed}
                 for name, listed in self.not_grafted.items()
             },
+            **({"shadow": self.shadow.summary()} if self.shadow is not None else {}),
         }
 
 
@@ -530,3 +569,19 @@ class _GraftHook:
 
     def __repr__(self) -> str:
         return f"GraftHook({self.name!r})"
+
+
+class _ShadowHook:
+    """The forward hook of one grafted module: its call returned, run its fp32 shadow."""
+
+    __slots__ = ("name", "shadow")
+
+    def __init__(self, shadow: Shadow, name: str) -> None:
+        self.shadow = shadow
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.shadow.after(self.name, module)
+
+    def __repr__(self) -> str:
+        return f"ShadowHook({self.name!r})"

@@ -140,6 +140,19 @@ INPUT_MARK = "@in"
 """What a module input's key says after the module's name (``name@in[0]``, ``name@in[kw]``): the
 one spelling of it, for the keys, the hooks that flatten a call's inputs and the grafter."""
 
+SHADOW_PREFIX = "shadow~"
+"""A grafted run's fp32 shadow of the capture ``KEY`` is stored under ``shadow~KEY`` in the same
+pass file (:mod:`tracedump.dump.shadow`); the comparator pairs it by ``KEY``, never by itself."""
+SHADOW_NOISE_PREFIX = "shadow-noise~"
+"""``shadow-noise~KEY``: float64 ``[rel_diff, 1 - cosine]`` of the shadow of ``KEY`` with its
+weights moved within the run dtype's rounding, against the shadow: the logic check's allowance."""
+
+
+def is_shadow_key(name: str) -> bool:
+    """A shadow's entry (:data:`SHADOW_PREFIX`, :data:`SHADOW_NOISE_PREFIX`): not a capture of its own."""
+    return name.startswith((SHADOW_PREFIX, SHADOW_NOISE_PREFIX))
+
+
 _KEY = re.compile(
     rf"(?P<module>.+?)(?P<input>{re.escape(INPUT_MARK)})?"
     r"(?P<path>(?:\[[^\]]*\])*)(?:::call(?P<call>[1-9]\d*))?",

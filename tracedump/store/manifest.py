@@ -47,6 +47,13 @@ class NotGrafted(_Record):
     listed: list[NotGraftedCall] = []
 
 
+class ShadowRecord(_Record):
+    """``graft.shadow``: the fp32 shadow of the grafted calls (``dump/shadow.py``)."""
+
+    shadowed_calls: dict[str, int] = {}
+    not_shadowed: dict[str, int] = {}  # reason -> calls
+
+
 class GraftRecord(_Record):
     """The ``graft`` entry a grafted run writes (``dump/grafter.py`` ``Grafter.summary``)."""
 
@@ -62,6 +69,7 @@ class GraftRecord(_Record):
     feeds: dict[str, str] = {}
     fed_inputs: dict[str, dict[str, str]] = {}
     not_grafted: dict[str, NotGrafted] = {}
+    shadow: ShadowRecord | None = None
 
 
 class Integration(_Record):
@@ -196,6 +204,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "ControlRecord",
     "GraftRecord",
+    "ShadowRecord",
     "Integration",
     "ManifestModel",
     "OrderEntry",
