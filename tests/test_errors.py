@@ -26,6 +26,7 @@ def test_every_error_is_under_the_one_root_and_still_a_value_error() -> None:
         "ConfigError",
         "DumpReadError",
         "FormatVersionError",
+        "GraftFeedRefused",
         "LimitError",
         "OrderError",
         "SequenceError",

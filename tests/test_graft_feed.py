@@ -19,7 +19,8 @@ from torch import nn
 
 import tracedump
 from tracedump.compare import compare
-from tracedump.dump.graft_feed import ZERO, InputFeed, _FeedRefused, fed_paths
+from tracedump.dump.graft_feed import ZERO, InputFeed, fed_paths
+from tracedump.errors import GraftFeedRefused
 from tracedump.integrations.vllm_graft import graft_feeds
 from tracedump.store.correspondence import Correspondence, Load, module_counterparts
 
@@ -43,12 +44,12 @@ def test_a_feed_takes_by_parameter_zeroes_the_residual_and_keeps_the_rest() -> N
 
 
 def test_a_feed_refuses_a_refused_module_a_missing_input_and_a_call_with_nothing_to_take() -> None:
-    with pytest.raises(_FeedRefused, match="attention op"):
+    with pytest.raises(GraftFeedRefused, match="attention op"):
         fed_paths(InputFeed(refuse="the attention op"), ["[0]"], {"[0]"})
     feed = InputFeed(params=("x", "residual"), take={"x": ("[0]",)}, zero=frozenset({"residual"}))
-    with pytest.raises(_FeedRefused, match=r"input x \(\[0\]\) takes the reference's \[0\]"):
+    with pytest.raises(GraftFeedRefused, match=r"input x \(\[0\]\) takes the reference's \[0\]"):
         fed_paths(feed, ["[0]", "[1]"], {"[weight]"})
-    with pytest.raises(_FeedRefused, match="no input of this call"):
+    with pytest.raises(GraftFeedRefused, match="no input of this call"):
         fed_paths(feed, ["[1]"], {"[0]"})  # only the residual: nothing from the reference
 
 

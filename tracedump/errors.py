@@ -65,12 +65,18 @@ class OrderError(TracedumpError):
     """An arm/disarm order the CLI refuses, or a control file a dumper ignores (says why)."""
 
 
+class GraftFeedRefused(TracedumpError):
+    """A grafted module cannot take the reference's inputs as its integration describes them (the
+    reason: the grafter lists the call as not grafted with it, never raised into a forward)."""
+
+
 __all__ = [
     "BridgeError",
     "ConfigError",
     "DumpReadError",
     "ExitCode",
     "FormatVersionError",
+    "GraftFeedRefused",
     "LimitError",
     "OrderError",
     "SequenceError",

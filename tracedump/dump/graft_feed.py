@@ -28,16 +28,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..errors import GraftFeedRefused
+
 __all__ = ["KEPT", "ZERO", "InputFeed", "fed_paths"]
 
 ZERO = "0"  # fed_paths: this input is replaced by zeros of its own shape, dtype and device
 KEPT = "own"  # the manifest's graft.fed_inputs: this input kept the run's own value
 
 _FIRST = re.compile(r"^\[([^\]]*)\](.*)$")
-
-
-class _FeedRefused(Exception):
-    """A call an :class:`InputFeed` cannot feed (the message is the manifest's reason)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +81,10 @@ def _parameter(path: str, params: tuple[str, ...]) -> tuple[str, str]:
 def fed_paths(feed: InputFeed, own: Iterable[str], dumped: set[str]) -> tuple[dict[str, str], list[str]]:
     """For a call whose tensor inputs are at ``own`` (paths as a key spells them, ``[1]``), with
     the reference's inputs at ``dumped``: ``(own path -> reference path, or ZERO)`` and the own
-    paths kept as they are. Raises :class:`_FeedRefused` (the reason) when the module is refused,
+    paths kept as they are. Raises :class:`GraftFeedRefused` (the reason) when the module is refused,
     when an input to take has no reference tensor, or when nothing would be taken."""
     if feed.refuse is not None:
-        raise _FeedRefused(feed.refuse)
+        raise GraftFeedRefused(feed.refuse)
     fed: dict[str, str] = {}
     kept: list[str] = []
     for path in own:
@@ -98,7 +96,7 @@ def fed_paths(feed: InputFeed, own: Iterable[str], dumped: set[str]) -> tuple[di
             found = next((c for c in candidates if c in dumped), None)
             if found is None:
                 listed = ", ".join(sorted(dumped)) or "none"
-                raise _FeedRefused(
+                raise GraftFeedRefused(
                     f"input {param} ({path}) takes the reference's {' or '.join(candidates)}, which it "
                     f"did not dump (it dumped: {listed})"
                 )
@@ -107,5 +105,5 @@ def fed_paths(feed: InputFeed, own: Iterable[str], dumped: set[str]) -> tuple[di
             kept.append(path)
     if not any(source != ZERO for source in fed.values()):
         wanted = ", ".join(feed.take) or "none"
-        raise _FeedRefused(f"no input of this call is one the feed takes from the reference ({wanted})")
+        raise GraftFeedRefused(f"no input of this call is one the feed takes from the reference ({wanted})")
     return fed, kept

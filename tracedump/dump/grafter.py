@@ -22,11 +22,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..config.reference import reference_problem
-from ..errors import ConfigError, DumpReadError
+from ..errors import ConfigError, DumpReadError, GraftFeedRefused
 from ..store.correspondence import Correspondence, module_counterparts, read_correspondence
 from ..store.format import dtype_name, key_text
 from .cuda import stream_is_capturing
-from .graft_feed import KEPT, ZERO, InputFeed, _FeedRefused, fed_paths
+from .graft_feed import KEPT, ZERO, InputFeed, fed_paths
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
 from .recorder import leaf_path
 from .selection import display_name
@@ -463,7 +463,7 @@ class Grafter:
         tensors = {leaf_path(flat, is_input=True): (flat, tensor) for flat, tensor in own}
         try:
             fed, kept = fed_paths(feed, tensors, dumped)
-        except _FeedRefused as why:
+        except GraftFeedRefused as why:
             raise _NotGrafted(str(why)) from None
         ref_name = self.reference_name(name)
         new: dict[str, torch.Tensor] = {}
