@@ -1,4 +1,9 @@
-"""``tracedump diff A B --align tokens``: compare sequences, not passes.
+"""``tracedump diff A B --align tokens``: compare sequences, not passes (the token planner).
+
+:func:`plan_tokens` makes the same kind of :class:`.plan.Plan` as the pass planner: a unit per
+sequence pair, each tensor pair's :class:`.plan.Rows` naming the positions to gather; the one
+executor gathers and measures them (routing flips included), :func:`baseline_plan` gives
+``--baseline`` the same rows of C, and the one verdict judges them.
 
 A batching engine's step holds rows of several requests; the reference runs one request per
 forward (or ``generate()``, one pass per token). Here every tensor's rows of one sequence are
