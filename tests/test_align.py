@@ -99,7 +99,7 @@ def test_against_hf_generate_one_pass_per_token(dumps: dict[str, Path]) -> None:
     pairs = report.alignment[0]["pairs"]  # type: ignore[index]
     assert pairs[0] == [0, 0]  # generate(): a prefill pass, then one pass per token, all sequence 0
     assert report.exit_code == 0
-    seq0 = [r for r in report.results if r.root and r.root.startswith("seq 0")]
+    seq0 = [r for r in report.results if r.sequence and r.sequence.startswith("seq 0")]
     positions = {r.shape_a[0] for r in seq0 if r.name != "lm_head"}
     assert positions == {14}  # 11 prompt tokens and 3 decoded ones were fed
     logits = next(r for r in seq0 if r.name == "lm_head")  # generate() keeps the last row's logits

@@ -341,3 +341,57 @@ def test_capture_copies_like_attach_lifting_a_sync_debug_mode(monkeypatch: pytes
         cap.run(torch.ones(1, 2))
     assert modes == [0, 2, 0, 2]  # lifted for each copy, and put back
     assert torch.equal(cap["1"].outputs[0], model(torch.ones(1, 2)))
+
+
+def _dumper_api() -> set[str]:
+    """The public methods and properties of ``Dumper`` (its instance attributes, such as
+    ``rundir`` or ``recorder``, are its internals)."""
+    tree = ast.parse((PACKAGE / "dump" / "dumper.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Dumper")
+    return {
+        n.name
+        for n in cls.body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and not n.name.startswith("_")
+    } | {"__enter__", "__exit__"}
+
+
+def _is_dumper(node: ast.AST) -> bool:
+    """``dumper``, ``self.dumper``, ``root.dumper``: an expression naming a Dumper."""
+    return (isinstance(node, ast.Name) and node.id == "dumper") or (
+        isinstance(node, ast.Attribute) and node.attr == "dumper"
+    )
+
+
+def _dumper_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, attribute) of every attribute an integration reads of a Dumper, ``getattr`` included."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _is_dumper(node.value):
+            uses.append((node.lineno, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and node.args
+            and _is_dumper(node.args[0])
+        ):
+            named = len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+            uses.append((node.lineno, str(node.args[1].value) if named else "?"))
+    return uses
+
+
+def test_integrations_call_only_public_dumper_methods() -> None:
+    """Issue 32: the vLLM plugin calls only ``Dumper``'s public methods, never its internals
+    (``rundir``, ``recorder``, ``hooks`` …), so the dump side can change inside without breaking
+    an engine integration."""
+    api = _dumper_api()
+    assert {"step", "set_batch", "close", "note_integration", "count_skipped", "report_error"} <= api
+    assert not api & {"rundir", "recorder", "hooks", "sink"}
+    used: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE / "integrations").glob("*.py")):
+        for line, attr in _dumper_uses(path):
+            used.setdefault(attr, []).append(f"{path.name}:{line}")
+    private = {attr: where for attr, where in used.items() if attr not in api}
+    assert not private, f"integrations/ reach into Dumper internals: {private}"
+    # the scan sees the plugin's calls (a scan that finds nothing proves nothing)
+    assert {"step", "set_batch", "note_integration", "count_skipped", "report_error"} <= set(used)

@@ -131,10 +131,10 @@ def test_the_padded_batch_pairs_with_the_prompts_run_alone_and_padding_is_never_
     measured = [t for t in report["tensors"] if t["status"] == "ok"]
     assert len(measured) > 40
     # only real positions were compared: sequence 1 holds 5 (3 prompt + 2 fed back), never a pad
-    rows_of_1 = {t["shape_a"][0] for t in measured if t["root"] == "seq 1" and t["name"] != "lm_head"}
+    rows_of_1 = {t["shape_a"][0] for t in measured if t["sequence"] == "seq 1" and t["name"] != "lm_head"}
     assert rows_of_1 == {len(PROMPTS[1]) + NEW_TOKENS - 1}
     # logits: one row per sequence and step (generate keeps the last position's), never a pad's
-    logits = next(t for t in measured if t["root"] == "seq 1" and t["name"] == "lm_head")
+    logits = next(t for t in measured if t["sequence"] == "seq 1" and t["name"] == "lm_head")
     assert logits["shape_a"][0] == NEW_TOKENS
 
 
@@ -202,7 +202,8 @@ def test_a_right_padded_forward_pairs_with_each_prompt_alone(llama: nn.Module, t
     assert [b.seq_ids for b in single.batches().values()] == [(0,) * 5, (1,) * 3]
     code, report = _diff(tmp_path, tmp_path / "right", tmp_path / "alone")
     assert code == 0, report["summary"]
-    assert {t["shape_a"][0] for t in report["tensors"] if t["root"] == "seq 1" and t["status"] == "ok"} == {3}
+    ok_in_1 = [t for t in report["tensors"] if t["sequence"] == "seq 1" and t["status"] == "ok"]
+    assert {t["shape_a"][0] for t in ok_in_1} == {3}
 
 
 def test_set_batch_takes_the_same_grid_and_only_hf_models_get_a_layout(llama: nn.Module) -> None:
@@ -279,5 +280,5 @@ def test_a_padded_hf_batch_lines_up_with_a_packed_engines_flat_rows(tmp_path: Pa
     code, report = _diff(tmp_path, tmp_path / "engine", tmp_path / "hf")
     assert code == 0, report["summary"]
     assert report["summary"]["alignment"][0]["pairs"] == [[0, 0], [1, 1], [2, 2]]
-    rows = {t["root"]: t["shape_a"][0] for t in report["tensors"] if t["name"] == "model.layers.1.mlp"}
+    rows = {t["sequence"]: t["shape_a"][0] for t in report["tensors"] if t["name"] == "model.layers.1.mlp"}
     assert rows == {f"seq {r.seq_id}": len(r.tokens) - 1 for r in served}  # every fed position, no pad

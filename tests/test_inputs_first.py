@@ -85,7 +85,7 @@ def test_a_different_first_token_is_reported_before_any_number(
         assert out.index(line) < out.index("DIVERGED") < out.index("tensors in ")
         assert "model.embed_tokens" in diverged
     else:  # by sequence, nothing fed another token is compared: seq 1 differs at position 0
-        assert not diverged and {t["root"] for t in report["tensors"]} == {"seq 0"}
+        assert not diverged and {t["sequence"] for t in report["tensors"]} == {"seq 0"}
 
 
 def test_a_doubled_bos_is_found_at_the_position_it_shifts(

@@ -32,7 +32,7 @@ def test_vllm_against_hf_with_no_flags_passes_and_shows_what_was_bridged(
     assert code == 0, bad
     assert summary["bridge"]["name"] == "derived from the weight load"
     assert len(summary["alignment"][0]["pairs"]) == 2  # both requests, compared by sequence
-    tensors = {(t["root"], t["name"]): t for t in report["tensors"]}
+    tensors = {(t["sequence"], t["name"]): t for t in report["tensors"]}
     names = {name for _, name in tensors}
     for layer in range(4):  # every layer's fused, tuple and deferred-residual tensors, bridged
         p = f"model.layers.{layer}"
@@ -190,7 +190,7 @@ def test_a_bug_that_flips_a_greedy_token_is_named_at_its_layer_and_step(
     assert change["after"] == first
     assert f"greedy output changed at seq {change['sequence']} (B: 0) position {position}: " in out
     assert "after the first divergence at seq " in out and "model.layers.1.mlp" in out
-    seq0 = [t for t in report["tensors"] if t["root"].startswith(f"seq {change['sequence']} ")]
+    seq0 = [t for t in report["tensors"] if t["sequence"].startswith(f"seq {change['sequence']} ")]
     assert seq0 and all(
         max(t["per_token"]["positions"]) < position for t in seq0
     )  # nothing fed another token
@@ -206,7 +206,7 @@ def test_preemption_with_recompute_compares_the_recomputation(
     recomputed = {s: q.recomputed for s, q in tracedump.open_dump(preempted.dir).run().sequences().items()}
     assert any(recomputed.values()), recomputed  # the premise: 5 KV blocks for 3 requests of 70 tokens
     code, out, report = diff(tmp_path, preempted.dir, hf_dump("preempt", *shape))
-    bad = [(t["root"], t["name"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
+    bad = [(t["sequence"], t["name"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"][:5]
     assert code == 0, bad
     assert len(report["summary"]["alignment"][0]["pairs"]) == 3
     assert "(preemption with recompute): its recomputation is compared" in out
@@ -261,7 +261,7 @@ def test_a_crashed_step_is_reported_and_its_pass_not_compared_whole(
     assert "the dump is incomplete: step 2 raised RuntimeError" in out
     assert "pass 2 was cut short (its step raised)" in out
     for t in report["tensors"]:  # step 2 fed positions 6 and 4: nothing from there on is compared
-        assert max(t["per_token"]["positions"]) < (6 if t["root"].startswith("seq 0") else 4), t["name"]
+        assert max(t["per_token"]["positions"]) < (6 if t["sequence"].startswith("seq 0") else 4), t["name"]
 
 
 def test_pass_is_honoured_by_sequence_and_coverage_is_said_first(
@@ -273,7 +273,7 @@ def test_pass_is_honoured_by_sequence_and_coverage_is_said_first(
     assert coverage["fraction"] >= 0.8 and coverage["compared"] <= coverage["reference"]
     sequences = tracedump.open_dump(clean_dump.dir).run().sequences()
     for t in report["tensors"]:  # only the rows A's step 1 computed
-        seq = sequences[t["root"].split()[1]]
+        seq = sequences[t["sequence"].split()[1]]
         assert {seq.rows[p][0] for p in t["per_token"]["positions"]} == {1}, t["name"]
     code, out = _diff_code(clean_dump.dir, hf_dump("generate"), "--pass", "99")
     assert code == 2 and "--pass 99: A has no such step" in out

@@ -1,4 +1,9 @@
-"""``tracedump diff A B --align tokens``: compare sequences, not passes.
+"""``tracedump diff A B --align tokens``: compare sequences, not passes (the token planner).
+
+:func:`plan_tokens` makes the same kind of :class:`.plan.Plan` as the pass planner: a unit per
+sequence pair, each tensor pair's :class:`.plan.Rows` naming the positions to gather; the one
+executor gathers and measures them (routing flips included), :func:`baseline_plan` gives
+``--baseline`` the same rows of C, and the one verdict judges them.
 
 A batching engine's step holds rows of several requests; the reference runs one request per
 forward (or ``generate()``, one pass per token). Here every tensor's rows of one sequence are
@@ -31,17 +36,22 @@ import numpy as np
 
 from ..errors import SequenceError, UsageError
 from ..store.sequences import Batch, RowCut, SeqId, Sequence, sequence_rows, sequences
-from .bridge import Expr, Matcher, matcher_for
+from .bridge import Expr, Matcher
 from .coverage import CoverageCount
 from .inputs import sequence_finding
 from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
 from .notes import truncated_passes
 from .options import DiffOptions
 from .plan import (
+    Gathered,
+    PairPlan,
     Plan,
+    Rows,
     Unit,
     Unmatched,
+    Workspace,
     bridged_pairs,
+    causal_attention,
     not_comparable_message,
     pair_roots,
     pair_tolerance,
@@ -50,11 +60,9 @@ from .plan import (
     side_entries,
 )
 from .reader import Stored
-from .report import bridge_summary, report_settings
-from .results import DiffReport, TensorResult
-from .sources import PassView, RootGroup, Side, open_side
+from .results import DiffReport, Findings
+from .sources import PassView, RootGroup, Side
 from .unshard import SideEntry, assemble
-from .verdict import conclude, judge_all
 
 
 @dataclass(kw_only=True)
@@ -74,9 +82,12 @@ class _SideSequences:
         return self.views[index], self.entries[index]
 
     def close(self) -> None:
+        """Close every pass opened; a later :meth:`view` opens it again (``--baseline`` reads B's
+        rows once more after the executor closed them)."""
         for views in self.views.values():
             for view in views:
                 view.close()
+        self.views, self.entries = {}, {}
 
     @property
     def declared(self) -> bool:
@@ -233,7 +244,7 @@ def _held(
 
 def _rows(
     side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
-) -> tuple[Stored | None, str | None, str | None]:
+) -> Gathered:
     """The rows of ``expr`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
     why they cannot be gathered (:func:`~tracedump.store.sequences.sequence_rows` says which)."""
     dtypes: list[tuple[str, str | None]] = []  # per pass: the values' dtype, and the one shown
@@ -323,128 +334,304 @@ def _cut_truncated(which: str, side: _SideSequences) -> list[str]:
     return notes
 
 
-def build_aligned_report(
-    options: DiffOptions,
-    side_a: Side | None = None,
-    side_b: Side | None = None,
-    matcher: Matcher | None = None,
-) -> DiffReport:
-    side_a = side_a if side_a is not None else open_side("A", options.a, options)
-    side_b = side_b if side_b is not None else open_side("B", options.b, options)
-    matcher = matcher if matcher is not None else matcher_for(options, side_a, side_b)
+def plan_tokens(
+    options: DiffOptions, side_a: Side, side_b: Side, matcher: Matcher
+) -> tuple[Plan, SequenceWorkspace, TokenFindings]:
+    """The token planner: every sequence pair of every root pair becomes one unit of a
+    :class:`.plan.Plan`, each of its tensor pairs a :class:`.plan.PairPlan` whose
+    :class:`.plan.Rows` say which positions (and A's steps) to gather, so that the one executor
+    measures it (routing flips, per-token errors) and the one verdict judges it. Before any
+    number: the sequences paired, and the tokens fed that differ (a pair is planned only before
+    the first of them)."""
     root_pairs, roots_only_a, roots_only_b = pair_roots(side_a, side_b)
-    found = _Found()
-    inputs_differ: list[dict[str, Any]] = []
-    output_changed: list[dict[str, Any]] = []
-    alignments: list[Alignment] = []
-    opened: list[_SideSequences] = []
-    side_c = open_side("baseline", options.baseline, options) if options.baseline is not None else None
+    labelled = len(root_pairs) > 1
+    workspace = SequenceWorkspace(options=options)
+    findings = TokenFindings()
+    builder = _PlanBuilder(options=options, matcher=matcher, workspace=workspace, findings=findings)
     try:
         for group_a, group_b in root_pairs:
             seq_a, seq_b = _read_side(side_a, group_a), _read_side(side_b, group_b)
-            opened += [seq_a, seq_b]
-            if side_c is not None:
-                found.baseline = _baseline_of(side_c, group_b, seq_b)
-                opened.append(found.baseline[0])
+            workspace.opened += [seq_a, seq_b]
             _check_passes(options, seq_a)
-            notes = _recompute_notes("A", seq_a) + _recompute_notes("B", seq_b)
-            notes += _cut_truncated("A", seq_a) + _cut_truncated("B", seq_b)
-            matched_by, pairs, children = _pair_sequences(seq_a, seq_b)
-            paired_a = {a for a, _ in pairs}
-            paired_b = {b for _, b in pairs}
-            if children:
-                notes.append(
-                    f"{len(children)} sequence(s) of A share their prompt with a B sequence another of "
-                    f"A's took (parallel sampling, n > 1): {', '.join(map(str, children[:10]))}; "
-                    "listed as only in A, never paired by order"
-                )
-            alignments.append(
-                Alignment(
-                    matched_by=matched_by,
-                    pairs=tuple(pairs),
-                    only_in_a=tuple(s for s in seq_a.sequences if s not in paired_a),
-                    only_in_b=tuple(s for s in seq_b.sequences if s not in paired_b),
-                    notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by) + notes),
-                )
-            )
-            for name_a, name_b in pairs:
-                sequence_a, sequence_b = seq_a.sequences[name_a], seq_b.sequences[name_b]
-                finding = sequence_finding(name_a, name_b, sequence_a, sequence_b)
-                if finding is not None:  # nothing fed a different token is compared: cut before it
-                    (inputs_differ if finding["kind"] == "prompt" else output_changed).append(finding)
-                    sequence_a = sequence_a.before(finding["position"])
-                    sequence_b = sequence_b.before(finding["position"])
-                    previous = sequence_a.rows.get(finding["position"] - 1)
-                    finding["step"] = previous[0] if previous is not None else None
-                _compare_sequence(options, matcher, found, seq_a, seq_b, sequence_a, sequence_b)
-    finally:
-        for side in opened:
-            side.close()
-    if not found.results and not inputs_differ:
+            root = group_a.label if labelled else None
+            _plan_root_pair(builder, seq_a, seq_b, root, causal_attention(group_a, group_b))
+    except BaseException:
+        workspace.close()
+        raise
+    alignments = findings.alignments
+    if not builder.pairs and not findings.inputs_differ:
+        workspace.close()
         why = "no sequence is on both sides" if not any(a.pairs for a in alignments) else "no name in common"
         if options.passes is not None and any(a.pairs for a in alignments):
             why = f"no row of A's steps {options.passes} is held by both sides"
         raise UsageError(f"nothing comparable with --align tokens: {why}")
     plan = Plan(
-        units=tuple(found.units),
-        pairs=(),
-        only_in_a=tuple(found.only_a),
-        only_in_b=tuple(found.only_b),
+        units=tuple(builder.units),
+        pairs=tuple(builder.pairs),
+        only_in_a=tuple(builder.only_a),
+        only_in_b=tuple(builder.only_b),
         passes_only_in_a=(),
         passes_only_in_b=(),
         roots_only_in_a=tuple(roots_only_a),
         roots_only_in_b=tuple(roots_only_b),
     )
-    report = DiffReport(
-        a=side_a.describe(), b=side_b.describe(), settings=report_settings(options), plan=plan
+    return plan, workspace, findings
+
+
+def _plan_root_pair(
+    builder: _PlanBuilder, seq_a: _SideSequences, seq_b: _SideSequences, root: str | None, causal: bool | None
+) -> None:
+    """One root pair: its sequences paired (and what the summary must say of them), then each
+    pair cut before the first token the two sides were fed differently, and planned."""
+    findings = builder.findings
+    notes = _recompute_notes("A", seq_a) + _recompute_notes("B", seq_b)
+    notes += _cut_truncated("A", seq_a) + _cut_truncated("B", seq_b)
+    matched_by, pairs, children = _pair_sequences(seq_a, seq_b)
+    paired_a = {a for a, _ in pairs}
+    paired_b = {b for _, b in pairs}
+    if children:
+        notes.append(
+            f"{len(children)} sequence(s) of A share their prompt with a B sequence another of "
+            f"A's took (parallel sampling, n > 1): {', '.join(map(str, children[:10]))}; "
+            "listed as only in A, never paired by order"
+        )
+    findings.alignments.append(
+        Alignment(
+            matched_by=matched_by,
+            pairs=tuple(pairs),
+            only_in_a=tuple(s for s in seq_a.sequences if s not in paired_a),
+            only_in_b=tuple(s for s in seq_b.sequences if s not in paired_b),
+            notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by) + notes),
+        )
     )
-    report.bridge = bridge_summary(matcher)
-    report.inputs_differ = inputs_differ
-    report.output_changed = output_changed
-    report.coverage = found.coverage.finish(found.results)
-    if side_c is not None:
-        measured = [r for r in found.results if r.metrics is not None]
-        if measured and not found.noise:
-            raise UsageError(
-                f"--baseline {options.baseline}: no tensor of it lines up with B by sequence "
-                "(is it a rerun of the reference? the same prompts, B's names)"
+    for name_a, name_b in pairs:
+        sequence_a, sequence_b = seq_a.sequences[name_a], seq_b.sequences[name_b]
+        finding = sequence_finding(name_a, name_b, sequence_a, sequence_b)
+        if finding is not None:  # nothing fed a different token is compared: cut before it
+            (findings.inputs_differ if finding["kind"] == "prompt" else findings.output_changed).append(
+                finding
             )
-        if len(found.noise) < len(measured):
-            report.notes.append(
-                f"--baseline: {len(measured) - len(found.noise)} of {len(measured)} tensor pairs have no "
-                f"counterpart in {options.baseline}: judged by the error upstream instead"
-            )
-    report.results = judge_all(found.results, found.noise if side_c is not None else None)
-    in_time = conclude(report, found.steps_of).first_in_time
-    if in_time is not None:
-        alignments[0] = replace(alignments[0], first=in_time.to_json())
-    for change in output_changed:  # the cause, named before its consequence
-        change["after"] = in_time.to_json() if in_time is not None else None
-    report.alignment = [a.to_json() for a in alignments]
-    report.alignment_lines = [_describe(a) for a in alignments]
-    return report
+            sequence_a = sequence_a.before(finding["position"])
+            sequence_b = sequence_b.before(finding["position"])
+            previous = sequence_a.rows.get(finding["position"] - 1)
+            finding["step"] = previous[0] if previous is not None else None
+        builder.plan_sequence(seq_a, seq_b, sequence_a, sequence_b, root, causal)
 
 
 @dataclass(kw_only=True)
-class _Found:
-    """What the sequence pairs of every root pair gave, in order."""
+class TokenFindings:
+    """What the token planner found besides the plan: how sequences paired, the tokens fed that
+    differ, and the reference's coverage."""
 
-    results: list[TensorResult] = field(default_factory=list)
-    steps_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # result index -> A's step of each row
-    units: list[Unit] = field(default_factory=list)
-    only_a: list[Unmatched] = field(default_factory=list)
-    only_b: list[Unmatched] = field(default_factory=list)
-    baseline: tuple[_SideSequences, dict[SeqId, SeqId]] | None = None  # C's sequences, B's seq -> C's
-    noise: dict[int, float] = field(default_factory=dict)  # result index -> err(C, B) on its rows
+    alignments: list[Alignment] = field(default_factory=list)
+    inputs_differ: list[dict[str, Any]] = field(default_factory=list)
+    output_changed: list[dict[str, Any]] = field(default_factory=list)
     coverage: CoverageCount = field(default_factory=CoverageCount)
 
+    @staticmethod
+    def steps_of(plan: Plan) -> dict[int, tuple[int, ...]]:
+        """A result's index (its pair's) -> A's step of each of its rows (for ``first_in_time``)."""
+        return {index: pair.rows.steps for index, pair in enumerate(plan.pairs) if pair.rows is not None}
 
-def _baseline_of(
-    side_c: Side, group_b: RootGroup, seq_b: _SideSequences
-) -> tuple[_SideSequences, dict[SeqId, SeqId]]:
-    """``--baseline C`` with ``--align tokens``: C is a rerun of the reference B, so its sequences
-    pair with B's (by seq id, tokens or order, as A's do) and its names are B's."""
+    def finish(self, report: DiffReport, findings: Findings) -> None:
+        """The alignment as the report shows it, with the first divergence in time; each changed
+        output names the cause before its consequence."""
+        in_time = findings.first_in_time
+        alignments = list(self.alignments)
+        if in_time is not None:
+            alignments[0] = replace(alignments[0], first=in_time.to_json())
+        for change in self.output_changed:
+            change["after"] = in_time.to_json() if in_time is not None else None
+        report.alignment = [a.to_json() for a in alignments]
+        report.alignment_lines = [_describe(a) for a in alignments]
+
+
+@dataclass(kw_only=True)
+class _SequencePair:
+    """One unit of a token plan: the two sides' sequences whose rows its pairs gather."""
+
+    side_a: _SideSequences
+    side_b: _SideSequences
+    sequence_a: Sequence
+    sequence_b: Sequence
+
+
+@dataclass(kw_only=True)
+class SequenceWorkspace(Workspace):
+    """The token plan's open files: each side's passes, opened once for every sequence that
+    reads them (closed at the end, not per unit), and each unit's sequences."""
+
+    options: DiffOptions
+    units: list[_SequencePair] = field(default_factory=list)
+    opened: list[_SideSequences] = field(default_factory=list)
+
+    def close_unit(self, unit: int) -> None:
+        """Nothing: a pass holds rows of several sequences, so it stays open until :meth:`close`."""
+
+    def close(self) -> None:
+        for side in self.opened:
+            side.close()
+        self.opened = []
+
+    def gather(self, pair: PairPlan) -> tuple[Gathered, Gathered]:
+        assert pair.rows is not None
+        unit = self.units[pair.unit]
+        positions = list(pair.rows.positions)
+        return (
+            _rows(unit.side_a, unit.sequence_a, pair.rows.a, positions, self.options),
+            _rows(unit.side_b, unit.sequence_b, pair.rows.b, positions, self.options),
+        )
+
+
+@dataclass(kw_only=True)
+class _PlanBuilder:
+    """The units and pairs of a token plan as they are planned, sequence pair by sequence pair."""
+
+    options: DiffOptions
+    matcher: Matcher
+    workspace: SequenceWorkspace
+    findings: TokenFindings
+    units: list[Unit] = field(default_factory=list)
+    pairs: list[PairPlan] = field(default_factory=list)
+    only_a: list[Unmatched] = field(default_factory=list)
+    only_b: list[Unmatched] = field(default_factory=list)
+
+    def plan_sequence(
+        self,
+        side_a: _SideSequences,
+        side_b: _SideSequences,
+        sequence_a: Sequence,
+        sequence_b: Sequence,
+        root: str | None,
+        causal: bool | None,
+    ) -> None:
+        """One pair of sequences at the positions both hold (with ``--pass``, those A's chosen
+        steps computed): one unit, each bridged tensor pair one :class:`.plan.PairPlan`."""
+        options = self.options
+        seq_a, seq_b = sequence_a.seq_id, sequence_b.seq_id
+        positions = [
+            p
+            for p in sequence_a.positions
+            if p in sequence_b.rows and (options.passes is None or sequence_a.rows[p][0] in options.passes)
+        ]
+        if not positions:
+            return
+        label = f"seq {seq_a}" if seq_a == seq_b else f"seq {seq_a} (B: {seq_b})"
+        first_step, step_b = sequence_a.rows[positions[0]][0], sequence_b.rows[positions[0]][0]
+        unit = len(self.units)
+        self.units.append(Unit(root, first_step, step_b, causal=causal, sequence=label))
+        self.workspace.units.append(
+            _SequencePair(side_a=side_a, side_b=side_b, sequence_a=sequence_a, sequence_b=sequence_b)
+        )
+        self.workspace.views.append(([], []))  # rows are gathered, never read from one pass
+        precisions = (
+            run_precision(side_a.view(first_step, options)[0], side_a.group.declared_precision),
+            run_precision(side_b.view(step_b, options)[0], side_b.group.declared_precision),
+        )
+        entries_a = _entries_in_order(side_a, sequence_a, options)
+        entries_b = _entries_in_order(side_b, sequence_b, options)
+        pairs, only_a, only_b = bridged_pairs(
+            matcher=self.matcher,
+            entries_a=entries_a,
+            entries_b=entries_b,
+            options=options,
+            pass_index=first_step,
+            root=root,
+        )
+        self.only_a += [replace(u, sequence=label) for u in only_a]
+        self.only_b += [replace(u, sequence=label) for u in only_b]
+        scope = str(side_b.group.label)
+        coverage = self.findings.coverage
+        coverage.add_step(scope, entries_b, options.selected)
+        for bridged, entry_a, entry_b in pairs:
+            coverage.add_pair(len(self.pairs), scope, entry_b)
+            held = _held(side_a, sequence_a, bridged.a, positions, options)
+            held &= _held(side_b, sequence_b, bridged.b, positions, options)
+            rows_at = [p for p in positions if p in held] or positions
+            names = (bridged.a.label, bridged.b.label)
+            dtypes = (entry_a.meta.dtype, entry_b.meta.dtype)
+            rows = Rows(
+                a=bridged.a,
+                b=bridged.b,
+                positions=tuple(rows_at),
+                steps=tuple(sequence_a.rows[p][0] for p in rows_at),
+            )
+            planned = PairPlan(
+                unit=unit,
+                a=replace(entry_a, name=names[0]),
+                b=replace(entry_b, name=names[1]),
+                kind="tensor",
+                tolerance=pair_tolerance(options, names, dtypes, precisions),
+                bridge=bridged.describe(),
+                rows=rows,
+            )
+            if bridged.classes is not None:
+                planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
+            self.pairs.append(planned)
+
+
+def baseline_plan(
+    plan: Plan, workspace: SequenceWorkspace, side_c: Side
+) -> tuple[Plan, SequenceWorkspace, list[int]]:
+    """``--baseline C`` under ``--align tokens``: C is a rerun of the reference B, so each of the
+    plan's tensor pairs becomes one of C against B, B's expression read on both (C's names are
+    B's), at the same positions of the sequence C's run pairs with B's (by seq id, tokens or
+    order, as A's do). Returns that plan, its workspace, and each of its pairs' index in ``plan``
+    (pairs C does not hold at every position are left out: judged by the error upstream)."""
+    options = workspace.options
+    own = SequenceWorkspace(options=options)
     groups = {g.label: g for g in side_c.groups}
+    read: dict[int, tuple[_SideSequences, dict[SeqId, SeqId]]] = {}  # id(B's side) -> C's, B's seq -> C's
+    units: list[Unit] = []
+    pairs: list[PairPlan] = []
+    origin: list[int] = []
+    unit_of: dict[int, int | None] = {}
+    try:
+        for index, pair in enumerate(plan.pairs):
+            if pair.rows is None or pair.kind != "tensor":
+                continue
+            here = workspace.units[pair.unit]
+            if id(here.side_b) not in read:
+                read[id(here.side_b)] = _baseline_side(side_c, groups, here.side_b)
+                own.opened += [read[id(here.side_b)][0], here.side_b]
+            seq_c, by_b = read[id(here.side_b)]
+            if pair.unit not in unit_of:
+                unit_of[pair.unit] = _baseline_unit(plan.units[pair.unit], here, seq_c, by_b, units, own)
+            unit = unit_of[pair.unit]
+            if unit is None:
+                continue
+            sequence_c = own.units[unit].sequence_a
+            if any(p not in sequence_c.rows for p in pair.rows.positions):
+                continue
+            entry_c = pair.rows.b.entry(_entries_in_order(seq_c, sequence_c, options))
+            if entry_c is None:
+                continue
+            rows = replace(pair.rows, a=pair.rows.b)
+            pairs.append(replace(pair, unit=unit, a=replace(entry_c, name=pair.b.name), rows=rows))
+            origin.append(index)
+    except BaseException:
+        own.close()
+        raise
+    empty: tuple[Unmatched, ...] = ()
+    return (
+        Plan(
+            units=tuple(units),
+            pairs=tuple(pairs),
+            only_in_a=empty,
+            only_in_b=empty,
+            passes_only_in_a=(),
+            passes_only_in_b=(),
+        ),
+        own,
+        origin,
+    )
+
+
+def _baseline_side(
+    side_c: Side, groups: dict[str | None, RootGroup], seq_b: _SideSequences
+) -> tuple[_SideSequences, dict[SeqId, SeqId]]:
+    """C's sequences for B's root group, and B's seq id -> C's."""
+    group_b = seq_b.group
     group_c = groups.get(group_b.label) or (side_c.groups[0] if len(side_c.groups) == 1 else None)
     if group_c is None:
         raise UsageError(f"--baseline {side_c.path}: no root {group_b.label!r} (roots: {sorted(groups)})")
@@ -453,106 +640,25 @@ def _baseline_of(
     return seq_c, dict(pairs)
 
 
-def _baseline_noise(
-    found: _Found,
-    seq_b: SeqId,
-    expr: Expr,
-    positions: list[int],
-    rows_b: Stored,
-    metric: str,
-    options: DiffOptions,
-) -> float | None:
-    """err(C, B) of one pair's rows: C's rows of B's expression at the same positions of the
-    sequence C's run paired with B's, or None when C does not hold them alike."""
-    if found.baseline is None:
+def _baseline_unit(
+    unit: Unit,
+    here: _SequencePair,
+    seq_c: _SideSequences,
+    by_b: dict[SeqId, SeqId],
+    units: list[Unit],
+    own: SequenceWorkspace,
+) -> int | None:
+    """The unit of C against B for one unit of A against B (None when C holds no such sequence)."""
+    seq_id = by_b.get(here.sequence_b.seq_id)
+    sequence_c = seq_c.sequences.get(seq_id) if seq_id is not None else None
+    if sequence_c is None:
         return None
-    side_c, pairs = found.baseline
-    sequence_c = side_c.sequences.get(pairs.get(seq_b)) if seq_b in pairs else None
-    if sequence_c is None or any(p not in sequence_c.rows for p in positions):
-        return None
-    rows_c, _, why = _rows(side_c, sequence_c, expr, positions, options)
-    if rows_c is None or why is not None or rows_c.shape != rows_b.shape:
-        return None
-    metrics, _ = compare_by_row(rows_c, rows_b)
-    return metrics.one_minus_cosine if metric == "cosine" else metrics.rel_diff
-
-
-def _compare_sequence(
-    options: DiffOptions,
-    matcher: Matcher,
-    found: _Found,
-    side_a: _SideSequences,
-    side_b: _SideSequences,
-    sequence_a: Sequence,
-    sequence_b: Sequence,
-) -> None:
-    """Compare one pair of sequences at the positions both hold (with ``--pass``, those A's
-    chosen steps computed)."""
-    seq_a, seq_b = sequence_a.seq_id, sequence_b.seq_id
-    positions = [
-        p
-        for p in sequence_a.positions
-        if p in sequence_b.rows and (options.passes is None or sequence_a.rows[p][0] in options.passes)
-    ]
-    if not positions:
-        return
-    label = f"seq {seq_a}" if seq_a == seq_b else f"seq {seq_a} (B: {seq_b})"
-    first_step, step_b = sequence_a.rows[positions[0]][0], sequence_b.rows[positions[0]][0]
-    found.units.append(Unit(label, first_step, step_b))
-    precisions = (
-        run_precision(side_a.view(first_step, options)[0], side_a.group.declared_precision),
-        run_precision(side_b.view(step_b, options)[0], side_b.group.declared_precision),
+    units.append(replace(unit, pass_a=sequence_c.rows[sequence_c.positions[0]][0]))
+    own.units.append(
+        _SequencePair(side_a=seq_c, side_b=here.side_b, sequence_a=sequence_c, sequence_b=here.sequence_b)
     )
-    entries_a = _entries_in_order(side_a, sequence_a, options)
-    entries_b = _entries_in_order(side_b, sequence_b, options)
-    pairs, only_a, only_b = bridged_pairs(matcher, entries_a, entries_b, options, first_step, label)
-    found.only_a += only_a
-    found.only_b += only_b
-    scope = str(side_b.group.label)
-    found.coverage.add_step(scope, entries_b, options.selected)
-    for bridged, _, entry_b in pairs:
-        name, name_b = bridged.a.label, bridged.b.label
-        found.coverage.add_pair(len(found.results), scope, entry_b)
-        held = _held(side_a, sequence_a, bridged.a, positions, options)
-        held &= _held(side_b, sequence_b, bridged.b, positions, options)
-        rows_at = [p for p in positions if p in held] or positions
-        rows_a, dtype_a, why_a = _rows(side_a, sequence_a, bridged.a, rows_at, options)
-        rows_b, dtype_b, why_b = _rows(side_b, sequence_b, bridged.b, rows_at, options)
-        tolerance = pair_tolerance(options, (name, name_b), (dtype_a, dtype_b), precisions)
-        base = TensorResult(
-            index=len(found.results),
-            pass_index=first_step,
-            root=label,
-            name=name,
-            name_b=name_b,
-            kind="tensor",
-            shape_a=rows_a.shape if rows_a is not None else None,
-            shape_b=rows_b.shape if rows_b is not None else None,
-            dtype_a=dtype_a,
-            dtype_b=dtype_b,
-            status="measured",  # kept when the rows are measured, else replaced below
-            tolerance=tolerance,
-            metric=tolerance.metric,
-            token_dim=0,
-            positions=tuple(rows_at),
-            bridge=bridged.describe(),
-        )
-        found.steps_of[base.index] = tuple(sequence_a.rows[p][0] for p in rows_at)
-        if bridged.classes is not None:
-            result = replace(base, status="not_comparable", message=not_comparable_message(bridged))
-        elif rows_a is None or rows_b is None:
-            why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
-            result = replace(base, status="not_aligned", message=f"rows not compared: {why}")
-        elif rows_a.shape != rows_b.shape:
-            message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
-            result = replace(base, status="shape_mismatch", message=message)
-        else:
-            metrics, per_token = _measure_rows(rows_a, rows_b, len(rows_at))
-            result = replace(base, metrics=metrics, per_token=per_token)
-            noise = _baseline_noise(found, seq_b, bridged.b, rows_at, rows_b, tolerance.metric, options)
-            if noise is not None:
-                found.noise[base.index] = noise
-        found.results.append(result)
+    own.views.append(([], []))
+    return len(units) - 1
 
 
 def _measure_rows(rows_a: Stored, rows_b: Stored, tokens: int) -> tuple[TensorMetrics, tuple[float, ...]]:

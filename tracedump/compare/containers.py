@@ -94,9 +94,9 @@ def anchors(results: Sequence[TensorResult]) -> list[int]:
     out = list(range(len(results)))
     segment: list[int] = []  # positions of the current (pass, root)
     keys: list[Key | None] = []
-    current: tuple[int, str | None] | None = None
+    current: tuple[int, tuple[str | None, str | None]] | None = None
     for position, result in enumerate(results):
-        unit = (result.pass_index, result.root)
+        unit = (result.pass_index, result.scope)
         if unit != current:
             current, segment, keys = unit, [], []
         segment.append(position)

@@ -1,5 +1,10 @@
 """Execute stage: read each planned pair (one pair at a time), measure it, judge it.
 
+Both planners' plans run here: a pair of one pass reads its entries (:func:`.unshard.assemble`);
+a pair of a sequence (``--align tokens``) gathers its rows over the steps that computed them
+(:meth:`.plan.Workspace.gather`), tokens along dim 0. From there the two are measured alike:
+metrics, per-token errors, MoE routing flips and what they explain.
+
 Peak memory is a few chunks plus whatever a pair needs materialised: nothing for plain pass files
 (the arrays are views of the page cache), one joined tensor for ``--unshard cat``, a float64 sum
 for ``--unshard sum``. Each unit's files are closed as soon as its pairs are done.
@@ -64,6 +69,7 @@ class Executor:
             self._units_by_name.setdefault(pair.unit, {})[pair.a.name] = pair
         self._sequences: set[tuple[int, int]] = set()  # (batch, seq) of the unit's [batch, seq, hidden]
         self._causal: bool | None = None
+        self._one_sequence = False  # the unit is a sequence pair: its rows are one sequence's tokens
 
     def run(self) -> list[TensorResult]:
         results: list[TensorResult] = []
@@ -86,26 +92,55 @@ class Executor:
         self._unit_flips, self._tokens, self._sequences = [], None, set()
         self._by_name = self._units_by_name.get(unit, {})
         self._causal = self.plan.units[unit].causal
+        self._one_sequence = self.plan.units[unit].sequence is not None
 
     def _one(self, index: int, pair: PairPlan) -> TensorResult:
         unit = self.plan.units[pair.unit]
         views_a, views_b = self.workspace.views[pair.unit]
-        base = _planned(index, unit.pass_a, unit.pass_b, unit.root, pair)
+        base = replace(_planned(index, unit.pass_a, unit.pass_b, unit.root, pair), sequence=unit.sequence)
         if pair.kind not in ("tensor", "stats"):
             return replace(base, status=pair.kind, message=pair.message)
         try:
             if pair.kind == "stats":
                 return self._stats_pair(base, pair, views_a, views_b)
-            return self._tensor_pair(base, pair, views_a, views_b)
+            if pair.rows is not None:
+                return self._rows_pair(base, pair)
+            stored = assemble(pair.a, views_a), assemble(pair.b, views_b)
+            return self._tensor_pair(base, pair, stored, views_a, views_b)
         except (ValueError, OSError, RuntimeError) as e:
             return replace(base, status="error", message=f"{type(e).__name__}: {e}")
 
+    def _rows_pair(self, base: TensorResult, pair: PairPlan) -> TensorResult:
+        """``--align tokens``: one sequence's rows of the pair, gathered over the steps that
+        computed them, then measured as any tensor pair is (token rows along dim 0)."""
+        (rows_a, dtype_a, why_a), (rows_b, dtype_b, why_b) = self.workspace.gather(pair)
+        base = replace(
+            base,
+            shape_a=rows_a.shape if rows_a is not None else None,
+            shape_b=rows_b.shape if rows_b is not None else None,
+            dtype_a=dtype_a,
+            dtype_b=dtype_b,
+            token_dim=0,
+        )
+        if rows_a is None or rows_b is None:
+            why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
+            return replace(base, status="not_aligned", message=f"rows not compared: {why}")
+        if rows_a.shape != rows_b.shape:
+            message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
+            return replace(base, status="shape_mismatch", message=message)
+        return self._tensor_pair(base, pair, (rows_a, rows_b), [], [])
+
     def _tensor_pair(
-        self, base: TensorResult, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
+        self,
+        base: TensorResult,
+        pair: PairPlan,
+        stored: tuple[Stored, Stored],
+        views_a: list[PassView],
+        views_b: list[PassView],
     ) -> TensorResult:
-        stored_a, stored_b = assemble(pair.a, views_a), assemble(pair.b, views_b)
+        stored_a, stored_b = stored
         want_max_b = pair.tolerance.metric == "max_abs"
-        dim = self._token_dim(stored_a.shape, stored_b.shape)
+        dim = 0 if pair.rows is not None else self._token_dim(stored_a.shape, stored_b.shape)
         rows = None
         if dim is None:
             metrics = compare_arrays(stored_a, stored_b, want_max_b=want_max_b)
@@ -158,6 +193,8 @@ class Executor:
     def _sequence_length(self, tokens: int) -> int | None:
         """How long each sequence of the router's ``tokens`` is: from a ``[batch, seq, hidden]``
         tensor of the unit whose batch x seq is that count (one length, or none known)."""
+        if self._one_sequence:  # a sequence pair's rows: one sequence, in position order
+            return tokens
         lengths = {s for b, s in self._sequences if b * s == tokens}
         return lengths.pop() if len(lengths) == 1 else None
 
@@ -251,7 +288,8 @@ class Executor:
         views_a: list[PassView],
         views_b: list[PassView],
     ) -> TensorResult | None:
-        if not is_router_indices(pair.a.meta.shape, pair.a.meta.dtype, pair.b.meta.dtype):
+        shape = indices[0].shape if pair.rows is not None else pair.a.meta.shape  # gathered rows: theirs
+        if not is_router_indices(shape, pair.a.meta.dtype, pair.b.meta.dtype):
             return None
         if Key.parse(pair.a.name).input:  # a module's input indices (INPUTS=1) are no router's output
             return None
@@ -291,12 +329,20 @@ class Executor:
                 continue
             if Key.parse(name).input:  # INPUTS=1: the router's own input is no score
                 continue
-            shape = sibling.a.meta.shape
-            if shape is None or len(shape) < 2 or math.prod(shape[:-1]) != tokens or shape[-1] <= k:
-                continue
             if sibling.a.meta.dtype is None or not sibling.a.meta.dtype.startswith(("float", "bfloat")):
                 continue
-            return assemble(sibling.a, views_a), assemble(sibling.b, views_b)
+            if sibling.rows is not None:  # a sequence's rows: their shape is known once gathered
+                (a, _, _), (b, _, _) = self.workspace.gather(sibling)
+                if (
+                    a is not None
+                    and b is not None
+                    and a.shape == b.shape
+                    and _scores_shape(a.shape, tokens, k)
+                ):
+                    return a, b
+                continue
+            if _scores_shape(sibling.a.meta.shape, tokens, k):
+                return assemble(sibling.a, views_a), assemble(sibling.b, views_b)
         return None
 
     def _inside_flipped_block(
@@ -336,6 +382,11 @@ class Executor:
             stats=deltas,
             message=f"{worst}: {deltas[worst].a:.6g} vs {deltas[worst].b:.6g}" if worst else None,
         )
+
+
+def _scores_shape(shape: tuple[int, ...] | None, tokens: int, k: int) -> bool:
+    """Whether ``shape`` is a router's ``[tokens, experts]`` scores for ``k`` chosen experts."""
+    return shape is not None and len(shape) >= 2 and math.prod(shape[:-1]) == tokens and shape[-1] > k
 
 
 def _no_common_stats(stats_a: dict[str, float] | None, stats_b: dict[str, float] | None) -> str:
@@ -427,4 +478,5 @@ def _planned(index: int, pass_a: int, pass_b: int | None, root: str | None, pair
         unshard_a=pair.a.how,
         unshard_b=pair.b.how,
         bridge=pair.bridge,
+        positions=pair.rows.positions if pair.rows is not None else None,
     )

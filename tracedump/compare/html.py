@@ -167,8 +167,8 @@ _NOT_COMPARED = tuple(s.value for s in Status if s.not_compared)  # the order th
 # Keys of a tensor record the table shows in columns of its own; any other key (a later flag's)
 # is shown in the row's details cell, so nothing a result carries is lost from the page.
 _SHOWN = (
-    "index pass name name_b root kind shape_a shape_b dtype_a dtype_b max_abs mean_abs rel_diff cosine "
-    "sqnr_db argmax a_at_argmax b_at_argmax nan_a nan_b inf_a inf_b metric error tolerance rtol atol "
+    "index pass name name_b root sequence kind shape_a shape_b dtype_a dtype_b max_abs mean_abs rel_diff "
+    "cosine sqnr_db argmax a_at_argmax b_at_argmax nan_a nan_b inf_a inf_b metric error tolerance rtol atol "
     "tolerance_source status message basis noise x_noise per_token stats"
 )
 _SHOWN_KEYS = frozenset(_SHOWN.split())
@@ -208,7 +208,7 @@ class _Row:
     def name(self) -> str:
         name = str(self.data.get("name"))
         root = self.data.get("root")
-        return f"{root}:{name}" if root is not None and not self.aligned else name
+        return f"{root}:{name}" if root is not None else name
 
     @property
     def aligned(self) -> bool:
@@ -256,13 +256,13 @@ def _group(doc: dict[str, Any], lines: list[str]) -> _Page:
     units: dict[tuple[Any, Any], int] = {}
     counts: list[int] = []
     for data in doc["tensors"]:
-        key = (None if aligned else data.get("pass"), data.get("root"))
+        key = (None if aligned else data.get("pass"), data.get("root"), data.get("sequence"))
         if key not in units:
             units[key] = len(units)
             counts.append(0)
             root = data.get("root")
             if aligned:
-                page.units.append(str(root))
+                page.units.append(" ".join(str(part) for part in (root, data.get("sequence")) if part))
             else:
                 page.units.append(f"pass {data.get('pass')}" + (f" {root}" if root is not None else ""))
         unit = units[key]
@@ -1285,8 +1285,9 @@ def _unmatched(item: dict[str, Any]) -> str:
     text = f"pass {esc(item.get('pass'))}: <code>{esc(item.get('name'))}</code>"
     if item.get("mapped"):
         text += f" (as <code>{esc(item['mapped'])}</code>)"
-    if item.get("root"):
-        text += f" [{esc(item['root'])}]"
+    for where in ("root", "sequence"):
+        if item.get(where):
+            text += f" [{esc(item[where])}]"
     return text
 
 

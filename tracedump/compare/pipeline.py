@@ -3,8 +3,9 @@ plot, html).
 
 :func:`run` is what ``tracedump diff`` calls and returns the exit code; :func:`build_report` is the
 whole comparison without printing, which :func:`tracedump.compare.compare` calls for Python callers.
-``--align tokens`` goes to :mod:`.align` instead of the plan and executor; both end in
-:func:`.verdict.judge_all` and :func:`.verdict.conclude`.
+Two planners make one kind of plan: passes (:func:`.plan.build_plan`) or, with ``--align
+tokens``, sequences (:func:`.align.plan_tokens`); from there both go through the same executor
+(routing flips), ``--baseline``, :func:`.verdict.judge_all` and :func:`.verdict.conclude`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from ..store.fsio import write_output
 from ..util.console import printable
-from .align import build_aligned_report
+from .align import SequenceWorkspace, TokenFindings, baseline_plan, plan_tokens
 from .bridge import matcher_for
 from .coverage import CoverageCount, enforce, nothing_comparable
 from .display import print_report, progress_bar
@@ -71,40 +72,55 @@ def build_report(options: DiffOptions) -> DiffReport:
     ):
         # a grafted A was fed the reference's inputs pass by pass: compared pass by pass
         options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
+    tokens: TokenFindings | None = None
     if options.align == "tokens":
         refuse_grafted_alignment(options)
-        report = build_aligned_report(options, side_a, side_b, matcher)
-        report.settings["notes"] = side_notes(side_a) + side_notes(side_b)
-        return _covered(report, options)
-    plan, workspace = build_plan(side_a, side_b, options, matcher)
-    plan = _cut_short_leftovers(plan, side_a, side_b)
-    if not plan.pairs:
-        workspace.close()
-        raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
-    settings = report_settings(options)
-    if options.unshard:
-        settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
+        plan, workspace, tokens = plan_tokens(options, side_a, side_b, matcher)
+        settings = report_settings(options)
+        coverage = tokens.coverage
+    else:
+        plan, workspace = build_plan(side_a, side_b, options, matcher)
+        plan = _cut_short_leftovers(plan, side_a, side_b)
+        if not plan.pairs:
+            workspace.close()
+            raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
+        settings = report_settings(options)
+        if options.unshard:
+            settings["unshard_applied"] = any(
+                len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups
+            )
+        coverage = _plan_coverage(plan, workspace, options)
     settings["notes"] = side_notes(side_a) + side_notes(side_b)
     report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
     report.bridge = bridge_summary(matcher)
-    report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
-    coverage = _plan_coverage(plan, workspace, options)
+    if tokens is None:
+        report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
+    else:
+        report.inputs_differ, report.output_changed = tokens.inputs_differ, tokens.output_changed
     with progress_bar(plan, options.progress) as advance:
         executor = Executor(plan, workspace, advance)
         measured = executor.run()
     report.flips = executor.flips
-    noise = _baseline_noise(options, side_b, measured, report) if options.baseline is not None else None
+    noise = None
+    if options.baseline is not None:
+        if isinstance(workspace, SequenceWorkspace):
+            noise = _baseline_noise_by_sequence(options, plan, workspace, measured, report)
+        else:
+            noise = _baseline_noise(options, side_b, measured, report)
     report.results = judge_all(measured, noise)
-    report.results = judge_local(  # a grafted A: each module's own error, split by its fp32 shadow
-        report, side_a, side_b, lambda: measure_shadow(side_a, side_b, options, matcher)
-    )
+    if tokens is None:
+        report.results = judge_local(  # a grafted A: each module's own error, split by its fp32 shadow
+            report, side_a, side_b, lambda: measure_shadow(side_a, side_b, options, matcher)
+        )
     report.unused_rules = [
         str(rule)
         for rule in (*options.rtol_rules, *options.atol_rules)
         if not any(rule.matches(r.name, r.name_b) for r in report.results)
     ]
     report.coverage = coverage.finish(report.results)
-    conclude(report)
+    findings = conclude(report, tokens.steps_of(plan) if tokens is not None else None)
+    if tokens is not None:
+        tokens.finish(report, findings)
     return _covered(report, options)
 
 
@@ -185,6 +201,43 @@ def _baseline_noise(
         report.notes.append(
             f"--baseline: {missing} of {len(tensor_pairs)} tensor pairs have no counterpart in "
             f"{options.baseline}: judged by the error upstream instead"
+        )
+    return noise
+
+
+def _baseline_noise_by_sequence(
+    options: DiffOptions,
+    plan: Plan,
+    workspace: SequenceWorkspace,
+    measured: list[TensorResult],
+    report: DiffReport,
+) -> dict[int, float]:
+    """``--baseline C`` under ``--align tokens``: ``err(C, B)`` of each measured pair, on the rows
+    of the same positions of the sequence C's run pairs with B's (:func:`.align.baseline_plan`),
+    measured by the same executor as A against B (a near-tie flip of C's routers included)."""
+    assert options.baseline is not None
+    side_c = open_side("baseline", options.baseline, options)
+    plan_c, workspace_c, origin = baseline_plan(plan, workspace, side_c)
+    try:
+        results_c = Executor(plan_c, workspace_c, per_token=False).run()
+    finally:
+        workspace_c.close()
+    with_metrics = {r.index for r in measured if r.metrics is not None}
+    noise: dict[int, float] = {}
+    for index, result in zip(origin, results_c, strict=True):
+        if result.metrics is None or index not in with_metrics:
+            continue
+        rel_diff, one_minus_cosine = _noise_of(result)
+        noise[index] = one_minus_cosine if measured[index].tolerance.metric == "cosine" else rel_diff
+    if with_metrics and not noise:
+        raise UsageError(
+            f"--baseline {options.baseline}: no tensor of it lines up with B by sequence "
+            "(is it a rerun of the reference? the same prompts, B's names)"
+        )
+    if len(noise) < len(with_metrics):
+        report.notes.append(
+            f"--baseline: {len(with_metrics) - len(noise)} of {len(with_metrics)} tensor pairs have no "
+            f"counterpart in {options.baseline}: judged by the error upstream instead"
         )
     return noise
 

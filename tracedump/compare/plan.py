@@ -1,5 +1,10 @@
 """Plan stage: decide every comparison from metadata alone, before any tensor byte is read.
 
+Two planners make the one kind of :class:`Plan`: :func:`build_plan` here pairs passes (``--align
+passes``), :func:`.align.plan_tokens` pairs sequences (``--align tokens``: a unit is a sequence
+pair, and each pair's :class:`Rows` say which positions to gather over A's and B's steps). The one
+executor (:mod:`.execute`) measures either, and the one verdict judges it.
+
 Alignment is by (pass, name including ``::callN``) in A's capture order; A's names go through
 ``--map`` first. Roots pair by their manifest "root" label (a side with a single root pairs with the
 other side's single root whatever the labels). Shapes are compared after squeezing size-1 dims, so a
@@ -16,9 +21,10 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
 from ..store.format import last_row_dim
-from .bridge import PLAIN_REASONS, BridgedPair, Matcher, matcher_for, size_splits
+from .bridge import PLAIN_REASONS, BridgedPair, Expr, Matcher, matcher_for, size_splits
 from .ops_align import EXTRA_OP, ExtraOp, OpAlignment, align_ops, split_ops
 from .options import DiffOptions
+from .reader import Stored
 from .sources import PassView, RootGroup, Side
 from .tolerance import Tolerance, is_integer, pair_precision, resolve, resolve_stats
 from .unshard import SideEntry, plan_entry
@@ -26,12 +32,30 @@ from .unshard import SideEntry, plan_entry
 
 @dataclass(frozen=True)
 class Unit:
-    """One pass of one root pair: the comparisons inside it share their open files."""
+    """One pass of one root pair (or, under ``--align tokens``, one sequence pair: ``pass_a`` and
+    ``pass_b`` are the steps that hold its first compared position): the comparisons inside it
+    share their open files and one running error level."""
 
     root: str | None
     pass_a: int
     pass_b: int
     causal: bool | None = None  # both runs' attentions declared causal (the manifests' "attention")
+    sequence: str | None = None  # --align tokens: "seq 0", or "seq 0 (B: 3)" when B names it otherwise
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rows:
+    """``--align tokens``: what a pair gathers, the rows of each side's expression at
+    ``positions`` of its unit's sequences, and A's step that computed each row."""
+
+    a: Expr
+    b: Expr
+    positions: tuple[int, ...]
+    steps: tuple[int, ...]
+
+
+# a side's gathered rows, their dtype as shown, or why they cannot be gathered
+Gathered = tuple[Stored | None, str | None, str | None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +69,7 @@ class PairPlan:
     tolerance: Tolerance
     message: str | None = None
     bridge: str | None = None  # how the bridge made this pair (compare/bridge.py), None: by name
+    rows: Rows | None = None  # --align tokens: the rows to gather (None: the entries of one pass)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +81,14 @@ class Unmatched:
     name: str
     mapped: str | None = None
     reason: str = ""  # why it has no counterpart ("" for the plain case: no such name on the other side)
+    sequence: str | None = None  # --align tokens: the sequence pair it was looked for in
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {"pass": self.pass_index, "name": self.name}
         if self.root is not None:
             data["root"] = self.root
+        if self.sequence is not None:
+            data["sequence"] = self.sequence
         if self.mapped is not None and self.mapped != self.name:
             data["mapped"] = self.mapped
         if self.reason:
@@ -93,6 +121,10 @@ class Workspace:
     def close(self) -> None:
         for unit in range(len(self.views)):
             self.close_unit(unit)
+
+    def gather(self, pair: PairPlan) -> tuple[Gathered, Gathered]:
+        """A pair's rows of a sequence on each side (``--align tokens`` only)."""
+        raise TypeError("a plan of passes gathers no rows")
 
 
 def squeeze(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:

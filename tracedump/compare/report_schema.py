@@ -86,6 +86,11 @@ class TensorRecord(_Record):
     status: Status
     basis: str | None = Field(description="how the threshold was set: upstream | baseline | fixed | routing")
     root: str | None = Field(None, description="absent unless several roots are compared")
+    sequence: str | None = Field(
+        None,
+        description="--align tokens: the sequence pair compared ('seq 0', or 'seq 0 (B: 3)' when B "
+        "names it otherwise); absent under step alignment",
+    )
     stats: dict[str, StatDeltaRecord] | None = Field(None, description="stats pairs only")
     unshard: UnshardRecord | None = Field(None, description="absent unless a side was joined")
     bridge: str | None = Field(None, description="how the bridge paired it; absent: by name")
@@ -129,6 +134,7 @@ class FindingRecord(_Record):
     error: JsonNumber | None
     tolerance: JsonNumber | None
     root: str | None = None
+    sequence: str | None = Field(None, description="--align tokens: the sequence pair")
     message: str | None = None
 
 
@@ -145,6 +151,7 @@ class UnmatchedRecord(_Record):
     pass_: int = Field(alias="pass")
     name: str
     root: str | None = None
+    sequence: str | None = Field(None, description="--align tokens: the sequence pair it was looked for in")
     mapped: str | None = Field(None, description="the name --map or the bridge made of it")
     reason: str | None = Field(None, description="absent: no tensor of that name on the other side")
 

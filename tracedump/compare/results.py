@@ -131,11 +131,20 @@ class TensorResult:
     level_before: str | None = None  # a container's own output: explained by the level before this tensor
     bridge: str | None = None  # how the bridge paired it ("split -1 (rule 4: qkv)"); None: by name
     after_flip: AfterFlip | None = None  # downstream of a near-tie flip, outside its MoE block
+    # --align tokens: the sequence pair whose rows were compared (``seq 0``, ``seq 0 (B: 3)``)
+    sequence: str | None = None
 
     @property
     def label(self) -> str:
-        """The name as shown: ``root:name`` when several roots are compared."""
-        return f"{self.root}:{self.name}" if self.root else self.name
+        """The name as shown: ``root:name`` when several roots are compared, ``seq 0:name`` under
+        ``--align tokens``."""
+        return ":".join(part for part in (self.root, self.sequence, self.name) if part)
+
+    @property
+    def scope(self) -> tuple[str | None, str | None]:
+        """(root, sequence): the results that share one running error level, pass by pass (under
+        ``--align tokens`` each sequence pair is its own)."""
+        return self.root, self.sequence
 
     @property
     def dtype_differs(self) -> bool:
@@ -177,6 +186,8 @@ class TensorResult:
         }
         if self.root is not None:
             data["root"] = self.root
+        if self.sequence is not None:
+            data["sequence"] = self.sequence
         if self.stats is not None:
             data["stats"] = {name: delta.to_json() for name, delta in self.stats.items()}
         if self.unshard_a or self.unshard_b:
@@ -258,6 +269,8 @@ def _finding(result: TensorResult) -> dict[str, Any]:
     }
     if result.root is not None:
         data["root"] = result.root
+    if result.sequence is not None:
+        data["sequence"] = result.sequence
     if result.message:
         data["message"] = result.message
     return data
@@ -274,7 +287,7 @@ class FirstInTime:
     def to_json(self) -> dict[str, Any]:
         result, row = self.result, self.row
         return {
-            "sequence": result.root,
+            "sequence": result.sequence,
             "position": result.positions[row] if result.positions else row,
             "step": self.step,
             "name": result.name,

@@ -143,12 +143,12 @@ def judge_all(results: list[TensorResult], noise: dict[int, float] | None = None
     """Give every measured result its threshold and status, in execution order.
 
     ``noise`` maps a result's index to ``err(C, B)`` from the baseline run, when one was given."""
-    levels: dict[str | None, _Level] = {}
+    levels: dict[tuple[str | None, str | None], _Level] = {}
     judged: list[TensorResult] = []
     anchor = anchors(results)
     before: list[float] = []  # the running level of this result's pass and root, before it
     for position, result in enumerate(results):
-        level = levels.setdefault(result.root, _Level())
+        level = levels.setdefault(result.scope, _Level())
         level.enter(result.pass_index)
         before.append(level.in_pass)
         own = anchor[position]
@@ -337,10 +337,10 @@ def largest_growth(results: Sequence[TensorResult]) -> Growth | None:
     :data:`GROWTH_FLOOR` neither count as a jump nor set the running maximum.
     """
     running: float | None = None
-    unit_key: tuple[int, str | None] | None = None
+    unit_key: tuple[int, tuple[str | None, str | None]] | None = None
     for result in results:
-        if (result.pass_index, result.root) != unit_key:
-            unit_key, running = (result.pass_index, result.root), None
+        if (result.pass_index, result.scope) != unit_key:
+            unit_key, running = (result.pass_index, result.scope), None
         error = result.error
         if error is None or result.metric == "exact" or not math.isfinite(error) or error < GROWTH_FLOOR:
             continue

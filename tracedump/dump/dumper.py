@@ -272,6 +272,24 @@ class Dumper:
         self.graft.use_feeds(feeds)
         self.rundir.update(graft=self.graft.summary())
 
+    # ---------------------------------------------------------------- for integrations
+
+    def note_integration(self, name: str, version: str | None = None, **details: str) -> None:
+        """Say in the manifest's ``integration`` which engine integration attached this dumper
+        (``{"name": "vllm", "version": ..., "runner": ...}``): the comparator reads it to choose
+        ``--align tokens`` against a reference. Written like every manifest change (atomically)."""
+        self.rundir.update(integration={"name": name, "version": version, **details})
+
+    def count_skipped(self, reason: str, count: int = 1) -> None:
+        """Count work not dumped on purpose under ``reason`` (the engine's profile run), so the
+        manifest's ``skipped`` says it: nothing is left out silently."""
+        self.recorder.skipped[reason] += count
+
+    def report_error(self, where: str, error: Exception) -> None:
+        """A failure of the code around the model (an integration's bookkeeping), kept in the
+        manifest's ``errors`` and warned about once; never raises into the host."""
+        self.recorder.report(where, error)
+
     # ---------------------------------------------------------------- engine API
 
     def step(self) -> contextlib.AbstractContextManager[Dumper]:

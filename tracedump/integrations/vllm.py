@@ -330,9 +330,7 @@ class RunnerHooks:
             return
         if self.dumper is None:
             return
-        self.dumper.rundir.update(
-            integration={"name": "vllm", "version": _vllm_version(), "runner": type(runner).__name__}
-        )
+        self.dumper.note_integration("vllm", _vllm_version(), runner=type(runner).__name__)
         record = _loaded.pop(id(model), None)
         if record is None and len(_loaded) == 1:  # the runner holds the loaded model wrapped
             record = _loaded.popitem()[1]
@@ -497,7 +495,7 @@ class RunnerHooks:
         with self._lock:
             self._profile_depth += 1
             if self._profile_depth == 1:
-                dumper.skipped["profile"] += 1
+                dumper.count_skipped("profile")
         try:
             with tracedump.profiling():
                 yield
@@ -515,9 +513,8 @@ class RunnerHooks:
         return original(*args, **kwargs)
 
     def _report(self, where: str, error: Exception) -> None:
-        recorder = getattr(self.dumper, "recorder", None)
-        if recorder is not None:
-            recorder.report(f"vllm {where}", error)
+        if self.dumper is not None:
+            self.dumper.report_error(f"vllm {where}", error)
         else:
             _warn(f"tracedump: vLLM {where}: {error!r}")
 
