@@ -262,6 +262,12 @@ class Dumper:
         except Exception as e:
             self.rundir.report("correspondence", e)
 
+    @property
+    def grafted(self) -> bool:
+        """Whether this run feeds its modules a reference's inputs (``GRAFT_FROM``): an engine
+        integration describes its modules' inputs (:meth:`set_graft_feeds`) only then."""
+        return self.graft is not None
+
     def set_graft_feeds(self, feeds: Mapping[str, InputFeed]) -> None:
         """With ``GRAFT_FROM``: how some grafted modules take the reference's inputs when their
         signature is not the reference module's (an engine's decoder layer, a fused add + norm),

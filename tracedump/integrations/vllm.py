@@ -360,7 +360,7 @@ class RunnerHooks:
     def _set_graft_feeds(self, model: Any) -> None:
         """Grafted from an HF reference (``GRAFT_FROM``): how vLLM's decoder layers and fused add +
         norms take HF's inputs, and which leaves cannot (:mod:`.vllm_graft`)."""
-        if self.dumper.settings.graft_from is None:
+        if not self.dumper.grafted:
             return
         try:
             from .vllm_graft import graft_feeds
