@@ -355,12 +355,18 @@ class _Shadows:
         self.used = 0
         self.counted = 0
 
+    def see(self, result: TensorResult, owner: str) -> None:
+        """Every result of a grafted module, in execution order, judged locally or not (a router's
+        integer top-k is judged exactly, by its own rule): where the shadow's top-k differs from
+        the reference's, the rest of that grafted module is not the reference's computation."""
+        measure = self.measures.get((result.pass_index, result.root, result.name))
+        if measure is not None and measure.routed_otherwise:
+            self.routed_otherwise.add((result.pass_index, result.root, owner))
+
     def of(self, result: TensorResult, owner: str) -> tuple[ShadowMeasure | None, str | None]:
         """(the measure to judge ``result`` by, or None; why not, when it has one it cannot use)."""
         measure = self.measures.get((result.pass_index, result.root, result.name))
         scope = (result.pass_index, result.root, owner)
-        if measure is not None and measure.routed_otherwise:
-            self.routed_otherwise.add(scope)
         if measure is None or measure.logic is None or measure.rounding is None or measure.weights is None:
             return None, None
         if scope in self.routed_otherwise:
@@ -381,6 +387,8 @@ def _judge(
     owner = info.owner(key.module) if key is not None else None
     if key is None or owner is None:
         return _as_local(result, False)
+    if shadows is not None:
+        shadows.see(result, owner)
     ops = depth.after(result, key, owner, info)
     call = key.call if key.module == owner else None
     why = info.why_not(owner, result.pass_index, call)

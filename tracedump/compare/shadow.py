@@ -9,7 +9,8 @@ measures, with the pair's own pairing (bridge splits, unsharding, last-row cuts)
 - ``rounding``: the run against its own shadow, what the run's narrow dtype did;
 - ``logic``: the shadow against the reference, what the module's code does differently, plus the
   rounding of the weights to the run's dtype;
-- ``weights``: that weight rounding's size, measured on the shadow (``shadow-noise~KEY``);
+- ``weights``: that weight rounding's size, measured on the shadow (``shadow-noise~KEY``: the
+  largest of its draws);
 - ``routed_otherwise``: an integer tensor (a router's top-k) of the shadow that differs from the
   reference's: the shadow took other experts at a near-tie, so what follows in that grafted
   module is not judged by the shadow.
@@ -64,8 +65,12 @@ def _weights(entry: SideEntry, views: list[PassView]) -> tuple[float, float] | N
     """The weight rounding's size of a plain entry (one name, one rank); None for a derived one."""
     if entry.parts or len(views) != 1 or not _has(entry, SHADOW_NOISE_PREFIX, views):
         return None
-    values = np.asarray(views[0].array(SHADOW_NOISE_PREFIX + entry.name).array, dtype=np.float64).ravel()
-    return (float(values[0]), float(values[1])) if values.size == 2 else None
+    values = np.asarray(views[0].array(SHADOW_NOISE_PREFIX + entry.name).array, dtype=np.float64)
+    draws = values.reshape(-1, 2) if values.size and values.size % 2 == 0 else None
+    if draws is None or not np.isfinite(draws).all():
+        return None
+    largest = draws.max(axis=0)  # one draw (a dump before several) or the largest of several
+    return (float(largest[0]), float(largest[1]))
 
 
 def _measure(pair: PairPlan, views_a: list[PassView], views_b: list[PassView]) -> ShadowMeasure | None:
