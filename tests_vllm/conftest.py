@@ -251,5 +251,5 @@ def diff(tmp_path: Path, *args: str | Path) -> tuple[int, str, dict[str, Any]]:
         check=False,
         env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
     )
-    assert done.returncode in (0, 1), done.stderr
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
     return done.returncode, done.stdout, json.loads(report.read_text())

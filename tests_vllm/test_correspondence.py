@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PYTHON, SCRIPTS, OfflineRun
+from conftest import PYTHON, SCRIPTS, OfflineRun, diff
 
 FAMILIES = ["llama-tied", "phi3", "mixtral", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "qwen3-moe"]
 MIN_COVERAGE = 0.8  # every family, MoE included: the plugin records vLLM's routing (its top-k)
@@ -57,21 +56,6 @@ def family(
         return offline_dump(f"corr-{arch}", model=tiny_model(arch=arch)), hf_reference(arch)
 
     return make
-
-
-def diff(tmp_path: Path, *args: str | Path) -> tuple[int, str, dict[str, Any]]:
-    """``tracedump diff`` with no flag but the JSON report: exit code, printed report, JSON."""
-    report = tmp_path / f"report{len(list(tmp_path.glob('report*.json')))}.json"
-    done = subprocess.run(
-        [PYTHON, "-m", "tracedump", "diff", *map(str, args), "--max-rows", "0", "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
-    return done.returncode, done.stdout, json.loads(report.read_text())
 
 
 def _stored(label: str) -> set[str]:
