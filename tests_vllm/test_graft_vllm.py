@@ -11,14 +11,13 @@ bridge derived from the weight load, pass by pass).
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import BUG_SPEC, PYTHON, SCRIPTS, OfflineRun
+from conftest import BUG_SPEC, PYTHON, SCRIPTS, OfflineRun, diff
 
 import tracedump
 
@@ -46,21 +45,6 @@ def _grafted(offline_dump: Callable[..., OfflineRun], name: str, ref: Path, **en
         **env,
     }
     return offline_dump(name, env=settings, args=PROMPT)
-
-
-def _diff(tmp_path: Path, a: Path, b: Path) -> tuple[int, str, dict[str, Any]]:
-    """``tracedump diff A B`` with no flag, as a user runs it."""
-    report = tmp_path / f"report{len(list(tmp_path.glob('report*.json')))}.json"
-    done = subprocess.run(
-        [PYTHON, "-m", "tracedump", "diff", str(a), str(b), "--max-rows", "0", "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
-    return done.returncode, done.stdout, json.loads(report.read_text())
 
 
 def _manifest_graft(run: OfflineRun) -> dict[str, Any]:
@@ -96,7 +80,7 @@ def test_vllm_grafted_from_hf_at_layer_level_is_clean(
     offline_dump: Callable[..., OfflineRun], hf_inputs: Path, tmp_path: Path
 ) -> None:
     grafted = _grafted(offline_dump, "graft-layers", hf_inputs)
-    code, out, report = _diff(tmp_path, grafted.dir, hf_inputs)
+    code, out, report = diff(tmp_path, grafted.dir, hf_inputs)
     bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] != "ok"]
     assert code == 0, (bad, out[-3000:])
     layers = [f"model.layers.{i}" for i in range(LAYERS)]
@@ -113,7 +97,7 @@ def test_a_bug_in_one_vllm_layer_is_named_at_that_layer_when_grafted(
     offline_dump: Callable[..., OfflineRun], hf_inputs: Path, tmp_path: Path
 ) -> None:
     buggy = _grafted(offline_dump, "graft-layers-bug", hf_inputs, TRACEDUMP_TEST_BUG=BUG_SPEC)
-    code, out, report = _diff(tmp_path, buggy.dir, hf_inputs)
+    code, out, report = diff(tmp_path, buggy.dir, hf_inputs)
     assert code == 1, out[-3000:]
     first = report["summary"]["first_divergence"]
     assert first["name"].startswith("model.layers.2."), first
@@ -149,6 +133,6 @@ def test_vllm_grafted_at_leaf_level_adds_the_residual_once_and_lists_what_it_can
     )
     stream = ref[f"{norm}@in[0]"]
     assert torch.equal(mine[f"{norm}[1]"], stream.reshape(mine[f"{norm}[1]"].shape))  # the stream, once
-    code, out, report = _diff(tmp_path, grafted.dir, hf_inputs)
+    code, out, report = diff(tmp_path, grafted.dir, hf_inputs)
     bad = [(t["name"], t["status"], t.get("message")) for t in report["tensors"] if t["status"] == "diverged"]
     assert code == 0 and not bad, (bad, out[-3000:])
