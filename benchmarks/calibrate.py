@@ -1108,17 +1108,25 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def run_setting(name: str, families: list[str], log: Callable[[str], None] = print) -> dict[str, Any]:
-    """One setting of :data:`SETTINGS`, in a child process whose env holds its ISA caps."""
+def run_setting(
+    name: str,
+    families: list[str],
+    log: Callable[[str], None] = print,
+    *,
+    script: str = __file__,
+    label: str = "setting",
+) -> dict[str, Any]:
+    """One setting of :data:`SETTINGS`, in a child process whose env holds its ISA caps: ``script``
+    run with ``--one`` (this file, or calibrate_graft.py, which takes the same arguments)."""
     env_vars, seed = SETTINGS[name]
-    with tempfile.TemporaryDirectory(prefix="tracedump-calibrate-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"tracedump-{Path(script).stem}-") as scratch:
         out = Path(scratch) / "rows.json"
-        command = [sys.executable, __file__, "--one", "--families", ",".join(families)]
+        command = [sys.executable, script, "--one", "--families", ",".join(families)]
         command += ["--seed", str(seed), "--out", str(out)]
         started = time.perf_counter()
         done = subprocess.run(command, env={**os.environ, **env_vars}, capture_output=True, text=True)
         seconds = time.perf_counter() - started
-        log(f"setting {name} ({_describe_env(env_vars, seed)}): {seconds:.0f} s")
+        log(f"{label} {name} ({_describe_env(env_vars, seed)}): {seconds:.0f} s")
         if done.returncode not in (0, 1) or not out.exists():
             raise RuntimeError(f"setting {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         data = json.loads(out.read_text())

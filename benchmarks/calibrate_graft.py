@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -318,20 +317,9 @@ def _cell(row: dict[str, Any] | None) -> str:
 
 
 def run_setting(name: str, families: list[str], log: Callable[[str], None] = print) -> dict[str, Any]:
-    """One setting of calibrate.py's SETTINGS, in a child process whose env holds its ISA caps."""
-    env_vars, seed = SETTINGS[name]
-    with tempfile.TemporaryDirectory(prefix="tracedump-calibrate-graft-") as scratch:
-        out = Path(scratch) / "rows.json"
-        command = [sys.executable, __file__, "--one", "--families", ",".join(families)]
-        command += ["--seed", str(seed), "--out", str(out)]
-        started = time.perf_counter()
-        done = subprocess.run(command, env={**os.environ, **env_vars}, capture_output=True, text=True)
-        seconds = time.perf_counter() - started
-        log(f"graft setting {name}: {seconds:.0f} s")
-        if done.returncode not in (0, 1) or not out.exists():
-            raise RuntimeError(f"setting {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        data = json.loads(out.read_text())
-    return {"env": env_vars, "seed": seed, "seconds": round(seconds, 1), **data}
+    """One setting of calibrate.py's SETTINGS, this script in a child process whose env holds its
+    ISA caps (:func:`benchmarks.calibrate.run_setting`)."""
+    return calibrate_module.run_setting(name, families, log, script=__file__, label="graft setting")
 
 
 def main(argv: list[str] | None = None) -> int:
