@@ -144,8 +144,9 @@ SHADOW_PREFIX = "shadow~"
 """A grafted run's fp32 shadow of the capture ``KEY`` is stored under ``shadow~KEY`` in the same
 pass file (:mod:`tracedump.dump.shadow`); the comparator pairs it by ``KEY``, never by itself."""
 SHADOW_NOISE_PREFIX = "shadow-noise~"
-"""``shadow-noise~KEY``: float64 ``[rel_diff, 1 - cosine]`` of the shadow of ``KEY`` with its
-weights moved within the run dtype's rounding, against the shadow: the logic check's allowance."""
+"""``shadow-noise~KEY``: float64 ``[draws, 2]``, per draw ``[rel_diff, 1 - cosine]`` of the shadow
+of ``KEY`` with its weights moved within the run dtype's rounding, against the shadow (a dump of
+the first shadow release holds one draw, ``[2]``): the logic check's allowance."""
 
 
 def is_shadow_key(name: str) -> bool:
