@@ -204,10 +204,14 @@ def test_the_batching_demo_names_the_decode_bug(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("shape", [(40, 64), (40, 3, 64), (40,)])
 def test_a_sequences_rows_are_measured_per_token_in_the_metrics_pass(shape: tuple[int, ...]) -> None:
-    """Gathered rows (tokens along dim 0) get the per-token figures a separate pass gives."""
-    from tracedump.compare.align import _measure_rows
-    from tracedump.compare.metrics import compare_arrays, per_token_rel_diff
+    """Gathered rows (tokens along dim 0) get the per-token figures a separate pass gives: the
+    executor measures them with ``compare_by_row``, then ``per_token_of`` from its row sums."""
+    from tracedump.compare.metrics import compare_arrays, compare_by_row, per_token_of, per_token_rel_diff
     from tracedump.compare.reader import stored_from_torch
+
+    def _measure_rows(rows_a, rows_b, tokens):  # type: ignore[no-untyped-def]
+        metrics, sums = compare_by_row(rows_a, rows_b)
+        return metrics, per_token_of(rows_a, rows_b, metrics, 0, sums)
 
     generator = torch.Generator().manual_seed(3)
     a = torch.randn(shape, generator=generator)

@@ -39,7 +39,6 @@ from ..store.sequences import Batch, RowCut, SeqId, Sequence, sequence_rows, seq
 from .bridge import Expr, Matcher
 from .coverage import CoverageCount
 from .inputs import sequence_finding
-from .metrics import TensorMetrics, compare_by_row, per_token_rel_diff
 from .notes import truncated_passes
 from .options import DiffOptions
 from .plan import (
@@ -659,15 +658,6 @@ def _baseline_unit(
     )
     own.views.append(([], []))
     return len(units) - 1
-
-
-def _measure_rows(rows_a: Stored, rows_b: Stored, tokens: int) -> tuple[TensorMetrics, tuple[float, ...]]:
-    """Metrics and per-token error of one sequence's gathered rows (tokens along dim 0), the
-    per-token sums from the metrics' own pass where the rows allow (see ``compare_by_row``)."""
-    metrics, sums = compare_by_row(rows_a, rows_b)
-    if metrics.rel_diff == 0:
-        return metrics, (0.0,) * tokens
-    return metrics, per_token_rel_diff(rows_a, rows_b, 0, sums)
 
 
 def _describe(alignment: Alignment) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from ..store.dtypes import BY_NAME
 from ..store.format import Key
 from ..store.sequences import token_dim
-from .metrics import RowSums, TensorMetrics, compare_arrays, compare_by_row, per_token_rel_diff
+from .metrics import TensorMetrics, compare_arrays, compare_by_row, per_token_of
 from .plan import PairPlan, Plan, Workspace
 from .reader import Stored
 from .results import AfterFlip, TensorResult
@@ -174,7 +174,7 @@ class Executor:
             self._tokens = self._unit_tokens(stored_a.shape)  # from the unit's first float tensor
         if len(stored_a.shape) == 3 and not is_integer(pair.a.meta.dtype):
             self._sequences.add((stored_a.shape[0], stored_a.shape[1]))
-        per_token = None if dim is None else self._per_token(stored_a, stored_b, metrics, dim, rows)
+        per_token = None if dim is None else per_token_of(stored_a, stored_b, metrics, dim, rows)
         after = self._unit_flips and any(f.near_tie and f.flipped for f in self._unit_flips)
         if after and pair.tolerance.metric in ("rel_diff", "cosine") and not is_integer(pair.a.meta.dtype):
             downstream = downstream_of(self._unit_flips, stored_a.shape)
@@ -268,16 +268,6 @@ class Executor:
         if not tokens or tokens < 2 or shape_b != shape or len(shape) < 2:
             return None
         return token_dim(shape, tokens, len(shape))  # no preferred dim: the first of that size
-
-    def _per_token(
-        self, a: Stored, b: Stored, metrics: TensorMetrics, dim: int, rows: RowSums | None
-    ) -> tuple[float, ...]:
-        """rel_diff per token position along ``dim``: summed from the rows' sums of the metrics'
-        own pass, or measured again where those were not kept (rows longer than a chunk)."""
-        tokens = a.shape[dim]
-        if metrics.rel_diff == 0 and metrics.nonfinite_mismatch == 0:
-            return (0.0,) * tokens
-        return per_token_rel_diff(a, b, dim, rows)
 
     def _router_flip(
         self,

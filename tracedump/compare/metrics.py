@@ -518,6 +518,18 @@ def _finish(sums: _Sums, dd: float, aa: float, bb: float, abs_d: float, total: i
     )
 
 
+def per_token_of(
+    a: Stored, b: Stored, metrics: TensorMetrics, dim: int, rows: RowSums | None
+) -> tuple[float, ...]:
+    """rel_diff per token position along ``dim`` of a pair already measured (``metrics``): zeros
+    when the pair is equal, else :func:`per_token_rel_diff` from the rows' sums of the metrics'
+    own pass (``rows``, from :func:`compare_by_row`), or measured again where those were not kept."""
+    tokens = a.shape[dim]
+    if metrics.rel_diff == 0 and metrics.nonfinite_mismatch == 0:
+        return (0.0,) * tokens
+    return per_token_rel_diff(a, b, dim, rows)
+
+
 def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = None) -> tuple[float, ...]:
     """rel_diff of each index along ``dim`` (the token positions): from ``rows``, the row sums
     :func:`compare_by_row` kept, where there are some; else a slab of tokens at a time.
