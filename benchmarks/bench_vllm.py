@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,21 +168,31 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
     rounds = 3 if quick else 11
     passes = 0
 
-    def full() -> dict[str, float]:
-        nonlocal passes
-        os.environ.update(TRACEDUMP_DUMP_DIR=str(dumps), TRACEDUMP_DUMP_MODULES="all")
-        try:
-            hooks = plugin.RunnerHooks(runner)
-            hooks._attach()
-        finally:
-            os.environ.pop("TRACEDUMP_DUMP_DIR", None)
-            os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
-        with StepClock(runner, prompts) as clock:  # outside the plugin's wrappers: what the engine sees
-            seconds = _clocked(generate)
-        passes += hooks.dumper.pass_index if hooks.dumper is not None else 0
-        hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
-        gc.collect()
-        return seconds | clock.result()
+    def dumped(layer: str) -> Callable[[], dict[str, float]]:
+        """A round dumped up to ``layer`` of :data:`LAYERS` (``full``: the real dump)."""
+
+        def round_() -> dict[str, float]:
+            nonlocal passes
+            os.environ.update(TRACEDUMP_DUMP_DIR=str(dumps), TRACEDUMP_DUMP_MODULES="all")
+            try:
+                hooks = plugin.RunnerHooks(runner)
+                hooks._attach()
+            finally:
+                os.environ.pop("TRACEDUMP_DUMP_DIR", None)
+                os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
+            stand_ins = _cut_to(layer, hooks.dumper, model)
+            with StepClock(runner, prompts) as clock:  # outside the plugin's wrappers: what the engine sees
+                seconds = _clocked(generate)
+            if layer == "full":
+                passes += hooks.dumper.pass_index if hooks.dumper is not None else 0
+            for handle in stand_ins:
+                handle.remove()
+            hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
+            shutil.rmtree(dumps, ignore_errors=True)
+            gc.collect()
+            return seconds | clock.result()
+
+        return round_
 
     def plain() -> dict[str, float]:
         with StepClock(runner, prompts) as clock:
@@ -189,13 +200,10 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
         gc.collect()  # as the full round does after its timing: each round starts alike
         return seconds | clock.result()
 
+    layers = ("full",) if quick else LAYERS
     with torch.inference_mode():
         samples = common.interleave(
-            {
-                "untouched": plain,
-                "plugin_off": plain,
-                "full": full,
-            },
+            {"untouched": plain, "plugin_off": plain, **{layer: dumped(layer) for layer in layers}},
             rounds=rounds,
             warmup=1,
         )
@@ -227,11 +235,50 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
             for variant, short in (("plugin_off", "off"), ("full", "full"))
             for clock in ("thread_cpu", "process_cpu")
         },
+        # the decode step taken apart (issue 35): each layer's step / untouched, paired by round
+        "budget_decode_ratio": {
+            layer: common.paired_ratio(samples[layer]["decode"], base["decode"]) for layer in layers
+        },
+        "budget_decode_added_us": {
+            layer: 1e6 * (common.median(samples[layer]["decode"]) - common.median(base["decode"]))
+            for layer in layers
+        },
         "register_off_us": register_off_us,
         "off_untouched": bool(untouched and hooks_off == 0),
         "full_passes_per_round": passes / max(1, rounds + 1),
         "quick": quick,
     }
+
+
+# What a dumped decode step is made of, one layer added at a time (issue 35; bench_budget.py does
+# the same for an HF host step): ``steps`` the plugin's per-step work with no capture hook (the
+# pass opened and closed, set_batch, the recorded raw logits, the pass file); ``dispatch`` plus a
+# no-op forward hook where each capture hook was (torch's hooked call path); ``record`` tracedump's
+# hooks and recorder with each copy replaced by the tensor itself and no pass written; ``copy`` the
+# copies made, no pass written; ``full`` the real dump.
+LAYERS = ("steps", "dispatch", "record", "copy", "full")
+
+
+def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
+    """Cut a freshly attached dumper down to ``layer`` (see :data:`LAYERS`); the handles of any
+    stand-in hooks, to remove after the round."""
+    if dumper is None or layer == "full":
+        return []
+    sink = dumper.sink
+    if layer in ("steps", "dispatch"):
+        hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+        dumper.hooks.remove()
+        if layer == "steps":
+            return []
+        return [m.register_forward_hook(_no_op) for m in hooked]
+    if layer == "record":
+        sink.copy = lambda tensor, pooled=True: (tensor, None)
+    sink.submit = lambda job: None
+    return []
+
+
+def _no_op(module: Any, args: Any, output: Any) -> None:
+    return None
 
 
 class StepClock:

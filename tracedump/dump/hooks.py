@@ -81,11 +81,16 @@ def flatten_tensors(
 
 
 def _items(value: Any) -> Iterable[tuple[Any, Any]] | None:
-    """The ``(key, item)`` pairs of a container :func:`flatten_tensors` walks into; None for a leaf."""
-    if isinstance(value, Mapping):
-        return value.items()
+    """The ``(key, item)`` pairs of a container :func:`flatten_tensors` walks into; None for a leaf.
+
+    The cheap tests first: ``None`` and the builtin containers are most of what outputs hold, and
+    an ``isinstance`` against the ``Mapping`` ABC costs several times a plain one (hot path)."""
+    if value is None:
+        return None
     if isinstance(value, (tuple, list)):
         return enumerate(value)
+    if isinstance(value, (dict, Mapping)):
+        return value.items()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
     return None
@@ -137,7 +142,31 @@ def output_leaves(value: Any, deep: list[int] | None = None) -> list[tuple[str, 
     """A module output's tensor leaves under distinct suffixes (``deep``: see :func:`flatten_tensors`)."""
     if isinstance(value, torch.Tensor):
         return [("", value)]
+    if type(value) is tuple or type(value) is list:
+        flat = _flat_leaves(value)
+        if flat is not None:
+            return flat
     return distinct_keys(list(flatten_tensors(value, deep=deep)))
+
+
+_INDEX_PATHS = tuple(f"[{i}]" for i in range(16))
+
+
+def _flat_leaves(value: tuple[Any, ...] | list[Any]) -> list[tuple[str, torch.Tensor]] | None:
+    """The leaves of a flat tuple or list of tensors and ``None`` (a fused norm's ``(out,
+    residual)``, a parallel linear's ``(out, bias)``: most outputs that are not one tensor),
+    exactly as :func:`flatten_tensors` names them, without its generators (the hot path,
+    docs/performance.md); None for any other shape, which takes the general walk. Index paths are
+    distinct by construction."""
+    if len(value) > len(_INDEX_PATHS):
+        return None
+    leaves = []
+    for index, item in enumerate(value):
+        if isinstance(item, torch.Tensor):
+            leaves.append((_INDEX_PATHS[index], item))
+        elif item is not None:
+            return None
+    return leaves
 
 
 def input_prefix(keyword: str | None = None) -> str:
