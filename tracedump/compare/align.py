@@ -58,7 +58,7 @@ from .plan import (
     short_list,
     side_entries,
 )
-from .reader import Stored
+from .reader import GatheredRows
 from .results import DiffReport, Findings
 from .sources import PassView, RootGroup, Side
 from .unshard import SideEntry, assemble
@@ -273,7 +273,7 @@ def _rows(
     kept, dtype = dtypes[-1]
     if dtype is None:
         return None, None, "no rows"
-    return Stored(found[0] if len(found) == 1 else np.concatenate(found), kept), dtype, None
+    return GatheredRows(found, kept), dtype, None
 
 
 def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..store.dtypes import WIDER_THAN_FLOAT32
 from ..util.cpus import usable_cpus
-from .reader import Stored, widen
+from .reader import GatheredRows, Stored, widen
 
 try:  # the one-pass C sums (kernel.c); optional at install, the numpy path is the fallback
     from ..util import kernel
@@ -200,8 +200,7 @@ class RowSums:
 class _Pair:
     """One comparison's inputs as the chunk loop reads them."""
 
-    flat_a: np.ndarray
-    flat_b: np.ndarray
+    pieces: list[tuple[int, np.ndarray, np.ndarray]]  # per chunk: its first element, A's and B's values
     dtype_a: str
     dtype_b: str
     work: type
@@ -235,19 +234,18 @@ def compare_by_row(a: Stored, b: Stored, *, want_max_b: bool = False) -> tuple[T
 
 
 def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[TensorMetrics, RowSums | None]:
-    flat_a = np.ascontiguousarray(a.array).reshape(-1)
-    flat_b = np.ascontiguousarray(b.array).reshape(-1)
-    if flat_a.shape != flat_b.shape:
-        raise ValueError(f"element counts differ: {flat_a.size} vs {flat_b.size}")
-    total = flat_a.shape[0]
+    parts_a, parts_b = _flat_parts(a), _flat_parts(b)
+    total, total_b = sum(p.shape[0] for p in parts_a), sum(p.shape[0] for p in parts_b)
+    if total != total_b:
+        raise ValueError(f"element counts differ: {total} vs {total_b}")
     row_len = a.shape[-1] if by_row else 0
     rows = RowSums(np.empty(total // row_len), np.empty(total // row_len)) if by_row else None
     chunk = row_len * (CHUNK // row_len) if by_row else CHUNK
     work = _work_dtype(a.dtype, b.dtype)
     ones = np.ones(row_len, work) if by_row else None
+    pieces = _pieces(parts_a, parts_b, chunk)
     pair = _Pair(
-        flat_a=flat_a,
-        flat_b=flat_b,
+        pieces=pieces,
         dtype_a=a.dtype,
         dtype_b=b.dtype,
         work=work,
@@ -257,7 +255,7 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
         rows=rows,
         ones=ones,
     )
-    chunks = -(-total // chunk)
+    chunks = len(pieces)
     table = np.empty((chunks, 4))  # each chunk's Σd², Σa², Σb², Σ|d|, in chunk order
     workers = _workers() if chunks >= _PARALLEL_CHUNKS else 1
     pool = _pool() if workers > 1 else None
@@ -279,6 +277,35 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
     return _finish(sums, dd, aa, bb, abs_d, total), rows
 
 
+def _flat_parts(stored: Stored) -> list[np.ndarray]:
+    """``stored``'s values as flat arrays in order: one, or each part of rows gathered from
+    several places and not joined (:class:`~.reader.GatheredRows`: read where they lie)."""
+    unjoined = stored.unjoined() if isinstance(stored, GatheredRows) else None
+    if unjoined is None:
+        return [np.ascontiguousarray(stored.array).reshape(-1)]
+    return [flat for flat in (np.ascontiguousarray(p).reshape(-1) for p in unjoined) if flat.shape[0]]
+
+
+def _pieces(
+    parts_a: list[np.ndarray], parts_b: list[np.ndarray], chunk: int
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """The chunks of a comparison: at most ``chunk`` elements each, cut where either side's parts
+    end, so every chunk is one view of each side. Part edges are whole rows (the parts share their
+    trailing shape) and ``chunk`` is whole rows when rows are kept, so every chunk is too."""
+    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
+    start = index_a = index_b = at_a = at_b = 0
+    while index_a < len(parts_a) and index_b < len(parts_b):
+        a, b = parts_a[index_a], parts_b[index_b]
+        size = min(chunk, a.shape[0] - at_a, b.shape[0] - at_b)
+        pieces.append((start, a[at_a : at_a + size], b[at_b : at_b + size]))
+        start, at_a, at_b = start + size, at_a + size, at_b + size
+        if at_a == a.shape[0]:
+            index_a, at_a = index_a + 1, 0
+        if at_b == b.shape[0]:
+            index_b, at_b = index_b + 1, 0
+    return pieces
+
+
 def _claimed_sums(pair: _Pair, claims: _Claims, table: np.ndarray) -> _Sums:
     """:func:`_sum_chunks` over shared claims: an error in any thread stops them for every thread,
     so none reads on through a tensor whose comparison has already failed."""
@@ -295,8 +322,7 @@ def _sum_chunks(pair: _Pair, claims: Iterable[int], table: np.ndarray) -> _Sums:
     sums = _Sums()
     with np.errstate(all="ignore"):  # overflow and NaN are detected and handled, not warned about
         for index in claims:
-            start = index * pair.chunk
-            raw_a, raw_b = pair.flat_a[start : start + pair.chunk], pair.flat_b[start : start + pair.chunk]
+            start, raw_a, raw_b = pair.pieces[index]
             x = widen(raw_a, pair.dtype_a, pair.work, buffers.a[: raw_a.shape[0]])
             y = widen(raw_b, pair.dtype_b, pair.work, buffers.b[: raw_b.shape[0]])
             chunk_sums = _fast_chunk(x, y, start, sums, buffers, pair)

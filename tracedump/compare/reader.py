@@ -12,8 +12,10 @@ the one dtype table, :mod:`tracedump.store.dtypes`. The header (names, shapes, o
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +52,36 @@ class Stored:
         if real.is_complex:
             return torch.view_as_complex(tensor.reshape(*tensor.shape[:-1], -1, 2)).reshape(tensor.shape[:-1])
         return tensor.view(real) if tensor.dtype != real else tensor
+
+
+class GatheredRows(Stored):
+    """Rows gathered along the first dim from several places (``--align tokens``: one sequence's
+    rows out of every step that computed them), kept as the parts they were read as.
+
+    Why: joining the parts copies every byte once more; the comparison reads each part where it
+    lies instead (:func:`tracedump.compare.metrics.compare_by_row`), and the joined ``array`` is
+    made only when something else asks for it (docs/performance.md, issue 35: ``--align tokens``).
+    Every part has the same trailing shape and storage dtype."""
+
+    def __init__(self, parts: Sequence[np.ndarray], dtype: str) -> None:
+        if not parts:
+            raise ValueError("no rows to gather")
+        object.__setattr__(self, "parts", tuple(parts))
+        object.__setattr__(self, "dtype", dtype)
+
+    @functools.cached_property
+    def array(self) -> np.ndarray:  # type: ignore[override]
+        parts: tuple[np.ndarray, ...] = self.parts  # type: ignore[attr-defined]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        parts: tuple[np.ndarray, ...] = self.parts  # type: ignore[attr-defined]
+        return (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+
+    def unjoined(self) -> tuple[np.ndarray, ...] | None:
+        """The parts, while the joined array has not been made (then that one is read instead)."""
+        return None if "array" in vars(self) else self.parts  # type: ignore[attr-defined]
 
 
 def stored_from_torch(tensor: torch.Tensor) -> Stored:
