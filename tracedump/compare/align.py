@@ -228,11 +228,10 @@ def _held(
     """The positions an expression has a row for: all of them, or, for a tensor with one row per
     sequence (logits), each pass's last position of the sequence."""
     held: set[int] = set()
-    for index in sequence.rows_by_pass(positions):
+    for index, at in sequence.positions_by_pass(positions).items():
         entry = expr.entry(side.view(index, options)[1])
         shape = () if entry is None else entry.meta.shape or ()
         layout = None if entry is None else side.batches[index].layout(shape, side.group.token_dim)
-        at = [p for p in positions if sequence.rows[p][0] == index]
         if layout is not None and layout[0] == "sampled":
             last = _last_in_pass(side.batches[index], sequence.seq_id)
             held.update(p for p in at if p == last)

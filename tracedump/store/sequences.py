@@ -122,6 +122,9 @@ class Sequence:
     input_ids: dict[int, int] = field(default_factory=dict)  # position -> token id
     prompt_end: int = 0
     recomputed: list[tuple[int, int]] = field(default_factory=list)
+    _last_grouping: tuple[tuple[tuple[int, ...], int], dict[int, tuple[list[int], list[int]]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def is_prompt(self, position: int) -> bool:
         """Whether ``position`` holds a prompt token (else a generated one, fed back)."""
@@ -143,11 +146,27 @@ class Sequence:
 
     def rows_by_pass(self, positions: list[int]) -> dict[int, list[int]]:
         """The rows of ``positions`` grouped by the pass that holds them, in position order."""
-        by_pass: dict[int, list[int]] = {}
+        return {index: rows for index, (_, rows) in self._grouped(positions).items()}
+
+    def positions_by_pass(self, positions: list[int]) -> dict[int, list[int]]:
+        """``positions`` grouped by the pass that holds them, in position order."""
+        return {index: at for index, (at, _) in self._grouped(positions).items()}
+
+    def _grouped(self, positions: list[int]) -> dict[int, tuple[list[int], list[int]]]:
+        """Per pass, the positions it holds and their rows. Kept for the last ``positions`` asked
+        about: a token-aligned diff asks again for every tensor of the sequence, and one walk over
+        a long sequence's rows costs more than comparing a small tensor (docs/performance.md)."""
+        key = (tuple(positions), len(self.rows))
+        if self._last_grouping is not None and self._last_grouping[0] == key:
+            return self._last_grouping[1]
+        grouped: dict[int, tuple[list[int], list[int]]] = {}
         for position in positions:
             index, row = self.rows[position]
-            by_pass.setdefault(index, []).append(row)
-        return by_pass
+            at, rows = grouped.setdefault(index, ([], []))
+            at.append(position)
+            rows.append(row)
+        self._last_grouping = (key, grouped)
+        return grouped
 
     def tokens(self) -> list[int] | None:
         """Token ids in position order from 0, when every position has one."""
