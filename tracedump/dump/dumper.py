@@ -451,7 +451,7 @@ class Dumper:
             close_pass=lambda: root.after(model, (), ()),
             report=self.recorder.report,
             warn=self.warn,
-            changed=lambda: self.rundir.update(compiled=tap_target.summary()),
+            changed=lambda: self.rundir.note(compiled=tap_target.summary()),
         ).register()
         try:
             hooks = TapHooks(model, tap_target, self.modules, inputs)
