@@ -11,6 +11,7 @@ static tensors, in place) and then those copies again, as the GPU would. The rep
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import warnings
@@ -43,7 +44,7 @@ class FakeGraph:
         self.saved: Any = _ABSENT
 
     def capture_begin(self) -> None:
-        type(self).capturing = self
+        FakeGraph.capturing = self  # one probe for every fake class
         self.copies = []
         self.saved = torch.Tensor.__dict__.get("copy_", _ABSENT)
         shipped = torch.Tensor.copy_
@@ -59,7 +60,7 @@ class FakeGraph:
             del torch.Tensor.copy_
         else:
             torch.Tensor.copy_ = self.saved  # type: ignore[method-assign]
-        type(self).capturing = None
+        FakeGraph.capturing = None
         type(self).captures += 1
 
     def replay(self) -> None:
@@ -83,7 +84,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeGraph]]:
         pass
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: Graph.capturing is not None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: FakeGraph.capturing is not None)
     yield Graph
     assert replays.watched_class() is None  # every test closes its dumpers: nothing left patched
 
@@ -442,3 +443,46 @@ def test_resolve_cuda_graph_keeps_graphs_on_with_compiled_only(tmp_path: Path) -
     finally:
         compiled.close()
         eager.close()
+
+
+def test_the_gpu_scripts_cuda_graph_check_runs_its_steps_on_cpu_with_fakes(
+    fake_cuda: type[FakeGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``benchmarks/gpu.py``'s check (warm-up on a side stream, a capture by ``torch.cuda.graph``,
+    three replays, an eager dump, ``tracedump diff``) on CPU: streams, ``torch.cuda.graph`` and the
+    graph class faked. A fake replay cannot recompute the compiled program, so every input is the
+    same one: this checks the script's steps (passes, manifest, diff), not the GPU's values."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    class Graph(fake_cuda):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__(recopy=False)
+
+    @contextlib.contextmanager
+    def graph(cuda_graph: FakeGraph) -> Iterator[None]:
+        cuda_graph.capture_begin()
+        try:
+            yield
+        finally:
+            cuda_graph.capture_end()
+
+    same = torch.randn(8, 64)
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "_cuda_graph_inputs", lambda count: [same.clone() for _ in range(count)])
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with torch._inductor.config.patch({"fx_graph_cache": False}):
+        result = gpu._cuda_graph_check(3)
+    assert result["ok"] is True and result["exit_code"] == 0, result
+    assert result["passes"] == result["expected_passes"] == [0, 1, 2, 3], result
+    assert result["compiled"]["cuda_graphs"] == 1 and result["compiled"]["graph_tap_bytes"] > 0
+    assert result["errors"] == [] and Graph.captures == 1
