@@ -486,3 +486,31 @@ def test_the_gpu_scripts_cuda_graph_check_runs_its_steps_on_cpu_with_fakes(
     assert result["passes"] == result["expected_passes"] == [0, 1, 2, 3], result
     assert result["compiled"]["cuda_graphs"] == 1 and result["compiled"]["graph_tap_bytes"] > 0
     assert result["errors"] == [] and Graph.captures == 1
+
+
+def test_a_graphs_buffers_live_as_long_as_the_graph_not_as_its_dumper(fake_cuda: type[FakeGraph]) -> None:
+    """The graph's copy kernels write into the buffers at every replay, so they outlive a closed
+    dumper (freed, that memory could go to a later capture in the same pool); the graph does not
+    keep the dumper's objects alive, and once the graph is collected the buffers go."""
+    import weakref
+
+    seen = _Seen()
+    target = seen.target()
+    replays.watch(target, fake_cuda)
+    graph = fake_cuda()
+    ones = torch.ones(4)
+    key = _key(target, "out", "m", [("", ones)])
+    graph.capture(lambda: taps.tap([ones], key))
+    graph.copies.clear()  # the fake's own record of the copy: a real graph holds no tensor object
+    buffer = weakref.ref(target.graph.graphs[id(graph)][0][3][0])
+    graph_taps = weakref.ref(target.graph)
+    target.unregister()
+    replays.unwatch(target)  # the dumper closed
+    del target, seen
+    gc.collect()
+    assert graph_taps() is None  # nothing of the closed dumper kept alive by the graph
+    assert buffer() is not None  # but the buffer its kernels write into is
+    graph.replay()  # replays after close: nothing to run, nothing raised
+    del graph
+    gc.collect()
+    assert buffer() is None

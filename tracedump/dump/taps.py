@@ -330,6 +330,7 @@ class GraphTaps:
         self.pending: list[Tap] = []
         self.graphs: dict[int, list[Tap]] = {}
         self.bytes = 0  # held by every graph's buffers (pending ones not counted)
+        self._finalizers: dict[int, weakref.finalize] = {}
 
     def capture(self, kind: str, name: str, paths: str, tensors: list[torch.Tensor]) -> None:
         buffers = [torch.empty_like(t).copy_(t) for t in tensors]  # captured: refreshed by each replay
@@ -343,7 +344,7 @@ class GraphTaps:
         if taps:
             self.graphs[id(graph)] = taps
             self.bytes += _nbytes(taps)
-            self._forget_when_collected(graph)
+            self._forget_when_collected(graph, taps)
             self._check_size()
         return len(taps)
 
@@ -365,11 +366,19 @@ class GraphTaps:
         taps = self.graphs.pop(key, None)
         if taps is not None:
             self.bytes -= _nbytes(taps)
+        finalizer = self._finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()  # its buffers go now (a graph captured again, or collected)
 
-    def _forget_when_collected(self, graph: object) -> None:
-        """A graph collected lets its buffers go (and its id be reused by another graph)."""
-        with contextlib.suppress(TypeError):  # no weak reference to it (``object()``): kept
-            weakref.finalize(graph, self._drop, id(graph))
+    def _forget_when_collected(self, graph: object, taps: list[Tap]) -> None:
+        """The buffers live exactly as long as the graph (its copy kernels write there at every
+        replay; freed sooner, that memory could be handed to a later capture in the same pool),
+        whether or not this dumper still lives; a graph collected lets them go. The finalizer holds
+        the buffers, not this object, so a closed dumper is not kept alive by a graph."""
+        with contextlib.suppress(TypeError):  # no weak reference to it (``object()``): kept here
+            self._finalizers[id(graph)] = weakref.finalize(
+                graph, _collected, weakref.ref(self), id(graph), taps
+            )
 
     def _check_size(self) -> None:
         if self.bytes <= GRAPH_TAP_WARN_BYTES or self.target.warn is None:
@@ -381,6 +390,13 @@ class GraphTaps:
             "tensor at its own batch size). Narrow TRACEDUMP_DUMP_FILTER / TRACEDUMP_DUMP_MODULES, or "
             "the engine's CUDA-graph capture sizes (vLLM: compilation_config.cudagraph_capture_sizes).",
         )
+
+
+def _collected(owner: weakref.ref[GraphTaps], key: int, taps: list[Tap]) -> None:
+    """A graph collected: what its dumper's :class:`GraphTaps` holds for it goes."""
+    graph_taps = owner()
+    if graph_taps is not None and graph_taps.graphs.get(key) is taps:
+        graph_taps._drop(key)
 
 
 def _nbytes(taps: list[Tap]) -> int:
