@@ -13,6 +13,12 @@ machine and run as ``python benchmarks/gpu.py [--quick] [--out gpu.json]``. It p
   copies, by design) and with that escape disabled, which shows the copies themselves never
   synchronise; errors the dumper swallowed are counted. The untouched model is the reference (the
   model may sync by itself) and the naive baseline the contrast. ``no_sync_per_hook`` sums it up.
+* ``cuda_graph``: ``TRACEDUMP_DUMP_COMPILED=1`` inside a CUDA graph (issue 36): a small fp32 model
+  compiled with inductor, warmed up, captured by hand into one ``torch.cuda.CUDAGraph`` and replayed
+  with each new input copied into the static one; its dump against an eager dump of the same inputs,
+  ``tracedump diff``'s exit code (0: every replay dumped what eager computes, within rounding) and
+  ``ok`` (exit 0, one pass per call and replay, no error in the manifest).
+  ``--cuda-graph-only`` runs this check alone (a short device script).
 """
 
 from __future__ import annotations
@@ -40,17 +46,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--cuda-graph-only", action="store_true", help="only the COMPILED + CUDA graph check")
     parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)  # tests the logic
     args = parser.parse_args(argv)
     if args.cpu_dry_run:
         global DEVICE
         DEVICE = "cpu"
         result = run(quick=True, tokens=min(args.tokens, 32))
+        result["cuda_graph"] = cuda_graph_check()  # skipped: the check's logic is tested with fakes
     elif not torch.cuda.is_available():
         result: dict[str, Any] = {"skipped": "no CUDA device: torch.cuda.is_available() is False"}
         print("gpu.py: skipped, no CUDA device", file=sys.stderr)
+    elif args.cuda_graph_only:
+        result = {"cuda_graph": cuda_graph_check()}
     else:
         result = run(quick=args.quick, tokens=args.tokens)
+        result["cuda_graph"] = cuda_graph_check()
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:
@@ -376,6 +387,95 @@ def _summary(
         "sync_check": sync,
         "no_sync_per_hook": _no_added_sync(sync),
     }
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graph
+
+
+def cuda_graph_check(steps: int = 3) -> dict[str, Any]:
+    """``COMPILED=1`` taps replayed by a CUDA graph, against an eager dump of the same inputs.
+
+    The compiled model is warmed up on a side stream (it compiles there, and that call's taps run
+    directly: pass 0), captured once into a ``torch.cuda.CUDAGraph`` (the taps copy into buffers of
+    the graph: no pass), then replayed ``steps`` times with a new input copied into the static one
+    (each replay one pass, :mod:`tracedump.dump.replays`). The eager model dumps the same
+    ``steps + 1`` inputs. ``exit_code`` is ``tracedump diff GRAPH EAGER``'s; a failure of the check
+    itself is returned as ``error`` so the rest of the JSON still prints."""
+    if DEVICE != "cuda":
+        return {"skipped": "needs CUDA (not run in the CPU dry run)"}
+    try:
+        return _cuda_graph_check(steps)
+    except Exception as e:  # one check failing must not lose the figures of the others
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _cuda_graph_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+    ).to(device=DEVICE, dtype=torch.float32)
+
+
+def _cuda_graph_inputs(count: int) -> list[torch.Tensor]:
+    return [torch.randn(8, 64, device=DEVICE) for _ in range(count)]
+
+
+def _cuda_graph_check(steps: int) -> dict[str, Any]:
+    import tracedump
+    from tracedump.cli import main as cli
+
+    torch._dynamo.reset()
+    eager, graphed = _cuda_graph_model(), _cuda_graph_model()
+    inputs = _cuda_graph_inputs(steps + 1)
+    with tempfile.TemporaryDirectory(prefix="tracedump-gpu-graph-") as scratch, torch.no_grad():
+        root = Path(scratch)
+        eager_dumper = tracedump.attach(eager, {"dir": str(root / "eager")})
+        dumper = tracedump.attach(graphed, {"dir": str(root / "graph"), "compiled": True})
+        if eager_dumper is None or dumper is None:
+            raise RuntimeError("attach() returned None")
+        for x in inputs:
+            eager(x)
+        eager_dumper.close()
+        compiled = torch.compile(graphed)
+        static = inputs[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            compiled(static)  # compiles; its taps run directly (pass 0)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compiled(static)
+        for x in inputs[1:]:
+            static.copy_(x)
+            graph.replay()
+        torch.cuda.synchronize()
+        dumper.close()
+        report = root / "report.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            status = cli(
+                [
+                    "diff",
+                    str(dumper.run_dir),
+                    str(eager_dumper.run_dir),
+                    "--json",
+                    str(report),
+                    "--no-progress",
+                ]
+            )
+        manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
+        summary = json.loads(report.read_text()).get("summary", {}) if report.exists() else {}
+        torch._dynamo.reset()
+        passes = manifest.get("passes", {}).get("indices")
+        return {
+            "ok": status == 0 and passes == list(range(steps + 1)) and not manifest.get("errors"),
+            "exit_code": status,
+            "passes": passes,
+            "expected_passes": list(range(steps + 1)),
+            "compiled": manifest.get("compiled"),
+            "errors": manifest.get("errors"),
+            "first_divergence": summary.get("first_divergence"),
+        }
 
 
 if __name__ == "__main__":

@@ -210,8 +210,8 @@ def test_manifest_example_and_table_have_exactly_the_keys_the_writer_writes(real
     documented = _first_column_keys(section)
     assert set(real) <= documented, f"manifest keys missing from the table: {set(real) - documented}"
     # manifest_error: only after a failed manifest write; control: only with CONTROL=1; graft: only
-    # in a grafted run
-    assert documented - set(real) == {"manifest_error", "control", "graft"}
+    # in a grafted run; compiled: only with COMPILED=1
+    assert documented - set(real) == {"manifest_error", "control", "graft", "compiled"}
 
 
 def test_metadata_table_has_exactly_the_keys_of_real_files(real_run: Path) -> None:

@@ -145,8 +145,8 @@ def test_real_files_carry_only_the_formats_metadata_keys(full_run: Path) -> None
 # ------------------------------------------------------------------ manifest
 
 MANIFEST_KEYS = tuple(Manifest.__annotations__)  # in the order the dumper writes them
-AT_CLOSE = {"end_time", "records_file"}  # written at close; control and manifest_error only sometimes
-MANIFEST_AT_START = frozenset(MANIFEST_KEYS) - AT_CLOSE - {"control", "manifest_error"}
+AT_CLOSE = {"end_time", "records_file"}  # written at close; control, compiled, manifest_error only sometimes
+MANIFEST_AT_START = frozenset(MANIFEST_KEYS) - AT_CLOSE - {"control", "compiled", "manifest_error"}
 
 
 def manifest_problems(data: Any, *, closed: bool = False) -> list[str]:
@@ -208,6 +208,16 @@ def test_a_real_manifest_validates_as_manifest(full_run: Path, stats_run: Path) 
         assert data["format"] == fmt.FORMAT_VERSION == "1.1"
         assert list(data) == [k for k in MANIFEST_KEYS if k in data]  # written in the contract's order
         assert tracedump.open_dump(run_dir).run().manifest == data
+
+
+def test_a_compiled_runs_manifest_validates_with_its_compiled_counts(tmp_path: Path) -> None:
+    dumper = tracedump.attach(torch.nn.Linear(2, 2), {"dir": str(tmp_path), "compiled": True})
+    assert dumper is not None
+    dumper.close()
+    data = json.loads((dumper.run_dir / fmt.MANIFEST).read_text())
+    assert manifest_problems(data, closed=True) == []
+    assert data["compiled"] == {"taps": 0, "cuda_graphs": 0, "graph_tap_bytes": 0}
+    assert tracedump.open_dump(tmp_path).run().manifest == data
 
 
 def test_a_manifest_mid_run_validates_too(tmp_path: Path) -> None:

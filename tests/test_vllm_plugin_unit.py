@@ -378,7 +378,8 @@ def test_without_compiled_the_engine_is_made_eager_and_with_it_compiling_stays_o
 ) -> None:
     """The one decision (``_make_dumpable``) on fake ``EngineArgs``: eager unless ``COMPILED=1``;
     with it, ``enforce_eager`` stays as asked, vLLM's compile cache is off for the engine's
-    processes, and CUDA graphs are off (a dict ``compilation_config`` as ``LLM(...)`` takes it)."""
+    processes, and CUDA graphs stay as configured (a dict ``compilation_config`` as ``LLM(...)``
+    takes it, or a config object): their taps run at each replay."""
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
     plain = types.SimpleNamespace(enforce_eager=False, compilation_config={})
@@ -390,9 +391,43 @@ def test_without_compiled_the_engine_is_made_eager_and_with_it_compiling_stays_o
     compiled = types.SimpleNamespace(enforce_eager=False, compilation_config={"mode": 3})
     plugin._make_dumpable(compiled)
     assert compiled.enforce_eager is False
-    assert compiled.compilation_config == {"mode": 3, "cudagraph_mode": "NONE"}
+    assert compiled.compilation_config == {"mode": 3}  # no cudagraph_mode added
     assert os.environ["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+    graphed = types.SimpleNamespace(
+        enforce_eager=False, compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    )
+    plugin._make_dumpable(graphed)
+    assert graphed.compilation_config == {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    mode = types.SimpleNamespace(name="PIECEWISE")
+    config = types.SimpleNamespace(cudagraph_mode=mode)
+    as_object = types.SimpleNamespace(enforce_eager=False, compilation_config=config)
+    plugin._make_dumpable(as_object)
+    assert as_object.enforce_eager is False and as_object.compilation_config.cudagraph_mode is mode
 
     monkeypatch.setenv("TRACEDUMP_DUMP_COMPILED", "maybe")  # a bad value fails before the engine starts
     with pytest.raises(tracedump.ConfigError, match="TRACEDUMP_DUMP_COMPILED"):
         plugin._make_dumpable(types.SimpleNamespace(enforce_eager=False, compilation_config={}))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_runner_guard_warns_of_cuda_graphs_only_without_compiled(
+    tmp_path: Path, compiled: bool, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A runner configured for piecewise CUDA graphs and compilation: an eager dumper cannot see
+    those forwards (one warning each); a ``COMPILED=1`` dumper's taps run in both, so no warning."""
+    model = nn.Linear(2, 2)
+    dumper = tracedump.attach(model, {"dir": tmp_path, "compiled": compiled})
+    assert dumper is not None
+    piecewise, compiling = types.SimpleNamespace(name="PIECEWISE"), types.SimpleNamespace(name="VLLM_COMPILE")
+    config = types.SimpleNamespace(cudagraph_mode=piecewise, mode=compiling)
+    hooks = types.SimpleNamespace(runner=types.SimpleNamespace(compilation_config=config), dumper=dumper)
+    from tracedump.dump.runtime import runtime
+
+    try:
+        with runtime().warn.fresh():
+            plugin.RunnerHooks._guard_cuda_graphs(hooks)  # type: ignore[arg-type]
+    finally:
+        dumper.close()
+    said = " ".join(str(w.message) for w in recwarn.list)
+    assert ("CUDA graphs disabled" in said) is not compiled
+    assert ("torch.compile disabled" in said) is not compiled

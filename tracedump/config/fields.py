@@ -159,7 +159,8 @@ class DumpFields(BaseModel):
         False,
         description="`1` keeps `torch.compile` on and dumps the compiled program: each capture "
         "becomes an operation in the graph (`tracedump::tap`), so the values dumped are the ones "
-        "the compiled code computed (docs/compiled.md says what compiling cannot keep).",
+        "the compiled code computed, CUDA-graph replays of it included (docs/compiled.md says "
+        "what compiling cannot keep).",
     )
 
     @model_validator(mode="before")

@@ -70,20 +70,25 @@ def allow_sync() -> Iterator[None]:
 
 
 def resolve_cuda_graph(requested: bool, dumper: Any) -> bool:
-    """Whether the engine may use CUDA graphs: never while dumping, since replay fires no hooks."""
+    """Whether the engine may use CUDA graphs: not while dumping, since a replay fires no hook;
+    yes with ``COMPILED=1``, whose taps captured into a graph run at each replay
+    (:mod:`tracedump.dump.replays`)."""
+    if _compiled(dumper):
+        return requested
     return _refused_while_dumping(
         requested,
         dumper,
         "cuda_graph",
         "tracedump: CUDA graphs disabled because dumping is on (forward hooks never fire during graph "
-        "replay). Unset the dump dir to get them back.",
+        "replay). Unset the dump dir to get them back, or set TRACEDUMP_DUMP_COMPILED=1 and compile "
+        "the model: its taps are replayed with the graph.",
     )
 
 
 def resolve_compile(requested: bool, dumper: Any) -> bool:
     """Whether the engine may ``torch.compile``: not while dumping, since a compiled graph runs no
     capture hook; yes with ``COMPILED=1``, whose taps are operations of the graph."""
-    if getattr(getattr(dumper, "settings", None), "compiled", False):
+    if _compiled(dumper):
         return requested
     return _refused_while_dumping(
         requested,
@@ -92,6 +97,10 @@ def resolve_compile(requested: bool, dumper: Any) -> bool:
         "tracedump: torch.compile disabled because dumping is on (hooks added to a compiled module are "
         "ignored, and a copy inside a hook breaks the graph).",
     )
+
+
+def _compiled(dumper: Any) -> bool:
+    return bool(getattr(getattr(dumper, "settings", None), "compiled", False))
 
 
 def _refused_while_dumping(requested: bool, dumper: Any, key: str, message: str) -> bool:

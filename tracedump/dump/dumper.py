@@ -45,6 +45,7 @@ from .hooks import CallSites, HookSet
 from .ops import OpTaps, PausingTarget
 from .passes import KeepPolicy
 from .recorder import Recorder, check_tag
+from .replays import unwatch, watch
 from .rundir import RunDir, model_fields, rank_and_world
 from .runtime import Warner, runtime, warn_once
 from .selection import every_name, kept_names, select_modules, shared_names
@@ -369,6 +370,8 @@ class Dumper:
         if os.getpid() != self.rundir.pid:  # a forked child that never dumped owns nothing here
             return
         records = self.recorder.finish(interrupted=bool(self.hooks.root.opened))
+        if self.taps is not None:
+            self.rundir.update(compiled=self.taps.target.summary())
         if self.graft is not None:
             self.rundir.update(graft=self.graft.summary())
         interrupt: BaseException | None = None
@@ -423,6 +426,7 @@ class Dumper:
         if self.taps is not None:
             self.taps.remove()
             self.taps.target.unregister()
+            unwatch(self.taps.target)
         if self.graft is not None:
             self.graft.remove()
 
@@ -430,7 +434,9 @@ class Dumper:
         """``COMPILED``: the hooks that put a ``tracedump::tap`` op into every graph Dynamo traces
         through the selected modules (:mod:`tracedump.dump.taps`); at run time the op hands the
         compiled program's tensors to ``target`` (the recorder) and opens and closes the passes
-        through the root's pass hooks, as an eager forward does."""
+        through the root's pass hooks, as an eager forward does. CUDA graphs captured while this
+        dumper is open run their taps at each replay (:mod:`tracedump.dump.replays`); the manifest's
+        ``compiled`` counts the taps and the bytes those graphs hold."""
         root = self.hooks.root
 
         def open_pass(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -444,13 +450,18 @@ class Dumper:
             open_pass=open_pass,
             close_pass=lambda: root.after(model, (), ()),
             report=self.recorder.report,
+            warn=self.warn,
+            changed=lambda: self.rundir.note(compiled=tap_target.summary()),
         ).register()
         try:
-            return TapHooks(model, tap_target, self.modules, inputs)
+            hooks = TapHooks(model, tap_target, self.modules, inputs)
         except BaseException:
             tap_target.unregister()
             self.hooks.remove()
             raise
+        self.rundir.update(compiled=tap_target.summary())
+        watch(tap_target)
+        return hooks
 
     def _op_taps(self, model: nn.Module, names: dict[str, nn.Module]) -> Any:
         """``OPS``: the op taps on the matching modules (:mod:`tracedump.dump.ops`), or None."""

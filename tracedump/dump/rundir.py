@@ -389,6 +389,10 @@ class RunDir:
         """Change manifest fields (written atomically, at most about once a second while busy)."""
         self.writer.write_manifest(**fields)
 
+    def note(self, **fields: Any) -> None:
+        """Change manifest fields now, written with the next due write (at most once a second)."""
+        self.writer.note_manifest(**fields)
+
     def report(self, where: str, error: BaseException) -> None:
         """A run-time failure: kept in the manifest's registry, warned about once per dumper."""
         kind, message = type(error).__name__, str(error)

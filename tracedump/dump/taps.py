@@ -25,19 +25,23 @@ kernel); a module shared by several parents is named by its first name (the stac
 compiled region.
 
 CUDA graphs: a tap that runs while a CUDA graph is captured copies its tensors into buffers that
-live as long as the graph (the copy kernels are captured with it, so every replay refreshes them);
-:meth:`GraphTaps.replayed` hands the buffers to the recorder after each replay. Tested on CPU with
-fakes; no GPU was lent when this was written.
+live as long as the graph (the copy kernels are captured with it, so every replay refreshes them),
+the pass edges (``open``, ``close``) included; :meth:`GraphTaps.replayed` hands them to the dumper
+after each replay, in capture order, as :meth:`TapTarget.run` would have. :mod:`.replays` calls
+:meth:`GraphTaps.captured` and :meth:`GraphTaps.replayed` from ``torch.cuda.CUDAGraph`` itself.
+Tested on CPU with fakes; no GPU was lent when this was written.
 
 Off (``COMPILED`` unset): nothing here runs; the op is registered by the first dumper that asks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -72,14 +76,22 @@ class TapTarget:
         open_pass: Callable[[tuple[Any, ...], dict[str, Any]], None],
         close_pass: Callable[[], None],
         report: Callable[[str, Exception], None],
+        warn: Callable[[str, str], None] | None = None,
+        changed: Callable[[], None] | None = None,
     ) -> None:
         self.capture = capture
         self.open_pass = open_pass
         self.close_pass = close_pass
         self.report = report
+        self.warn = warn  # once per key (the dumper's Warner): the CUDA-graph buffers' size
+        self.changed = changed  # after a CUDA graph's capture: the manifest's ``compiled`` again
         self.serial = next(_serials)
         self.graph = GraphTaps(self)
         self.taps = 0  # taps run (outputs and inputs), for the manifest and the tests
+
+    def summary(self) -> dict[str, int]:
+        """The manifest's ``compiled``: taps run, CUDA graphs holding taps, the bytes they hold."""
+        return {"taps": self.taps, "cuda_graphs": len(self.graph.graphs), "graph_tap_bytes": self.graph.bytes}
 
     def register(self) -> TapTarget:
         _TARGETS[self.serial] = self
@@ -89,9 +101,17 @@ class TapTarget:
         _TARGETS.pop(self.serial, None)
 
     def run(self, tensors: list[torch.Tensor], key: str) -> None:
-        """One tap, at run time (inside the compiled code): the capture, or a pass edge."""
+        """One tap, at run time (inside the compiled code): the capture, or a pass edge; during a
+        CUDA graph's capture, kept for the graph's replays (:class:`GraphTaps`)."""
         _, kind, name, paths = _parsed(key)
-        if kind == "out" and not paths and len(tensors) == 1 and not stream_is_capturing():
+        if stream_is_capturing():
+            self.graph.capture(kind, name, paths, tensors)
+        else:
+            self.dispatch(kind, name, paths, tensors)
+
+    def dispatch(self, kind: str, name: str, paths: str, tensors: list[torch.Tensor]) -> None:
+        """What a tap of ``kind`` does with its tensors: open or close the pass, or capture them."""
+        if kind == "out" and not paths and len(tensors) == 1:
             self.taps += 1  # one tensor, the module's whole output: nothing to rebuild
             self.capture(name, tensors[0], False)
         elif kind == "open":
@@ -99,8 +119,6 @@ class TapTarget:
             self.open_pass(args, kwargs)
         elif kind == "close":
             self.close_pass()
-        elif stream_is_capturing():
-            self.graph.capture(kind, name, paths, tensors)
         else:
             self.taps += 1
             self.capture(name, _rebuild(kind, paths, tensors), kind == "in")
@@ -291,35 +309,95 @@ class _RootClose(_Tap):
         self.op([], _key(self.serial, "close", "", []))
 
 
+GRAPH_TAP_WARN_BYTES = 1 << 30  # the CUDA graphs' tap buffers above this: one warning
+
+
+Tap = tuple[str, str, str, list[torch.Tensor]]  # kind, name, paths, the buffers
+
+
 class GraphTaps:
-    """Taps inside a captured CUDA graph: the graph replays kernels, not Python, so a tap's Python
+    """Taps inside captured CUDA graphs: a graph replays kernels, not Python, so a tap's Python
     implementation runs once, at capture. There it copies its tensors into buffers of their own
-    (the copies are captured, and each replay refreshes the buffers) and remembers them;
-    :meth:`replayed`, called after each replay of the graph, hands them to the recorder in capture
-    order. :meth:`captured` closes the list of one graph's taps (between two captures)."""
+    (the copies are captured, and each replay refreshes the buffers) and remembers them, the pass
+    edges' too; :meth:`captured` (a capture ended) gives the taps made since the last capture to
+    that graph, and :meth:`replayed` (after each replay of it) runs them as :meth:`TapTarget.run`
+    would have, in capture order. Each graph holds its own buffers (an engine captures one graph
+    per batch size): :attr:`bytes` counts them all, and one warning says when they pass
+    :data:`GRAPH_TAP_WARN_BYTES`."""
 
     def __init__(self, target: TapTarget) -> None:
         self.target = target
-        self.pending: list[tuple[str, str, str, list[torch.Tensor]]] = []
-        self.graphs: dict[int, list[tuple[str, str, str, list[torch.Tensor]]]] = {}
+        self.pending: list[Tap] = []
+        self.graphs: dict[int, list[Tap]] = {}
+        self.bytes = 0  # held by every graph's buffers (pending ones not counted)
+        self._finalizers: dict[int, weakref.finalize] = {}
 
     def capture(self, kind: str, name: str, paths: str, tensors: list[torch.Tensor]) -> None:
         buffers = [torch.empty_like(t).copy_(t) for t in tensors]  # captured: refreshed by each replay
         self.pending.append((kind, name, paths, buffers))
 
     def captured(self, graph: object) -> int:
-        """The graph whose capture just ended holds the taps made since the last one: how many."""
+        """The graph whose capture just ended holds the taps made since the last one: how many.
+        A graph captured again (after ``reset()``) lets its earlier buffers go."""
         taps, self.pending = self.pending, []
-        self.graphs[id(graph)] = taps
+        self.forget(graph)
+        if taps:
+            self.graphs[id(graph)] = taps
+            self.bytes += _nbytes(taps)
+            self._forget_when_collected(graph, taps)
+            self._check_size()
         return len(taps)
 
+    def abandon(self) -> None:
+        """A capture failed: the taps it made belong to no graph."""
+        self.pending = []
+
     def replayed(self, graph: object) -> int:
-        """After a replay of ``graph``: its buffers hold this replay's values; captured now."""
-        taps = self.graphs.get(id(graph), [])
+        """After a replay of ``graph``: its buffers hold this replay's values; each tap runs now."""
+        taps = self.graphs.get(id(graph), ())
         for kind, name, paths, buffers in taps:
-            self.target.taps += 1
-            self.target.capture(name, _rebuild(kind, paths, buffers), kind == "in")
+            self.target.dispatch(kind, name, paths, buffers)
         return len(taps)
 
     def forget(self, graph: object) -> None:
-        self.graphs.pop(id(graph), None)
+        self._drop(id(graph))
+
+    def _drop(self, key: int) -> None:
+        taps = self.graphs.pop(key, None)
+        if taps is not None:
+            self.bytes -= _nbytes(taps)
+        finalizer = self._finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()  # its buffers go now (a graph captured again, or collected)
+
+    def _forget_when_collected(self, graph: object, taps: list[Tap]) -> None:
+        """The buffers live exactly as long as the graph (its copy kernels write there at every
+        replay; freed sooner, that memory could be handed to a later capture in the same pool),
+        whether or not this dumper still lives; a graph collected lets them go. The finalizer holds
+        the buffers, not this object, so a closed dumper is not kept alive by a graph."""
+        with contextlib.suppress(TypeError):  # no weak reference to it (``object()``): kept here
+            self._finalizers[id(graph)] = weakref.finalize(
+                graph, _collected, weakref.ref(self), id(graph), taps
+            )
+
+    def _check_size(self) -> None:
+        if self.bytes <= GRAPH_TAP_WARN_BYTES or self.target.warn is None:
+            return
+        self.target.warn(
+            "graph_tap_bytes",
+            f"tracedump: the CUDA graphs captured so far hold {self.bytes / (1 << 30):.2f} GiB of "
+            f"COMPILED tap buffers ({len(self.graphs)} graphs, each keeping a copy of every tapped "
+            "tensor at its own batch size). Narrow TRACEDUMP_DUMP_FILTER / TRACEDUMP_DUMP_MODULES, or "
+            "the engine's CUDA-graph capture sizes (vLLM: compilation_config.cudagraph_capture_sizes).",
+        )
+
+
+def _collected(owner: weakref.ref[GraphTaps], key: int, taps: list[Tap]) -> None:
+    """A graph collected: what its dumper's :class:`GraphTaps` holds for it goes."""
+    graph_taps = owner()
+    if graph_taps is not None and graph_taps.graphs.get(key) is taps:
+        graph_taps._drop(key)
+
+
+def _nbytes(taps: list[Tap]) -> int:
+    return sum(b.nbytes for _, _, _, buffers in taps for b in buffers)

@@ -336,6 +336,15 @@ class Writer:
         if time.monotonic() - self._last_manifest > self._manifest_every:
             self.write_manifest()
 
+    def note_manifest(self, **updates: Any) -> None:
+        """Apply ``updates`` now, write the manifest only when it is due (at most about once a
+        second): for a field that may change thousands of times in a row (a CUDA graph captured per
+        batch size). The next write carries them (the next due one, or the one at close)."""
+        with self._manifest_lock:
+            self.manifest.update(updates)
+        if time.monotonic() - self._last_manifest > self._manifest_every:
+            self.write_manifest()
+
     def append_stats(self, lines: list[str]) -> None:
         """Stats grow all run long, so they go to ``stats.jsonl.partial``, renamed at close."""
         if self._stats_handle is None:

@@ -7,7 +7,8 @@ vLLM's internals, nothing patched. With it set:
 - in the process that builds the engine config, the engine is made eager (``enforce_eager``):
   compiled graphs and CUDA graphs run no forward hooks, so a dumped engine must not use them
   (one warning when the user asked otherwise); with ``TRACEDUMP_DUMP_COMPILED=1`` vLLM's
-  compilation stays on instead, its taps dumping the compiled program (docs/compiled.md);
+  compilation and CUDA graphs stay on instead, its taps dumping the compiled program, replays
+  included (docs/compiled.md);
 - in each worker, every model runner (V1's ``GPUModelRunner`` and the CPU/XPU runners built on
   it; the V2 runner where it is used) is instrumented when it is constructed:
 
@@ -159,11 +160,11 @@ def _make_dumpable(engine_args: Any) -> None:
 
     Without ``COMPILED=1``: eager (``enforce_eager=True``): compiled and CUDA-graph forwards run
     no hooks (one warning when the user asked otherwise). With it: vLLM's compilation stays as
-    configured (on CPU: Dynamo + inductor), the graphs holding ``tracedump::tap`` ops; vLLM's
-    compile cache is off (``VLLM_DISABLE_COMPILE_CACHE=1``, inherited by the engine's processes),
-    since its key ignores hooks and an artifact compiled without taps would dump nothing; and CUDA
-    graphs are off (``cudagraph_mode=NONE``): no engine graph runner hands a replay's tap buffers
-    to the dump yet (docs/compiled.md)."""
+    configured (on CPU: Dynamo + inductor), the graphs holding ``tracedump::tap`` ops, and so do
+    its CUDA graphs (``cudagraph_mode`` as configured: the taps captured into a graph run at each
+    replay, :mod:`tracedump.dump.replays`); vLLM's compile cache is off
+    (``VLLM_DISABLE_COMPILE_CACHE=1``, inherited by the engine's processes), since its key ignores
+    hooks and an artifact compiled without taps would dump nothing (docs/compiled.md)."""
     if not _compiled_requested():
         if not getattr(engine_args, "enforce_eager", True):
             _warn(
@@ -175,15 +176,6 @@ def _make_dumpable(engine_args: Any) -> None:
     import os
 
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    if getattr(engine_args, "enforce_eager", False):
-        return  # the user's eager engine: nothing compiled, nothing captured
-    config = getattr(engine_args, "compilation_config", None)
-    if isinstance(config, dict):
-        config["cudagraph_mode"] = "NONE"
-    elif config is not None and hasattr(config, "cudagraph_mode"):
-        from vllm.config import CUDAGraphMode
-
-        config.cudagraph_mode = CUDAGraphMode.NONE
 
 
 def _compiled_requested() -> bool:
@@ -371,7 +363,8 @@ class RunnerHooks:
 
     def _guard_cuda_graphs(self) -> None:
         """A runner that will capture CUDA graphs or run a compiled model would dump nothing in
-        those forwards: say so once (the plugin makes the engine eager where it builds the config)."""
+        those forwards: say so once (the plugin makes the engine eager where it builds the config).
+        With ``COMPILED=1`` both are dumped (the taps), and ``resolve_*`` answer yes silently."""
         import tracedump
 
         config = getattr(self.runner, "compilation_config", None)

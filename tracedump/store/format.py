@@ -289,7 +289,8 @@ class ErrorEntry(TypedDict):
 class Manifest(TypedDict, total=False):
     """``manifest.json``, key for key in the order the dumper writes it (docs/file-format.md has
     each key's meaning). ``end_time`` and ``records_file`` are written at close, ``control`` only
-    with CONTROL=1, ``manifest_error`` only after a failed manifest write; the rest at start."""
+    with CONTROL=1, ``compiled`` only with COMPILED=1, ``manifest_error`` only after a failed
+    manifest write; the rest at start."""
 
     format: str | int  # FORMAT_VERSION; the int 1 in dumps written before it was one string
     tracedump_version: str
@@ -322,6 +323,7 @@ class Manifest(TypedDict, total=False):
     end_time: str
     records_file: str | None
     control: dict[str, Any]
+    compiled: dict[str, int]  # only with COMPILED=1: {"taps", "cuda_graphs", "graph_tap_bytes"}
     manifest_error: str
 
 

@@ -107,6 +107,15 @@ class ControlRecord(_Record):
     orders: list[OrderEntry] = []
 
 
+class CompiledRecord(_Record):
+    """``compiled``: a run with ``COMPILED=1`` (``dump/taps.py``): taps run, the CUDA graphs holding
+    taps, and the bytes of their buffers."""
+
+    taps: Count | None = None
+    cuda_graphs: Count | None = None
+    graph_tap_bytes: Count | None = None
+
+
 class Precision(_Record):
     parameters: dict[str, Count] | None = None
     devices: list[str] | None = None
@@ -161,6 +170,7 @@ class ManifestModel(_Record):
     passes: PassesRecord | None = None
     records_file: str | None = None
     control: ControlRecord | None = None
+    compiled: CompiledRecord | None = None
     manifest_error: str | None = None
     graft: GraftRecord | None = None
     integration: Integration | None = None
