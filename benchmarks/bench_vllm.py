@@ -243,6 +243,12 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
             layer: 1e6 * (common.median(samples[layer]["decode"]) - common.median(base["decode"]))
             for layer in layers
         },
+        # the floor of dumping by forward hooks on this engine: hooks that only clone (see LAYERS)
+        **(
+            {"naive_decode_ratio": common.paired_ratio(samples["naive"]["decode"], base["decode"])}
+            if "naive" in layers
+            else {}
+        ),
         "register_off_us": register_off_us,
         "off_untouched": bool(untouched and hooks_off == 0),
         "full_passes_per_round": passes / max(1, rounds + 1),
@@ -253,10 +259,12 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
 # What a dumped decode step is made of, one layer added at a time (issue 35; bench_budget.py does
 # the same for an HF host step): ``steps`` the plugin's per-step work with no capture hook (the
 # pass opened and closed, set_batch, the recorded raw logits, the pass file); ``dispatch`` plus a
-# no-op forward hook where each capture hook was (torch's hooked call path); ``record`` tracedump's
+# no-op forward hook where each capture hook was (torch's hooked call path); ``naive`` instead a
+# hook that clones each output tensor and keeps the clones for two steps (the least a dumper by
+# forward hooks does: the floor of the mechanism); ``record`` tracedump's
 # hooks and recorder with each copy replaced by the tensor itself and no pass written; ``copy`` the
 # copies made, no pass written; ``full`` the real dump.
-LAYERS = ("steps", "dispatch", "record", "copy", "full")
+LAYERS = ("steps", "dispatch", "naive", "record", "copy", "full")
 
 
 def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
@@ -265,12 +273,12 @@ def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
     if dumper is None or layer == "full":
         return []
     sink = dumper.sink
-    if layer in ("steps", "dispatch"):
+    if layer in ("steps", "dispatch", "naive"):
         hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
         dumper.hooks.remove()
         if layer == "steps":
             return []
-        return [m.register_forward_hook(_no_op) for m in hooked]
+        return [m.register_forward_hook(_no_op if layer == "dispatch" else _NaiveClones()) for m in hooked]
     if layer == "record":
         sink.copy = lambda tensor, pooled=True: (tensor, None)
     sink.submit = lambda job: None
@@ -279,6 +287,24 @@ def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
 
 def _no_op(module: Any, args: Any, output: Any) -> None:
     return None
+
+
+class _NaiveClones:
+    """A forward hook that clones the output's tensors (one level of tuple) and keeps the last
+    ~two steps' clones: what any dumper by forward hooks must at least do."""
+
+    def __init__(self) -> None:
+        self.kept: list[Any] = []
+
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        import torch
+
+        if len(self.kept) > 4:
+            self.kept.clear()
+        if isinstance(output, torch.Tensor):
+            self.kept.append(output.clone())
+        elif isinstance(output, tuple):
+            self.kept.extend(t.clone() for t in output if isinstance(t, torch.Tensor))
 
 
 class StepClock:

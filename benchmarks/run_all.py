@@ -230,6 +230,7 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("vllm", "full_ratio", "x"),
         ("vllm", "off_decode_ratio", "x"),
         ("vllm", "full_decode_ratio", "x"),
+        ("vllm", "naive_decode_ratio", "x"),
         ("vllm", "full_prefill_ratio", "x"),
         ("vllm", "off_ratio_min", "x"),
         ("vllm", "full_ratio_min", "x"),
