@@ -432,9 +432,14 @@ def _moe_records() -> tuple[Correspondence, Correspondence]:
 
 
 @pytest.mark.parametrize("routing", [False, True])
-def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routing: bool) -> None:
+@pytest.mark.parametrize("gate_dumped", [True, False])
+def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(
+    routing: bool, gate_dumped: bool
+) -> None:
     """With the engine's routing recorded (the vLLM plugin, under the block), HF's top-k weights
-    and ids are compared with it; without it, they are listed with the reason."""
+    and ids are compared with it; without it, they are listed with the reason. HF's router logits
+    are compared once: with the gate module's output where it was dumped (the recorded logits
+    then listed with the reason), else with the recorded logits."""
     engine, hf = _moe_records()
     classes_a = {
         "model.layers.0.block_sparse_moe": "MixtralMoE",
@@ -452,12 +457,12 @@ def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routin
     bridge = derive_bridge(
         engine, hf, framework_a="vllm", framework_b="transformers", classes_a=classes_a, classes_b=classes_b
     )
-    names_a = ["model.layers.0.block_sparse_moe.experts.gate[0]", "model.layers.0.block_sparse_moe.experts",
-               "model.layers.0.block_sparse_moe"]  # fmt: skip
+    gate = ["model.layers.0.block_sparse_moe.experts.gate[0]"] if gate_dumped else []
+    names_a = [*gate, "model.layers.0.block_sparse_moe.experts", "model.layers.0.block_sparse_moe"]
     recorded = [
         f"model.layers.0.block_sparse_moe.routing[{w}]" for w in ("logits", "topk_weights", "topk_ids")
     ]
-    names_a = names_a[:1] + recorded + names_a[1:] if routing else names_a
+    names_a = gate + recorded + names_a[len(gate) :] if routing else names_a
     names_b = [
         "model.layers.0.mlp.gate[0]",
         "model.layers.0.mlp.gate[1]",
@@ -469,25 +474,31 @@ def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routin
     matched = Matcher(bridge=bridge, classes_a=classes_a, classes_b=classes_b).match(
         names_a, names_b, parse_options("x", "y")
     )
-    assert _pairs(matched) == {
-        # the router, by its weights (the experts runner calls it: named under it)
-        "model.layers.0.block_sparse_moe.experts.gate[0]": "model.layers.0.mlp.gate[0]",
+    pairs = _pairs(matched)
+    expected = {
         "model.layers.0.block_sparse_moe.experts": "model.layers.0.mlp.experts",  # both: the routed sum
         "model.layers.0.block_sparse_moe": "model.layers.0.mlp",
-    } | (
-        {  # the engine's own routing against HF's router outputs, in HF's order
-            recorded[0]: "model.layers.0.mlp.gate[0]",
-            recorded[1]: "model.layers.0.mlp.gate[1]",
-            recorded[2]: "model.layers.0.mlp.gate[2]",
-        }
-        if routing
-        else {}
-    )
+    }
+    if gate_dumped:  # the router, by its weights (the experts runner calls it: named under it)
+        expected["model.layers.0.block_sparse_moe.experts.gate[0]"] = "model.layers.0.mlp.gate[0]"
+    if routing:  # the engine's own routing against HF's router outputs, in HF's order
+        expected[recorded[1]] = "model.layers.0.mlp.gate[1]"
+        expected[recorded[2]] = "model.layers.0.mlp.gate[2]"
+        if not gate_dumped:
+            expected[recorded[0]] = "model.layers.0.mlp.gate[0]"
+    assert pairs == expected
+    compared_b = [n for p in matched.pairs for n in p.b.names]
+    assert len(compared_b) == len(set(compared_b))  # each HF tensor once
     reasons = {u.name: u.reason for u in matched.leftovers}
     assert "fused experts" in reasons["model.layers.0.mlp.experts.act_fn"]
-    if routing:
-        assert not [u for u in matched.leftovers if u.side == "A"]
+    left_a = {u.name for u in matched.leftovers if u.side == "A"}
+    if routing and gate_dumped:
+        assert left_a == {recorded[0]}
+        assert "model.layers.0.block_sparse_moe.experts.gate[0]" in reasons[recorded[0]]
+        assert "compared once" in reasons[recorded[0]]
     else:
+        assert not left_a
+    if not routing:
         assert "top-k" in reasons["model.layers.0.mlp.gate[2]"]
 
 

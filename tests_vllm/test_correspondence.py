@@ -148,13 +148,23 @@ def test_moe_experts_are_loaded_per_expert_and_listed_not_comparable(
     assert any(n.startswith("model.layers.0.block_sparse_moe.gate") for n in names)  # the router
     assert "fused experts" in json.dumps(report["summary"]["leftovers"])
     # vllm_compat.moe_routers / select_experts_call: the engine's own top-k, recorded per layer,
-    # against HF's router outputs (logits, top-k weights, top-k ids); the ids judged as routing
+    # against HF's router outputs (logits, top-k weights, top-k ids); the ids judged as routing.
+    # HF's router logits once: against the gate module's output, the recorded logits (the same
+    # tensor) listed with the reason
     routing = {t["name"]: t for t in report["tensors"] if ".routing[" in t["name"]}
+    skipped = {u["name"]: u.get("reason", "") for u in report["only_in_a"]}
     for layer in range(4):
         block = f"model.layers.{layer}.block_sparse_moe.routing"
-        for k, what in enumerate(("logits", "topk_weights", "topk_ids")):
+        assert f"{block}[logits]" not in routing and "compared once" in skipped[f"{block}[logits]"]
+        for k, what in enumerate(("topk_weights", "topk_ids"), 1):
             row = routing[f"{block}[{what}]"]
             assert row["name_b"] == f"model.layers.{layer}.mlp.gate[{k}]" and row["status"] == "ok", row
+        router = [t for t in report["tensors"] if t.get("name_b") == f"model.layers.{layer}.mlp.gate[0]"]
+        assert {t["name"].rpartition(".gate")[0] for t in router} == {
+            f"model.layers.{layer}.block_sparse_moe"
+        }
+        assert len(router) == len({t.get("sequence") for t in router}), router  # once per sequence
+        assert all(t["status"] == "ok" for t in router), router
 
 
 @pytest.mark.parametrize("arch", ["gemma", "gemma2"])

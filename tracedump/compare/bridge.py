@@ -551,8 +551,9 @@ def _apply(
             names.append(name)
         filled[side] = names
     a, b = filled["a"], filled["b"]
-    if rule.op == "skip":
-        return a if rule.side == "a" else [], b if rule.side == "b" else [], []
+    if rule.op == "skip":  # claims the name it lists; its other names are conditions, left free
+        anchor = [found.group(0)]
+        return (anchor, [], []) if rule.side == "a" else ([], anchor, [])
     how = rule.op if rule.op != "split" else f"split {rule.dim}"
     if rule.op == "unwrap":
         return a, b, [_unwrap(rule, a[0], b[0])]

@@ -65,6 +65,11 @@ ACT_REASON = (
     "with --inputs) were not dumped as whole tensors"
 )
 
+ROUTER_LOGITS_REASON = (
+    "the router logits recorded beside the fused experts: the tensor the gate module returned "
+    "({gate}), compared once, as that module's output against {router}"
+)
+
 EXTRA_REASON = (
     "an extra output of this module (attention probabilities, a router's top-k weights and ids) "
     "that the engine's counterpart does not return (its fused kernel computes them inside)"
@@ -495,7 +500,9 @@ def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
     leaves in the block (the experts are none; the one named ``gate`` when there are several: a
     shared expert's).
     The top-k ids are compared as routing: a near-tie flip is told from a routing change by the
-    logits beside them (docs/comparator.md)."""
+    logits beside them (docs/comparator.md). The recorded logits are the gate module's output:
+    where that output was dumped, it is the one compared with the router's logits (each tensor of
+    the other side once) and the record is listed with the reason; else the record is."""
     rules: list[dict[str, Any]] = []
     for top in sorted(tops):
         block = _parent(top)
@@ -505,8 +512,14 @@ def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
         if len(counterparts) != 1:
             continue
         (router,) = counterparts
+        gates = [m for m, c in pairing.leaves.items() if c == router and m.startswith(block + ".")]
         for index, what in enumerate(ROUTING_PATHS):
             match = _esc(routing_name(block, what))
+            if what == "logits":  # the gate module's output is these logits: compared once, as it
+                for gate in gates:
+                    for output in (gate + "[0]", gate):
+                        reason = ROUTER_LOGITS_REASON.format(gate=output, router=router)
+                        rules.append(_rule("skip", match, a=["{0}", output], reason=reason, id="routing"))
             rules.append(_rule("rename", match, b=f"{router}[{index}]", id="routing (top-k)"))
     return rules
 
