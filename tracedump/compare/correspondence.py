@@ -69,6 +69,11 @@ ROUTER_LOGITS_REASON = (
     "the router logits recorded beside the fused experts: the tensor the gate module returned "
     "({gate}), compared once, as that module's output against {router}"
 )
+ACT_INPUT_REASON = (
+    "the input of an act(gate) * up or of the act alone: the gate (and up) projection's output, "
+    "compared as that output (a fused projection split at the load's offsets); one side's act "
+    "takes both halves, the other's the gate half"
+)
 
 EXTRA_REASON = (
     "an extra output of this module (attention probabilities, a router's top-k weights and ids) "
@@ -639,12 +644,24 @@ def _act_and_mul(
     if consumer is not None:
         rules.append(_rule("rename", m, b=consumer + "@in[0]", id="*AndMul"))
     parent = _parent(module)
+    own = module.rpartition(".")[2]
+    inputs = r"@in(\[.*\])?(::call\d+)?"
+    rules.append(_rule("skip", m + inputs, reason=ACT_INPUT_REASON, id="*AndMul input"))
+    there = pairing.containers.get(parent)
+    for name, qualname in classes_other.items():  # the other side's act: its input is the gate's output
+        if (
+            there is not None
+            and _parent(name) == there
+            and (name.rpartition(".")[2] == own or "Activation" in _bare(qualname))
+        ):
+            rules.append(
+                _rule("skip", _esc(name) + inputs, side="b", reason=ACT_INPUT_REASON, id="*AndMul input")
+            )
     fused = [
         pieces for name, pieces in pairing.splits.items() if _parent(name) == parent and len(pieces) == 2
     ]
     if len(fused) == 1:
         gate, up = fused[0]
-        own = module.rpartition(".")[2]
         acts = [
             name
             for name, qualname in classes_other.items()
@@ -711,5 +728,7 @@ def derive_bridge(
         },
         "rule": rules,
     }
-    bridge = parse_bridge(data, "correspondence.json")
+    modules = [*pairing.leaves.items(), *pairing.containers.items()]
+    modules += [(module, pieces[0]) for module, pieces in pairing.splits.items()]  # one input, stacked rows
+    bridge = replace(parse_bridge(data, "correspondence.json"), modules=tuple(modules))
     return bridge.swapped() if swap else bridge
