@@ -20,7 +20,9 @@ two records, with nothing written per family:
   as not comparable with the reason, the logits against the head's counterpart.
 
 The result is an ordinary :class:`~.bridge_rules.Bridge` of synthesised rules, so the executor,
-the table's ``bridged`` column and the JSON stay the same; ``--bridge FILE`` overrides it.
+the table's ``bridged`` column and the JSON stay the same; ``--bridge FILE`` overrides it. It also
+carries the module pairs (``Bridge.modules``: leaves, containers, a fused leaf with its first
+piece's module): whose inputs pair, by what they hold (:mod:`.input_roles`).
 """
 
 from __future__ import annotations
