@@ -317,8 +317,16 @@ def test_the_logits_are_compared_before_the_processors_soft_cap(swap: bool, engi
 def test_with_hf_inputs_the_weightless_parts_meet_their_consumers_inputs() -> None:
     names_b = [*HF_NAMES, "model.layers.0.self_attn.o_proj@in[0]", "model.layers.0.mlp.down_proj@in[0]",
                "model.layers.0.post_attention_layernorm@in[0]"]  # fmt: skip
-    pairs = _pairs(_match(VLLM_NAMES, names_b))
+    matched = _match(
+        [*VLLM_NAMES, "model.layers.0.mlp.act_fn@in[0]"], [*names_b, "model.layers.0.mlp.act_fn@in[0]"]
+    )
+    pairs = _pairs(matched)
     assert pairs["model.layers.0.self_attn.attn"] == "model.layers.0.self_attn.o_proj@in[0]"
+    # the act's input on each side (the gate_up output, the gate half): listed, not "not comparable"
+    listed = {(u.side, u.name): u.reason for u in matched.leftovers}
+    for side in ("A", "B"):
+        assert "act(gate) * up" in listed[(side, "model.layers.0.mlp.act_fn@in[0]")]
+    assert not [p for p in matched.pairs if p.classes is not None]
     assert pairs["model.layers.0.mlp.act_fn"] == "model.layers.0.mlp.down_proj@in[0]"
     assert (
         pairs["model.layers.0.post_attention_layernorm[1]"] == "model.layers.0.post_attention_layernorm@in[0]"
