@@ -333,6 +333,33 @@ def test_with_hf_inputs_the_weightless_parts_meet_their_consumers_inputs() -> No
     )
 
 
+def test_the_attention_op_meets_the_output_projections_input_not_a_norm_defined_after_it() -> None:
+    """Qwen3: vLLM defines ``q_norm`` and ``k_norm`` after ``o_proj``; the attention op's output is
+    ``o_proj``'s input, never ``k_norm``'s (q and k: before, a false shape mismatch with HF's
+    ``--inputs``)."""
+    a, b = _vllm_record(), _hf_record()
+    classes_a, classes_b = dict(VLLM_CLASSES), dict(HF_CLASSES)
+    for i in range(2):
+        for k, norm in enumerate(("q_norm", "k_norm")):
+            module = f"model.layers.{i}.self_attn.{norm}"
+            source = _src([4], 100 + 2 * i + k)
+            a.sources[module + ".weight"] = source
+            a.parameters[module + ".weight"] = {"module": module, "shape": [4], "dtype": "torch.float32"}
+            a.loads.append(
+                Load(param=module + ".weight", source=module + ".weight", region=[[0, 4]], rows=[[0, 0, 4]])
+            )
+            b.parameters[module + ".weight"] = {"module": module, **source}
+            classes_a[module], classes_b[module] = "RMSNorm", "Qwen3RMSNorm"
+    bridge = derive_bridge(
+        a, b, framework_a="vllm", framework_b="transformers", classes_a=classes_a, classes_b=classes_b
+    )
+    names_b = [*HF_NAMES, "model.layers.0.self_attn.k_norm@in[0]", "model.layers.0.self_attn.o_proj@in[0]"]
+    matched = Matcher(bridge=bridge, classes_a=classes_a, classes_b=classes_b).match(
+        VLLM_NAMES, names_b, parse_options("x", "y")
+    )
+    assert _pairs(matched)["model.layers.0.self_attn.attn"] == "model.layers.0.self_attn.o_proj@in[0]"
+
+
 def test_two_runs_without_an_engine_load_pair_by_values_only_when_their_names_differ() -> None:
     hf = _hf_record()
     plain: dict = {"framework_a": "torch", "framework_b": "transformers", "classes_a": {}, "classes_b": {}}

@@ -628,10 +628,15 @@ def _tied_head(pairing: Pairing, other: Holdings, classes_engine: Mapping[str, s
 
 def _consumer(module: str, pairing: Pairing, classes_engine: Mapping[str, str]) -> str | None:
     """The counterpart of the module that consumes ``module``'s output: of its siblings paired
-    whole, the last one the model defines (``o_proj`` after ``qkv_proj``, ``down_proj`` after
-    ``gate_up_proj``: projections out are defined after projections in)."""
+    whole, the last projection the model defines (``o_proj`` after ``qkv_proj``, ``down_proj``
+    after ``gate_up_proj``: projections out are defined after projections in). Norms are no
+    consumer: Qwen3's ``q_norm`` and ``k_norm``, defined after ``o_proj``, take q and k."""
     parent = _parent(module)
-    siblings = [m for m in classes_engine if _parent(m) == parent and m in pairing.leaves]
+    siblings = [
+        m
+        for m in classes_engine
+        if _parent(m) == parent and m in pairing.leaves and not _is("norm", classes_engine[m])
+    ]
     return pairing.leaves[siblings[-1]] if siblings else None
 
 
