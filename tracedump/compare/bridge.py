@@ -446,8 +446,9 @@ class Matcher:
         inputs a rule already compares are candidates too, never listed as left over."""
         calls_a = _input_calls(n for n in names_a if n not in claimed["a"])
         calls_b = _input_calls(names_b)
+        modules = self.bridge.module_pairs if self.bridge is not None else {}
         for (module, call), group_a in calls_a.items():
-            counterpart = self._input_counterpart(module)
+            counterpart = self._input_counterpart(module, modules)
             group_b = calls_b.get((counterpart, call), []) if counterpart is not None else []
             if not group_b:
                 continue
@@ -473,12 +474,12 @@ class Matcher:
                     claimed["b"].add(b)
                     out.leftovers.append(Leftover(side="B", name=b, reason=reason))
 
-    def _input_counterpart(self, module: str) -> str | None:
+    def _input_counterpart(self, module: str, modules: Mapping[str, str]) -> str | None:
         """The module of B whose inputs A's ``module``'s inputs pair with: the bridge's module
-        pair, else the same name unless the two classes differ (not comparable, by name)."""
-        pairs = self.bridge.module_pairs if self.bridge is not None else {}
-        if module in pairs:
-            return pairs[module]
+        pair (``modules``), else the same name unless the two classes differ (not comparable, by
+        name)."""
+        if module in modules:
+            return modules[module]
         class_a, class_b = self.classes_a.get(module), self.classes_b.get(module)
         if class_a and class_b and _bare(class_a) != _bare(class_b):
             return None
