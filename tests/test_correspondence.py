@@ -317,12 +317,47 @@ def test_the_logits_are_compared_before_the_processors_soft_cap(swap: bool, engi
 def test_with_hf_inputs_the_weightless_parts_meet_their_consumers_inputs() -> None:
     names_b = [*HF_NAMES, "model.layers.0.self_attn.o_proj@in[0]", "model.layers.0.mlp.down_proj@in[0]",
                "model.layers.0.post_attention_layernorm@in[0]"]  # fmt: skip
-    pairs = _pairs(_match(VLLM_NAMES, names_b))
+    matched = _match(
+        [*VLLM_NAMES, "model.layers.0.mlp.act_fn@in[0]"], [*names_b, "model.layers.0.mlp.act_fn@in[0]"]
+    )
+    pairs = _pairs(matched)
     assert pairs["model.layers.0.self_attn.attn"] == "model.layers.0.self_attn.o_proj@in[0]"
+    # the act's input on each side (the gate_up output, the gate half): listed, not "not comparable"
+    listed = {(u.side, u.name): u.reason for u in matched.leftovers}
+    for side in ("A", "B"):
+        assert "act(gate) * up" in listed[(side, "model.layers.0.mlp.act_fn@in[0]")]
+    assert not [p for p in matched.pairs if p.classes is not None]
     assert pairs["model.layers.0.mlp.act_fn"] == "model.layers.0.mlp.down_proj@in[0]"
     assert (
         pairs["model.layers.0.post_attention_layernorm[1]"] == "model.layers.0.post_attention_layernorm@in[0]"
     )
+
+
+def test_the_attention_op_meets_the_output_projections_input_not_a_norm_defined_after_it() -> None:
+    """Qwen3: vLLM defines ``q_norm`` and ``k_norm`` after ``o_proj``; the attention op's output is
+    ``o_proj``'s input, never ``k_norm``'s (q and k: before, a false shape mismatch with HF's
+    ``--inputs``)."""
+    a, b = _vllm_record(), _hf_record()
+    classes_a, classes_b = dict(VLLM_CLASSES), dict(HF_CLASSES)
+    for i in range(2):
+        for k, norm in enumerate(("q_norm", "k_norm")):
+            module = f"model.layers.{i}.self_attn.{norm}"
+            source = _src([4], 100 + 2 * i + k)
+            a.sources[module + ".weight"] = source
+            a.parameters[module + ".weight"] = {"module": module, "shape": [4], "dtype": "torch.float32"}
+            a.loads.append(
+                Load(param=module + ".weight", source=module + ".weight", region=[[0, 4]], rows=[[0, 0, 4]])
+            )
+            b.parameters[module + ".weight"] = {"module": module, **source}
+            classes_a[module], classes_b[module] = "RMSNorm", "Qwen3RMSNorm"
+    bridge = derive_bridge(
+        a, b, framework_a="vllm", framework_b="transformers", classes_a=classes_a, classes_b=classes_b
+    )
+    names_b = [*HF_NAMES, "model.layers.0.self_attn.k_norm@in[0]", "model.layers.0.self_attn.o_proj@in[0]"]
+    matched = Matcher(bridge=bridge, classes_a=classes_a, classes_b=classes_b).match(
+        VLLM_NAMES, names_b, parse_options("x", "y")
+    )
+    assert _pairs(matched)["model.layers.0.self_attn.attn"] == "model.layers.0.self_attn.o_proj@in[0]"
 
 
 def test_two_runs_without_an_engine_load_pair_by_values_only_when_their_names_differ() -> None:
@@ -432,9 +467,14 @@ def _moe_records() -> tuple[Correspondence, Correspondence]:
 
 
 @pytest.mark.parametrize("routing", [False, True])
-def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routing: bool) -> None:
+@pytest.mark.parametrize("gate_dumped", [True, False])
+def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(
+    routing: bool, gate_dumped: bool
+) -> None:
     """With the engine's routing recorded (the vLLM plugin, under the block), HF's top-k weights
-    and ids are compared with it; without it, they are listed with the reason."""
+    and ids are compared with it; without it, they are listed with the reason. HF's router logits
+    are compared once: with the gate module's output where it was dumped (the recorded logits
+    then listed with the reason), else with the recorded logits."""
     engine, hf = _moe_records()
     classes_a = {
         "model.layers.0.block_sparse_moe": "MixtralMoE",
@@ -452,12 +492,12 @@ def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routin
     bridge = derive_bridge(
         engine, hf, framework_a="vllm", framework_b="transformers", classes_a=classes_a, classes_b=classes_b
     )
-    names_a = ["model.layers.0.block_sparse_moe.experts.gate[0]", "model.layers.0.block_sparse_moe.experts",
-               "model.layers.0.block_sparse_moe"]  # fmt: skip
+    gate = ["model.layers.0.block_sparse_moe.experts.gate[0]"] if gate_dumped else []
+    names_a = [*gate, "model.layers.0.block_sparse_moe.experts", "model.layers.0.block_sparse_moe"]
     recorded = [
         f"model.layers.0.block_sparse_moe.routing[{w}]" for w in ("logits", "topk_weights", "topk_ids")
     ]
-    names_a = names_a[:1] + recorded + names_a[1:] if routing else names_a
+    names_a = gate + recorded + names_a[len(gate) :] if routing else names_a
     names_b = [
         "model.layers.0.mlp.gate[0]",
         "model.layers.0.mlp.gate[1]",
@@ -469,25 +509,31 @@ def test_moe_the_router_and_the_fused_experts_pair_and_nothing_per_expert(routin
     matched = Matcher(bridge=bridge, classes_a=classes_a, classes_b=classes_b).match(
         names_a, names_b, parse_options("x", "y")
     )
-    assert _pairs(matched) == {
-        # the router, by its weights (the experts runner calls it: named under it)
-        "model.layers.0.block_sparse_moe.experts.gate[0]": "model.layers.0.mlp.gate[0]",
+    pairs = _pairs(matched)
+    expected = {
         "model.layers.0.block_sparse_moe.experts": "model.layers.0.mlp.experts",  # both: the routed sum
         "model.layers.0.block_sparse_moe": "model.layers.0.mlp",
-    } | (
-        {  # the engine's own routing against HF's router outputs, in HF's order
-            recorded[0]: "model.layers.0.mlp.gate[0]",
-            recorded[1]: "model.layers.0.mlp.gate[1]",
-            recorded[2]: "model.layers.0.mlp.gate[2]",
-        }
-        if routing
-        else {}
-    )
+    }
+    if gate_dumped:  # the router, by its weights (the experts runner calls it: named under it)
+        expected["model.layers.0.block_sparse_moe.experts.gate[0]"] = "model.layers.0.mlp.gate[0]"
+    if routing:  # the engine's own routing against HF's router outputs, in HF's order
+        expected[recorded[1]] = "model.layers.0.mlp.gate[1]"
+        expected[recorded[2]] = "model.layers.0.mlp.gate[2]"
+        if not gate_dumped:
+            expected[recorded[0]] = "model.layers.0.mlp.gate[0]"
+    assert pairs == expected
+    compared_b = [n for p in matched.pairs for n in p.b.names]
+    assert len(compared_b) == len(set(compared_b))  # each HF tensor once
     reasons = {u.name: u.reason for u in matched.leftovers}
     assert "fused experts" in reasons["model.layers.0.mlp.experts.act_fn"]
-    if routing:
-        assert not [u for u in matched.leftovers if u.side == "A"]
+    left_a = {u.name for u in matched.leftovers if u.side == "A"}
+    if routing and gate_dumped:
+        assert left_a == {recorded[0]}
+        assert "model.layers.0.block_sparse_moe.experts.gate[0]" in reasons[recorded[0]]
+        assert "compared once" in reasons[recorded[0]]
     else:
+        assert not left_a
+    if not routing:
         assert "top-k" in reasons["model.layers.0.mlp.gate[2]"]
 
 

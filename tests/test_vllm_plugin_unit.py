@@ -373,6 +373,39 @@ def test_the_routing_and_the_raw_logits_are_recorded_and_the_engines_numbers_kep
     assert not torch.allclose(stored["logits_processor[raw]"], stored["logits_processor"])
 
 
+def test_a_record_that_fails_is_counted_in_the_manifests_errors_and_the_engine_goes_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A routing record that raises (a vLLM whose router is called another way) never reaches the
+    engine's forward, and the dump says so: the manifest's ``errors`` count it per call, through
+    the public ``Dumper.report_error``, not a warning alone."""
+    from tracedump.integrations import vllm_compat
+    from tracedump.integrations.vllm_records import record_routing
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("select_experts called another way")
+
+    torch.manual_seed(0)
+    model, x = FakeMoE(), torch.randn(5, 8)
+    expected = model(x)
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODULES", "all")
+    monkeypatch.setattr(vllm_compat, "select_experts_call", broken)
+    dumper = tracedump.attach(model)
+    assert record_routing(model, dumper) == 1
+    for _ in range(2):
+        with dumper.step():
+            got = model(x)
+        assert torch.equal(got, expected)
+    dumper.close()
+    manifest = json.loads((next(tmp_path.glob("rank*")) / "manifest.json").read_text())
+    (error,) = [e for e in manifest["errors"] if "select_experts" in e["where"]]
+    assert error["where"] == "vllm record select_experts in block.experts"
+    assert error["type"] == "RuntimeError" and error["count"] == 2
+    assert "called another way" in error["message"]
+    assert "block.routing[logits]" not in tracedump.open_dump(tmp_path).run().passes[0]
+
+
 def test_without_compiled_the_engine_is_made_eager_and_with_it_compiling_stays_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

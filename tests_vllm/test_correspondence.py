@@ -148,13 +148,84 @@ def test_moe_experts_are_loaded_per_expert_and_listed_not_comparable(
     assert any(n.startswith("model.layers.0.block_sparse_moe.gate") for n in names)  # the router
     assert "fused experts" in json.dumps(report["summary"]["leftovers"])
     # vllm_compat.moe_routers / select_experts_call: the engine's own top-k, recorded per layer,
-    # against HF's router outputs (logits, top-k weights, top-k ids); the ids judged as routing
+    # against HF's router outputs (logits, top-k weights, top-k ids); the ids judged as routing.
+    # HF's router logits once: against the gate module's output, the recorded logits (the same
+    # tensor) listed with the reason
     routing = {t["name"]: t for t in report["tensors"] if ".routing[" in t["name"]}
+    skipped = {u["name"]: u.get("reason", "") for u in report["only_in_a"]}
     for layer in range(4):
         block = f"model.layers.{layer}.block_sparse_moe.routing"
-        for k, what in enumerate(("logits", "topk_weights", "topk_ids")):
+        assert f"{block}[logits]" not in routing and "compared once" in skipped[f"{block}[logits]"]
+        for k, what in enumerate(("topk_weights", "topk_ids"), 1):
             row = routing[f"{block}[{what}]"]
             assert row["name_b"] == f"model.layers.{layer}.mlp.gate[{k}]" and row["status"] == "ok", row
+        router = [t for t in report["tensors"] if t.get("name_b") == f"model.layers.{layer}.mlp.gate[0]"]
+        assert {t["name"].rpartition(".gate")[0] for t in router} == {
+            f"model.layers.{layer}.block_sparse_moe"
+        }
+        assert len(router) == len({t.get("sequence") for t in router}), router  # once per sequence
+        assert all(t["status"] == "ok" for t in router), router
+
+
+def _layer_outputs(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The decoder layers' output pairs (name, name_b, status), once per sequence, sorted."""
+    layer = re.compile(r"model\.layers\.\d+(\[0\] \+ model\.layers\.\d+\[1\])?")
+    return sorted(
+        (t["name"], t["name_b"], t["status"]) for t in report["tensors"] if layer.fullmatch(t["name"])
+    )
+
+
+def test_with_inputs_dumped_on_both_sides_a_clean_pair_exits_0(
+    family: Callable[..., tuple[OfflineRun, Path]],
+    offline_dump: Callable[..., OfflineRun],
+    tiny_model: Callable[..., Path],
+    run_engine: Callable[..., Any],
+    session_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """INPUTS=1 on both sides (Llama, fp32): vLLM's decoder layer is called ``layer(positions,
+    hidden_states, residual)``, HF's ``layer(hidden_states, ...)``. Inputs pair by what they hold
+    (compare/input_roles.py): vLLM's positions (``@in[0]``, integers) never meet HF's hidden
+    states (``@in[0]``; before: a shape mismatch per layer, exit 1); the clean pair exits 0 and
+    the layer outputs pair as without inputs."""
+    engine, hf = family("llama-tied")
+    model = tiny_model(arch="llama-tied")
+    engine_in = offline_dump("corr-llama-tied-inputs", model=model, env={"TRACEDUMP_DUMP_INPUTS": "1"})
+    hf_in = session_dir / "hf" / "corr-llama-tied-inputs"
+    script = [PYTHON, str(SCRIPTS / "hf_reference.py"), str(model), "--attn", "eager"]
+    run_engine(
+        [
+            PYTHON,
+            "-m",
+            "tracedump",
+            "run",
+            "-q",
+            "--dir",
+            str(hf_in),
+            "--modules",
+            "all",
+            "--inputs",
+            "--",
+            *script,
+        ]
+    )
+    _code, _out, plain = diff(tmp_path, engine.dir, hf)
+    code, out, report = diff(tmp_path, engine_in.dir, hf_in)
+    bad = [
+        (t["name"], t["name_b"], t["status"], t.get("message"))
+        for t in report["tensors"]
+        if t["status"] != "ok"
+    ]
+    assert code == 0 and not bad, (bad[:5], out[-1500:])
+    assert report["summary"]["not_comparable"] == 0
+    assert _layer_outputs(report) == _layer_outputs(plain) and len(_layer_outputs(plain)) == 4 * 2
+    rows = {(t["name"], t["name_b"]): t for t in report["tensors"]}
+    for layer in range(4):  # vLLM's positions: against HF's, never against its hidden states
+        assert (f"model.layers.{layer}@in[0]", f"model.layers.{layer}@in[0]") not in rows
+        assert (f"model.layers.{layer}@in[0]", f"model.layers.{layer}@in[position_ids]") in rows
+    assert rows[("model.layers.0@in[1]", "model.layers.0@in[0]")]["rel_diff"] < 1e-6  # no residual yet
+    listed = {u["name"]: u.get("reason") or "" for u in report["only_in_a"]}
+    assert "which is which" in listed["model.layers.1@in[2]"]  # (hidden_states, residual): listed
 
 
 @pytest.mark.parametrize("arch", ["gemma", "gemma2"])

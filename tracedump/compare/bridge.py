@@ -45,6 +45,7 @@ from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
 from .correspondence import derive_bridge, tensor_parallel_joins
+from .input_roles import Role, input_role, is_input, pair_inputs
 from .options import DiffOptions, UnshardRule
 from .sources import EntryMeta, Side
 from .tolerance import pair_precision
@@ -336,10 +337,11 @@ class Matcher:
     line: str = ""
     align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
     unshard: tuple[UnshardRule, ...] = ()  # tensor-parallel joins derived from the ranks' loads
-    # passes of one run usually hold the same names: matched once (names in order -> Matched)
-    _seen: dict[tuple[tuple[str, ...], tuple[str, ...]], Matched] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    # two module trees (a bridge applies): inputs pair by what they hold (:mod:`.input_roles`)
+    inputs_by_role: bool = False
+    # passes of one run usually hold the same names: matched once (names in order, and the roles
+    # of their inputs -> Matched)
+    _seen: dict[tuple[Any, ...], Matched] = field(default_factory=dict, compare=False, repr=False)
 
     def class_of(self, side: str, name: str) -> str | None:
         classes = self.classes_a if side == "a" else self.classes_b
@@ -352,14 +354,36 @@ class Matcher:
         found = classes.get(module)
         return _bare(found) if found else None
 
-    def match(self, names_a: Iterable[str], names_b: Iterable[str], options: DiffOptions) -> Matched:
-        """The pairs (bridged, then by name), in A's capture order, and the leftovers with why."""
-        key = (tuple(names_a), tuple(names_b))
+    def match(
+        self,
+        names_a: Iterable[str] | Mapping[str, SideEntry],
+        names_b: Iterable[str] | Mapping[str, SideEntry],
+        options: DiffOptions,
+    ) -> Matched:
+        """The pairs (bridged, then by name), in A's capture order, and the leftovers with why.
+        Given each side's entries (not names alone), inputs pair by what they hold where
+        :attr:`inputs_by_role`."""
+        roles_a, roles_b = self._roles(names_a), self._roles(names_b)
+        key = (tuple(names_a), tuple(names_b), tuple(roles_a.items()), tuple(roles_b.items()))
         if key not in self._seen:
-            self._seen[key] = self._match(list(key[0]), list(key[1]), options)
+            self._seen[key] = self._match(list(key[0]), list(key[1]), options, (roles_a, roles_b))
         return self._seen[key]
 
-    def _match(self, names_a: list[str], names_b: list[str], options: DiffOptions) -> Matched:
+    def _roles(self, names: Iterable[str] | Mapping[str, SideEntry]) -> dict[str, Role | None]:
+        """Each input's role (None: not known), where inputs pair by role; else none."""
+        if not self.inputs_by_role:
+            return {}
+        if isinstance(names, Mapping):
+            return {n: input_role(e.meta) for n, e in names.items() if is_input(n)}
+        return {n: None for n in names if is_input(n)}
+
+    def _match(
+        self,
+        names_a: list[str],
+        names_b: list[str],
+        options: DiffOptions,
+        roles: tuple[Mapping[str, Role | None], Mapping[str, Role | None]] = ({}, {}),
+    ) -> Matched:
         mapped = {name: options.map_name(name) for name in names_a}
         _refuse_map_collisions(mapped, set(names_b), options)
         original = {m: name for name, m in mapped.items()}
@@ -373,6 +397,10 @@ class Matcher:
                 if name in claimed[side] or self.bridge is None:
                     continue
                 self._anchor(side, name, have, claimed, out, anchored, order, original)
+        if self.inputs_by_role:
+            roles_a = {m: roles[0].get(name) for name, m in mapped.items() if name in roles[0]}
+            context = (claimed, out, anchored, order, original)
+            self._pair_inputs(list(mapped.values()), names_b, (roles_a, roles[1]), *context)
         in_b = set(names_b)
         for name in names_a:
             m = mapped[name]
@@ -399,6 +427,63 @@ class Matcher:
         out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
         out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
         return out
+
+    def _pair_inputs(
+        self,
+        names_a: list[str],
+        names_b: list[str],
+        roles: tuple[Mapping[str, Role | None], Mapping[str, Role | None]],
+        claimed: dict[str, set[str]],
+        out: Matched,
+        anchored: list[tuple[int, BridgedPair]],
+        order: dict[str, int],
+        original: dict[str, str],
+    ) -> None:
+        """The inputs no rule claimed, call by call of two paired modules, by what they hold
+        (:func:`.input_roles.pair_inputs`): the module's counterpart is the bridge's (the modules
+        it pairs by their weights), else the module of the same name and class. Inputs of a
+        module with no such counterpart are left to the name match (and its class check). B's
+        inputs a rule already compares are candidates too, never listed as left over."""
+        calls_a = _input_calls(n for n in names_a if n not in claimed["a"])
+        calls_b = _input_calls(names_b)
+        modules = self.bridge.module_pairs if self.bridge is not None else {}
+        for (module, call), group_a in calls_a.items():
+            counterpart = self._input_counterpart(module, modules)
+            group_b = calls_b.get((counterpart, call), []) if counterpart is not None else []
+            if not group_b:
+                continue
+            paired = pair_inputs(group_a, group_b, roles[0], roles[1])
+            for a, b in paired.pairs:
+                by_name = a == b
+                role = roles[0].get(a)
+                pair = BridgedPair(
+                    a=Expr(names=(original.get(a, a),)),
+                    b=Expr(names=(b,)),
+                    how=None if by_name else "input by role",
+                    rule=None if by_name or role is None else role.describe(),
+                )
+                anchored.append((order.get(a, len(order)), pair))
+                claimed["a"].add(a)
+                claimed["b"].add(b)
+            for a, reason in paired.left_a:
+                if reason:  # else: no role known, left to the name match
+                    claimed["a"].add(a)
+                    out.leftovers.append(_leftover("a", a, reason, original))
+            for b, reason in paired.left_b:
+                if reason and b not in claimed["b"]:
+                    claimed["b"].add(b)
+                    out.leftovers.append(Leftover(side="B", name=b, reason=reason))
+
+    def _input_counterpart(self, module: str, modules: Mapping[str, str]) -> str | None:
+        """The module of B whose inputs A's ``module``'s inputs pair with: the bridge's module
+        pair (``modules``), else the same name unless the two classes differ (not comparable, by
+        name)."""
+        if module in modules:
+            return modules[module]
+        class_a, class_b = self.classes_a.get(module), self.classes_b.get(module)
+        if class_a and class_b and _bare(class_a) != _bare(class_b):
+            return None
+        return module
 
     def _identities(
         self, out: Matched, anchored: list[tuple[int, BridgedPair]], names_a: list[str], names_b: list[str]
@@ -493,6 +578,16 @@ class Matcher:
             out.leftovers.append(_leftover(side, name, first_reason, original))
 
 
+def _input_calls(names: Iterable[str]) -> dict[tuple[str, int], list[str]]:
+    """(module, call) -> the input names of that call, in order."""
+    out: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        if is_input(name):
+            key = Key.parse(name)
+            out.setdefault((key.module, key.call), []).append(name)
+    return out
+
+
 def _leftover(side: str, name: str, reason: str, original: Mapping[str, str]) -> Leftover:
     if side == "a":
         return Leftover(side="A", name=original.get(name, name), reason=reason, mapped=name)
@@ -551,8 +646,9 @@ def _apply(
             names.append(name)
         filled[side] = names
     a, b = filled["a"], filled["b"]
-    if rule.op == "skip":
-        return a if rule.side == "a" else [], b if rule.side == "b" else [], []
+    if rule.op == "skip":  # claims the name it lists; its other names are conditions, left free
+        anchor = [found.group(0)]
+        return (anchor, [], []) if rule.side == "a" else ([], anchor, [])
     how = rule.op if rule.op != "split" else f"split {rule.dim}"
     if rule.op == "unwrap":
         return a, b, [_unwrap(rule, a[0], b[0])]
@@ -642,6 +738,7 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
         line=line,
         align=align,
         unshard=unshard,
+        inputs_by_role=bridge is not None,  # two module trees: their calls take other arguments
     )
 
 

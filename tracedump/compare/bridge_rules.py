@@ -97,11 +97,23 @@ class Bridge:
     align: str | None
     rules: tuple[Rule, ...]
     description: str = ""
+    # (module of a, module of b) that compute the same thing (a derived bridge's, paired by their
+    # weights): whose inputs pair (compare/input_roles.py); a rule file names none
+    modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def module_pairs(self) -> dict[str, str]:
+        """A's module -> B's, the first pair of each module of A."""
+        out: dict[str, str] = {}
+        for a, b in self.modules:
+            out.setdefault(a, b)
+        return out
 
     def swapped(self) -> Bridge:
         """The same bridge for a diff whose A is this bridge's b (``tracedump diff HF VLLM``)."""
         rules = tuple(replace(r, side="b" if r.side == "a" else "a", a=r.b, b=r.a) for r in self.rules)
-        return replace(self, a=self.b, b=self.a, rules=rules)
+        modules = tuple((b, a) for a, b in self.modules)
+        return replace(self, a=self.b, b=self.a, rules=rules, modules=modules)
 
 
 def _fail(where: str, message: str) -> BridgeError:

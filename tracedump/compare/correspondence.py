@@ -20,7 +20,9 @@ two records, with nothing written per family:
   as not comparable with the reason, the logits against the head's counterpart.
 
 The result is an ordinary :class:`~.bridge_rules.Bridge` of synthesised rules, so the executor,
-the table's ``bridged`` column and the JSON stay the same; ``--bridge FILE`` overrides it.
+the table's ``bridged`` column and the JSON stay the same; ``--bridge FILE`` overrides it. It also
+carries the module pairs (``Bridge.modules``: leaves, containers, a fused leaf with its first
+piece's module): whose inputs pair, by what they hold (:mod:`.input_roles`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ ATTENTION_REASON = (
 ACT_REASON = (
     "a fused act(gate) * up: the other side's act and up outputs (or its down projection's input, "
     "with --inputs) were not dumped as whole tensors"
+)
+
+ROUTER_LOGITS_REASON = (
+    "the router logits recorded beside the fused experts: the tensor the gate module returned "
+    "({gate}), compared once, as that module's output against {router}"
+)
+ACT_INPUT_REASON = (
+    "the input of an act(gate) * up or of the act alone: the gate (and up) projection's output, "
+    "compared as that output (a fused projection split at the load's offsets); one side's act "
+    "takes both halves, the other's the gate half"
 )
 
 EXTRA_REASON = (
@@ -495,7 +507,9 @@ def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
     leaves in the block (the experts are none; the one named ``gate`` when there are several: a
     shared expert's).
     The top-k ids are compared as routing: a near-tie flip is told from a routing change by the
-    logits beside them (docs/comparator.md)."""
+    logits beside them (docs/comparator.md). The recorded logits are the gate module's output:
+    where that output was dumped, it is the one compared with the router's logits (each tensor of
+    the other side once) and the record is listed with the reason; else the record is."""
     rules: list[dict[str, Any]] = []
     for top in sorted(tops):
         block = _parent(top)
@@ -505,8 +519,14 @@ def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
         if len(counterparts) != 1:
             continue
         (router,) = counterparts
+        gates = [m for m, c in pairing.leaves.items() if c == router and m.startswith(block + ".")]
         for index, what in enumerate(ROUTING_PATHS):
             match = _esc(routing_name(block, what))
+            if what == "logits":  # the gate module's output is these logits: compared once, as it
+                for gate in gates:
+                    for output in (gate + "[0]", gate):
+                        reason = ROUTER_LOGITS_REASON.format(gate=output, router=router)
+                        rules.append(_rule("skip", match, a=["{0}", output], reason=reason, id="routing"))
             rules.append(_rule("rename", match, b=f"{router}[{index}]", id="routing (top-k)"))
     return rules
 
@@ -608,10 +628,15 @@ def _tied_head(pairing: Pairing, other: Holdings, classes_engine: Mapping[str, s
 
 def _consumer(module: str, pairing: Pairing, classes_engine: Mapping[str, str]) -> str | None:
     """The counterpart of the module that consumes ``module``'s output: of its siblings paired
-    whole, the last one the model defines (``o_proj`` after ``qkv_proj``, ``down_proj`` after
-    ``gate_up_proj``: projections out are defined after projections in)."""
+    whole, the last projection the model defines (``o_proj`` after ``qkv_proj``, ``down_proj``
+    after ``gate_up_proj``: projections out are defined after projections in). Norms are no
+    consumer: Qwen3's ``q_norm`` and ``k_norm``, defined after ``o_proj``, take q and k."""
     parent = _parent(module)
-    siblings = [m for m in classes_engine if _parent(m) == parent and m in pairing.leaves]
+    siblings = [
+        m
+        for m in classes_engine
+        if _parent(m) == parent and m in pairing.leaves and not _is("norm", classes_engine[m])
+    ]
     return pairing.leaves[siblings[-1]] if siblings else None
 
 
@@ -626,12 +651,24 @@ def _act_and_mul(
     if consumer is not None:
         rules.append(_rule("rename", m, b=consumer + "@in[0]", id="*AndMul"))
     parent = _parent(module)
+    own = module.rpartition(".")[2]
+    inputs = r"@in(\[.*\])?(::call\d+)?"
+    rules.append(_rule("skip", m + inputs, reason=ACT_INPUT_REASON, id="*AndMul input"))
+    there = pairing.containers.get(parent)
+    for name, qualname in classes_other.items():  # the other side's act: its input is the gate's output
+        if (
+            there is not None
+            and _parent(name) == there
+            and (name.rpartition(".")[2] == own or "Activation" in _bare(qualname))
+        ):
+            rules.append(
+                _rule("skip", _esc(name) + inputs, side="b", reason=ACT_INPUT_REASON, id="*AndMul input")
+            )
     fused = [
         pieces for name, pieces in pairing.splits.items() if _parent(name) == parent and len(pieces) == 2
     ]
     if len(fused) == 1:
         gate, up = fused[0]
-        own = module.rpartition(".")[2]
         acts = [
             name
             for name, qualname in classes_other.items()
@@ -698,5 +735,7 @@ def derive_bridge(
         },
         "rule": rules,
     }
-    bridge = parse_bridge(data, "correspondence.json")
+    modules = [*pairing.leaves.items(), *pairing.containers.items()]
+    modules += [(module, pieces[0]) for module, pieces in pairing.splits.items()]  # one input, stacked rows
+    bridge = replace(parse_bridge(data, "correspondence.json"), modules=tuple(modules))
     return bridge.swapped() if swap else bridge

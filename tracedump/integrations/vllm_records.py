@@ -75,7 +75,7 @@ def record_routing(model: Any, dumper: Any) -> int:
                 if isinstance(tensor, torch.Tensor):
                     dumper.record(routing_tag(runner, what), tensor)
 
-        count += _wrap(router, vllm_compat.SELECT_EXPERTS, routing, runner)
+        count += _wrap(router, vllm_compat.SELECT_EXPERTS, routing, runner, dumper)
     return count
 
 
@@ -89,14 +89,16 @@ def record_head_logits(model: Any, dumper: Any) -> int:
             if isinstance(result, torch.Tensor):  # None on a tensor-parallel rank the gather skipped
                 dumper.record(f"{name}{RAW_LOGITS}", result)
 
-        count += _wrap(processor, vllm_compat.HEAD_LOGITS, head, name)
+        count += _wrap(processor, vllm_compat.HEAD_LOGITS, head, name, dumper)
     return count
 
 
-def _wrap(owner: Any, method: str, record: Callable[..., None], where: str) -> int:
+def _wrap(owner: Any, method: str, record: Callable[..., None], where: str, dumper: Any) -> int:
     """Replace ``owner.method`` (on the instance) by a call of the original that hands its
     arguments and result to ``record``; the original's result is returned unchanged, and a
-    failure to record is reported once, never raised into the engine. 1 when wrapped."""
+    failure to record is never raised into the engine: it goes to the public
+    ``Dumper.report_error`` (warned once, counted in the manifest's ``errors``, so a dump that
+    lacks its routing says why). 1 when wrapped."""
     original = getattr(owner, method, None)
     if not callable(original) or getattr(original, _MARK, False):
         return 0
@@ -107,11 +109,20 @@ def _wrap(owner: Any, method: str, record: Callable[..., None], where: str) -> i
         try:
             record(args, kwargs, result)
         except Exception as e:  # a diagnostic: never break the engine's forward
-            from ..dump.runtime import warn_once
-
-            warn_once(f"vllm-record:{where}", f"tracedump: cannot record vLLM's {method} in {where} ({e!r})")
+            _report(dumper, f"vllm record {method} in {where}", e)
         return result
 
     setattr(wrapped, _MARK, True)
     setattr(owner, method, wrapped)
     return 1
+
+
+def _report(dumper: Any, where: str, error: Exception) -> None:
+    """A record failure into the dump's errors; a dumper whose report itself fails (closed,
+    broken) only warns once: the engine's forward goes on either way."""
+    try:
+        dumper.report_error(where, error)
+    except Exception as e:
+        from ..dump.runtime import warn_once
+
+        warn_once(f"vllm-record:{where}", f"tracedump: cannot record {where} ({error!r}; report: {e!r})")
