@@ -78,8 +78,9 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
 
         def idle() -> dict[str, float]:
             # The same model object as the untouched rounds, attached for this round only (outside
-            # the timing): two deep copies differ in where their weights lie, which moved the
-            # ratio by 1-2% either way, more than the ~0.01% being measured.
+            # the timing), and the best of a few steps: what is measured is ~0.01% of a step, and
+            # a paired ratio of 15 single steps moves by +-1% even for one object against itself
+            # (an A/A of a deep copy against its original: 0.99-1.02x here).
             dumper = tracedump.attach(model, {"dir": str(scratch / f"r{next(attached)}"), "control": True})
             assert dumper is not None
             try:
