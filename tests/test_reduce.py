@@ -186,3 +186,28 @@ def test_stats_the_sweep_cannot_give_still_come_from_torch() -> None:
         compute_stats(torch.randn(64, 64), ["std", "sum"])
         compute_stats(torch.randn(64, 64, dtype=torch.float64), _DEFAULT)
         compute_stats(torch.randn(64, 64)[:, ::2], _DEFAULT)  # not contiguous
+
+
+@pytest.mark.parametrize("names", [_DEFAULT, ["min", "max", "mean"], ["sum", "abs_mean"]])
+def test_the_sweep_s_numbers_are_the_bits_torch_s_ops_made_of_them(names: list[str]) -> None:
+    """The sweep's sums are rounded, widened and scaled in Python floats: the same IEEE steps as
+    ``torch.tensor(values, float32)[picks].to(float64) * scale``, which they replaced."""
+    from tracedump.dump import reduce
+
+    kernel = reduce.compiled_kernel()
+    if kernel is None:
+        pytest.skip("the C kernel was not built here")
+    recipe = reduce._recipe(tuple(n for n in names if n in reduce._STAT_OF))
+    assert recipe.sweep is not None
+    for seed in range(5):
+        x = torch.randn(97, 131, generator=torch.Generator().manual_seed(seed)) * 10 ** (seed - 2)
+        raw = kernel.stats(x.view(-1).numpy())
+        scale = torch.tensor([1.0 / x.numel() if mean else 1.0 for mean in recipe.means], dtype=torch.float64)
+        before = torch.tensor(raw, dtype=torch.float32)[list(recipe.sweep)].to(torch.float64) * scale
+        assert compute_stats(x, names)[1].tolist() == before.tolist()
+
+
+def test_sums_past_float32_s_range_get_torch_s_answer() -> None:
+    x = torch.full((4, 8), 3e38)  # Σ|x| in float64 is past float32's largest value
+    _, values, _ = compute_stats(x, ["sum", "abs_mean", "max"])
+    assert [str(v) for v in values.tolist()] == [str(v) for v in _torch_stats(x, ["sum", "abs_mean", "max"])]

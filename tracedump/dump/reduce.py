@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 _F64 = torch.float64
+_F32 = struct.Struct("f")  # a float rounded to float32 and back: pack, unpack
+_F32_MAX = 3.4028234663852886e38
 NUMERIC_STATS = NUMERIC_STAT_NAMES  # the statistics that are numbers, in their canonical order
 
 
@@ -226,8 +229,20 @@ def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
     values = kernel.stats(x.view(-1).numpy())
     if not math.isfinite(values[1]):  # Σ|x| is finite exactly when every element is
         return None
-    rounded = torch.tensor(values, dtype=torch.float32)  # the sums as a float32 reduction returns them
-    return rounded[list(recipe.sweep)].to(_F64)
+    if values[1] > _F32_MAX:  # a sum past float32's range: torch's reductions say what it is
+        return None
+    # The sums rounded to float32 as a float32 reduction returns them, widened, and the means scaled,
+    # in Python floats (the same IEEE operations, so the same bits as torch's tensor, index, cast
+    # and multiply), then one tensor: in the forward each small torch op costs ~10x its tight-loop
+    # time (docs/performance.md, issue 35, stats).
+    inverse = 1.0 / x.numel()
+    return torch.tensor(
+        [
+            _F32.unpack(_F32.pack(values[index]))[0] * (inverse if mean else 1.0)
+            for index, mean in zip(recipe.sweep, recipe.means, strict=True)
+        ],
+        dtype=_F64,
+    )
 
 
 def _scale(recipe: _StatsRecipe, numel: int, device: torch.device) -> torch.Tensor:
@@ -265,7 +280,7 @@ def compute_stats(
     x = _reduction_input(source)
     swept = _swept(x, recipe)
     if swept is not None:
-        return numeric, torch.mul(swept, _scale(recipe, x.numel(), x.device)), extras
+        return numeric, swept, extras
     computed = [_REDUCTIONS[kind](x) for kind in recipe.reductions]
     scalars = [
         computed[i] if kind != "minmax" else computed[i][0 if name == "min" else 1]
