@@ -205,8 +205,10 @@ class Recorder(PassMachine):
             self.warn(
                 "graph_capture",
                 "tracedump: a hook fired during CUDA graph capture; its copy was "
-                "skipped (replays fire no hooks). Disable CUDA graphs while dumping: "
-                "tracedump.resolve_cuda_graph().",
+                "skipped (replays fire no hooks). Disable CUDA graphs while dumping "
+                "(tracedump.resolve_cuda_graph()), or compile the model and set "
+                "TRACEDUMP_DUMP_COMPILED=1: its taps are captured with the graph and dumped at "
+                "each replay (docs/compiled.md).",
             )
             return
         call = current.next_call(name + INPUT_MARK if is_input else name)
