@@ -65,3 +65,27 @@ def test_the_join_is_made_only_when_asked_for() -> None:
 def test_no_parts_is_refused() -> None:
     with pytest.raises(ValueError):
         GatheredRows([], "float32")
+
+
+def test_parts_measure_as_their_join_at_the_real_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks keep the joined array's grid whatever the parts: the kernel's fp32 lanes add in the
+    same order, so the sums are the join's bit for bit, not only to rounding."""
+    monkeypatch.setattr(metrics, "CHUNK", 1 << 18)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((9000, 64)).astype(np.float32)
+    b = a + rng.standard_normal(a.shape).astype(np.float32) * 1e-3
+    b[4321, 5] = np.nan
+    joined = compare_by_row(Stored(a, "float32"), Stored(b, "float32"))
+    parts = compare_by_row(_split(a, [1234, 3000, 1, 4765]), _split(b, [4500, 4500]))
+    assert parts[0] == joined[0]
+    assert parts[1] is not None and joined[1] is not None
+    np.testing.assert_array_equal(parts[1].dd, joined[1].dd)
+    np.testing.assert_array_equal(parts[1].norm, joined[1].norm)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (0,), (3, 0)])
+def test_empty_tensors_measure_as_before(shape: tuple[int, ...]) -> None:
+    empty = np.zeros(shape, np.float32)
+    result = compare_arrays(Stored(empty, "float32"), Stored(empty.copy(), "float32"))
+    assert result.max_abs == 0 and result.rel_diff == 0
+    assert compare_by_row(Stored(empty, "float32"), Stored(empty.copy(), "float32"))[0] == result

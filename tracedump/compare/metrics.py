@@ -243,7 +243,7 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
     chunk = row_len * (CHUNK // row_len) if by_row else CHUNK
     work = _work_dtype(a.dtype, b.dtype)
     ones = np.ones(row_len, work) if by_row else None
-    pieces = _pieces(parts_a, parts_b, chunk)
+    pieces = _pieces(parts_a, parts_b, chunk, total)
     pair = _Pair(
         pieces=pieces,
         dtype_a=a.dtype,
@@ -278,32 +278,42 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
 
 
 def _flat_parts(stored: Stored) -> list[np.ndarray]:
-    """``stored``'s values as flat arrays in order: one, or each part of rows gathered from
-    several places and not joined (:class:`~.reader.GatheredRows`: read where they lie)."""
+    """``stored``'s values as flat arrays in order, none empty: one, or each part of rows gathered
+    from several places and not joined (:class:`~.reader.GatheredRows`: read where they lie)."""
     unjoined = stored.unjoined() if isinstance(stored, GatheredRows) else None
-    if unjoined is None:
-        return [np.ascontiguousarray(stored.array).reshape(-1)]
-    return [flat for flat in (np.ascontiguousarray(p).reshape(-1) for p in unjoined) if flat.shape[0]]
+    flats = (np.ascontiguousarray(p).reshape(-1) for p in ([stored.array] if unjoined is None else unjoined))
+    return [flat for flat in flats if flat.shape[0]]
 
 
 def _pieces(
-    parts_a: list[np.ndarray], parts_b: list[np.ndarray], chunk: int
+    parts_a: list[np.ndarray], parts_b: list[np.ndarray], chunk: int, total: int
 ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """The chunks of a comparison: at most ``chunk`` elements each, cut where either side's parts
-    end, so every chunk is one view of each side. Part edges are whole rows (the parts share their
-    trailing shape) and ``chunk`` is whole rows when rows are kept, so every chunk is too."""
-    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
-    start = index_a = index_b = at_a = at_b = 0
-    while index_a < len(parts_a) and index_b < len(parts_b):
-        a, b = parts_a[index_a], parts_b[index_b]
-        size = min(chunk, a.shape[0] - at_a, b.shape[0] - at_b)
-        pieces.append((start, a[at_a : at_a + size], b[at_b : at_b + size]))
-        start, at_a, at_b = start + size, at_a + size, at_b + size
-        if at_a == a.shape[0]:
-            index_a, at_a = index_a + 1, 0
-        if at_b == b.shape[0]:
-            index_b, at_b = index_b + 1, 0
-    return pieces
+    """The chunks of a comparison, on the grid of the joined array (``[k * chunk, (k + 1) *
+    chunk)``), so the sums are those of the join bit for bit: each chunk is a view of the part that
+    holds it, and a chunk that straddles a part's edge is joined from its slices (a copy of one
+    chunk at most, per edge)."""
+    return [
+        (
+            start,
+            _span(parts_a, start, min(chunk, total - start)),
+            _span(parts_b, start, min(chunk, total - start)),
+        )
+        for start in range(0, total, chunk)
+    ]
+
+
+def _span(parts: list[np.ndarray], start: int, size: int) -> np.ndarray:
+    """Elements ``[start, start + size)`` of the parts laid end to end."""
+    slices = []
+    offset = 0
+    for part in parts:
+        end = offset + part.shape[0]
+        if end > start and offset < start + size:
+            slices.append(part[max(start - offset, 0) : min(start + size - offset, part.shape[0])])
+        if end >= start + size:
+            break
+        offset = end
+    return slices[0] if len(slices) == 1 else np.concatenate(slices)
 
 
 def _claimed_sums(pair: _Pair, claims: _Claims, table: np.ndarray) -> _Sums:
