@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,21 +201,37 @@ def patched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
 
 
-def test_padding_rows_are_left_out_of_set_batch_and_said_once(patched: Path) -> None:
+def test_padding_rows_are_declared_as_padding_and_aligned_by_token(patched: Path) -> None:
+    """A CUDA-graph size pads a step: the tensors hold the padding rows, set_batch declares them as
+    padding (seq id None), and ``--align tokens`` lines the real rows up with a step that has none."""
     runner = FakeV1Runner()
     runner.load_model()
     runner.pad = 2
-    with pytest.warns(tracedump.TracedumpWarning, match="ran 7 token rows for 5 scheduled"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tracedump.TracedumpWarning)  # nothing to warn about
         runner.execute_model(_scheduled(a=3, b=2))
     runner.sample_tokens(None)
     runner.shutdown()
-    (pass_file,) = next(patched.glob("rank*")).glob("pass*.safetensors")
+    (pass_file,) = sorted(patched.glob("rank*"))[0].glob("pass*.safetensors")
     from safetensors import safe_open
 
     with safe_open(str(pass_file), "pt") as handle:
         batch = json.loads(handle.metadata()["tracedump.batch"])
         assert handle.get_slice("body").get_shape() == [7, 8]  # the tensors hold the padding rows
-    assert batch["seq_ids"] == ["a", "a", "a", "b", "b"] and batch["input_ids"] == [1, 2, 3, 1, 2]
+    assert batch["seq_ids"] == ["a", "a", "a", "b", "b", None, None]
+    assert batch["input_ids"][:5] == [1, 2, 3, 1, 2] and batch["positions"][:5] == [0, 1, 2, 0, 1]
+    unpadded = FakeV1Runner()
+    unpadded.load_model()  # the plugin dumps it too, into a run dir of its own
+    unpadded.execute_model(_scheduled(a=3, b=2))
+    unpadded.sample_tokens(None)
+    unpadded.shutdown()
+    padded_dir, unpadded_dir = sorted(patched.glob("rank*"))
+    from tracedump.compare import compare
+
+    report = compare(padded_dir, unpadded_dir, align="tokens")
+    assert report.exit_code == 0
+    body = [t for t in report.results if t.name == "body"]
+    assert sorted(t.shape_a for t in body) == [(2, 8), (3, 8)]  # each request's rows, no padding
 
 
 def test_a_v1_runner_gets_a_pass_per_step_with_its_batch_and_logits(patched: Path) -> None:

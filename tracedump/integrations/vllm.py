@@ -438,16 +438,20 @@ class RunnerHooks:
         req_ids = list(runner.input_batch.req_ids)
         counts = [int(scheduled.num_scheduled_tokens[r]) for r in req_ids]
         rows = sum(counts)
-        if input_ids is not None and input_ids.shape[0] != rows:
+        ran = int(input_ids.shape[0]) if input_ids is not None else rows
+        if ran < rows:
             _warn(
-                f"tracedump: a vLLM step ran {input_ids.shape[0]} token rows for {rows} scheduled "
-                "tokens (padding: data parallelism or CUDA-graph sizes); set_batch names the first "
-                f"{rows}, and the padded tensors cannot be aligned by token"
+                f"tracedump: a vLLM step ran {ran} token rows for {rows} scheduled tokens; set_batch "
+                f"names the first {ran}'s requests as scheduled, and the step cannot be aligned by token"
             )
+        # Rows past the scheduled tokens are padding (a CUDA-graph size, data parallelism): the
+        # tensors hold them, so they are declared, as padding (seq id None, never compared), and
+        # ``--align tokens`` lines the real rows up (docs/engines.md).
+        padding = max(ran - rows, 0)
         if positions is not None and positions.dim() != 1:  # M-RoPE: the runner's plain positions
             buffer = getattr(runner, "positions", None)
             positions = getattr(buffer, "cpu", None)
-        self._set_batch(req_ids, counts, _head(positions, rows), _head(input_ids, rows))
+        self._set_batch(req_ids, counts, _head(positions, ran), _head(input_ids, ran), padding)
 
     def _prepare_inputs(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """V2: the step's ``InputBatch`` says which request each row holds."""
@@ -468,9 +472,11 @@ class RunnerHooks:
                 self._report("set_batch", e)
         return batch
 
-    def _set_batch(self, req_ids: list[str], counts: list[int], positions: Any, input_ids: Any) -> None:
-        seq_ids = [r for r, c in zip(req_ids, counts, strict=True) for _ in range(c)]
-        self.dumper.set_batch(seq_ids, positions, input_ids)
+    def _set_batch(
+        self, req_ids: list[str], counts: list[int], positions: Any, input_ids: Any, padding: int = 0
+    ) -> None:
+        seq_ids: list[str | None] = [r for r, c in zip(req_ids, counts, strict=True) for _ in range(c)]
+        self.dumper.set_batch(seq_ids + [None] * padding, positions, input_ids)
 
     # -------------------------------------------------------------- profile runs, shutdown
 
@@ -513,7 +519,8 @@ class RunnerHooks:
 
 
 def _head(values: Any, rows: int) -> Any:
-    """The first ``rows`` entries of a tensor or sequence (the rest is padding); None stays None."""
+    """The first ``rows`` entries of a tensor or sequence (a runner's buffer is longer than the
+    step); None stays None."""
     if values is None:
         return None
     if hasattr(values, "detach"):
