@@ -155,10 +155,13 @@ class Sequence:
     def _grouped(self, positions: list[int]) -> dict[int, tuple[list[int], list[int]]]:
         """Per pass, the positions it holds and their rows. Kept for the last ``positions`` asked
         about: a token-aligned diff asks again for every tensor of the sequence, and one walk over
-        a long sequence's rows costs more than comparing a small tensor (docs/performance.md)."""
+        a long sequence's rows costs more than comparing a small tensor (docs/performance.md).
+        ``rows`` is complete once :func:`sequences` has built it (nothing rewrites a row after);
+        callers read the lists returned, never change them."""
         key = (tuple(positions), len(self.rows))
-        if self._last_grouping is not None and self._last_grouping[0] == key:
-            return self._last_grouping[1]
+        last = self._last_grouping  # read once: a second read could see another call's grouping
+        if last is not None and last[0] == key:
+            return last[1]
         grouped: dict[int, tuple[list[int], list[int]]] = {}
         for position in positions:
             index, row = self.rows[position]
