@@ -237,3 +237,18 @@ def test_pair_inputs_by_keyword_then_by_a_role_one_input_holds_on_each_side() ->
     assert input_role(EntryMeta("tensor", (1, 5, 8), "bfloat16")) == floats
     assert input_role(EntryMeta("tensor", (5,), "int32")) == ints
     assert input_role(EntryMeta("stats", None, "float32")) is None
+
+
+def test_two_ports_of_one_signature_pair_by_place_where_roles_alone_are_ambiguous() -> None:
+    """A fused norm's ``(x, residual)`` on both sides: two inputs of one role each side, which roles
+    alone cannot tell apart; the same paths holding the same roles pair by path. A signature that
+    differs anywhere still pairs by role."""
+    floats, ints = Role("float", 8), Role("int", None)
+    same = {"n@in[0]": floats, "n@in[1]": floats}
+    got = pair_inputs(list(same), list(same), same, same)
+    assert got.pairs == [("n@in[0]", "n@in[0]"), ("n@in[1]", "n@in[1]")] and not got.left_a and not got.left_b
+    engine = {"n@in[0]": ints, "n@in[1]": floats, "n@in[2]": floats}
+    reference = {"n@in[0]": floats, "n@in[1]": ints}
+    got = pair_inputs(list(engine), list(reference), engine, reference)
+    assert got.pairs == [("n@in[0]", "n@in[1]")]  # the positions, by role
+    assert dict(got.left_a) == {"n@in[1]": INPUT_AMBIGUOUS, "n@in[2]": INPUT_AMBIGUOUS}

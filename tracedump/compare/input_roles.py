@@ -10,7 +10,8 @@ HF's norm takes their sum, so by path its ``@in[0]`` would meet another quantity
 shape, a false divergence. Here, for one call of two paired modules:
 
 1. inputs passed by the same keyword on both sides (``@in[hidden_states]``) pair, when they hold
-   the same :class:`Role`;
+   the same :class:`Role`; and when the rest are one signature on both sides (the same paths,
+   each holding the same role: two ports of one module class), they pair by path;
 2. the rest pair by role: a role held by exactly one input on each side pairs those two
    (``positions`` with ``position_ids``: integers both; vLLM's ``hidden_states`` with HF's
    ``@in[0]`` where the layer has no residual yet);
@@ -125,6 +126,9 @@ def pair_inputs(
     for b in [n for n in free_b if roles_b.get(n) is None]:
         free_b.remove(b)
         out.left_b.append((b, ""))
+    if free_a and _same_signature(free_a, free_b, path_a, path_b, roles_a, roles_b):
+        out.pairs += [(a, by_path_b[path_a[a]]) for a in free_a]  # one signature: by path, as named
+        free_a, free_b = [], []
     holders_a, holders_b = _holders(free_a, roles_a), _holders(free_b, roles_b)
     for role, mine in holders_a.items():  # 2. and 3.: by role
         theirs = holders_b.pop(role, [])
@@ -138,6 +142,22 @@ def pair_inputs(
     order = {n: i for i, n in enumerate(names_a)}
     out.pairs.sort(key=lambda pair: order[pair[0]])
     return out
+
+
+def _same_signature(
+    free_a: list[str],
+    free_b: list[str],
+    path_a: Mapping[str, str],
+    path_b: Mapping[str, str],
+    roles_a: Mapping[str, Role | None],
+    roles_b: Mapping[str, Role | None],
+) -> bool:
+    """Whether the two calls' remaining inputs are one signature: the same paths, each holding the
+    same role on both sides (two ports of one module class, a fused norm's ``(x, residual)`` on
+    both). Their places then say which is which, where their roles alone could not."""
+    signature_a = {path_a[a]: roles_a.get(a) for a in free_a}
+    signature_b = {path_b[b]: roles_b.get(b) for b in free_b}
+    return signature_a == signature_b
 
 
 def _holders(names: list[str], roles: Mapping[str, Role | None]) -> dict[Role, list[str]]:
