@@ -23,7 +23,7 @@ import torch
 from ..store.format import INPUT_MARK, RECORDS_FILE, Key, key_text, stats_record
 from . import gates, suspend
 from .cuda import stream_is_capturing
-from .hooks import flat_leaves, flatten_inputs, output_leaves
+from .hooks import flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
 from .reduce import compute_stats, last_row
 from .torch_compat import frame_on_stack
@@ -93,12 +93,10 @@ class Recorder(PassMachine):
             # filter, no suspension. What the general path below would decide, without its steps.
             try:
                 if isinstance(value, torch.Tensor):
-                    leaves: list[tuple[str, torch.Tensor]] | None = [("", value)]
-                else:
-                    leaves = flat_leaves(value) if type(value) is tuple or type(value) is list else None
-                    if leaves is None:
-                        leaves, deep = _leaves(value, False)
-                        self._count_too_deep(deep)
+                    leaves = [("", value)]
+                else:  # a flat tuple takes output_leaves' shortcut (hooks._flat_leaves)
+                    leaves, deep = _leaves(value, False)
+                    self._count_too_deep(deep)
                 if not leaves:
                     return
                 if self.mode == "full":
@@ -227,9 +225,9 @@ class Recorder(PassMachine):
     def _copy_leaves(self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]]) -> None:
         """:meth:`_capture_module` for a module's output in full mode, with fewer calls per tensor:
         inside a forward each Python frame and torch call of a capture costs ~10x its tight-loop time
-        (the forward evicts the interpreter's working set; docs/performance.md, issue 35). The same
-        decisions, keys and accounting; the rare cases (a failed sink, a CUDA graph capturing) take
-        the general path."""
+        (the forward evicts the interpreter's working set; docs/performance.md, issue 35): no mode
+        test or leaf path per tensor. The same decisions, keys and accounting; the rare cases (a
+        failed sink, a CUDA graph capturing) take the general path."""
         sink = self.sink
         if sink.failure is not None or stream_is_capturing():
             self._capture_module(current, name, leaves, is_input=False)
@@ -240,10 +238,8 @@ class Recorder(PassMachine):
                 self.skipped["unsupported_tensor"] += 1
                 continue
             host, event = sink.copy(tensor)
-            current.add(f"{name}{suffix}::call{call}" if call else name + suffix, host, event)
-            if sink.make_room(current.nbytes):
-                current.parts += 1
-                sink.submit(current.take_job(current.parts, self.mode))
+            current.add(key_text(name, suffix, False, call), host, event)
+            self._make_room(current)
 
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
