@@ -235,12 +235,9 @@ def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
     # in Python floats (the same IEEE operations, so the same bits as torch's tensor, index, cast
     # and multiply), then one tensor: in the forward each small torch op costs ~10x its tight-loop
     # time (docs/performance.md, issue 35, stats).
-    inverse = 1.0 / x.numel()
+    factors = _factors(recipe, x.numel())
     return torch.tensor(
-        [
-            _F32.unpack(_F32.pack(values[index]))[0] * (inverse if mean else 1.0)
-            for index, mean in zip(recipe.sweep, recipe.means, strict=True)
-        ],
+        [_F32.unpack(_F32.pack(values[i]))[0] * f for i, f in zip(recipe.sweep, factors, strict=True)],
         dtype=_F64,
     )
 
@@ -253,10 +250,14 @@ def _scale(recipe: _StatsRecipe, numel: int, device: torch.device) -> torch.Tens
     if scale is None:
         if len(_SCALES) >= _MAX_SCALES:
             _SCALES.clear()
-        inverse = 1.0 / numel if numel else float("nan")
-        factors = [inverse if mean else 1.0 for mean in recipe.means]
-        scale = _SCALES[key] = torch.tensor(factors, dtype=_F64, device=device)
+        scale = _SCALES[key] = torch.tensor(_factors(recipe, numel), dtype=_F64, device=device)
     return scale
+
+
+def _factors(recipe: _StatsRecipe, numel: int) -> list[float]:
+    """Per statistic: 1, or 1/numel for a mean (NaN for the mean of nothing)."""
+    inverse = 1.0 / numel if numel else float("nan")
+    return [inverse if mean else 1.0 for mean in recipe.means]
 
 
 def compute_stats(
