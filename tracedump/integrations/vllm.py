@@ -441,8 +441,8 @@ class RunnerHooks:
         ran = int(input_ids.shape[0]) if input_ids is not None else rows
         if ran < rows:
             _warn(
-                f"tracedump: a vLLM step ran {ran} token rows for {rows} scheduled tokens; set_batch "
-                f"names the first {ran}'s requests as scheduled, and the step cannot be aligned by token"
+                f"tracedump: a vLLM step ran {ran} token rows for {rows} scheduled tokens; its rows "
+                "cannot be named (set_batch is refused), so the step cannot be aligned by token"
             )
         # Rows past the scheduled tokens are padding (a CUDA-graph size, data parallelism): the
         # tensors hold them, so they are declared, as padding (seq id None, never compared), and
