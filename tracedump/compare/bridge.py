@@ -392,15 +392,15 @@ class Matcher:
         out = Matched()
         anchored: list[tuple[int, BridgedPair]] = []
         order = {m: i for i, m in enumerate(mapped.values())}
+        state = _Matching(claimed, out, anchored, order, original)
         for side, names in (("a", list(mapped.values())), ("b", names_b)):
             for name in names:
                 if name in claimed[side] or self.bridge is None:
                     continue
-                self._anchor(side, name, have, claimed, out, anchored, order, original)
+                self._anchor(side, name, have, state)
         if self.inputs_by_role:
             roles_a = {m: roles[0].get(name) for name, m in mapped.items() if name in roles[0]}
-            context = (claimed, out, anchored, order, original)
-            self._pair_inputs(list(mapped.values()), names_b, (roles_a, roles[1]), *context)
+            self._pair_inputs(list(mapped.values()), names_b, (roles_a, roles[1]), state)
         in_b = set(names_b)
         for name in names_a:
             m = mapped[name]
@@ -433,17 +433,14 @@ class Matcher:
         names_a: list[str],
         names_b: list[str],
         roles: tuple[Mapping[str, Role | None], Mapping[str, Role | None]],
-        claimed: dict[str, set[str]],
-        out: Matched,
-        anchored: list[tuple[int, BridgedPair]],
-        order: dict[str, int],
-        original: dict[str, str],
+        state: _Matching,
     ) -> None:
         """The inputs no rule claimed, call by call of two paired modules, by what they hold
         (:func:`.input_roles.pair_inputs`): the module's counterpart is the bridge's (the modules
         it pairs by their weights), else the module of the same name and class. Inputs of a
         module with no such counterpart are left to the name match (and its class check). B's
         inputs a rule already compares are candidates too, never listed as left over."""
+        claimed, out, anchored, order, original = state.parts()
         calls_a = _input_calls(n for n in names_a if n not in claimed["a"])
         calls_b = _input_calls(names_b)
         modules = self.bridge.module_pairs if self.bridge is not None else {}
@@ -538,13 +535,10 @@ class Matcher:
         side: str,
         name: str,
         have: dict[str, set[str]],
-        claimed: dict[str, set[str]],
-        out: Matched,
-        anchored: list[tuple[int, BridgedPair]],
-        order: dict[str, int],
-        original: dict[str, str],
+        state: _Matching,
     ) -> None:
         assert self.bridge is not None
+        claimed, out, anchored, order, original = state.parts()
         first_reason: str | None = None
         for rule in self.bridge.rules:
             if rule.side != side:
@@ -576,6 +570,24 @@ class Matcher:
         if first_reason is not None:
             claimed[side].add(name)
             out.leftovers.append(_leftover(side, name, first_reason, original))
+
+
+@dataclass
+class _Matching:
+    """What one match builds as its rules and the input pairing claim names (the same objects
+    :meth:`Matcher._match` goes on with): the names claimed per side, the result, the
+    anchored pairs, A's order, and A's original name of each mapped one."""
+
+    claimed: dict[str, set[str]]
+    out: Matched
+    anchored: list[tuple[int, BridgedPair]]
+    order: dict[str, int]
+    original: dict[str, str]
+
+    def parts(
+        self,
+    ) -> tuple[dict[str, set[str]], Matched, list[tuple[int, BridgedPair]], dict[str, int], dict[str, str]]:
+        return self.claimed, self.out, self.anchored, self.order, self.original
 
 
 def _input_calls(names: Iterable[str]) -> dict[tuple[str, int], list[str]]:
