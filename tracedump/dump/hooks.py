@@ -143,7 +143,7 @@ def output_leaves(value: Any, deep: list[int] | None = None) -> list[tuple[str, 
     if isinstance(value, torch.Tensor):
         return [("", value)]
     if type(value) is tuple or type(value) is list:
-        flat = _flat_leaves(value)
+        flat = flat_leaves(value)
         if flat is not None:
             return flat
     return distinct_keys(list(flatten_tensors(value, deep=deep)))
@@ -152,7 +152,7 @@ def output_leaves(value: Any, deep: list[int] | None = None) -> list[tuple[str, 
 _INDEX_PATHS = tuple(f"[{i}]" for i in range(16))
 
 
-def _flat_leaves(value: tuple[Any, ...] | list[Any]) -> list[tuple[str, torch.Tensor]] | None:
+def flat_leaves(value: tuple[Any, ...] | list[Any]) -> list[tuple[str, torch.Tensor]] | None:
     """The leaves of a flat tuple or list of tensors and ``None`` (a fused norm's ``(out,
     residual)``, a parallel linear's ``(out, bias)``: most outputs that are not one tensor),
     exactly as :func:`flatten_tensors` names them, without its generators (the hot path,

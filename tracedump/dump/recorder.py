@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import collections
 import threading
+from threading import get_ident
 from typing import Any
 
 import torch
 
 from ..store.format import INPUT_MARK, RECORDS_FILE, Key, key_text, stats_record
-from . import gates, suspend
+from . import gates
 from .cuda import stream_is_capturing
-from .hooks import flatten_inputs, output_leaves
+from .hooks import flat_leaves, flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
 from .reduce import compute_stats, last_row
+from .suspend import SUSPENSION
 from .torch_compat import frame_on_stack
 from .writer import RESERVED_NAMES, PassJob
 
@@ -85,16 +87,18 @@ class Recorder(PassMachine):
             and not self.idle
             and self.name_filter is None
             and not self._suspend_depth
-            and not suspend.globally_suspended()
+            and not SUSPENSION.get()
             and not self._refused_steps
-            and (current.owner is None or current.owner == threading.get_ident())
+            and (current.owner is None or current.owner == get_ident())
         ):
             # The plain case, decided in one test: a kept pass of this thread's, no gate, no
             # filter, no suspension. What the general path below would decide, without its steps.
             try:
                 if isinstance(value, torch.Tensor):
                     leaves = [("", value)]
-                else:  # a flat tuple takes output_leaves' shortcut (hooks._flat_leaves)
+                elif type(value) is tuple and (flat := flat_leaves(value)) is not None:
+                    leaves = flat  # a fused norm's (out, residual), a parallel linear's (out, bias)
+                else:
                     leaves, deep = _leaves(value, False)
                     self._count_too_deep(deep)
                 if not leaves:
@@ -223,23 +227,39 @@ class Recorder(PassMachine):
             self._make_room(current)
 
     def _copy_leaves(self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`_capture_module` for a module's output in full mode, with fewer calls per tensor:
-        inside a forward each Python frame and torch call of a capture costs ~10x its tight-loop time
-        (the forward evicts the interpreter's working set; docs/performance.md, issue 35): no mode
-        test or leaf path per tensor. The same decisions, keys and accounting; the rare cases (a
-        failed sink, a CUDA graph capturing) take the general path."""
+        """:meth:`_capture_module` for a module's output in full mode, in as few calls as it allows.
+
+        Inside a forward each Python frame and torch call of a capture costs ~10x its tight-loop
+        time (the forward evicts the interpreter's working set; docs/performance.md, issue 35), so
+        per tensor this path makes two calls (the sink's check and copy) and adds the entry in
+        place: no mode test or leaf path, the call counted once, and the memory cap consulted
+        only when the pass outgrows the room it had (:attr:`Pass.room`). A full pass writes no
+        capture order (``seqs``: stats mode's), so none is kept. The same decisions, keys and
+        accounting as :meth:`_capture_module`; the rare cases (a failed sink, a CUDA graph
+        capturing) take that path."""
         sink = self.sink
         if sink.failure is not None or stream_is_capturing():
             self._capture_module(current, name, leaves, is_input=False)
             return
-        call = current.next_call(name)
+        calls = current.calls
+        call = calls.get(name, 0)
+        calls[name] = call + 1
+        room = current.room
+        if room is None:
+            room = current.room = sink.room()
+        accepts, copy, entries = sink.accepts, sink.copy, current.entries
         for suffix, tensor in leaves:
-            if not sink.accepts(tensor):
+            if not accepts(tensor):
                 self.skipped["unsupported_tensor"] += 1
                 continue
-            host, event = sink.copy(tensor)
-            current.add(key_text(name, suffix, False, call), host, event)
-            self._make_room(current)
+            host, event = copy(tensor)
+            entries.append((name + suffix if not call else key_text(name, suffix, False, call), host, event))
+            current.nbytes += host.numel() * host.element_size()
+            current.kept += 1
+            if current.nbytes > room:
+                self._make_room(current)
+                entries, room = current.entries, sink.room()
+                current.room = room
 
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
@@ -255,6 +275,7 @@ class Recorder(PassMachine):
         if self.sink.make_room(current.nbytes):
             current.parts += 1
             self.sink.submit(current.take_job(current.parts, self.mode))
+            current.room = None  # the writer holds more now: read afresh (_copy_leaves)
 
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self.idle or self.closed or self.suspended() or (once and tag in self._once_tags):

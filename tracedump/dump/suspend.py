@@ -11,10 +11,12 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-__all__ = ["globally_suspended", "profiling"]
+__all__ = ["SUSPENSION", "globally_suspended", "profiling"]
 
 # Per thread (and per asyncio task): a profile run on one thread must not suspend another's forward.
-_suspension: ContextVar[int] = ContextVar("tracedump_suspension", default=0)
+# The open profiling() blocks; the recorder's hot path reads it directly (``SUSPENSION.get()``, no
+# Python frame: docs/performance.md).
+SUSPENSION: ContextVar[int] = ContextVar("tracedump_suspension", default=0)
 
 
 @contextlib.contextmanager
@@ -23,13 +25,13 @@ def profiling() -> Iterator[None]:
 
     Wrap an engine's dummy profile forward in it. Works whether or not a dumper exists.
     """
-    token = _suspension.set(_suspension.get() + 1)
+    token = SUSPENSION.set(SUSPENSION.get() + 1)
     try:
         yield
     finally:
-        _suspension.reset(token)
+        SUSPENSION.reset(token)
 
 
 def globally_suspended() -> bool:
     """Whether this thread (or task) is inside a :func:`profiling` block."""
-    return _suspension.get() > 0
+    return SUSPENSION.get() > 0
