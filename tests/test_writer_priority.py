@@ -298,3 +298,49 @@ def test_once_a_pass_waited_too_long_the_writer_catches_up_before_holding_back_a
     writer.host_busy(False)
     assert held_back and released["C"].wait(30)
     writer.close()
+
+
+def test_the_host_wakes_the_writer_only_for_what_it_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass closing wakes a writer that holds back for an idle host, a submit one that waits for
+    work; neither wakes it otherwise (each wake-up of a thread on the host's cores cost a vLLM
+    decode step ~40 us: docs/performance.md). Every job is still written."""
+    monkeypatch.setattr(tracedump.dump.writer, "MAX_HOLD_BACK_S", 600.0)
+    notified: list[str] = []
+    made: list[Writer] = []
+
+    class CountingCondition(threading.Condition):
+        def notify_all(self) -> None:
+            if made and self is made[0]._cond:  # the thread's own start uses one too
+                notified.append(str(made[0]._writer_waits))
+            super().notify_all()
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading, "Condition", CountingCondition)
+        writer = Writer(tmp_path, 1 << 30, {}, lambda message: None)
+    made.append(writer)
+    ran: list[str] = []
+
+    def waits_for(what: str) -> None:
+        deadline = time.monotonic() + 30
+        while writer._writer_waits != what and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert writer._writer_waits == what
+
+    def held(name: str) -> Callable[[], None]:
+        return lambda: (writer.wait_for_idle_host(), ran.append(name))  # type: ignore[func-returns-value]
+
+    waits_for("work")
+    writer.host_busy(True)
+    writer.host_busy(False)  # the writer waits for work, not for the host: not woken
+    assert notified == []
+    writer.host_busy(True)
+    writer.submit(_Probe(held("A")))  # type: ignore[arg-type]  # it waits for work: woken
+    waits_for("host")  # ... and holds A back while the host is busy
+    writer.submit(_Probe(held("B")))  # type: ignore[arg-type]  # holding back: not woken
+    assert notified == ["work"] and ran == []
+    writer.host_busy(False)  # the host is idle: the writer holding back is woken
+    writer.flush()
+    assert notified[:2] == ["work", "host"] and ran == ["A", "B"]
+    writer.close()

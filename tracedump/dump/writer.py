@@ -198,6 +198,10 @@ class Writer:
         self._job_queued_at = 0.0  # when the job being written was queued
         self._behind = False  # a job waited MAX_HOLD_BACK_S: no holding back until the queue is empty
         self._host_waits = 0  # host threads waiting on the writer (cap, flush): it must not hold back
+        # What the writer thread waits for now: "work" (an empty queue), "host" (an idle host, see
+        # host_busy), None (it runs). The host wakes it only for what it waits for: each wake-up
+        # of a thread on the host's cores cost a decode step of the vLLM bench ~40 us (issue 35).
+        self._writer_waits: str | None = None
         self._cond = threading.Condition()
         self._closing = False
         self._abandoned = False
@@ -241,7 +245,8 @@ class Writer:
                 return
             self._queue.append((job, time.monotonic()))
             self._pending += job.nbytes
-            self._cond.notify_all()
+            if self._writer_waits == "work":  # busy, or holding back: it takes the job in turn
+                self._cond.notify_all()
 
     def wait_below(self, limit: int) -> None:
         """Back-pressure inside a pass: wait until queued bytes are at most ``limit`` (or none)."""
@@ -269,7 +274,8 @@ class Writer:
         elif self._host_busy:
             with self._cond:
                 self._host_busy = False
-                self._cond.notify_all()
+                if self._writer_waits == "host":
+                    self._cond.notify_all()
 
     def wait_for_idle_host(self) -> None:
         """Called by the writer thread before each chunk of a pass file (see :meth:`host_busy`)."""
@@ -283,7 +289,11 @@ class Writer:
                 if left <= 0:
                     self._behind = True
                     return
-                self._cond.wait(left)
+                self._writer_waits = "host"
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._writer_waits = None
 
     def _wait_as_host(self, done: Callable[[], bool]) -> None:
         """Wait (the lock held) until ``done()``; while a host thread waits, the writer does not
@@ -403,7 +413,11 @@ class Writer:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
-                    self._cond.wait()
+                    self._writer_waits = "work"
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._writer_waits = None
                 if not self._queue:
                     return
                 job, self._job_queued_at = self._queue.popleft()
