@@ -518,11 +518,12 @@ class RunnerHooks:
             _warn(f"tracedump: vLLM {where}: {error!r}")
 
 
-def _head(values: Any, rows: int) -> Any:
+def _head(values: Any, rows: int) -> list[Any] | None:
     """The first ``rows`` entries of a tensor or sequence (a runner's buffer is longer than the
-    step); None stays None."""
+    step) as a host list: what ``set_batch`` stores, made in one torch call (``tolist`` copies
+    to the host, as ``cpu()`` would); None stays None."""
     if values is None:
         return None
-    if hasattr(values, "detach"):
-        return values.detach()[:rows].cpu()
+    if hasattr(values, "tolist"):
+        return list(values[:rows].tolist())
     return list(values)[:rows]
