@@ -211,3 +211,24 @@ def test_sums_past_float32_s_range_get_torch_s_answer() -> None:
     x = torch.full((4, 8), 3e38)  # Σ|x| in float64 is past float32's largest value
     _, values, _ = compute_stats(x, ["sum", "abs_mean", "max"])
     assert [str(v) for v in values.tolist()] == [str(v) for v in _torch_stats(x, ["sum", "abs_mean", "max"])]
+
+
+def test_the_recorder_s_stats_are_floats_from_the_sweep_and_tensors_from_torch() -> None:
+    """stats_values (the recorder's) keeps the sweep's numbers as Python floats, no torch op after
+    the sweep; they are compute_stats' values bit for bit. What torch computes stays its tensor."""
+    from tracedump.dump import reduce
+
+    names = ["abs_mean", "sum", "max", "shape"]
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    numeric, values, extras = reduce.stats_values(x, names)
+    expected = compute_stats(x, names)[1]
+    if reduce.compiled_kernel() is not None:
+        assert isinstance(values, list) and all(type(v) is float for v in values)
+        assert values == expected.tolist()
+    assert numeric == ["abs_mean", "sum", "max"] and extras == {"shape": [64, 48]}
+    with_nan = x.clone()
+    with_nan[0, 0] = math.nan  # the sweep hands a NaN to torch's reductions
+    _, from_torch, _ = reduce.stats_values(with_nan, names)
+    assert isinstance(from_torch, torch.Tensor) and from_torch.dtype == torch.float64
+    assert math.isnan(from_torch[0].item())
+    assert reduce.stats_values(x, ["shape"])[1] == []

@@ -78,7 +78,10 @@ class Pass:
     entries: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)  # each entry's place in the pass's capture order
     order: int = 0
-    stats: list[tuple[dict[str, Any], list[str], torch.Tensor, Any]] = field(default_factory=list)
+    # stats mode: (record, stat names, their values: floats or a float64 tensor, the copy's event)
+    stats: list[tuple[dict[str, Any], list[str], torch.Tensor | list[float], Any]] = field(
+        default_factory=list
+    )
     calls: collections.Counter[str] = field(default_factory=collections.Counter)
     nbytes: int = 0
     parts: int = 0

@@ -26,7 +26,7 @@ from . import gates
 from .cuda import stream_is_capturing
 from .hooks import flat_leaves, flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
-from .reduce import compute_stats, last_row
+from .reduce import last_row, stats_values
 from .suspend import SUSPENSION
 from .torch_compat import frame_on_stack
 from .writer import RESERVED_NAMES, PassJob
@@ -264,8 +264,11 @@ class Recorder(PassMachine):
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
     ) -> None:
-        numeric, values, extras = compute_stats(tensor, self.keep.stats)
-        host, event = self.sink.copy(values, pooled=False)
+        numeric, values, extras = stats_values(tensor, self.keep.stats)
+        if isinstance(values, list) or values.is_cpu:  # made here, no buffer of the host's: no copy
+            host, event = values, None
+        else:
+            host, event = self.sink.copy(values, pooled=False)
         key = Key(name, leaf_path(suffix, is_input), is_input, call)
         record = stats_record(key, current.index, current.next_seq(), extras)
         current.stats.append((record, numeric, host, event))

@@ -27,6 +27,7 @@ __all__ = [
     "dtype_name",
     "last_row",
     "last_row_dim",
+    "stats_values",
     "use_kernel",
 ]
 
@@ -52,7 +53,7 @@ def _reduction_input(tensor: torch.Tensor) -> torch.Tensor:
     bytes of a widened copy."""
     if tensor.is_floating_point():
         narrow = tensor.dtype not in (torch.float32, _F64)
-        return tensor.float() if narrow and tensor.device.type == "cpu" else tensor
+        return tensor.float() if narrow and tensor.is_cpu else tensor
     if tensor.is_complex():
         return tensor.abs().double()
     return tensor.double()
@@ -208,7 +209,7 @@ def _always(kernel: SweepKernel) -> Callable[[], SweepKernel]:
     return given
 
 
-def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
+def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> list[float] | None:
     """The statistics from one pass of C over a contiguous float32 CPU tensor, or None (another
     device or dtype, a tensor subclass, no kernel, a NaN or Inf in it) to let torch compute them.
 
@@ -219,7 +220,7 @@ def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
     (flushed to float64 every 2048 elements) and rounded to float32, as torch's float32 reduction
     returns them; min and max exact. Where the tensor holds a NaN or an Inf, torch's reductions
     say what they are."""
-    if recipe.sweep is None or type(x) is not torch.Tensor or x.device.type != "cpu":
+    if recipe.sweep is None or type(x) is not torch.Tensor or not x.is_cpu:
         return None
     if x.dtype != torch.float32 or not x.numel() or not x.is_contiguous() or x.is_neg():
         return None
@@ -233,13 +234,10 @@ def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> torch.Tensor | None:
         return None
     # The sums rounded to float32 as a float32 reduction returns them, widened, and the means scaled,
     # in Python floats (the same IEEE operations, so the same bits as torch's tensor, index, cast
-    # and multiply), then one tensor: in the forward each small torch op costs ~10x its tight-loop
-    # time (docs/performance.md, issue 35, stats).
+    # and multiply), and no torch op at all: in the forward each small torch op costs ~10x its
+    # tight-loop time (docs/performance.md, issue 35, stats).
     factors = _factors(recipe, x.numel())
-    return torch.tensor(
-        [_F32.unpack(_F32.pack(values[i]))[0] * f for i, f in zip(recipe.sweep, factors, strict=True)],
-        dtype=_F64,
-    )
+    return [_F32.unpack(_F32.pack(values[i]))[0] * f for i, f in zip(recipe.sweep, factors, strict=True)]
 
 
 def _scale(recipe: _StatsRecipe, numel: int, device: torch.device) -> torch.Tensor:
@@ -268,6 +266,17 @@ def compute_stats(
     Each reduction the statistics need runs once (``sum`` serves ``mean`` too), the scalars are
     stacked in one op and widened and scaled in one more: for the default ``abs_mean,sum,max`` that
     is five small kernels per tensor, three of them passes over it. Nothing waits for the device."""
+    numeric, values, extras = stats_values(tensor, names)
+    return numeric, values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=_F64), extras
+
+
+def stats_values(
+    tensor: torch.Tensor, names: list[str]
+) -> tuple[list[str], torch.Tensor | list[float], dict[str, object]]:
+    """:func:`compute_stats` for the recorder: statistics the C sweep computed stay Python floats
+    (float64, the same values), since in the forward a ``torch.tensor`` of four floats costs
+    13-16 µs (docs/performance.md, issue 35); those torch computed are its float64 vector, on the
+    tensor's device, as :func:`compute_stats` returns them."""
     source = tensor.detach()
     numeric = [n for n in names if n in _STAT_OF]
     extras: dict[str, object] = {}
@@ -276,7 +285,7 @@ def compute_stats(
     if "dtype" in names:
         extras["dtype"] = dtype_name(source.dtype)
     if not numeric:
-        return numeric, torch.empty(0, dtype=_F64), extras
+        return numeric, [], extras
     recipe = _recipe(tuple(numeric))
     x = _reduction_input(source)
     swept = _swept(x, recipe)

@@ -116,17 +116,19 @@ class StatsJob:
     """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor.
 
     Each record arrives as its fields but the numbers (a :func:`tracedump.store.format.stats_record`), the
-    names of its numeric statistics and their values, still on their way to the host."""
+    names of its numeric statistics and their values: Python floats (the C sweep's), or a float64
+    tensor still on its way to the host."""
 
     index: int
-    records: list[tuple[StatsRecord, list[str], torch.Tensor, Any]]
+    records: list[tuple[StatsRecord, list[str], torch.Tensor | list[float], Any]]
     nbytes: int = 0
 
     def run(self, writer: Writer) -> None:
         lines = []
         for base, names, values, event in self.records:
             wait_for(event)
-            lines.append(json.dumps(with_numbers(base, names, values.tolist()), allow_nan=False))
+            numbers = values if isinstance(values, list) else values.tolist()
+            lines.append(json.dumps(with_numbers(base, names, numbers), allow_nan=False))
         writer.append_stats(lines)
         writer.note_file(self.index, 0, is_pass=True)
 
