@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..store.format import INPUT_MARK, RECORDS_FILE, Key, key_text, stats_record
+from ..store.format import INPUT_MARK, RECORDS_FILE, capture_stats_record, key_text
 from . import gates
 from .cuda import stream_is_capturing
 from .hooks import flat_leaves, flatten_inputs, output_leaves
@@ -269,8 +269,8 @@ class Recorder(PassMachine):
             host, event = values, None
         else:
             host, event = self.sink.copy(values, pooled=False)
-        key = Key(name, leaf_path(suffix, is_input), is_input, call)
-        record = stats_record(key, current.index, current.next_seq(), extras)
+        path = leaf_path(suffix, is_input)
+        record = capture_stats_record(name, path, is_input, call, current.index, current.next_seq(), extras)
         current.stats.append((record, numeric, host, event))
         current.kept += 1
 

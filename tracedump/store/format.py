@@ -204,7 +204,7 @@ class Key:
     @property
     def tensor_label(self) -> str:
         """The ``tensor`` field of its stats record: ``out``/``in`` + ``path`` (``out[0]``, ``in[kw]``)."""
-        return ("in" if self.input else "out") + self.path
+        return tensor_label(self.path, self.input)
 
     @classmethod
     def from_stats(cls, record: Mapping[str, Any]) -> Key:
@@ -247,13 +247,33 @@ def json_number(value: float, name: str = "") -> float | int | str:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
+def tensor_label(path: str, is_input: bool) -> str:
+    """The ``tensor`` field of a stats record: ``out``/``in`` + ``path`` (``out[0]``, ``in[kw]``)."""
+    return ("in" if is_input else "out") + path
+
+
 def stats_record(key: Key, pass_index: int, seq: int, extras: Mapping[str, Any] | None = None) -> StatsRecord:
     """A record's fields but the numbers; ``extras`` holds ``shape`` and ``dtype``."""
+    return capture_stats_record(key.module, key.path, key.input, key.call, pass_index, seq, extras)
+
+
+def capture_stats_record(
+    module: str,
+    path: str,
+    is_input: bool,
+    call: int,
+    pass_index: int,
+    seq: int,
+    extras: Mapping[str, Any] | None = None,
+) -> StatsRecord:
+    """:func:`stats_record` from a :class:`Key`'s fields, without building the Key: the recorder
+    makes one per captured tensor in the host's forward, where a frozen dataclass costs more than
+    the record (as :func:`key_text`)."""
     record: StatsRecord = {
-        "module": key.module,
-        "tensor": key.tensor_label,
+        "module": module,
+        "tensor": tensor_label(path, is_input),
         "pass": pass_index,
-        "call": key.call,
+        "call": call,
         "seq": seq,
     }
     record.update(extras or {})  # type: ignore[typeddict-item]
