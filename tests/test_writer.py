@@ -545,3 +545,40 @@ def test_small_captures_are_clones_and_large_ones_recycled_buffers(tmp_path, mon
         stored = tracedump.load_pass(dumper.run_dir / f"pass{index:05d}.safetensors")
         assert torch.equal(stored["0"], model[0](x).detach())
         assert torch.equal(stored["1"], model(x).detach())
+
+
+def test_a_capture_lands_in_the_open_part_when_another_thread_spills_the_pass_during_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker threads capture into one ``step()`` pass: while one copies a tensor, another's
+    capture may fill the cap and move the pass's entries into a part file. The copy then joins
+    the entries still open, never the part already on its way to disk (where it was lost: the
+    writer had its tensors already). Staged here: the spill runs inside the second copy."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    dumper = tracedump.attach(model, tracedump.DumpConfig(dir=tmp_path))
+    assert dumper is not None
+    recorder = dumper.recorder
+    original = tracedump.dump.sinks.FileSink.copy
+    spilled: list[list[str]] = []
+
+    def copy_while_another_thread_spills(sink: Any, tensor: torch.Tensor, **kwargs: Any) -> Any:
+        copied = original(sink, tensor, **kwargs)
+        current = recorder.current
+        if not spilled and current is not None and current.entries:  # another thread's spill, now
+            current.parts += 1
+            job = current.take_job(current.parts, recorder.mode)
+            spilled.append([key for key, _, _ in job.entries])
+            sink.submit(job)
+        return copied
+
+    monkeypatch.setattr(tracedump.dump.sinks.FileSink, "copy", copy_while_another_thread_spills)
+    x = torch.ones(2, 4)
+    with torch.no_grad(), dumper.step():
+        out = model(x)
+        open_keys = [key for key, _, _ in recorder.current.entries]
+    dumper.close()
+
+    assert spilled == [["0"]] and open_keys == ["1"]
+    stored = open_dump(dumper.run_dir).run().passes[0]
+    assert sorted(stored) == ["0", "1"]
+    assert torch.equal(stored["0"], model[0](x)) and torch.equal(stored["1"], out)

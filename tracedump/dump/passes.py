@@ -93,9 +93,9 @@ class Pass:
     implicit: bool = False  # opened by a capture outside every pass, for the next root forward
     anchor: Any = None  # an implicit pass's anchor: the root model's method frame
     # What the pass may hold before the memory cap has anything to say (Sink.room), for the
-    # recorder's plain path: read at its first plain capture and again after each spill. Only
-    # this pass's recorder submits to its sink, and the writer only ever makes more room, so a
-    # value read earlier errs on the safe side. None: not read yet.
+    # recorder's plain path: read at its first plain capture and again after each make_room. Only
+    # this pass's recorder submits to its sink (and resets this when it does), and the writer only
+    # ever makes more room, so a value read earlier errs on the safe side. None: not read yet.
     room: int | None = None
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:

@@ -233,10 +233,12 @@ class Recorder(PassMachine):
         time (the forward evicts the interpreter's working set; docs/performance.md, issue 35), so
         per tensor this path makes two calls (the sink's check and copy) and adds the entry in
         place: no mode test or leaf path, the call counted once, and the memory cap consulted
-        only when the pass outgrows the room it had (:attr:`Pass.room`). A full pass writes no
-        capture order (``seqs``: stats mode's), so none is kept. The same decisions, keys and
-        accounting as :meth:`_capture_module`; the rare cases (a failed sink, a CUDA graph
-        capturing) take that path."""
+        only when the pass outgrows the room it had (:attr:`Pass.room`). The entry goes to the
+        pass's entries as they are after the copy: a worker thread capturing into the same
+        ``step()`` may have spilled them into a part file meanwhile. No capture order is kept for
+        it (only a stats pass writes one). The same decisions, keys and accounting as
+        :meth:`_capture_module`; the rare cases (a failed sink, a CUDA graph capturing) take that
+        path."""
         sink = self.sink
         if sink.failure is not None or stream_is_capturing():
             self._capture_module(current, name, leaves, is_input=False)
@@ -244,22 +246,22 @@ class Recorder(PassMachine):
         calls = current.calls
         call = calls.get(name, 0)
         calls[name] = call + 1
-        room = current.room
-        if room is None:
-            room = current.room = sink.room()
-        accepts, copy, entries = sink.accepts, sink.copy, current.entries
+        accepts, copy = sink.accepts, sink.copy
         for suffix, tensor in leaves:
             if not accepts(tensor):
                 self.skipped["unsupported_tensor"] += 1
                 continue
             host, event = copy(tensor)
-            entries.append((name + suffix if not call else key_text(name, suffix, False, call), host, event))
+            current.entries.append(
+                (name + suffix if not call else key_text(name, suffix, False, call), host, event)
+            )
             current.nbytes += host.numel() * host.element_size()
             current.kept += 1
+            room = current.room
+            if room is None:
+                room = current.room = sink.room()
             if current.nbytes > room:
                 self._make_room(current)
-                entries, room = current.entries, sink.room()
-                current.room = room
 
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
@@ -278,7 +280,7 @@ class Recorder(PassMachine):
         if self.sink.make_room(current.nbytes):
             current.parts += 1
             self.sink.submit(current.take_job(current.parts, self.mode))
-            current.room = None  # the writer holds more now: read afresh (_copy_leaves)
+        current.room = None  # the writer and the pool hold other amounts now: read afresh (_copy_leaves)
 
     def _record(self, tag: str, tensor: torch.Tensor, *, once: bool, numbered: bool) -> None:
         if self.idle or self.closed or self.suspended() or (once and tag in self._once_tags):

@@ -158,7 +158,8 @@ class SweepKernel(Protocol):
     """What the one-pass sweep needs of a kernel: ``util/kernel.c``'s ``stats``, or a stand-in."""
 
     def stats(self, values: Any, /) -> Sequence[float]:
-        """``(sum, abs_sum, min, max)`` of a contiguous 1-d float32 array, in one pass."""
+        """``(sum, abs_sum, min, max)`` of a C-contiguous float32 array (any shape: its buffer is
+        read whole), in one pass."""
         ...
 
 

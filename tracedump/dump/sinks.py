@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..util.cpus import usable_cpus
-from .cuda import POOLED_FROM_BYTES, SyncEscape, allow_sync, copy_to_host
+from . import cuda
+from .cuda import SyncEscape, allow_sync, copy_to_host
 from .writer import Job, PassJob, storable
 
 if TYPE_CHECKING:
@@ -83,9 +84,10 @@ class FileSink:
     accepts = staticmethod(storable)
 
     def copy(self, tensor: torch.Tensor, *, pooled: bool = True) -> tuple[torch.Tensor, Any]:
-        if tensor.is_cpu and tensor.nbytes < POOLED_FROM_BYTES and not tensor.requires_grad:
+        if tensor.is_cpu and tensor.nbytes < cuda.POOLED_FROM_BYTES and not tensor.requires_grad:
             # Most captures of a decode step: a small CPU tensor is one clone, without
-            # copy_to_host's frame (its first case); each frame costs ~10x inside a forward.
+            # copy_to_host's frame (its first case, read from the same threshold); each frame
+            # costs ~10x inside a forward.
             return tensor.clone(memory_format=torch.contiguous_format), None
         if not tensor.is_cpu:
             self.off_cpu = True
