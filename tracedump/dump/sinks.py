@@ -123,20 +123,11 @@ class FileSink:
     def host_busy(self, busy: bool) -> None:
         """The writer holds back while a forward that takes every core runs (Writer.host_busy):
         one on the CPU (no capture from an accelerator, CUDA not in use) with an intra-op thread
-        for every CPU this process may run on, and at least two of them. Where torch leaves CPUs
-        free (its default is one thread per physical core, so on SMT machines the siblings are
-        free), the writer runs on one of them without taking a core from torch's threads, and
-        writes beside the forward.
-
-        One intra-op thread (vLLM's CPU engine bound to one core, ``torch.set_num_threads(1)``)
-        has no barrier for the writer to stall: at nice 19 the writer gets only what that thread
-        leaves, so it writes beside it too. Holding back there cost more than it saved: each
-        pass's end woke a writer on the engine's own core (the vLLM decode step, 2.1 ms: 1.39x
-        held back, 1.35x beside; docs/performance.md, issue 35)."""
-        if busy:
-            threads = torch.get_num_threads()
-            if self.off_cpu or torch.cuda.is_initialized() or threads < self.cores or threads < 2:
-                return
+        for every CPU this process may run on. Where torch leaves CPUs free (its default is one
+        thread per physical core, so on SMT machines the siblings are free), the writer runs on
+        one of them without taking a core from torch's threads, and writes beside the forward."""
+        if busy and (self.off_cpu or torch.cuda.is_initialized() or torch.get_num_threads() < self.cores):
+            return
         self._rundir.writer.host_busy(busy)
 
 
