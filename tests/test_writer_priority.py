@@ -304,8 +304,8 @@ def test_the_host_wakes_the_writer_only_for_what_it_waits_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pass closing wakes a writer that holds back for an idle host, a submit one that waits for
-    work; neither wakes it otherwise (each wake-up of a thread on the host's cores cost a vLLM
-    decode step ~40 us: docs/performance.md). Every job is still written."""
+    work; neither wakes it otherwise (a thread woken for nothing still costs the host a context
+    switch and a GIL hand-off, once per step: docs/performance.md). Every job is still written."""
     monkeypatch.setattr(tracedump.dump.writer, "MAX_HOLD_BACK_S", 600.0)
     notified: list[str] = []
     made: list[Writer] = []

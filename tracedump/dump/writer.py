@@ -201,8 +201,9 @@ class Writer:
         self._behind = False  # a job waited MAX_HOLD_BACK_S: no holding back until the queue is empty
         self._host_waits = 0  # host threads waiting on the writer (cap, flush): it must not hold back
         # What the writer thread waits for now: "work" (an empty queue), "host" (an idle host, see
-        # host_busy), None (it runs). The host wakes it only for what it waits for: each wake-up
-        # of a thread on the host's cores cost a decode step of the vLLM bench ~40 us (issue 35).
+        # host_busy), None (it runs). The host wakes it only for what it waits for: a thread woken
+        # for nothing still costs the host a context switch and a GIL hand-off on its cores, once
+        # per step (issue 35; docs/performance.md has what the per-step work measured).
         self._writer_waits: str | None = None
         self._cond = threading.Condition()
         self._closing = False
