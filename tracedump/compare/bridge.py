@@ -440,8 +440,7 @@ class Matcher:
         it pairs by their weights), else the module of the same name and class. Inputs of a
         module with no such counterpart are left to the name match (and its class check). B's
         inputs a rule already compares are candidates too, never listed as left over."""
-        claimed, out, anchored, order, original = state.parts()
-        calls_a = _input_calls(n for n in names_a if n not in claimed["a"])
+        calls_a = _input_calls(n for n in names_a if n not in state.claimed["a"])
         calls_b = _input_calls(names_b)
         modules = self.bridge.module_pairs if self.bridge is not None else {}
         for (module, call), group_a in calls_a.items():
@@ -454,22 +453,22 @@ class Matcher:
                 by_name = a == b
                 role = roles[0].get(a)
                 pair = BridgedPair(
-                    a=Expr(names=(original.get(a, a),)),
+                    a=Expr(names=(state.original.get(a, a),)),
                     b=Expr(names=(b,)),
                     how=None if by_name else "input by role",
                     rule=None if by_name or role is None else role.describe(),
                 )
-                anchored.append((order.get(a, len(order)), pair))
-                claimed["a"].add(a)
-                claimed["b"].add(b)
+                state.anchored.append((state.order.get(a, len(state.order)), pair))
+                state.claimed["a"].add(a)
+                state.claimed["b"].add(b)
             for a, reason in paired.left_a:
                 if reason:  # else: no role known, left to the name match
-                    claimed["a"].add(a)
-                    out.leftovers.append(_leftover("a", a, reason, original))
+                    state.claimed["a"].add(a)
+                    state.out.leftovers.append(_leftover("a", a, reason, state.original))
             for b, reason in paired.left_b:
-                if reason and b not in claimed["b"]:
-                    claimed["b"].add(b)
-                    out.leftovers.append(Leftover(side="B", name=b, reason=reason))
+                if reason and b not in state.claimed["b"]:
+                    state.claimed["b"].add(b)
+                    state.out.leftovers.append(Leftover(side="B", name=b, reason=reason))
 
     def _input_counterpart(self, module: str, modules: Mapping[str, str]) -> str | None:
         """The module of B whose inputs A's ``module``'s inputs pair with: the bridge's module
@@ -538,7 +537,6 @@ class Matcher:
         state: _Matching,
     ) -> None:
         assert self.bridge is not None
-        claimed, out, anchored, order, original = state.parts()
         first_reason: str | None = None
         for rule in self.bridge.rules:
             if rule.side != side:
@@ -556,20 +554,21 @@ class Matcher:
                 first_reason = first_reason or applied
                 continue
             names_a, names_b, pairs = applied
-            claimed["a"].update(names_a)
-            claimed["b"].update(names_b)
+            state.claimed["a"].update(names_a)
+            state.claimed["b"].update(names_b)
             if not pairs:  # skip, or a tuple element unwrap does not keep
                 reason = rule.reason or f"element of an (out, bias) tuple that {rule.title} does not keep"
-                out.leftovers.append(_leftover(side, name, f"skipped by {rule.title}: {reason}", original))
+                skipped = f"skipped by {rule.title}: {reason}"
+                state.out.leftovers.append(_leftover(side, name, skipped, state.original))
                 return
-            position = min((order[n] for n in names_a if n in order), default=len(order))
+            position = min((state.order[n] for n in names_a if n in state.order), default=len(state.order))
             for pair in pairs:
-                a = replace(pair.a, names=tuple(original.get(n, n) for n in pair.a.names))
-                anchored.append((position, replace(pair, a=a)))
+                a = replace(pair.a, names=tuple(state.original.get(n, n) for n in pair.a.names))
+                state.anchored.append((position, replace(pair, a=a)))
             return
         if first_reason is not None:
-            claimed[side].add(name)
-            out.leftovers.append(_leftover(side, name, first_reason, original))
+            state.claimed[side].add(name)
+            state.out.leftovers.append(_leftover(side, name, first_reason, state.original))
 
 
 @dataclass
@@ -583,11 +582,6 @@ class _Matching:
     anchored: list[tuple[int, BridgedPair]]
     order: dict[str, int]
     original: dict[str, str]
-
-    def parts(
-        self,
-    ) -> tuple[dict[str, set[str]], Matched, list[tuple[int, BridgedPair]], dict[str, int], dict[str, str]]:
-        return self.claimed, self.out, self.anchored, self.order, self.original
 
 
 def _input_calls(names: Iterable[str]) -> dict[tuple[str, int], list[str]]:
