@@ -102,9 +102,9 @@ class FileSink:
 
         Free pooled buffers count too; over the cap they are released first, since waiting for the
         writer cannot shrink them."""
-        writer = self._rundir.writer
-        if held + writer.pending_bytes + writer.buffers.free_bytes <= self._cap:
+        if held <= self.room():
             return False
+        writer = self._rundir.writer
         writer.buffers.clear()
         writer.wait_below(self._cap - held)
         return held > self._cap or held + writer.pending_bytes > self._cap
