@@ -292,11 +292,16 @@ class Writer:
                 if left <= 0:
                     self._behind = True
                     return
-                self._writer_waits = "host"
-                try:
-                    self._cond.wait(left)
-                finally:
-                    self._writer_waits = None
+                self._sleep_until_woken("host", left)
+
+    def _sleep_until_woken(self, waits_for: str, timeout: float | None = None) -> None:
+        """The writer thread waits on the condition (its lock held), saying what for while it
+        does (``_writer_waits``): the host wakes it only for that."""
+        self._writer_waits = waits_for
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._writer_waits = None
 
     def _wait_as_host(self, done: Callable[[], bool]) -> None:
         """Wait (the lock held) until ``done()``; while a host thread waits, the writer does not
@@ -416,11 +421,7 @@ class Writer:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
-                    self._writer_waits = "work"
-                    try:
-                        self._cond.wait()
-                    finally:
-                        self._writer_waits = None
+                    self._sleep_until_woken("work")
                 if not self._queue:
                     return
                 job, self._job_queued_at = self._queue.popleft()
