@@ -15,7 +15,6 @@ Nothing here raises into the host's forward: a failure is reported to the log an
 from __future__ import annotations
 
 import collections
-import threading
 from threading import get_ident
 from typing import Any
 
@@ -132,14 +131,12 @@ class Recorder(PassMachine):
             if current is None:
                 self._outside_pass(name, value, is_input)
                 return
-        elif (
-            current.implicit and current.owner == threading.get_ident() and not frame_on_stack(current.anchor)
-        ):
+        elif current.implicit and current.owner == get_ident() and not frame_on_stack(current.anchor):
             # the anchor call returned: settle that pass (it is this thread's), then start afresh
             self.settle_implicit()
             self.on_module_tensors(name, value, is_input=is_input)
             return
-        if current.owner is not None and current.owner != threading.get_ident():
+        if current.owner is not None and current.owner != get_ident():
             self._refuse_concurrent()
             return
         if suspended:

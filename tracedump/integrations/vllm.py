@@ -525,5 +525,5 @@ def _head(values: Any, rows: int) -> list[Any] | None:
     if values is None:
         return None
     if hasattr(values, "tolist"):
-        return list(values[:rows].tolist())
+        return values[:rows].tolist()
     return list(values)[:rows]
