@@ -45,8 +45,9 @@ def vllm_python() -> str | None:
     return str(VLLM_VENV_PYTHON) if VLLM_VENV_PYTHON.exists() else None
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """For ``run_all``: the measurement in a process of its own (vLLM's engine, its own venv)."""
+def run(quick: bool = False, model: str = "narrow") -> dict[str, Any]:
+    """For ``run_all``: the measurement in a process of its own (vLLM's engine, its own venv), on
+    the engine model ``model`` (:data:`SHAPES`)."""
     python = vllm_python()
     if python is None:
         return {"skipped": SKIP_MESSAGE}
@@ -55,7 +56,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     # One OpenMP thread bound to one core: vLLM's CPU build spins its OMP threads at each barrier,
     # and on a shared small machine a descheduled thread stalls the whole step (noise 2x and more).
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    command = [python, "-m", "benchmarks.bench_vllm", *(["--quick"] if quick else [])]
+    command = [python, "-m", "benchmarks.bench_vllm", "--model", model, *(["--quick"] if quick else [])]
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=1200
     )
@@ -67,17 +68,21 @@ def run(quick: bool = False) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the measurement
 
 
-def _save_model(out: Path, quick: bool) -> dict[str, int]:
+# The issue's two engines (35): a 3-layer, 256-wide Llama, whose short decode steps show a fixed
+# cost per capture or per step plainly (8 rows x 256 x 4 B per activation); and an 8-layer,
+# 1024-wide one of ~100M parameters, where a decode step does the work of a small real model.
+SHAPES = {
+    "narrow": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3},
+    "wide": {"hidden_size": 1024, "intermediate_size": 2304, "num_hidden_layers": 8},
+}
+QUICK_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+
+
+def _save_model(out: Path, quick: bool, model: str = "narrow") -> dict[str, int]:
     import torch
     import transformers
 
-    # The issue's engine (35): a 3-layer, 256-wide Llama, whose ~12 ms decode steps show a fixed
-    # cost per capture or per step plainly (8 rows x 256 x 4 B per activation).
-    shape = (
-        {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
-        if quick
-        else {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3}
-    )
+    shape = QUICK_SHAPE if quick else SHAPES[model]
     config = transformers.LlamaConfig(
         **shape,
         num_attention_heads=shape["hidden_size"] // 64,
@@ -89,8 +94,9 @@ def _save_model(out: Path, quick: bool) -> dict[str, int]:
         torch_dtype="float32",
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(out)
-    return shape
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(out)
+    return {**shape, "params": sum(p.numel() for p in model.parameters())}
 
 
 def _runner(llm: Any) -> Any:
@@ -112,15 +118,15 @@ def _hooks_now(model: Any) -> int:
     return local + len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks)
 
 
-def measure(quick: bool) -> dict[str, Any]:
+def measure(quick: bool, model: str = "narrow") -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="tracedump-bench-vllm-"))
     try:
-        return _measure(quick, work)
+        return _measure(quick, work, model)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _measure(quick: bool, work: Path) -> dict[str, Any]:
+def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("TRACEDUMP_DUMP_DIR", None)
     import torch
@@ -129,7 +135,7 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
     import tracedump.integrations.vllm as plugin
     from benchmarks import common
 
-    shape = _save_model(work / "model", quick)
+    shape = _save_model(work / "model", quick, model_name)
     llm = LLM(
         model=str(work / "model"),
         skip_tokenizer_init=True,
@@ -165,8 +171,10 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
     )
     hooks_off = _hooks_now(model)
     dumps = work / "dumps"
-    rounds = 3 if quick else 11
+    # the wide model's steps are ~10x longer: fewer rounds, and only the floor beside the dump
+    rounds = 3 if quick else 11 if model_name == "narrow" else 7
     passes = 0
+    pass_bytes: dict[int, int] = {}  # a full round's captured bytes, by pass (step) index
 
     def dumped(layer: str) -> Callable[[], dict[str, float]]:
         """A round dumped up to ``layer`` of :data:`LAYERS` (``full``: the real dump)."""
@@ -188,6 +196,8 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
             for handle in stand_ins:
                 handle.remove()
             hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
+            if layer == "full" and not pass_bytes:
+                pass_bytes.update(_pass_bytes(dumps))
             shutil.rmtree(dumps, ignore_errors=True)
             gc.collect()
             return seconds | clock.result()
@@ -200,15 +210,17 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
         gc.collect()  # as the full round does after its timing: each round starts alike
         return seconds | clock.result()
 
-    layers = ("full",) if quick else LAYERS
+    layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("naive", "full")
     with torch.inference_mode():
         samples = common.interleave(
             {"untouched": plain, "plugin_off": plain, **{layer: dumped(layer) for layer in layers}},
             rounds=rounds,
             warmup=1,
         )
+        bandwidth = _copy_bandwidth()
     med = {name: common.median(values["s"]) for name, values in samples.items()}
     base = samples["untouched"]
+    floor = _bytes_floor(pass_bytes, bandwidth, base)
     return {
         "model": {**shape, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens},
         "vllm_version": _version(),
@@ -249,6 +261,11 @@ def _measure(quick: bool, work: Path) -> dict[str, Any]:
             if "naive" in layers
             else {}
         ),
+        # what the copies alone would cost: the bytes each pass holds, at one core's memcpy
+        # bandwidth into memory already mapped (the engine's one thread; the dump's fresh memory is
+        # slower: clone_GBps), over the untouched step (issue 35's floor from bytes)
+        "copy_bandwidth": bandwidth,
+        **floor,
         "register_off_us": register_off_us,
         "off_untouched": bool(untouched and hooks_off == 0),
         "full_passes_per_round": passes / max(1, rounds + 1),
@@ -364,6 +381,73 @@ class StepClock:
             "prefill": common.median(self.prefill) if self.prefill else float("nan"),
             "decode_steps": float(len(self.decode)),
         }
+
+
+def _pass_bytes(dumps: Path) -> dict[int, int]:
+    """The tensor bytes of each pass written under ``dumps`` (its parts summed; headers left out)."""
+    from tracedump.store.format import parse_pass_file_name
+
+    found: dict[int, int] = {}
+    for path in dumps.rglob("pass*.safetensors"):
+        parsed = parse_pass_file_name(path.name)
+        if parsed is None:
+            continue
+        with path.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+        found[parsed[0]] = found.get(parsed[0], 0) + path.stat().st_size - 8 - header
+    return found
+
+
+def _copy_bandwidth(nbytes: int = 64 << 20) -> dict[str, float]:
+    """This thread's copy bandwidth (GB/s, best of five): into memory already mapped (``memcpy``)
+    and into a fresh allocation (``clone``, what a capture's copy meets first)."""
+    import torch
+
+    source = torch.ones(nbytes // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+
+    def best(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return nbytes / min(times) / 1e9
+
+    return {"memcpy_GBps": best(lambda: target.copy_(source)), "clone_GBps": best(source.clone)}
+
+
+def _bytes_floor(
+    pass_bytes: dict[int, int], bandwidth: dict[str, float], untouched: dict[str, list[float]]
+) -> dict[str, Any]:
+    """The floor from bytes and bandwidth of each engine figure: 1 + (the bytes a step's pass holds
+    / a copy bandwidth) / the untouched step, and the generate's from all its passes; at memcpy
+    speed (``bytes_floor_ratio``: memory already mapped, the least any copy costs) and at clone
+    speed into fresh memory (``bytes_floor_fresh_ratio``: where a dump's copies land while the
+    writer holds its passes back). Pass 0 is the prefill (every prompt whole), the others decode
+    steps."""
+    from benchmarks import common
+
+    decode = [n for index, n in pass_bytes.items() if index > 0]
+    if not decode or 0 not in pass_bytes:
+        return {}
+    held = {"prefill": float(pass_bytes[0]), "decode": common.median(decode)}
+    held["s"] = float(sum(pass_bytes.values()))
+    step = {"prefill": common.median(untouched["prefill"]), "decode": common.median(untouched["decode"])}
+    step["s"] = common.median(untouched["s"])
+
+    def floors(gbps: float) -> dict[str, float]:
+        return {name: 1 + held[clock] / (gbps * 1e9) / step[clock] for name, clock in FLOOR_CLOCKS}
+
+    return {
+        "pass_MB": {"prefill": held["prefill"] / 1e6, "decode": held["decode"] / 1e6},
+        "bytes_floor_ratio": floors(bandwidth["memcpy_GBps"]),
+        "bytes_floor_fresh_ratio": floors(bandwidth["clone_GBps"]),
+    }
+
+
+FLOOR_CLOCKS = (("decode", "decode"), ("prefill", "prefill"), ("generate", "s"))
 
 
 def _clocked(fn: Any) -> dict[str, float]:
@@ -488,6 +572,7 @@ def _dump_counts() -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="narrow", help="which engine model")
     parser.add_argument("--compiled", action="store_true", help="COMPILED=1's cost (run_compiled)")
     parser.add_argument("--compiled-variant", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -499,7 +584,7 @@ def main() -> None:
     elif args.compiled:
         result = run_compiled(args.quick)
     else:
-        result = measure(args.quick)
+        result = measure(args.quick, args.model)
     sys.stdout.flush()
     print(json.dumps(result))
 

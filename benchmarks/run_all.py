@@ -59,6 +59,20 @@ TARGETS: dict[str, tuple[str, str, str, float | bool, str]] = {
         "vLLM generate 8 x 16 tokens, MODULES=all full dump / none (issue 35)",
     ),
     "vllm_decode": ("vllm", "full_decode_ratio", "<=", 1.20, "vLLM decode step, MODULES=all full / none"),
+    "vllm_wide_full": (
+        "vllm_wide",
+        "full_ratio",
+        "<=",
+        1.20,
+        "vLLM generate 8 x 16 tokens on the 8-layer 1024-wide model, MODULES=all full dump / none",
+    ),
+    "vllm_wide_decode": (
+        "vllm_wide",
+        "full_decode_ratio",
+        "<=",
+        1.20,
+        "vLLM decode step of the 8-layer 1024-wide model, MODULES=all full / none",
+    ),
 }
 
 
@@ -86,6 +100,8 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["vllm"] = _run_module("bench_vllm", quick)
         if "skipped" in results["vllm"]:
             print(f"bench_vllm skipped: {results['vllm']['skipped']}", file=sys.stderr)
+        elif not quick:  # the issue's second engine model: steps ~8x longer, the same captures
+            results["vllm_wide"] = _run_module("bench_vllm", quick, model="wide")
     results["targets"] = judge(results)
     results["seconds"] = time.perf_counter() - started
     return results
@@ -103,10 +119,10 @@ def _run_diff(quick: bool) -> dict[str, Any]:
     return dict(json.loads(done.stdout))
 
 
-def _run_module(name: str, quick: bool) -> dict[str, Any]:
+def _run_module(name: str, quick: bool, **options: Any) -> dict[str, Any]:
     """Another benchmark module's ``run()``; its failure is reported, not fatal."""
     try:
-        return dict(importlib.import_module(f"benchmarks.{name}").run(quick=quick))
+        return dict(importlib.import_module(f"benchmarks.{name}").run(quick=quick, **options))
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
 
@@ -235,6 +251,10 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("vllm", "off_ratio_min", "x"),
         ("vllm", "full_ratio_min", "x"),
         ("vllm", "register_off_us", "us"),
+        ("vllm_wide", "full_ratio", "x"),
+        ("vllm_wide", "full_decode_ratio", "x"),
+        ("vllm_wide", "naive_decode_ratio", "x"),
+        ("vllm_wide", "full_prefill_ratio", "x"),
         ("compiled", "eager_dump_ratio", "x"),
         ("compiled", "eager_dump_host_ratio", "x"),
         ("compiled", "compiled_dump_ratio", "x"),
@@ -256,6 +276,7 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 "" if not name else ("yes" if met else "n/a" if met is None else "NO"),
             )
         )
+    rows.extend(_floor_rows(results))
     budget = results.get("budget", {})
     for layer, ratio in budget.get("ratio", {}).items():
         per_capture = budget.get("added_us_per_capture", {}).get(layer, float("nan"))
@@ -267,6 +288,21 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             met = verdict.get("met")
             rows.append((name, _fmt(verdict.get("measured"), ""), str(verdict.get("target", "")),
                          "yes" if met else "n/a" if met is None else "NO"))  # fmt: skip
+    return rows
+
+
+FLOOR_KEYS = ("bytes_floor_ratio", "bytes_floor_fresh_ratio")  # memory already mapped | fresh
+
+
+def _floor_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Issue 35's floor from bytes and bandwidth, beside each engine's figures."""
+    rows = []
+    for section in ("vllm", "vllm_wide"):
+        floors = [results.get(section, {}).get(key, {}) for key in FLOOR_KEYS]
+        if all(floors):
+            clocks = ("decode", "prefill", "generate")
+            text = " | ".join("/".join(f"{floor[clock]:.3f}" for clock in clocks) for floor in floors)
+            rows.append((f"{section} floor from bytes: decode/prefill/generate, mapped|fresh", text, "", ""))
     return rows
 
 

@@ -99,3 +99,43 @@ def test_the_align_benchmark_counts_only_what_the_align_holds(monkeypatch: pytes
         result["peak_anon_bytes"] / result["largest_sequence_tensor_bytes"]
     )
     assert set(Path(tempfile.gettempdir()).glob("tracedump-bench-align-*")) == before
+
+
+def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
+    bench: types.SimpleNamespace, tmp_path: Path
+) -> None:
+    """bench_vllm's floor beside each engine figure (issue 35): the tensor bytes each pass file
+    holds (parts summed, headers left out) / a copy bandwidth, over the untouched step."""
+    from benchmarks import bench_vllm
+    from tracedump.store.format import pass_file_name
+    from tracedump.store.stformat import write_file
+
+    run_dir = tmp_path / "rank0_pid1"
+    run_dir.mkdir()
+    write_file({"a": torch.zeros(1000, dtype=torch.float32)}, run_dir / pass_file_name(0, 1))
+    write_file({"b": torch.zeros(500, dtype=torch.float64)}, run_dir / pass_file_name(0, 2))
+    for index in (1, 2, 3):
+        write_file({"c": torch.zeros(250 * index, dtype=torch.float32)}, run_dir / pass_file_name(index))
+    (run_dir / "manifest.json").write_text("{}")
+    assert bench_vllm._pass_bytes(tmp_path) == {0: 8000, 1: 1000, 2: 2000, 3: 3000}
+
+    untouched = {"prefill": [0.004, 0.002, 0.003], "decode": [0.001, 0.001, 0.001], "s": [0.01, 0.01]}
+    floor = bench_vllm._bytes_floor(
+        {0: 8000, 1: 1000, 2: 2000, 3: 3000}, {"memcpy_GBps": 1e-3, "clone_GBps": 0.5e-3}, untouched
+    )  # 1e-3 GB/s: a million bytes a second, so a byte costs a microsecond
+    assert floor["pass_MB"] == {"prefill": 0.008, "decode": 0.002}
+    assert floor["bytes_floor_ratio"] == pytest.approx({"decode": 3.0, "prefill": 1 + 8 / 3, "generate": 2.4})
+    assert floor["bytes_floor_fresh_ratio"] == pytest.approx(
+        {"decode": 5.0, "prefill": 1 + 16 / 3, "generate": 3.8}
+    )
+    assert bench_vllm._bytes_floor({1: 1000}, {"memcpy_GBps": 1.0, "clone_GBps": 1.0}, untouched) == {}
+
+    rows = bench.run_all._floor_rows({"vllm": floor, "vllm_wide": {}})
+    assert rows == [
+        (
+            "vllm floor from bytes: decode/prefill/generate, mapped|fresh",
+            "3.000/3.667/2.400 | 5.000/6.333/3.800",
+            "",
+            "",
+        )
+    ]
