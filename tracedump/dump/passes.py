@@ -82,7 +82,7 @@ class Pass:
     stats: list[tuple[dict[str, Any], list[str], torch.Tensor | list[float], Any]] = field(
         default_factory=list
     )
-    calls: collections.Counter[str] = field(default_factory=collections.Counter)
+    calls: dict[str, int] = field(default_factory=dict)  # module name -> its calls so far
     nbytes: int = 0
     parts: int = 0
     gated: int = 0
@@ -126,7 +126,7 @@ class Pass:
         )
 
     def next_call(self, key: str) -> int:
-        call = self.calls[key]
+        call = self.calls.get(key, 0)
         self.calls[key] = call + 1
         return call
 

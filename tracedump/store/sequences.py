@@ -455,12 +455,15 @@ def _as_list(values: Any) -> tuple[list[Any], list[int] | None] | None:
     sequence of equal-length sequences, or a tensor of 1 or 2 dims (a CUDA one costs a sync)."""
     if values is None:
         return None
-    if hasattr(values, "detach"):
+    if type(values) is list:  # an engine's host list (each step, on the host's path): as it is
+        listed = values
+    elif hasattr(values, "detach"):
         tensor = values.detach()
         grid = list(tensor.shape) if tensor.dim() == 2 else None
         return tensor.reshape(-1).cpu().tolist(), grid
-    listed = list(values)
-    if listed and all(isinstance(v, (list, tuple)) for v in listed):
+    else:
+        listed = list(values)
+    if listed and isinstance(listed[0], (list, tuple)) and all(isinstance(v, (list, tuple)) for v in listed):
         widths = {len(v) for v in listed}
         if len(widths) != 1:
             raise SequenceError(
@@ -472,6 +475,8 @@ def _as_list(values: Any) -> tuple[list[Any], list[int] | None] | None:
 
 _SEQ_TYPES = frozenset({int, str, type(None)})
 _INT = frozenset({int})
+# ``json.dumps`` with separators builds an encoder at each call: one, made once (the same text)
+_ENCODE_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
@@ -495,4 +500,4 @@ def batch_metadata(seq_ids: Any, positions: Any, input_ids: Any) -> str:
         batch[name] = listed if set(map(type, listed)) <= _INT else list(map(int, listed))
     if grid is not None and grid[0] * grid[1] > 0:
         batch["grid"] = grid
-    return json.dumps(batch, separators=(",", ":"))
+    return _ENCODE_COMPACT(batch)
