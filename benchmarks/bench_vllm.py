@@ -210,10 +210,28 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         gc.collect()  # as the full round does after its timing: each round starts alike
         return seconds | clock.result()
 
-    layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("naive", "full")
+    layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("held", "naive", "full")
+    captured = _captured_modules(plugin, runner, model, dumps) if "held" in layers else []
+
+    def held() -> dict[str, float]:
+        """The ``held`` layer: no dumper, clone hooks on the dump's modules holding every clone."""
+        keeper = _NaiveClones(hold=True)
+        handles = [module.register_forward_hook(keeper) for module in captured]
+        with StepClock(runner, prompts) as clock:
+            seconds = _clocked(generate)
+        for handle in handles:
+            handle.remove()
+        keeper.kept.clear()
+        gc.collect()
+        return seconds | clock.result()
+
     with torch.inference_mode():
         samples = common.interleave(
-            {"untouched": plain, "plugin_off": plain, **{layer: dumped(layer) for layer in layers}},
+            {
+                "untouched": plain,
+                "plugin_off": plain,
+                **{layer: held if layer == "held" else dumped(layer) for layer in layers},
+            },
             rounds=rounds,
             warmup=1,
         )
@@ -255,12 +273,14 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             layer: 1e6 * (common.median(samples[layer]["decode"]) - common.median(base["decode"]))
             for layer in layers
         },
-        # the floor of dumping by forward hooks on this engine: hooks that only clone (see LAYERS)
-        **(
-            {"naive_decode_ratio": common.paired_ratio(samples["naive"]["decode"], base["decode"])}
-            if "naive" in layers
-            else {}
-        ),
+        # the floor of dumping by forward hooks on this engine: hooks that only clone (see LAYERS);
+        # ``held``: and hold every clone while the engine runs, with no per-step work at all
+        **{
+            f"{layer}_{clock}_ratio": common.paired_ratio(samples[layer][key], base[key])
+            for layer in ("naive", "held")
+            if layer in layers
+            for clock, key in (("decode", "decode"), ("generate", "s"))
+        },
         # what the copies alone would cost: the bytes each pass holds, at one core's memcpy
         # bandwidth into memory already mapped (the engine's one thread; the dump's fresh memory is
         # slower: clone_GBps), over the untouched step (issue 35's floor from bytes)
@@ -280,8 +300,11 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
 # hook that clones each output tensor and keeps the clones for two steps (the least a dumper by
 # forward hooks does: the floor of the mechanism); ``record`` tracedump's
 # hooks and recorder with each copy replaced by the tensor itself and no pass written; ``copy`` the
-# copies made, no pass written; ``full`` the real dump.
-LAYERS = ("steps", "dispatch", "naive", "record", "copy", "full")
+# copies made, no pass written; ``full`` the real dump. Beside them, ``held``: no dumper at all
+# (no per-step work), clone hooks on the same modules that hold every clone until the generate
+# ends, as a dump holds its passes while the engine runs (each step's copies land in memory no
+# earlier step used): the floor of any dumper by forward hooks that writes when the engine pauses.
+LAYERS = ("steps", "dispatch", "naive", "held", "record", "copy", "full")
 
 
 def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
@@ -302,21 +325,38 @@ def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
     return []
 
 
+def _captured_modules(plugin: Any, runner: Any, model: Any, dumps: Path) -> list[Any]:
+    """The modules a full dump hooks (``MODULES=all``), found by attaching one and closing it."""
+    os.environ.update(TRACEDUMP_DUMP_DIR=str(dumps), TRACEDUMP_DUMP_MODULES="all")
+    try:
+        hooks = plugin.RunnerHooks(runner)
+        hooks._attach()
+    finally:
+        os.environ.pop("TRACEDUMP_DUMP_DIR", None)
+        os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
+    found = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    hooks.remove()
+    shutil.rmtree(dumps, ignore_errors=True)
+    return found
+
+
 def _no_op(module: Any, args: Any, output: Any) -> None:
     return None
 
 
 class _NaiveClones:
     """A forward hook that clones the output's tensors (one level of tuple) and keeps the last
-    ~two steps' clones: what any dumper by forward hooks must at least do."""
+    ~two steps' clones: what any dumper by forward hooks must at least do. ``hold``: keep every
+    clone (one instance shared by all the hooks: the ``held`` layer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = False) -> None:
         self.kept: list[Any] = []
+        self.hold = hold
 
     def __call__(self, module: Any, args: Any, output: Any) -> None:
         import torch
 
-        if len(self.kept) > 4:
+        if len(self.kept) > 4 and not self.hold:
             self.kept.clear()
         if isinstance(output, torch.Tensor):
             self.kept.append(output.clone())
