@@ -175,6 +175,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
     rounds = 3 if quick else 11 if model_name == "narrow" else 7
     passes = 0
     pass_bytes: dict[int, int] = {}  # a full round's captured bytes, by pass (step) index
+    carried: dict[str, Any] = {}  # the ``steady`` layer's host buffer pool, from round to round
 
     def dumped(layer: str) -> Callable[[], dict[str, float]]:
         """A round dumped up to ``layer`` of :data:`LAYERS` (``full``: the real dump)."""
@@ -189,6 +190,9 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
                 os.environ.pop("TRACEDUMP_DUMP_DIR", None)
                 os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
             stand_ins = _cut_to(layer, hooks.dumper, model)
+            writer = hooks.dumper.rundir.writer if hooks.dumper is not None else None
+            if layer == "steady" and writer is not None and "pool" in carried:
+                writer.buffers = carried["pool"]
             with StepClock(runner, prompts) as clock:  # outside the plugin's wrappers: what the engine sees
                 seconds = _clocked(generate)
             if layer == "full":
@@ -196,6 +200,8 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             for handle in stand_ins:
                 handle.remove()
             hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
+            if layer == "steady" and writer is not None:  # written passes' buffers, back in the pool
+                carried["pool"] = writer.buffers
             if layer == "full" and not pass_bytes:
                 pass_bytes.update(_pass_bytes(dumps))
             shutil.rmtree(dumps, ignore_errors=True)
@@ -210,7 +216,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         gc.collect()  # as the full round does after its timing: each round starts alike
         return seconds | clock.result()
 
-    layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("held", "naive", "full")
+    layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("held", "naive", "full", "steady")
     captured = _captured_modules(plugin, runner, model, dumps) if "held" in layers else []
 
     def held() -> dict[str, float]:
@@ -260,6 +266,12 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         "off_decode_ratio": common.paired_ratio(samples["plugin_off"]["decode"], base["decode"]),
         "full_decode_ratio": common.paired_ratio(samples["full"]["decode"], base["decode"]),
         "full_prefill_ratio": common.paired_ratio(samples["full"]["prefill"], base["prefill"]),
+        # a long-running engine's dump (the ``steady`` layer): after its first passes are written
+        **{
+            f"steady_{clock}": common.paired_ratio(samples["steady"][key], base[key])
+            for clock, key in (("ratio", "s"), ("decode_ratio", "decode"), ("prefill_ratio", "prefill"))
+            if "steady" in layers
+        },
         **{
             f"{short}_ratio_{clock}": common.paired_ratio(samples[variant][clock], base[clock])
             for variant, short in (("plugin_off", "off"), ("full", "full"))
@@ -304,13 +316,18 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
 # (no per-step work), clone hooks on the same modules that hold every clone until the generate
 # ends, as a dump holds its passes while the engine runs (each step's copies land in memory no
 # earlier step used): the floor of any dumper by forward hooks that writes when the engine pauses.
-LAYERS = ("steps", "dispatch", "naive", "held", "record", "copy", "full")
+# And ``steady``: the real dump as a long-running engine has it after its first passes are written,
+# the writer's pool of recycled host buffers (captures of 512 KiB and more) carried over from the
+# previous ``steady`` round (each round attaches afresh, to interleave with the untouched engine):
+# its large copies land in memory already mapped, where ``full``'s first generate after attach
+# maps every one of them fresh.
+LAYERS = ("steps", "dispatch", "naive", "held", "record", "copy", "full", "steady")
 
 
 def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
     """Cut a freshly attached dumper down to ``layer`` (see :data:`LAYERS`); the handles of any
     stand-in hooks, to remove after the round."""
-    if dumper is None or layer == "full":
+    if dumper is None or layer in ("full", "steady"):
         return []
     sink = dumper.sink
     if layer in ("steps", "dispatch", "naive"):
