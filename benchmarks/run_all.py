@@ -13,7 +13,6 @@ import argparse
 import importlib
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -121,12 +120,7 @@ def _run_diff(quick: bool) -> dict[str, Any]:
 
 
 def _run_module(name: str, quick: bool, **options: Any) -> dict[str, Any]:
-    """Another benchmark module's ``run()``; its failure is reported, not fatal. The dumps the
-    benchmarks before it wrote are flushed to disk first: the kernel writing back gigabytes of
-    them during its rounds took a core and the memory bus from them (a vLLM run that followed the
-    others measured fresh memory at a fifth of its speed, and its prefill at 3x)."""
-    if hasattr(os, "sync"):
-        os.sync()
+    """Another benchmark module's ``run()``; its failure is reported, not fatal."""
     try:
         return dict(importlib.import_module(f"benchmarks.{name}").run(quick=quick, **options))
     except Exception as e:
