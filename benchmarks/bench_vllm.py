@@ -182,13 +182,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
 
         def round_() -> dict[str, float]:
             nonlocal passes
-            os.environ.update(TRACEDUMP_DUMP_DIR=str(dumps), TRACEDUMP_DUMP_MODULES="all")
-            try:
-                hooks = plugin.RunnerHooks(runner)
-                hooks._attach()
-            finally:
-                os.environ.pop("TRACEDUMP_DUMP_DIR", None)
-                os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
+            hooks = _attach_dumping(plugin, runner, dumps)
             stand_ins = _cut_to(layer, hooks.dumper, model)
             writer = hooks.dumper.rundir.writer if hooks.dumper is not None else None
             if layer == "steady" and writer is not None and "pool" in carried:
@@ -342,8 +336,9 @@ def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
     return []
 
 
-def _captured_modules(plugin: Any, runner: Any, model: Any, dumps: Path) -> list[Any]:
-    """The modules a full dump hooks (``MODULES=all``), found by attaching one and closing it."""
+def _attach_dumping(plugin: Any, runner: Any, dumps: Path) -> Any:
+    """The plugin's runner hooks, attached as vLLM would with ``DUMP_DIR`` and ``MODULES=all`` set
+    (the env vars only for the attach: the other rounds run without them)."""
     os.environ.update(TRACEDUMP_DUMP_DIR=str(dumps), TRACEDUMP_DUMP_MODULES="all")
     try:
         hooks = plugin.RunnerHooks(runner)
@@ -351,6 +346,12 @@ def _captured_modules(plugin: Any, runner: Any, model: Any, dumps: Path) -> list
     finally:
         os.environ.pop("TRACEDUMP_DUMP_DIR", None)
         os.environ.pop("TRACEDUMP_DUMP_MODULES", None)
+    return hooks
+
+
+def _captured_modules(plugin: Any, runner: Any, model: Any, dumps: Path) -> list[Any]:
+    """The modules a full dump hooks (``MODULES=all``), found by attaching one and closing it."""
+    hooks = _attach_dumping(plugin, runner, dumps)
     found = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
     hooks.remove()
     shutil.rmtree(dumps, ignore_errors=True)
