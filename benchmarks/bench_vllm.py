@@ -171,7 +171,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
     )
     hooks_off = _hooks_now(model)
     dumps = work / "dumps"
-    # the wide model's steps are ~10x longer: fewer rounds, and only the floor beside the dump
+    # the wide model's steps are ~8x longer: fewer rounds, and only the floors beside the dump
     rounds = 3 if quick else 11 if model_name == "narrow" else 7
     passes = 0
     pass_bytes: dict[int, int] = {}  # a full round's captured bytes, by pass (step) index
@@ -279,8 +279,8 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             layer: 1e6 * (common.median(samples[layer]["decode"]) - common.median(base["decode"]))
             for layer in layers
         },
-        # the floor of dumping by forward hooks on this engine: hooks that only clone (see LAYERS);
-        # ``held``: and hold every clone while the engine runs, with no per-step work at all
+        # hooks that only clone, beside the per-step work (``naive``), and with no dumper at all,
+        # holding every clone while the engine runs (``held``: the floor of the mechanism)
         **{
             f"{layer}_{clock}_ratio": common.paired_ratio(samples[layer][key], base[key])
             for layer in ("naive", "held")
@@ -303,8 +303,9 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
 # the same for an HF host step): ``steps`` the plugin's per-step work with no capture hook (the
 # pass opened and closed, set_batch, the recorded raw logits, the pass file); ``dispatch`` plus a
 # no-op forward hook where each capture hook was (torch's hooked call path); ``naive`` instead a
-# hook that clones each output tensor and keeps the clones for two steps (the least a dumper by
-# forward hooks does: the floor of the mechanism); ``record`` tracedump's
+# hook that clones each output tensor and keeps the clones for two steps (beside the per-step
+# work, each step copying into memory the one before freed; earlier rounds took it for the floor
+# of the mechanism, which ``held`` below measures); ``record`` tracedump's
 # hooks and recorder with each copy replaced by the tensor itself and no pass written; ``copy`` the
 # copies made, no pass written; ``full`` the real dump. Beside them, ``held``: no dumper at all
 # (no per-step work), clone hooks on the same modules that hold every clone until the generate
