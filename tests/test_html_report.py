@@ -568,10 +568,14 @@ def test_html_into_a_fifo_or_through_a_link_replaces_neither(dumps: dict[str, Pa
     reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
     reader.start()  # blocks in open() until the report opens the FIFO for writing
     code = main(["diff", str(dumps["hostile_a"]), str(dumps["hostile_b"]), "--html", str(fifo)])
-    if reader.is_alive():  # the FIFO was never opened: unblock the reader before failing
+    # The reader may still be on its way out of read_bytes() when main() returns (it has closed the
+    # FIFO, so a writer's open would now fail with ENXIO): wait for it first. Alive after that, it
+    # is still blocked in open(): the report never opened the FIFO; unblock it before failing.
+    reader.join(10)
+    if reader.is_alive():
         with open(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "w"):
             pass
-    reader.join(10)
+        reader.join(10)
     assert code == 1 and fifo.is_fifo()
     assert got and got[0].startswith(b"<!DOCTYPE html>") and got[0].rstrip().endswith(b"</html>")
     target = tmp_path / "reports" / "real.html"
