@@ -444,16 +444,15 @@ class StepClock:
 
 def _pass_bytes(dumps: Path) -> dict[int, int]:
     """The tensor bytes of each pass written under ``dumps`` (its parts summed; headers left out)."""
-    from tracedump.store.format import parse_pass_file_name
+    from tracedump.store.header import read_header
+    from tracedump.store.loader import pass_index
 
     found: dict[int, int] = {}
     for path in dumps.rglob("pass*.safetensors"):
-        parsed = parse_pass_file_name(path.name)
-        if parsed is None:
-            continue
-        with path.open("rb") as f:
-            header = int.from_bytes(f.read(8), "little")
-        found[parsed[0]] = found.get(parsed[0], 0) + path.stat().st_size - 8 - header
+        index = pass_index(path)
+        if index is not None:
+            tensors = read_header(path).tensors.values()
+            found[index] = found.get(index, 0) + sum(t.end - t.begin for t in tensors)
     return found
 
 
@@ -462,17 +461,14 @@ def _copy_bandwidth(nbytes: int = 64 << 20) -> dict[str, float]:
     and into a fresh allocation (``clone``, what a capture's copy meets first)."""
     import torch
 
+    from benchmarks import common
+
     source = torch.ones(nbytes // 4)
     target = torch.empty_like(source)
     target.copy_(source)
 
     def best(fn: Callable[[], Any]) -> float:
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return nbytes / min(times) / 1e9
+        return nbytes / min(common.timed(fn) for _ in range(5)) / 1e9
 
     return {"memcpy_GBps": best(lambda: target.copy_(source)), "clone_GBps": best(source.clone)}
 
