@@ -139,3 +139,82 @@ def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
             "",
         )
     ]
+
+
+def test_the_native_capture_hook_dumps_what_the_python_hooks_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_vllm's ``native`` layer measures tracedump's capture done in C: it is a measure of the
+    same work only if it writes the same passes (keys, order, values), a flat tuple with a None
+    (attention's ``(out, None)``) and a module called twice included."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import native
+    from tests.conftest import make_tiny_llama
+
+    if native.load() is None:
+        pytest.skip("no C compiler or Python headers here: bench_vllm leaves its native layers out")
+    import tracedump
+
+    class Twice(torch.nn.Module):
+        """One child (one name) called twice a forward: its second capture is ``::call1``."""
+
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.inner(x))
+
+    model = make_tiny_llama()
+    model.model.layers[0].mlp.act_fn = Twice(model.model.layers[0].mlp.act_fn)
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODULES", "all")
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+
+    def dump(variant: str) -> dict[int, dict[str, torch.Tensor]]:
+        monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / variant))
+        dumper = tracedump.attach(model)
+        handed_back: list[str] = []  # the native hooks' captures done by the recorder instead
+        if variant == "native":
+            assert native.swap_in_captures(model) > 10
+            python_path = dumper.recorder.on_module_tensors
+
+            def counted(name: str, value: object, *, is_input: bool) -> None:
+                handed_back.append(name)
+                python_path(name, value, is_input=is_input)
+
+            monkeypatch.setattr(dumper.recorder, "on_module_tensors", counted)
+        with torch.inference_mode():
+            model(ids)
+            model(ids[:, :3])
+        dumper.close()
+        assert set(handed_back) <= {"model"}, handed_back  # only HF's ModelOutput: not a flat tuple
+        run = tracedump.open_dump(dumper.run_dir).run()
+        return {index: pass_file.load() for index, pass_file in run.passes.items()}
+
+    python, in_c = dump("python"), dump("native")
+    assert list(python) == list(in_c) == [0, 1]
+    for index, stored in python.items():
+        assert list(in_c[index]) == list(stored)
+        assert "model.layers.0.mlp.act_fn.inner::call1" in stored
+        assert "model.layers.0.self_attn[0]" in stored  # (out, None): the tuple path
+        for key, tensor in stored.items():
+            assert torch.equal(in_c[index][key], tensor), key
+
+
+def test_the_native_keeper_clones_every_output_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import native
+
+    if native.load() is None:
+        pytest.skip("no C compiler or Python headers here")
+    kept: list[torch.Tensor] = []
+    hook = native.keeper(kept)
+    out = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: the clone is
+    hook(None, (), out)
+    hook(None, (), (out, None, 1, out[0]))
+    hook(None, (), [out])  # a list: not a hook output the keeper walks
+    assert [k.shape for k in kept] == [(3, 2), (3, 2), (2,)]
+    assert all(k.is_contiguous() and torch.equal(k, o) for k, o in zip(kept, (out, out, out[0]), strict=True))
+    assert kept[0].data_ptr() != out.data_ptr()
+    with pytest.raises(TypeError):
+        hook(None, out)
