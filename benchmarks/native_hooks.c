@@ -20,17 +20,14 @@
 static PyObject *s_clone, *s_memory_format, *s_contiguous, *s_current, *s_entries, *s_calls, *s_nbytes,
     *s_kept, *s_room, *s_sink, *s_copy, *s_make_room, *s_is_cpu, *s_requires_grad, *s_on_module_tensors,
     *s_is_input, *s_tensor_type, *s_index_paths[16];
+static PyObject *s_clone_kwnames, *s_hook_kwnames; /* ("memory_format",), ("is_input",) */
 
 static int is_tensor(PyObject *o) { return PyObject_TypeCheck(o, (PyTypeObject *)s_tensor_type); }
 
 /* A clone into contiguous memory (a non-contiguous output becomes a dense copy). */
 static PyObject *contiguous_clone(PyObject *tensor) {
     PyObject *args[2] = {tensor, s_contiguous};
-    PyObject *names = PyTuple_Pack(1, s_memory_format);
-    if (names == NULL) return NULL;
-    PyObject *copy = PyObject_VectorcallMethod(s_clone, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, names);
-    Py_DECREF(names);
-    return copy;
+    return PyObject_VectorcallMethod(s_clone, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, s_clone_kwnames);
 }
 
 /* ------------------------------------------------------------------------------- Keeper */
@@ -227,12 +224,8 @@ static PyObject *capture_call(PyObject *op, PyObject *const *args, size_t nargsf
     Py_RETURN_NONE;
 recorder:;
     /* recorder.on_module_tensors(name, output, is_input=False) */
-    PyObject *names = PyTuple_Pack(1, s_is_input);
-    if (names == NULL) return NULL;
     PyObject *call_args[4] = {self->recorder, self->name, output, Py_False};
-    PyObject *done = PyObject_VectorcallMethod(s_on_module_tensors, call_args, 3, names);
-    Py_DECREF(names);
-    return done;
+    return PyObject_VectorcallMethod(s_on_module_tensors, call_args, 3, s_hook_kwnames);
 }
 
 static PyObject *capture_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -278,6 +271,9 @@ static int intern_all(void) {
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if ((*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) return -1;
     }
+    s_clone_kwnames = PyTuple_Pack(1, s_memory_format);
+    s_hook_kwnames = PyTuple_Pack(1, s_is_input);
+    if (s_clone_kwnames == NULL || s_hook_kwnames == NULL) return -1;
     /* "" for a single tensor, then "[0]" .. "[15]": a flat tuple's paths, as flat_leaves names them */
     if ((s_index_paths[0] = PyUnicode_FromString("")) == NULL) return -1;
     for (int i = 0; i < 15; i++) {
