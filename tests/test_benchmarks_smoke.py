@@ -218,3 +218,25 @@ def test_the_native_keeper_clones_every_output_tensor(monkeypatch: pytest.Monkey
     assert kept[0].data_ptr() != out.data_ptr()
     with pytest.raises(TypeError):
         hook(None, out)
+
+
+def test_without_a_c_compiler_the_native_layers_are_left_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where no C compiler builds the hooks, ``load()`` says why and gives None: bench_vllm then
+    runs its other layers only (and ``native_same_keys`` is None)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    import sysconfig
+
+    from benchmarks import native
+
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(
+        sysconfig, "get_config_var", lambda name: "no-such-cc -pthread" if name == "CC" else real(name)
+    )
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert "no C compiler" in capsys.readouterr().err
+    finally:
+        native.load.cache_clear()
