@@ -473,28 +473,25 @@ class StepClock:
 
 def _pass_bytes(dumps: Path) -> dict[int, int]:
     """The tensor bytes of each pass written under ``dumps`` (its parts summed; headers left out)."""
-    from tracedump.store.header import read_header
-    from tracedump.store.loader import pass_index
-
-    found: dict[int, int] = {}
-    for path in dumps.rglob("pass*.safetensors"):
-        index = pass_index(path)
-        if index is not None:
-            tensors = read_header(path).tensors.values()
-            found[index] = found.get(index, 0) + sum(t.end - t.begin for t in tensors)
-    return found
+    passes = _pass_tensors(dumps)
+    return {index: sum(t.end - t.begin for _, t in tensors) for index, tensors in passes.items()}
 
 
 def _pass_keys(dumps: Path) -> dict[int, list[str]]:
     """The keys of each pass written under ``dumps``, in file order (its parts in turn)."""
+    return {index: [key for key, _ in tensors] for index, tensors in _pass_tensors(dumps).items()}
+
+
+def _pass_tensors(dumps: Path) -> dict[int, list[tuple[str, Any]]]:
+    """Each pass's tensors as its file headers list them, its parts in turn: (key, offsets)."""
     from tracedump.store.header import read_header
     from tracedump.store.loader import pass_index
 
-    found: dict[int, list[str]] = {}
+    found: dict[int, list[tuple[str, Any]]] = {}
     for path in sorted(dumps.rglob("pass*.safetensors")):
         index = pass_index(path)
         if index is not None:
-            found.setdefault(index, []).extend(read_header(path).tensors)
+            found.setdefault(index, []).extend(read_header(path).tensors.items())
     return found
 
 
