@@ -346,7 +346,8 @@ def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
     if dumper is None or layer in ("full", "steady"):
         return []
     if layer == "native":
-        native.swap_in_captures(model)
+        if not native.swap_in_captures(dumper, model):
+            raise RuntimeError("bench_vllm: no capture hook to replace for the native layer")
         return []
     sink = dumper.sink
     if layer in ("steps", "dispatch", "naive", "held_steps"):
@@ -484,14 +485,16 @@ def _pass_keys(dumps: Path) -> dict[int, list[str]]:
 
 def _pass_tensors(dumps: Path) -> dict[int, list[tuple[str, Any]]]:
     """Each pass's tensors as its file headers list them, its parts in turn: (key, offsets)."""
+    from tracedump.store.format import parse_pass_file_name
     from tracedump.store.header import read_header
-    from tracedump.store.loader import pass_index
 
+    files = {path: parse_pass_file_name(path.name) for path in dumps.rglob("pass*.safetensors")}
     found: dict[int, list[tuple[str, Any]]] = {}
-    for path in sorted(dumps.rglob("pass*.safetensors")):
-        index = pass_index(path)
-        if index is not None:
-            found.setdefault(index, []).extend(read_header(path).tensors.items())
+    for path, (index, _) in sorted(
+        ((path, name) for path, name in files.items() if name is not None),
+        key=lambda item: (item[1][0], item[1][1] or 0),  # a pass's parts in their order: 2 before 10
+    ):
+        found.setdefault(index, []).extend(read_header(path).tensors.items())
     return found
 
 

@@ -176,7 +176,7 @@ def test_the_native_capture_hook_dumps_what_the_python_hooks_dump(
         dumper = tracedump.attach(model)
         handed_back: list[str] = []  # the native hooks' captures done by the recorder instead
         if variant == "native":
-            assert native.swap_in_captures(model) > 10
+            assert native.swap_in_captures(dumper, model) > 10
             python_path = dumper.recorder.on_module_tensors
 
             def counted(name: str, value: object, *, is_input: bool) -> None:
@@ -221,23 +221,127 @@ def test_the_native_keeper_clones_every_output_tensor(monkeypatch: pytest.Monkey
         hook(None, out)
 
 
-def test_without_a_c_compiler_the_native_layers_are_left_out(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_the_native_capture_keeps_the_accounts_the_recorder_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where no C compiler builds the hooks, ``load()`` says why and gives None: bench_vllm then
-    runs its other layers only (and ``native_same_keys`` is None)."""
+    """Beyond the pass files: after each output the C hook leaves the open pass as the recorder's
+    own hook does (the calls counted, the bytes and captures it holds, the memory cap consulted),
+    and the recorder counts the same skips, for the shapes the plain path takes and for those it
+    hands over. The cap (512 KiB) is below the last capture alone, so that capture spills the pass
+    whatever the writer has done meanwhile."""
     monkeypatch.syspath_prepend(str(REPO_ROOT))
-    import sysconfig
+    from benchmarks import native
+
+    hooks = native.load()
+    if hooks is None:
+        pytest.skip("no C compiler or Python headers here")
+    import tracedump
+    from tracedump.dump.hooks import OutputHook
+
+    outputs = [
+        torch.ones(4, 8),
+        (torch.ones(2, 3), None),  # a fused op's (out, None)
+        (None,),  # nothing to keep: no call counted
+        (),
+        tuple(torch.full((2,), float(i)) for i in range(16)),  # the last index path, [15]
+        torch.ones(4, 8),  # a later call: ::call3
+        torch.ones(3, 2).t(),  # not contiguous: copied dense
+        torch.ones(3, requires_grad=True),  # the sink's copy, detached
+        (torch.ones(2), torch.zeros(2, dtype=torch.complex128)),  # not storable: the recorder's walk
+        [torch.ones(2)],  # a list: the recorder's walk
+        torch.zeros(160 << 10),  # 640 KiB: the sink's pooled copy, over the cap
+    ]
+    monkeypatch.setenv("TRACEDUMP_DUMP_MAX_PENDING_BYTES", "512KiB")
+
+    def run(variant: str) -> tuple[list[object], dict[str, int], dict[int, dict[str, torch.Tensor]]]:
+        monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / variant))
+        dumper = tracedump.attach(torch.nn.Linear(2, 2))
+        recorder = dumper.recorder
+        hook = (
+            hooks.Capture("m", recorder, dumper.rundir) if variant == "native" else OutputHook(recorder, "m")
+        )
+        made_room: list[int] = []
+        make_room = recorder._make_room
+
+        def spy(current: object) -> None:
+            made_room.append(current.nbytes)  # type: ignore[attr-defined]
+            make_room(current)
+
+        monkeypatch.setattr(recorder, "_make_room", spy)
+        seen: list[object] = []
+        with dumper.step():
+            current = recorder.current
+            for output in outputs:
+                hook(None, (), output)
+                keys = [(key, copy.requires_grad) for key, copy, _ in current.entries]  # copies detached
+                seen.append((dict(current.calls), current.nbytes, current.kept, keys, list(made_room)))
+        dumper.close()
+        run_files = tracedump.open_dump(dumper.run_dir).run()
+        return seen, dict(recorder.skipped), {i: p.load() for i, p in run_files.passes.items()}
+
+    (python, python_skips, python_passes), (in_c, c_skips, c_passes) = run("python"), run("native")
+    assert in_c == python
+    assert c_skips == python_skips and python_skips.get("unsupported_tensor") == 1
+    elements = 32 + 6 + 16 * 2 + 32 + 6 + 3 + 2 + 2 + (160 << 10)  # the complex tensor is skipped
+    assert python[-1][4] == [elements * 4]  # the cap consulted once: the last capture spills
+    assert python[3][0] == {"m": 2}  # (None,) and () counted no call
+    assert ("m[15]::call2", False) in python[4][3] and ("m::call3", False) in python[5][3]  # [15]; a 4th call
+    assert list(c_passes) == list(python_passes) == [0]
+    assert list(c_passes[0]) == list(python_passes[0])
+    for key, tensor in python_passes[0].items():
+        assert torch.equal(c_passes[0][key], tensor), key
+
+
+def test_a_failure_in_the_native_capture_is_reported_never_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the recorder's own hot path: a failure inside the C hook (here the sink's room) goes to
+    the recorder's report and the forward goes on."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import native
+
+    hooks = native.load()
+    if hooks is None:
+        pytest.skip("no C compiler or Python headers here")
+    import tracedump
+
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
+    dumper = tracedump.attach(torch.nn.Linear(2, 2))
+    reported: list[tuple[str, BaseException]] = []
+    monkeypatch.setattr(dumper.recorder, "report", lambda where, error: reported.append((where, error)))
+
+    def no_room() -> int:
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(dumper.sink, "room", no_room)
+    hook = hooks.Capture("m", dumper.recorder, dumper.rundir)
+    with dumper.step():
+        assert hook(None, (), torch.ones(2)) is None
+    dumper.close()
+    assert [(where, str(error)) for where, error in reported] == [("m", "no room")]
+
+
+def test_without_a_c_compiler_the_native_layers_are_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where no C compiler is found, or the build fails, ``load()`` says why and gives None (and
+    leaves no build directory behind): bench_vllm then runs its other layers only."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    import shutil
+    import tempfile
 
     from benchmarks import native
 
-    real = sysconfig.get_config_var
-    monkeypatch.setattr(
-        sysconfig, "get_config_var", lambda name: "no-such-cc -pthread" if name == "CC" else real(name)
-    )
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: None)
     native.load.cache_clear()
     try:
         assert native.load() is None
         assert "no C compiler" in capsys.readouterr().err
+        monkeypatch.setattr(native, "_compiler", lambda: [shutil.which("false") or "false"])
+        native.load.cache_clear()
+        assert native.load() is None
+        assert "the build failed" in capsys.readouterr().err
+        assert list(tmp_path.iterdir()) == []
     finally:
         native.load.cache_clear()
