@@ -28,6 +28,18 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     )
 
 
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """``benchmarks.native``, its C hooks built (skipped where no C compiler builds them: bench_vllm
+    then leaves its native layers out)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import native
+
+    if native.load() is None:
+        pytest.skip("no C compiler or Python headers here: bench_vllm leaves its native layers out")
+    return native
+
+
 def test_off_benchmark_reports_no_hooks(bench: types.SimpleNamespace) -> None:
     spec = bench.common.QUICK_SPEC
     model = bench.common.build_model(spec)
@@ -143,18 +155,13 @@ def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
 
 
 def test_the_native_capture_hook_dumps_what_the_python_hooks_dump(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    native: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bench_vllm's ``native`` layer measures tracedump's capture done in C: it is a measure of the
     same work only if it writes the same passes (keys, order, values), a flat tuple with a None
     (attention's ``(out, None)``) and a module called twice included."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    from benchmarks import native
-    from tests.conftest import make_tiny_llama
-
-    if native.load() is None:
-        pytest.skip("no C compiler or Python headers here: bench_vllm leaves its native layers out")
     import tracedump
+    from tests.conftest import make_tiny_llama
 
     class Twice(torch.nn.Module):
         """One child (one name) called twice a forward: its second capture is ``::call1``."""
@@ -202,12 +209,7 @@ def test_the_native_capture_hook_dumps_what_the_python_hooks_dump(
             assert torch.equal(in_c[index][key], tensor), key
 
 
-def test_the_native_keeper_clones_every_output_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    from benchmarks import native
-
-    if native.load() is None:
-        pytest.skip("no C compiler or Python headers here")
+def test_the_native_keeper_clones_every_output_tensor(native: types.ModuleType) -> None:
     kept: list[torch.Tensor] = []
     hook = native.keeper(kept)
     out = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: the clone is
@@ -222,19 +224,14 @@ def test_the_native_keeper_clones_every_output_tensor(monkeypatch: pytest.Monkey
 
 
 def test_the_native_capture_keeps_the_accounts_the_recorder_keeps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    native: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Beyond the pass files: after each output the C hook leaves the open pass as the recorder's
     own hook does (the calls counted, the bytes and captures it holds, the memory cap consulted),
     and the recorder counts the same skips, for the shapes the plain path takes and for those it
     hands over. The cap (512 KiB) is below the last capture alone, so that capture spills the pass
     whatever the writer has done meanwhile."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    from benchmarks import native
-
     hooks = native.load()
-    if hooks is None:
-        pytest.skip("no C compiler or Python headers here")
     import tracedump
     from tracedump.dump.hooks import OutputHook
 
@@ -294,16 +291,11 @@ def test_the_native_capture_keeps_the_accounts_the_recorder_keeps(
 
 
 def test_a_failure_in_the_native_capture_is_reported_never_raised(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    native: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As the recorder's own hot path: a failure inside the C hook (here the sink's room) goes to
     the recorder's report and the forward goes on."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    from benchmarks import native
-
     hooks = native.load()
-    if hooks is None:
-        pytest.skip("no C compiler or Python headers here")
     import tracedump
 
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
