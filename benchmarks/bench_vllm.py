@@ -198,10 +198,11 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
             if layer == "steady" and writer is not None:  # written passes' buffers, back in the pool
                 carried["pool"] = writer.buffers
-            if layer == "full" and not pass_bytes:
-                pass_bytes.update(_pass_bytes(dumps))
-            if layer in ("full", "native") and layer not in pass_keys:
-                pass_keys[layer] = _pass_keys(dumps)
+            if layer in ("full", "native") and layer not in pass_keys:  # the first such round
+                written = _pass_tensors(dumps)
+                pass_keys[layer] = _pass_keys(written)
+                if layer == "full":
+                    pass_bytes.update(_pass_bytes(written))
             shutil.rmtree(dumps, ignore_errors=True)
             gc.collect()
             return seconds | clock.result()
@@ -223,15 +224,13 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         """The ``held`` layer: no dumper, clone hooks on the dump's modules holding every clone
         (``held_native``: the same hook in C)."""
         kept: list[Any] = []
-        keeper = native.keeper(kept) if in_c else _NaiveClones(hold=True)
+        keeper = native.keeper(kept) if in_c else _NaiveClones(hold=True, kept=kept)
         handles = [module.register_forward_hook(keeper) for module in captured]
         with StepClock(runner, prompts) as clock:
             seconds = _clocked(generate)
         for handle in handles:
             handle.remove()
         kept.clear()
-        if isinstance(keeper, _NaiveClones):
-            keeper.kept.clear()
         gc.collect()
         return seconds | clock.result()
 
@@ -398,8 +397,8 @@ class _NaiveClones:
     ~two steps' clones: what any dumper by forward hooks must at least do. ``hold``: keep every
     clone (one instance shared by all the hooks: the ``held`` layer)."""
 
-    def __init__(self, hold: bool = False) -> None:
-        self.kept: list[Any] = []
+    def __init__(self, hold: bool = False, kept: list[Any] | None = None) -> None:
+        self.kept: list[Any] = [] if kept is None else kept
         self.hold = hold
 
     def __call__(self, module: Any, args: Any, output: Any) -> None:
@@ -472,15 +471,14 @@ class StepClock:
         }
 
 
-def _pass_bytes(dumps: Path) -> dict[int, int]:
-    """The tensor bytes of each pass written under ``dumps`` (its parts summed; headers left out)."""
-    passes = _pass_tensors(dumps)
+def _pass_bytes(passes: dict[int, list[tuple[str, Any]]]) -> dict[int, int]:
+    """The tensor bytes of each pass (:func:`_pass_tensors`; its parts summed, headers left out)."""
     return {index: sum(t.end - t.begin for _, t in tensors) for index, tensors in passes.items()}
 
 
-def _pass_keys(dumps: Path) -> dict[int, list[str]]:
-    """The keys of each pass written under ``dumps``, in file order (its parts in turn)."""
-    return {index: [key for key, _ in tensors] for index, tensors in _pass_tensors(dumps).items()}
+def _pass_keys(passes: dict[int, list[tuple[str, Any]]]) -> dict[int, list[str]]:
+    """The keys of each pass (:func:`_pass_tensors`), in file order (its parts in turn)."""
+    return {index: [key for key, _ in tensors] for index, tensors in passes.items()}
 
 
 def _pass_tensors(dumps: Path) -> dict[int, list[tuple[str, Any]]]:

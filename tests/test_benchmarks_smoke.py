@@ -126,11 +126,13 @@ def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
     run_dir.mkdir()
     write_file({"a": torch.zeros(1000, dtype=torch.float32)}, run_dir / pass_file_name(0, 1))
     write_file({"b": torch.zeros(500, dtype=torch.float64)}, run_dir / pass_file_name(0, 2))
+    write_file({"d": torch.zeros(250, dtype=torch.float32)}, run_dir / pass_file_name(0, 10))  # after part 2
     for index in (1, 2, 3):
         write_file({"c": torch.zeros(250 * index, dtype=torch.float32)}, run_dir / pass_file_name(index))
     (run_dir / "manifest.json").write_text("{}")
-    assert bench_vllm._pass_bytes(tmp_path) == {0: 8000, 1: 1000, 2: 2000, 3: 3000}
-    assert bench_vllm._pass_keys(tmp_path) == {0: ["a", "b"], 1: ["c"], 2: ["c"], 3: ["c"]}  # parts in turn
+    written = bench_vllm._pass_tensors(tmp_path)  # each pass's parts in their order: 1, 2, 10
+    assert bench_vllm._pass_bytes(written) == {0: 9000, 1: 1000, 2: 2000, 3: 3000}
+    assert bench_vllm._pass_keys(written) == {0: ["a", "b", "d"], 1: ["c"], 2: ["c"], 3: ["c"]}
 
     untouched = {"prefill": [0.004, 0.002, 0.003], "decode": [0.001, 0.001, 0.001], "s": [0.01, 0.01]}
     floor = bench_vllm._bytes_floor(
