@@ -190,6 +190,13 @@ class StatsZoo(nn.Module):
         return h
 
 
+class StatsZooTwice(StatsZoo):
+    """The zoo, then its float32 module once more: a second call the C sweep takes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.dense(x)
+
+
 class InPlaceDoubler(nn.Module):
     """Overwrites its input: an input capture must hold the value from *before* the forward."""
 
@@ -392,6 +399,49 @@ def test_stats_mode_default_statistics_on_a_llama_match_numpy(
         for name in ("abs_mean", "sum", "max", "shape"):
             _assert_stat(record[name], expected[name], f"{key} {name}")
     assert open_dump(dump_dir).runs[0].stats() == records
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_stats_mode_plain_sweep_path_writes_what_the_general_path_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad: bool
+) -> None:
+    """Statistics the C sweep makes whole take the recorder's plain path (Recorder._sweep_leaves:
+    raw sums kept, the record made by the writer thread). Its stats.jsonl is the general path's,
+    byte for byte, and it hands that path only what the sweep cannot take: NaN and Inf, int64,
+    bfloat16. With grad enabled the outputs require grad, which the sweep reads detached."""
+    from tracedump.dump import recorder as recorder_module
+
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "stats")
+    monkeypatch.setenv("TRACEDUMP_DUMP_STATS", "abs_mean,sum,min,max,mean,shape,dtype")
+    general: list[str] = []
+    keep_stats = recorder_module.Recorder._keep_stats
+
+    def counted(self: Any, current: Any, name: str, *args: Any) -> None:
+        general.append(name)
+        keep_stats(self, current, name, *args)
+
+    monkeypatch.setattr(recorder_module.Recorder, "_keep_stats", counted)
+    written, taken = {}, {}
+    for path in ("plain", "general"):
+        if path == "general":
+            monkeypatch.setattr(recorder_module, "sweep_plan", lambda names: None)
+        monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / path))
+        general.clear()
+        torch.manual_seed(0)
+        model = StatsZooTwice()
+        dumper = tracedump.attach(model)
+        assert dumper is not None
+        with torch.set_grad_enabled(grad):
+            for batch in (torch.randn(5, 8), torch.randn(4, 8)):
+                model(batch)
+        dumper.close()
+        written[path] = (dumper.run_dir / "stats.jsonl").read_text()
+        taken[path] = sorted(set(general))
+    assert written["plain"] == written["general"]
+    assert len(written["plain"].splitlines()) == 16
+    assert '"module": "dense", "tensor": "out", "pass": 1, "call": 1' in written["plain"]
+    assert taken["plain"] == ["argmax", "low", "poison"]
+    assert taken["general"] == ["argmax", "dense", "low", "poison"]
 
 
 def test_stats_mode_writes_no_pass_files_and_records_go_whole_into_the_pass_file(

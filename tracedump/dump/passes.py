@@ -28,10 +28,11 @@ from torch import nn
 from . import suspend
 from .control import Controller
 from .hooks import BatchLayout
+from .reduce import StatsValues
 from .runtime import COMPILED_WARNING
 from .sinks import Sink
 from .torch_compat import frame_on_stack, outermost_frame_of
-from .writer import PassJob, StatsJob
+from .writer import PassJob, StatsFields, StatsJob
 
 
 class RunLog(Protocol):
@@ -78,10 +79,9 @@ class Pass:
     entries: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)  # each entry's place in the pass's capture order
     order: int = 0
-    # stats mode: (record, stat names, their values: floats or a float64 tensor, the copy's event)
-    stats: list[tuple[dict[str, Any], list[str], torch.Tensor | list[float], Any]] = field(
-        default_factory=list
-    )
+    # stats mode: (the record's fields: capture_stats_record's arguments, the numeric stat names,
+    # their values: floats, a float64 tensor or a raw sweep (reduce.stats_numbers), the copy's event)
+    stats: list[tuple[StatsFields, Sequence[str], StatsValues, Any]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)  # module name -> its calls so far
     nbytes: int = 0
     parts: int = 0

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from ..store.format import INPUT_MARK, RECORDS_FILE, capture_stats_record, key_text
+from ..store.format import INPUT_MARK, RECORDS_FILE, key_text
 from . import gates
 from .cuda import stream_is_capturing
 from .hooks import flat_leaves, flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
-from .reduce import last_row, stats_values
+from .reduce import SweepPlan, last_row, stats_values, sweep, sweep_plan
 from .suspend import SUSPENSION
 from .torch_compat import frame_on_stack
 from .writer import RESERVED_NAMES, PassJob
@@ -52,6 +52,8 @@ class Recorder(PassMachine):
         self.loose: list[tuple[str, torch.Tensor, Any]] = []
         # No gate can refuse a capture (decided once, from the settings): the plain path applies.
         self._gateless = self.keep.tokens is None and self.keep.max_rows is None
+        # Stats the C sweep makes whole (the default's): the plain path keeps its raw sums.
+        self._sweep_plan = sweep_plan(self.keep.stats) if self.mode == "stats" else None
 
     def record(self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False) -> None:
         try:
@@ -104,6 +106,8 @@ class Recorder(PassMachine):
                     return
                 if self.mode == "full":
                     self._copy_leaves(current, name, leaves)
+                elif self._sweep_plan is not None:
+                    self._sweep_leaves(current, name, leaves, self._sweep_plan)
                 else:
                     self._capture_module(current, name, leaves, is_input=False)
             except Exception as e:
@@ -260,6 +264,41 @@ class Recorder(PassMachine):
             if current.nbytes > room:
                 self._make_room(current)
 
+    def _sweep_leaves(
+        self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]], plan: SweepPlan
+    ) -> None:
+        """:meth:`_capture_module` for a module's output in stats mode when the C sweep makes every
+        statistic asked for (:func:`~tracedump.dump.reduce.sweep_plan`). In the forward, only what
+        needs the live tensor: the sweep, the call counted once, the capture's order; its record
+        and the sums' rounding are made by the writer thread (``StatsJob``), since in the forward
+        each Python step costs ~10x its tight-loop time (docs/performance.md, issue 35, stats).
+        A tensor the sweep cannot take (another dtype or device, a NaN or Inf) goes to
+        :meth:`_keep_stats`. The same records, in the same order, as :meth:`_capture_module`."""
+        sink = self.sink
+        if sink.failure is not None or stream_is_capturing():
+            self._capture_module(current, name, leaves, is_input=False)
+            return
+        calls = current.calls
+        call = calls.get(name, 0)
+        calls[name] = call + 1
+        for suffix, tensor in leaves:
+            if not sink.accepts(tensor):
+                self.skipped["unsupported_tensor"] += 1
+                continue
+            swept = sweep(tensor, plan.recipe)
+            if swept is None:
+                self._keep_stats(current, name, suffix, call, tensor, False)
+                continue
+            extras: dict[str, object] = {"shape": list(tensor.shape)} if plan.shape else {}
+            if plan.dtype is not None:
+                extras["dtype"] = plan.dtype
+            seq = current.order
+            current.order = seq + 1
+            current.stats.append(
+                ((name, suffix, False, call, current.index, seq, extras), plan.numeric, swept, None)
+            )
+            current.kept += 1
+
     def _keep_stats(
         self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
     ) -> None:
@@ -268,9 +307,16 @@ class Recorder(PassMachine):
             host, event = values, None
         else:
             host, event = self.sink.copy(values, pooled=False)
-        path = leaf_path(suffix, is_input)
-        record = capture_stats_record(name, path, is_input, call, current.index, current.next_seq(), extras)
-        current.stats.append((record, numeric, host, event))
+        fields = (
+            name,
+            leaf_path(suffix, is_input),
+            is_input,
+            call,
+            current.index,
+            current.next_seq(),
+            extras,
+        )
+        current.stats.append((fields, numeric, host, event))
         current.kept += 1
 
     def _make_room(self, current: Pass) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,10 @@ __all__ = [
     "dtype_name",
     "last_row",
     "last_row_dim",
+    "stats_numbers",
     "stats_values",
+    "sweep",
+    "sweep_plan",
     "use_kernel",
 ]
 
@@ -211,34 +213,94 @@ def _always(kernel: SweepKernel) -> Callable[[], SweepKernel]:
 
 
 def _swept(x: torch.Tensor, recipe: _StatsRecipe) -> list[float] | None:
-    """The statistics from one pass of C over a contiguous float32 CPU tensor, or None (another
-    device or dtype, a tensor subclass, no kernel, a NaN or Inf in it) to let torch compute them.
+    """The statistics from one pass of C over a contiguous float32 CPU tensor, or None (see
+    :func:`sweep`) to let torch compute them."""
+    raw = sweep(x, recipe)
+    return None if raw is None else swept_numbers(raw)
+
+
+# What :func:`sweep` returns: the recipe, the kernel's (sum, abs_sum, min, max), and the element count.
+Swept = tuple[_StatsRecipe, Sequence[float], int]
+
+
+def sweep(x: torch.Tensor, recipe: _StatsRecipe) -> Swept | None:
+    """The C sweep's raw sums of a contiguous float32 CPU tensor, or None (another device or dtype,
+    a tensor subclass, no kernel, a NaN or Inf in it) to let torch compute the statistics.
 
     Why: torch's CPU path for the default ``abs_mean,sum,max`` reads the tensor four times and
     writes ``|x|`` once; without AVX-512 its kernels are half as wide. One sweep reads it once
     (a fraction of those kernels' time over a pass of the bench model, AVX-512 and AVX2 alike:
-    docs/performance.md). The numbers mean what they did: sums accumulated in float32 lanes
-    (flushed to float64 every 2048 elements) and rounded to float32, as torch's float32 reduction
-    returns them; min and max exact. Where the tensor holds a NaN or an Inf, torch's reductions
-    say what they are."""
-    if recipe.sweep is None or type(x) is not torch.Tensor or not x.is_cpu:
+    docs/performance.md). Only what must see the live tensor happens here, in the host's forward:
+    the rounding and scaling (:func:`swept_numbers`) wait for the writer thread, as in the forward
+    each Python step costs ~10x its tight-loop time (docs/performance.md, issue 35, stats)."""
+    if recipe.sweep is None or type(x) is not torch.Tensor or x.dtype is not torch.float32:
         return None
-    if x.dtype != torch.float32 or not x.numel() or not x.is_contiguous() or x.is_neg():
+    if not x.is_cpu or not x.is_contiguous() or x.is_neg():
         return None
+    numel = x.numel()
     kernel = _chosen_kernel()
-    if kernel is None:
+    if not numel or kernel is None:
         return None
-    values = kernel.stats(x.numpy())  # any C-contiguous float32 buffer: no view(-1), one torch op less
-    if not math.isfinite(values[1]):  # Σ|x| is finite exactly when every element is
+    values = kernel.stats((x.detach() if x.requires_grad else x).numpy())  # any C-contiguous buffer
+    # Σ|x| is finite exactly when every element is; past float32's range (or NaN, which compares
+    # false) torch's reductions say what the statistics are.
+    if not values[1] <= _F32_MAX:
         return None
-    if values[1] > _F32_MAX:  # a sum past float32's range: torch's reductions say what it is
+    return recipe, values, numel
+
+
+def swept_numbers(swept: Swept) -> list[float]:
+    """:func:`sweep`'s sums as the statistics: rounded to float32 as a float32 reduction returns
+    them (sums accumulated in float32 lanes, flushed to float64 every 2048 elements; min and max
+    exact), widened, and the means scaled, in Python floats: the same IEEE operations, so the same
+    bits, as torch's tensor, index, cast and multiply."""
+    recipe, values, numel = swept
+    factors = _factors(recipe, numel)
+    return [
+        _F32.unpack(_F32.pack(values[i]))[0] * f for i, f in zip(recipe.sweep or (), factors, strict=True)
+    ]
+
+
+# One capture's statistics as the recorder keeps them until the writer thread writes them.
+StatsValues = torch.Tensor | list[float] | Swept
+
+
+def stats_numbers(values: StatsValues) -> list[float]:
+    """What the stats file holds of one capture's values, however the recorder kept them: Python
+    floats, a float64 tensor (torch's reductions; wait for its copy first), or a :func:`sweep`."""
+    if isinstance(values, list):
+        return values
+    if isinstance(values, tuple):
+        return swept_numbers(values)
+    return values.tolist()
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What the recorder's plain stats path needs of a dumper's STATS, decided once at attach:
+    every numeric statistic comes from the sweep, plus which of ``shape``/``dtype`` to add."""
+
+    recipe: _StatsRecipe
+    numeric: tuple[str, ...]
+    shape: bool
+    dtype: str | None  # the name of a swept tensor's dtype, when STATS asks for it
+
+
+def sweep_plan(names: Sequence[str]) -> SweepPlan | None:
+    """The plan for ``names``, or None where some statistic needs torch (``std``, ``l2``, counts)
+    or none is numeric: the recorder's general path then computes each capture's."""
+    numeric = tuple(n for n in names if n in _STAT_OF)
+    if not numeric:
         return None
-    # The sums rounded to float32 as a float32 reduction returns them, widened, and the means scaled,
-    # in Python floats (the same IEEE operations, so the same bits as torch's tensor, index, cast
-    # and multiply), and no torch op at all: in the forward each small torch op costs ~10x its
-    # tight-loop time (docs/performance.md, issue 35, stats).
-    factors = _factors(recipe, x.numel())
-    return [_F32.unpack(_F32.pack(values[i]))[0] * f for i, f in zip(recipe.sweep, factors, strict=True)]
+    recipe = _recipe(numeric)
+    if recipe.sweep is None:
+        return None
+    return SweepPlan(
+        recipe=recipe,
+        numeric=numeric,
+        shape="shape" in names,
+        dtype=dtype_name(torch.float32) if "dtype" in names else None,
+    )
 
 
 def _scale(recipe: _StatsRecipe, numel: int, device: torch.device) -> torch.Tensor:

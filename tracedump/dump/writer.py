@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from ..store.format import (
     STATS_FILE,
     STATS_PARTIAL,
     Manifest,
-    StatsRecord,
+    capture_stats_record,
     pass_file_name,
     pass_metadata,
     with_numbers,
@@ -39,6 +39,7 @@ from ..store.fsio import atomic_path, move_into_place, open_for_append, write_js
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
 from .cuda import POOLED_FROM_BYTES, wait_for
+from .reduce import StatsValues, stats_numbers
 from .torch_compat import safetensors_writable_dtypes
 
 _MANIFEST_INTERVAL_S = 1.0
@@ -111,24 +112,29 @@ class PassJob:
         writer.recycle([t for _, t, _ in self.entries], self.nbytes)
 
 
+# A stats capture's record as capture_stats_record's arguments (module, path, is_input, call, pass,
+# seq, extras): the record is made here, in the writer thread, not in the host's forward.
+StatsFields = tuple[str, str, bool, int, int, int, dict[str, object]]
+
+
 @dataclass
 class StatsJob:
     """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor.
 
-    Each record arrives as its fields but the numbers (a :func:`tracedump.store.format.stats_record`), the
-    names of its numeric statistics and their values: Python floats (the C sweep's), or a float64
-    tensor still on its way to the host."""
+    Each capture arrives as its record's fields, the names of its numeric statistics and their
+    values (:data:`~tracedump.dump.reduce.StatsValues`: Python floats, the C sweep's raw sums, or a
+    float64 tensor still on its way to the host), and the event of that copy."""
 
     index: int
-    records: list[tuple[StatsRecord, list[str], torch.Tensor | list[float], Any]]
+    records: list[tuple[StatsFields, Sequence[str], StatsValues, Any]]
     nbytes: int = 0
 
     def run(self, writer: Writer) -> None:
         lines = []
-        for base, names, values, event in self.records:
+        for fields, names, values, event in self.records:
             wait_for(event)
-            numbers = values if isinstance(values, list) else values.tolist()
-            lines.append(json.dumps(with_numbers(base, names, numbers), allow_nan=False))
+            record = with_numbers(capture_stats_record(*fields), names, stats_numbers(values))
+            lines.append(json.dumps(record, allow_nan=False))
         writer.append_stats(lines)
         writer.note_file(self.index, 0, is_pass=True)
 
