@@ -5,7 +5,8 @@ Two phases, each interleaved round by round (medians of per-round paired ratios)
 * **off**: the engine-integrated step with ``attach()`` having returned ``None`` vs the bare model;
   plus the cost of ``attach()`` itself when off and of a no-op ``tracedump.record()``. Asserts that
   no hook of any kind was registered and no thread started.
-* **on**: full / last_row / stats dumps and a naive synchronous baseline, each on its own deep copy
+* **on**: full / last_row / stats dumps, a naive synchronous baseline and the floor of a stats dump
+  (hooks that only run the C sweep: ``SweptModel``), each on its own deep copy
   of the model (identical weights), against the untouched model. A dumped step reports ``step`` (the
   forward as the host sees it: hooks + copies; disk writes happen on the writer thread) and ``e2e``
   (the same step plus waiting for the writer to put it on disk, so background work is not hidden).
@@ -24,7 +25,7 @@ import io
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch import nn
 
 import tracedump
 import tracedump.dump.dumper as tracedump_dumper
+from tracedump.dump.reduce import SweepKernel, compiled_kernel
 from tracedump.store.stformat import write_file
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -220,6 +222,30 @@ class NaiveModel:
         self.naive.close()
 
 
+class SweptModel:
+    """A deep copy of the model whose leaves' hooks only sweep each float32 output tensor (one
+    level of tuple) with tracedump's C kernel and hold the four sums: nothing named, counted or
+    written. The least a stats dump by forward hooks costs on this machine, measured beside it."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, kernel: SweepKernel) -> None:
+        self.model = copy.deepcopy(model)
+        self.ids = ids
+        self.kernel = kernel
+        self.sums: list[Sequence[float]] = []
+        for module in self.model.modules():
+            if not list(module.children()):
+                module.register_forward_hook(self._sweep)
+
+    def _sweep(self, module: nn.Module, args: Any, output: Any) -> None:
+        for tensor in output if type(output) is tuple else (output,):
+            if type(tensor) is torch.Tensor and tensor.dtype is torch.float32 and tensor.is_contiguous():
+                self.sums.append(self.kernel.stats(tensor.numpy()))
+
+    def step(self) -> dict[str, float]:
+        self.sums.clear()
+        return {"step": common.timed(lambda: common.forward(self.model, self.ids))}
+
+
 def run_on(
     model: nn.Module, ids: torch.Tensor, workdir: Path, rounds: dict[str, int], quick: bool
 ) -> dict[str, Any]:
@@ -241,6 +267,9 @@ def run_on(
             "stats": stats.step,
             "copies": copies.step,
         }
+        kernel = compiled_kernel()
+        if kernel is not None:  # without the compiled kernel stats dumps use torch's reductions
+            variants["swept"] = SweptModel(model, ids, kernel).step
         samples = common.interleave(variants, rounds["on_rounds"], rounds["warmup"])
         burst = _bursts(model, ids, full, naive, rounds["burst_rounds"], rounds["burst_steps"])
         page_cache = page_cache_rates(
@@ -405,6 +434,8 @@ def _summarise_on(
             "ratio_e2e": common.paired_ratio(samples[mode]["e2e"], base),
             "step_ms": _ms(samples[mode]["step"]),
         }
+    if "swept" in samples:  # the floor of stats mode here: a hook that sweeps and holds the sums
+        result["stats"]["floor_ratio"] = common.paired_ratio(samples["swept"]["step"], base)
     return result
 
 

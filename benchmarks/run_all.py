@@ -218,6 +218,7 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("page_cache", "cold_GBps", "GB/s"),
         ("last_row", "ratio", "x"),
         ("stats", "ratio", "x"),
+        ("stats", "floor_ratio", "x"),
         ("stats", "ratio_e2e", "x"),
         ("memory", "peak_rss_MB", "MB"),
         ("memory", "untouched_peak_rss_MB", "MB"),

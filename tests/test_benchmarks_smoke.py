@@ -54,6 +54,36 @@ def test_off_benchmark_reports_no_hooks(bench: types.SimpleNamespace) -> None:
     assert bench.common.hook_census(model).total == 0
 
 
+def test_the_stats_floor_sweeps_what_a_stats_dump_records(
+    bench: types.SimpleNamespace, tmp_path: Path
+) -> None:
+    """bench_overhead's floor of stats mode (SweptModel) sweeps the tensors a stats dump records:
+    as many, in the same order, with the same sums; else its ratio would not be that mode's floor."""
+    import json
+    import struct
+
+    import tracedump
+    from tracedump.dump.reduce import compiled_kernel
+
+    kernel = compiled_kernel()
+    if kernel is None:
+        pytest.skip("the C kernel is not built here: bench_overhead leaves the floor out")
+    spec = bench.common.QUICK_SPEC
+    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
+    swept = bench.overhead.SweptModel(model, ids, kernel)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path), "mode": "stats", "stats": "sum,min,max"})
+    assert dumper is not None
+    with torch.inference_mode():
+        swept.step()
+        bench.common.forward(model, ids)
+    dumper.close()
+    records = [json.loads(line) for line in (dumper.run_dir / "stats.jsonl").read_text().splitlines()]
+    as_f32 = struct.Struct("f")
+    floor = [(as_f32.unpack(as_f32.pack(s))[0], lo, hi) for s, _, lo, hi in swept.sums]
+    assert len(records) > 10
+    assert floor == [(r["sum"], r["min"], r["max"]) for r in records]
+
+
 def test_hook_census_sees_module_and_global_hooks(bench: types.SimpleNamespace) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     before = bench.common.hook_census(model)
