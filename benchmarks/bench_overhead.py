@@ -5,8 +5,9 @@ Two phases, each interleaved round by round (medians of per-round paired ratios)
 * **off**: the engine-integrated step with ``attach()`` having returned ``None`` vs the bare model;
   plus the cost of ``attach()`` itself when off and of a no-op ``tracedump.record()``. Asserts that
   no hook of any kind was registered and no thread started.
-* **on**: full / last_row / stats dumps, a naive synchronous baseline and the floor of a stats dump
-  (hooks that only run the C sweep: ``SweptModel``), each on its own deep copy
+* **on**: full / last_row / stats dumps, a naive synchronous baseline and the floors of last_row and
+  stats (hooks that only cut and copy the last row, or only run the C sweep: ``FloorModel``), each
+  on its own deep copy
   of the model (identical weights), against the untouched model. A dumped step reports ``step`` (the
   forward as the host sees it: hooks + copies; disk writes happen on the writer thread) and ``e2e``
   (the same step plus waiting for the writer to put it on disk, so background work is not hidden).
@@ -35,7 +36,7 @@ from torch import nn
 
 import tracedump
 import tracedump.dump.dumper as tracedump_dumper
-from tracedump.dump.reduce import SweepKernel, compiled_kernel
+from tracedump.dump.reduce import SweepKernel, compiled_kernel, last_row
 from tracedump.store.stformat import write_file
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -222,28 +223,48 @@ class NaiveModel:
         self.naive.close()
 
 
-class SweptModel:
-    """A deep copy of the model whose leaves' hooks only sweep each float32 output tensor (one
-    level of tuple) with tracedump's C kernel and hold the four sums: nothing named, counted or
-    written. The least a stats dump by forward hooks costs on this machine, measured beside it."""
+class FloorModel:
+    """A deep copy of the model whose leaves' hooks only do a mode's least work on each output
+    tensor (one level of tuple) and hold the result: nothing named, counted or written. The least
+    a dump in that mode by forward hooks costs on this machine, measured beside it."""
 
-    def __init__(self, model: nn.Module, ids: torch.Tensor, kernel: SweepKernel) -> None:
+    def __init__(self, model: nn.Module, ids: torch.Tensor, keep: Callable[[torch.Tensor], Any]) -> None:
         self.model = copy.deepcopy(model)
         self.ids = ids
-        self.kernel = kernel
-        self.sums: list[Sequence[float]] = []
+        self.keep = keep  # what it holds of one tensor; None: nothing
+        self.kept: list[Any] = []
         for module in self.model.modules():
             if not list(module.children()):
-                module.register_forward_hook(self._sweep)
+                module.register_forward_hook(self._keep)
 
-    def _sweep(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _keep(self, module: nn.Module, args: Any, output: Any) -> None:
         for tensor in output if type(output) is tuple else (output,):
-            if type(tensor) is torch.Tensor and tensor.dtype is torch.float32 and tensor.is_contiguous():
-                self.sums.append(self.kernel.stats(tensor.numpy()))
+            if type(tensor) is torch.Tensor and (kept := self.keep(tensor)) is not None:
+                self.kept.append(kept)
 
     def step(self) -> dict[str, float]:
-        self.sums.clear()
+        self.kept.clear()
         return {"step": common.timed(lambda: common.forward(self.model, self.ids))}
+
+
+def sweeping(kernel: SweepKernel) -> Callable[[torch.Tensor], Any]:
+    """Stats mode's least work: tracedump's C sweep of a contiguous float32 tensor (its four sums)."""
+
+    def sweep(tensor: torch.Tensor) -> Sequence[float] | None:
+        if tensor.dtype is torch.float32 and tensor.is_contiguous():
+            return kernel.stats(tensor.numpy())
+        return None
+
+    return sweep
+
+
+def cutting(token_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """last_row mode's least work: a copy of the tensor's last row along ``token_dim``."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        return last_row(tensor, token_dim).clone()
+
+    return cut
 
 
 def run_on(
@@ -267,9 +288,10 @@ def run_on(
             "stats": stats.step,
             "copies": copies.step,
         }
+        variants["last_row_floor"] = FloorModel(model, ids, cutting(token_dim)).step
         kernel = compiled_kernel()
         if kernel is not None:  # without the compiled kernel stats dumps use torch's reductions
-            variants["swept"] = SweptModel(model, ids, kernel).step
+            variants["stats_floor"] = FloorModel(model, ids, sweeping(kernel)).step
         samples = common.interleave(variants, rounds["on_rounds"], rounds["warmup"])
         burst = _bursts(model, ids, full, naive, rounds["burst_rounds"], rounds["burst_steps"])
         page_cache = page_cache_rates(
@@ -434,8 +456,9 @@ def _summarise_on(
             "ratio_e2e": common.paired_ratio(samples[mode]["e2e"], base),
             "step_ms": _ms(samples[mode]["step"]),
         }
-    if "swept" in samples:  # the floor of stats mode here: a hook that sweeps and holds the sums
-        result["stats"]["floor_ratio"] = common.paired_ratio(samples["swept"]["step"], base)
+    for mode in ("last_row", "stats"):  # each mode's floor here: hooks that do only its least work
+        if f"{mode}_floor" in samples:
+            result[mode]["floor_ratio"] = common.paired_ratio(samples[f"{mode}_floor"]["step"], base)
     return result
 
 

@@ -217,6 +217,7 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("page_cache", "warm_GBps", "GB/s"),
         ("page_cache", "cold_GBps", "GB/s"),
         ("last_row", "ratio", "x"),
+        ("last_row", "floor_ratio", "x"),
         ("stats", "ratio", "x"),
         ("stats", "floor_ratio", "x"),
         ("stats", "ratio_e2e", "x"),

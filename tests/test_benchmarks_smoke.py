@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,8 +58,9 @@ def test_off_benchmark_reports_no_hooks(bench: types.SimpleNamespace) -> None:
 def test_the_stats_floor_sweeps_what_a_stats_dump_records(
     bench: types.SimpleNamespace, tmp_path: Path
 ) -> None:
-    """bench_overhead's floor of stats mode (SweptModel) sweeps the tensors a stats dump records:
-    as many, in the same order, with the same sums; else its ratio would not be that mode's floor."""
+    """bench_overhead's floor of stats mode (FloorModel, sweeping) sweeps the tensors a stats dump
+    records: as many, in the same order, with the same sums; else its ratio would not be that
+    mode's floor."""
     import json
     import struct
 
@@ -70,7 +72,7 @@ def test_the_stats_floor_sweeps_what_a_stats_dump_records(
         pytest.skip("the C kernel is not built here: bench_overhead leaves the floor out")
     spec = bench.common.QUICK_SPEC
     model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
-    swept = bench.overhead.SweptModel(model, ids, kernel)
+    swept = bench.overhead.FloorModel(model, ids, bench.overhead.sweeping(kernel))
     dumper = tracedump.attach(model, {"dir": str(tmp_path), "mode": "stats", "stats": "sum,min,max"})
     assert dumper is not None
     with torch.inference_mode():
@@ -79,9 +81,36 @@ def test_the_stats_floor_sweeps_what_a_stats_dump_records(
     dumper.close()
     records = [json.loads(line) for line in (dumper.run_dir / "stats.jsonl").read_text().splitlines()]
     as_f32 = struct.Struct("f")
-    floor = [(as_f32.unpack(as_f32.pack(s))[0], lo, hi) for s, _, lo, hi in swept.sums]
+    floor = [(as_f32.unpack(as_f32.pack(s))[0], lo, hi) for s, _, lo, hi in swept.kept]
     assert len(records) > 10
     assert floor == [(r["sum"], r["min"], r["max"]) for r in records]
+
+
+def test_the_last_row_floor_copies_what_a_last_row_dump_keeps(
+    bench: types.SimpleNamespace, tmp_path: Path
+) -> None:
+    """bench_overhead's floor of last_row mode (FloorModel, cutting) copies the rows a last_row
+    dump keeps: as many tensors, the same shapes and values."""
+    import tracedump
+    from tracedump import load_pass
+
+    spec = bench.common.QUICK_SPEC
+    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
+    floor = bench.overhead.FloorModel(model, ids, bench.overhead.cutting(1))
+    dumper = tracedump.attach(model, {"dir": str(tmp_path), "mode": "last_row", "token_dim": 1})
+    assert dumper is not None
+    with torch.inference_mode():
+        floor.step()
+        bench.common.forward(model, ids)
+    dumper.close()
+    stored = load_pass(dumper.run_dir / "pass00000.safetensors").values()
+
+    def summary(tensors: Any) -> list[tuple[tuple[int, ...], float]]:
+        return sorted((tuple(t.shape), t.double().sum().item()) for t in tensors)
+
+    assert len(floor.kept) > 10
+    assert all(t.shape[1] == 1 for t in floor.kept if t.dim() > 1)
+    assert summary(floor.kept) == summary(stored)
 
 
 def test_hook_census_sees_module_and_global_hooks(bench: types.SimpleNamespace) -> None:

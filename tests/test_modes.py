@@ -288,6 +288,44 @@ def test_last_row_with_token_dim_1_keeps_the_final_position_of_hf_batch_seq_hidd
     assert stored["lm_head"].shape == (2, 1, 64)
 
 
+def test_last_row_plain_path_keeps_what_the_general_path_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """last_row takes the recorder's plain path (Recorder._copy_leaves with a token dim) where no
+    gate or filter applies: the same keys, tensors and dtypes as the general path, a tuple's
+    tensors, int64 and bfloat16 outputs and a second call of a module included."""
+    from tracedump.dump import recorder as recorder_module
+
+    monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "last_row")
+    plain_calls: list[str] = []
+    copy_leaves = recorder_module.Recorder._copy_leaves
+
+    def counted(self: Any, current: Any, name: str, *args: Any) -> None:
+        plain_calls.append(name)
+        copy_leaves(self, current, name, *args)
+
+    monkeypatch.setattr(recorder_module.Recorder, "_copy_leaves", counted)
+    stored = {}
+    for path in ("plain", "general"):
+        monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / path))
+        torch.manual_seed(0)
+        model = StatsZooTwice()
+        dumper = tracedump.attach(model)
+        assert dumper is not None
+        if path == "general":
+            dumper.recorder._gateless = False  # as when a gate is set: every capture takes the general path
+        plain_calls.clear()
+        with torch.no_grad():
+            model(torch.randn(5, 8))
+        dumper.close()
+        stored[path] = load_pass(dumper.run_dir / "pass00000.safetensors")
+        assert bool(plain_calls) == (path == "plain")
+    assert sorted(stored["plain"]) == sorted(stored["general"])
+    assert {"dense", "dense::call1", "poison[2]", "argmax", "low::call1"} <= set(stored["plain"])
+    assert_same_tensors(stored["plain"], stored["general"])
+    assert stored["plain"]["dense::call1"].shape == (1, 6)
+
+
 def test_last_row_also_narrows_captured_inputs(dump_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "last_row")
     monkeypatch.setenv("TRACEDUMP_DUMP_INPUTS", "1")

@@ -106,6 +106,8 @@ class Recorder(PassMachine):
                     return
                 if self.mode == "full":
                     self._copy_leaves(current, name, leaves)
+                elif self.mode == "last_row":
+                    self._copy_leaves(current, name, leaves, self.keep.token_dim)
                 elif self._sweep_plan is not None:
                     self._sweep_leaves(current, name, leaves, self._sweep_plan)
                 else:
@@ -227,19 +229,22 @@ class Recorder(PassMachine):
             current.add(key_text(name, leaf_path(suffix, is_input), is_input, call), host, event)
             self._make_room(current)
 
-    def _copy_leaves(self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`_capture_module` for a module's output in full mode, in as few calls as it allows.
+    def _copy_leaves(
+        self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]], token_dim: int | None = None
+    ) -> None:
+        """:meth:`_capture_module` for a module's output in full mode (``last_row``: each tensor cut
+        to its last row along ``token_dim`` first), in as few calls as it allows.
 
         Inside a forward each Python frame and torch call of a capture costs ~10x its tight-loop
         time (the forward evicts the interpreter's working set; docs/performance.md, issue 35), so
-        per tensor this path makes two calls (the sink's check and copy) and adds the entry in
-        place: no mode test or leaf path, the call counted once, and the memory cap consulted
-        only when the pass outgrows the room it had (:attr:`Pass.room`). The entry goes to the
-        pass's entries as they are after the copy: a worker thread capturing into the same
-        ``step()`` may have spilled them into a part file meanwhile. No capture order is kept for
-        it (only a stats pass writes one). The same decisions, keys and accounting as
-        :meth:`_capture_module`; the rare cases (a failed sink, a CUDA graph capturing) take that
-        path."""
+        per tensor this path makes two calls (the sink's check and copy; a third for last_row's
+        cut) and adds the entry in place: no mode test or leaf path, the call counted once, and
+        the memory cap consulted only when the pass outgrows the room it had (:attr:`Pass.room`).
+        The entry goes to the pass's entries as they are after the copy: a worker thread
+        capturing into the same ``step()`` may have spilled them into a part file meanwhile. No
+        capture order is kept for it (only a stats pass writes one). The same decisions, keys and
+        accounting as :meth:`_capture_module`; the rare cases (a failed sink, a CUDA graph
+        capturing) take that path."""
         sink = self.sink
         if sink.failure is not None or stream_is_capturing():
             self._capture_module(current, name, leaves, is_input=False)
@@ -252,7 +257,7 @@ class Recorder(PassMachine):
             if not accepts(tensor):
                 self.skipped["unsupported_tensor"] += 1
                 continue
-            host, event = copy(tensor)
+            host, event = copy(tensor if token_dim is None else last_row(tensor, token_dim))
             current.entries.append(
                 (name + suffix if not call else key_text(name, suffix, False, call), host, event)
             )
