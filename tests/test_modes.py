@@ -109,6 +109,22 @@ def run_passes(
     return dumper, reference
 
 
+def _modules_passed_to(monkeypatch: pytest.MonkeyPatch, method: str) -> list[str]:
+    """The module names a ``Recorder`` method (``_copy_leaves``, ``_keep_stats``: which path a
+    capture took) is called with from now on, in order; the method still does its work."""
+    from tracedump.dump.recorder import Recorder
+
+    called: list[str] = []
+    original = getattr(Recorder, method)
+
+    def spied(self: Any, current: Any, name: str, *args: Any) -> None:
+        called.append(name)
+        original(self, current, name, *args)
+
+    monkeypatch.setattr(Recorder, method, spied)
+    return called
+
+
 def assert_same_tensors(stored: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert sorted(stored) == sorted(expected)
     for key, tensor in expected.items():
@@ -294,17 +310,8 @@ def test_last_row_plain_path_keeps_what_the_general_path_keeps(
     """last_row takes the recorder's plain path (Recorder._copy_leaves with a token dim) where no
     gate or filter applies: the same keys, tensors and dtypes as the general path, a tuple's
     tensors, int64 and bfloat16 outputs and a second call of a module included."""
-    from tracedump.dump import recorder as recorder_module
-
     monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "last_row")
-    plain_calls: list[str] = []
-    copy_leaves = recorder_module.Recorder._copy_leaves
-
-    def counted(self: Any, current: Any, name: str, *args: Any) -> None:
-        plain_calls.append(name)
-        copy_leaves(self, current, name, *args)
-
-    monkeypatch.setattr(recorder_module.Recorder, "_copy_leaves", counted)
+    plain_calls = _modules_passed_to(monkeypatch, "_copy_leaves")
     stored = {}
     for path in ("plain", "general"):
         monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / path))
@@ -451,14 +458,7 @@ def test_stats_mode_plain_sweep_path_writes_what_the_general_path_writes(
 
     monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "stats")
     monkeypatch.setenv("TRACEDUMP_DUMP_STATS", "abs_mean,sum,min,max,mean,shape,dtype")
-    general: list[str] = []
-    keep_stats = recorder_module.Recorder._keep_stats
-
-    def counted(self: Any, current: Any, name: str, *args: Any) -> None:
-        general.append(name)
-        keep_stats(self, current, name, *args)
-
-    monkeypatch.setattr(recorder_module.Recorder, "_keep_stats", counted)
+    general = _modules_passed_to(monkeypatch, "_keep_stats")
     written, taken = {}, {}
     for path in ("plain", "general"):
         if path == "general":
