@@ -117,9 +117,9 @@ def _modules_passed_to(monkeypatch: pytest.MonkeyPatch, method: str) -> list[str
     called: list[str] = []
     original = getattr(Recorder, method)
 
-    def spied(self: Any, current: Any, name: str, *args: Any) -> None:
+    def spied(self: Any, current: Any, name: str, *args: Any, **kwargs: Any) -> None:
         called.append(name)
-        original(self, current, name, *args)
+        original(self, current, name, *args, **kwargs)
 
     monkeypatch.setattr(Recorder, method, spied)
     return called
@@ -480,6 +480,91 @@ def test_stats_mode_plain_sweep_path_writes_what_the_general_path_writes(
     assert '"module": "dense", "tensor": "out", "pass": 1, "call": 1' in written["plain"]
     assert taken["plain"] == ["argmax", "low", "poison"]
     assert taken["general"] == ["argmax", "dense", "low", "poison"]
+
+
+class _TwoIdentities(nn.Module):
+    """Two leaves whose outputs the test knows: ``a`` is the input, ``b`` twice it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Identity(), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * 2)
+
+
+def _stats_run(dump_dir: Path, kernel: Any, batches: list[torch.Tensor]) -> tuple[list[dict[str, Any]], Any]:
+    from tracedump.dump import reduce
+
+    model = _TwoIdentities()
+    dumper = tracedump.attach(model, {"dir": str(dump_dir), "mode": "stats", "stats": "sum,max"})
+    assert dumper is not None
+    with reduce.use_kernel(kernel), torch.no_grad():
+        for batch in batches:
+            model(batch)
+    dumper.close()
+    stats = dumper.run_dir / "stats.jsonl"
+    records = read_stats(dumper.run_dir) if stats.exists() else []
+    return records, json.loads((dumper.run_dir / "manifest.json").read_text())
+
+
+def test_stats_mode_keeps_a_stand_in_kernel_s_sums_as_they_were_at_the_capture(dump_dir: Path) -> None:
+    """The plain stats path keeps the sweep's raw sums for the writer thread: a kernel stand-in
+    that hands back the same list each call (refilled) must not change sums already captured."""
+
+    class Refilled:
+        def __init__(self) -> None:
+            self.sums = [0.0] * 4
+
+        def stats(self, a: np.ndarray) -> list[float]:
+            self.sums[:] = [float(a.sum()), float(np.abs(a).sum()), float(a.min()), float(a.max())]
+            return self.sums
+
+    records, _ = _stats_run(dump_dir, Refilled(), [torch.ones(4), torch.full((4,), 3.0)])
+    assert [(r["pass"], r["module"], r["sum"], r["max"]) for r in records] == [
+        (0, "a", 4.0, 1.0),
+        (0, "b", 8.0, 2.0),
+        (1, "a", 12.0, 3.0),
+        (1, "b", 24.0, 6.0),
+    ]
+
+
+def test_stats_mode_reports_a_malformed_kernel_result_at_its_capture_and_goes_on(dump_dir: Path) -> None:
+    """A kernel stand-in returning three values fails that capture, in the forward: it is counted
+    and reported there, the other captures are written, and the writer (so the dump) goes on."""
+
+    class ShortForTwos:
+        def stats(self, a: np.ndarray) -> tuple[float, ...]:
+            sums = (float(a.sum()), float(np.abs(a).sum()), float(a.min()), float(a.max()))
+            return sums[:3] if a.max() == 2.0 else sums
+
+    with pytest.warns(TracedumpWarning) as caught:
+        records, manifest = _stats_run(dump_dir, ShortForTwos(), [torch.ones(4), torch.ones(4)])
+    assert any("capture failed at b: ValueError: a stats kernel returned 3" in str(w.message) for w in caught)
+    assert [(r["pass"], r["module"], r["sum"]) for r in records] == [(0, "a", 4.0), (1, "a", 4.0)]
+    assert manifest["skipped"].get("errors") == 2 and "after_failure" not in manifest["skipped"]
+    assert [(e["where"], e["type"], e["count"]) for e in manifest["errors"]] == [("b", "ValueError", 2)]
+    assert manifest["complete"] is True
+
+
+def test_stats_mode_sweeps_a_tensor_with_a_nan_once(dump_dir: Path) -> None:
+    """A tensor the sweep refuses after reading it (a NaN, an Inf) gets torch's reductions, not a
+    second sweep: NaN hunts are where stats dumps run."""
+    from tracedump.dump import reduce
+
+    kernel = reduce.compiled_kernel()
+    if kernel is None:
+        pytest.skip("the C kernel was not built here")
+    swept: list[int] = []
+
+    class Counted:
+        def stats(self, a: np.ndarray) -> Any:
+            swept.append(a.size)
+            return kernel.stats(a)
+
+    records, _ = _stats_run(dump_dir, Counted(), [torch.tensor([1.0, math.nan, 2.0])])
+    assert swept == [3, 3]  # a, then b: one sweep each
+    assert [r["sum"] for r in records] == ["nan", "nan"]
 
 
 def test_stats_mode_writes_no_pass_files_and_records_go_whole_into_the_pass_file(

@@ -52,8 +52,9 @@ class Recorder(PassMachine):
         self.loose: list[tuple[str, torch.Tensor, Any]] = []
         # No gate can refuse a capture (decided once, from the settings): the plain path applies.
         self._gateless = self.keep.tokens is None and self.keep.max_rows is None
-        # Stats the C sweep makes whole (the default's): the plain path keeps its raw sums.
-        self._sweep_plan = sweep_plan(self.keep.stats) if self.mode == "stats" else None
+        # Stats the C sweep makes whole (the default's): the plain path of a stats dump keeps its
+        # raw sums. Made whatever the mode: a control order may switch the run to stats later.
+        self._sweep_plan = sweep_plan(self.keep.stats)
 
     def record(self, tag: str, tensor: torch.Tensor, *, once: bool = False, numbered: bool = False) -> None:
         try:
@@ -108,7 +109,7 @@ class Recorder(PassMachine):
                     self._copy_leaves(current, name, leaves)
                 elif self.mode == "last_row":
                     self._copy_leaves(current, name, leaves, self.keep.token_dim)
-                elif self._sweep_plan is not None:
+                elif self._sweep_plan is not None:  # stats, every statistic from the C sweep
                     self._sweep_leaves(current, name, leaves, self._sweep_plan)
                 else:
                     self._capture_module(current, name, leaves, is_input=False)
@@ -291,8 +292,8 @@ class Recorder(PassMachine):
                 self.skipped["unsupported_tensor"] += 1
                 continue
             swept = sweep(tensor, plan.recipe)
-            if swept is None:
-                self._keep_stats(current, name, suffix, call, tensor, False)
+            if swept is None:  # torch's reductions, without a second sweep of a NaN or an Inf
+                self._keep_stats(current, name, suffix, call, tensor, False, swept=False)
                 continue
             extras: dict[str, object] = {"shape": list(tensor.shape)} if plan.shape else {}
             if plan.dtype is not None:
@@ -305,9 +306,19 @@ class Recorder(PassMachine):
             current.kept += 1
 
     def _keep_stats(
-        self, current: Pass, name: str, suffix: str, call: int, tensor: torch.Tensor, is_input: bool
+        self,
+        current: Pass,
+        name: str,
+        suffix: str,
+        call: int,
+        tensor: torch.Tensor,
+        is_input: bool,
+        *,
+        swept: bool = True,
     ) -> None:
-        numeric, values, extras = stats_values(tensor, self.keep.stats)
+        """One capture's statistics, computed now. ``swept``: False when the C sweep already
+        refused this tensor (:meth:`_sweep_leaves`): torch's reductions, not a second sweep."""
+        numeric, values, extras = stats_values(tensor, self.keep.stats, sweep=swept)
         if isinstance(values, list) or values.is_cpu:  # made here, no buffer of the host's: no copy
             host, event = values, None
         else:

@@ -161,7 +161,8 @@ class SweepKernel(Protocol):
 
     def stats(self, values: Any, /) -> Sequence[float]:
         """``(sum, abs_sum, min, max)`` of a C-contiguous float32 array (any shape: its buffer is
-        read whole), in one pass."""
+        read whole), in one pass. A tuple of four floats is kept as it is until the writer thread
+        writes it; any other sequence is copied into one first."""
         ...
 
 
@@ -242,11 +243,23 @@ def sweep(x: torch.Tensor, recipe: _StatsRecipe) -> Swept | None:
     if not numel or kernel is None:
         return None
     values = kernel.stats((x.detach() if x.requires_grad else x).numpy())  # any C-contiguous buffer
+    if type(values) is not tuple or len(values) != 4:  # a stand-in's: the writer reads it later
+        values = _four_sums(values)
     # Σ|x| is finite exactly when every element is; past float32's range (or NaN, which compares
     # false) torch's reductions say what the statistics are.
-    if not values[1] <= _F32_MAX:
+    if not -_F32_MAX <= values[1] <= _F32_MAX:
         return None
     return recipe, values, numel
+
+
+def _four_sums(values: Sequence[float]) -> tuple[float, ...]:
+    """A kernel stand-in's result as the compiled kernel returns it: a tuple of four floats that
+    nothing changes before the writer thread reads it. Anything else raises here, in the capture
+    (reported for that capture), not in the writer (which would stop the dump)."""
+    sums = tuple(float(v) for v in values)
+    if len(sums) != 4:
+        raise ValueError(f"a stats kernel returned {len(sums)} values, not (sum, abs_sum, min, max)")
+    return sums
 
 
 def swept_numbers(swept: Swept) -> list[float]:
@@ -334,12 +347,13 @@ def compute_stats(
 
 
 def stats_values(
-    tensor: torch.Tensor, names: list[str]
+    tensor: torch.Tensor, names: Sequence[str], *, sweep: bool = True
 ) -> tuple[list[str], torch.Tensor | list[float], dict[str, object]]:
     """:func:`compute_stats` for the recorder: statistics the C sweep computed stay Python floats
     (float64, the same values), since in the forward a ``torch.tensor`` of four floats costs
     13-16 µs (docs/performance.md, issue 35); those torch computed are its float64 vector, on the
-    tensor's device, as :func:`compute_stats` returns them."""
+    tensor's device, as :func:`compute_stats` returns them. ``sweep=False``: torch's reductions
+    only (the caller's sweep already refused the tensor: a NaN or an Inf in it)."""
     source = tensor.detach()
     numeric = [n for n in names if n in _STAT_OF]
     extras: dict[str, object] = {}
@@ -351,7 +365,7 @@ def stats_values(
         return numeric, [], extras
     recipe = _recipe(tuple(numeric))
     x = _reduction_input(source)
-    swept = _swept(x, recipe)
+    swept = _swept(x, recipe) if sweep else None
     if swept is not None:
         return numeric, swept, extras
     computed = [_REDUCTIONS[kind](x) for kind in recipe.reductions]
