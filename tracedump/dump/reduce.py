@@ -245,8 +245,8 @@ def sweep(x: torch.Tensor, recipe: _StatsRecipe) -> Swept | None:
     values = kernel.stats((x.detach() if x.requires_grad else x).numpy())  # any C-contiguous buffer
     if type(values) is not tuple or len(values) != 4:  # a stand-in's: the writer reads it later
         values = _four_sums(values)
-    # Σ|x| is finite exactly when every element is; past float32's range (or NaN, which compares
-    # false) torch's reductions say what the statistics are.
+    # Σ|x| is finite exactly when every element is. A NaN (it compares false), an infinity or a
+    # sum past float32's range: torch's reductions say what the statistics are.
     if not -_F32_MAX <= values[1] <= _F32_MAX:
         return None
     return recipe, values, numel
