@@ -198,6 +198,7 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("off", "record_noop_ns", "ns"),
         ("off", "hooks_registered", ""),
         ("full", "ratio_vs_untouched", "x"),
+        ("full", "floor_ratio", "x"),
         ("full", "ratio_e2e_vs_untouched", "x"),
         ("full", "ratio_steady_vs_untouched", "x"),
         ("full", "speedup_vs_naive", "x"),

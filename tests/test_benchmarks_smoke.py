@@ -113,6 +113,34 @@ def test_the_last_row_floor_copies_what_a_last_row_dump_keeps(
     assert summary(floor.kept) == summary(stored)
 
 
+def test_the_full_floor_copies_what_a_full_dump_keeps(bench: types.SimpleNamespace, tmp_path: Path) -> None:
+    """bench_overhead's floor of full mode (FloorModel, WarmCopies) copies every tensor a full dump
+    keeps, into the same buffers step after step."""
+    import tracedump
+    from tracedump import load_pass
+
+    spec = bench.common.QUICK_SPEC
+    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
+    warm = bench.overhead.WarmCopies()
+    floor = bench.overhead.FloorModel(model, ids, warm, on_step=warm.start)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path)})
+    assert dumper is not None
+    with torch.inference_mode():
+        floor.step()
+        first = [buffer.data_ptr() for buffer in warm.buffers]
+        floor.step()
+        bench.common.forward(model, ids)
+    dumper.close()
+    stored = load_pass(dumper.run_dir / "pass00000.safetensors").values()
+
+    def summary(tensors: Any) -> list[tuple[tuple[int, ...], float]]:
+        return sorted((tuple(t.shape), t.double().sum().item()) for t in tensors)
+
+    assert warm.next == len(warm.buffers) > 10 and floor.kept == []
+    assert [buffer.data_ptr() for buffer in warm.buffers] == first  # memory already mapped
+    assert summary(warm.buffers) == summary(stored)
+
+
 def test_hook_census_sees_module_and_global_hooks(bench: types.SimpleNamespace) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     before = bench.common.hook_census(model)
