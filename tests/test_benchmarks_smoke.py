@@ -55,6 +55,29 @@ def test_off_benchmark_reports_no_hooks(bench: types.SimpleNamespace) -> None:
     assert bench.common.hook_census(model).total == 0
 
 
+def _floor_beside_a_dump(
+    bench: types.SimpleNamespace, tmp_path: Path, keep: Any, config: dict[str, Any], on_step: Any = None
+) -> tuple[Any, Path]:
+    """One step of a bench_overhead ``FloorModel`` and one dumped forward of the same model (the
+    quick one) with ``config``: the floor and the dump's run dir."""
+    import tracedump
+
+    spec = bench.common.QUICK_SPEC
+    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
+    floor = bench.overhead.FloorModel(model, ids, keep, on_step=on_step)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path), **config})
+    assert dumper is not None
+    with torch.inference_mode():
+        floor.step()
+        bench.common.forward(model, ids)
+    dumper.close()
+    return floor, dumper.run_dir
+
+
+def _shapes_and_sums(tensors: Any) -> list[tuple[tuple[int, ...], float]]:
+    return sorted((tuple(t.shape), t.double().sum().item()) for t in tensors)
+
+
 def test_the_stats_floor_sweeps_what_a_stats_dump_records(
     bench: types.SimpleNamespace, tmp_path: Path
 ) -> None:
@@ -64,22 +87,14 @@ def test_the_stats_floor_sweeps_what_a_stats_dump_records(
     import json
     import struct
 
-    import tracedump
     from tracedump.dump.reduce import compiled_kernel
 
     kernel = compiled_kernel()
     if kernel is None:
         pytest.skip("the C kernel is not built here: bench_overhead leaves the floor out")
-    spec = bench.common.QUICK_SPEC
-    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
-    swept = bench.overhead.FloorModel(model, ids, bench.overhead.sweeping(kernel))
-    dumper = tracedump.attach(model, {"dir": str(tmp_path), "mode": "stats", "stats": "sum,min,max"})
-    assert dumper is not None
-    with torch.inference_mode():
-        swept.step()
-        bench.common.forward(model, ids)
-    dumper.close()
-    records = [json.loads(line) for line in (dumper.run_dir / "stats.jsonl").read_text().splitlines()]
+    config = {"mode": "stats", "stats": "sum,min,max"}
+    swept, run_dir = _floor_beside_a_dump(bench, tmp_path, bench.overhead.sweeping(kernel), config)
+    records = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     as_f32 = struct.Struct("f")
     floor = [(as_f32.unpack(as_f32.pack(s))[0], lo, hi) for s, _, lo, hi in swept.kept]
     assert len(records) > 10
@@ -91,54 +106,32 @@ def test_the_last_row_floor_copies_what_a_last_row_dump_keeps(
 ) -> None:
     """bench_overhead's floor of last_row mode (FloorModel, cutting) copies the rows a last_row
     dump keeps: as many tensors, the same shapes and values."""
-    import tracedump
     from tracedump import load_pass
 
-    spec = bench.common.QUICK_SPEC
-    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
-    floor = bench.overhead.FloorModel(model, ids, bench.overhead.cutting(1))
-    dumper = tracedump.attach(model, {"dir": str(tmp_path), "mode": "last_row", "token_dim": 1})
-    assert dumper is not None
-    with torch.inference_mode():
-        floor.step()
-        bench.common.forward(model, ids)
-    dumper.close()
-    stored = load_pass(dumper.run_dir / "pass00000.safetensors").values()
-
-    def summary(tensors: Any) -> list[tuple[tuple[int, ...], float]]:
-        return sorted((tuple(t.shape), t.double().sum().item()) for t in tensors)
-
+    config = {"mode": "last_row", "token_dim": 1}
+    floor, run_dir = _floor_beside_a_dump(bench, tmp_path, bench.overhead.cutting(1), config)
     assert len(floor.kept) > 10
     assert all(t.shape[1] == 1 for t in floor.kept if t.dim() > 1)
-    assert summary(floor.kept) == summary(stored)
+    assert _shapes_and_sums(floor.kept) == _shapes_and_sums(
+        load_pass(run_dir / "pass00000.safetensors").values()
+    )
 
 
 def test_the_full_floor_copies_what_a_full_dump_keeps(bench: types.SimpleNamespace, tmp_path: Path) -> None:
     """bench_overhead's floor of full mode (FloorModel, WarmCopies) copies every tensor a full dump
     keeps, into the same buffers step after step."""
-    import tracedump
     from tracedump import load_pass
 
-    spec = bench.common.QUICK_SPEC
-    model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
     warm = bench.overhead.WarmCopies()
-    floor = bench.overhead.FloorModel(model, ids, warm, on_step=warm.start)
-    dumper = tracedump.attach(model, {"dir": str(tmp_path)})
-    assert dumper is not None
+    floor, run_dir = _floor_beside_a_dump(bench, tmp_path, warm, {}, on_step=warm.start)
+    assert warm.next == len(warm.buffers) > 10 and floor.kept == []
+    assert _shapes_and_sums(warm.buffers) == _shapes_and_sums(
+        load_pass(run_dir / "pass00000.safetensors").values()
+    )
+    first = [buffer.data_ptr() for buffer in warm.buffers]
     with torch.inference_mode():
         floor.step()
-        first = [buffer.data_ptr() for buffer in warm.buffers]
-        floor.step()
-        bench.common.forward(model, ids)
-    dumper.close()
-    stored = load_pass(dumper.run_dir / "pass00000.safetensors").values()
-
-    def summary(tensors: Any) -> list[tuple[tuple[int, ...], float]]:
-        return sorted((tuple(t.shape), t.double().sum().item()) for t in tensors)
-
-    assert warm.next == len(warm.buffers) > 10 and floor.kept == []
     assert [buffer.data_ptr() for buffer in warm.buffers] == first  # memory already mapped
-    assert summary(warm.buffers) == summary(stored)
 
 
 def test_hook_census_sees_module_and_global_hooks(bench: types.SimpleNamespace) -> None:
