@@ -105,14 +105,23 @@ class Recorder(PassMachine):
                     self._count_too_deep(deep)
                 if not leaves:
                     return
-                if self.mode == "full":
-                    self._copy_leaves(current, name, leaves)
-                elif self.mode == "last_row":
-                    self._copy_leaves(current, name, leaves, self.keep.token_dim)
-                elif self._sweep_plan is not None:  # stats, every statistic from the C sweep
-                    self._sweep_leaves(current, name, leaves, self._sweep_plan)
-                else:
+                stats = self.mode == "stats"
+                plan = self._sweep_plan if stats else None
+                if (
+                    (stats and plan is None)  # a statistic the C sweep does not make
+                    or self.sink.failure is not None
+                    or stream_is_capturing()
+                ):
                     self._capture_module(current, name, leaves, is_input=False)
+                    return
+                calls = current.calls  # the call counted once for all of this output's tensors
+                call = calls.get(name, 0)
+                calls[name] = call + 1
+                if plan is not None:
+                    self._sweep_leaves(current, name, call, leaves, plan)
+                else:
+                    token_dim = self.keep.token_dim if self.mode == "last_row" else None
+                    self._copy_leaves(current, name, call, leaves, token_dim)
             except Exception as e:
                 self.report(name, e)
             return
@@ -231,10 +240,16 @@ class Recorder(PassMachine):
             self._make_room(current)
 
     def _copy_leaves(
-        self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]], token_dim: int | None = None
+        self,
+        current: Pass,
+        name: str,
+        call: int,
+        leaves: list[tuple[str, torch.Tensor]],
+        token_dim: int | None,
     ) -> None:
         """:meth:`_capture_module` for a module's output in full mode (``last_row``: each tensor cut
-        to its last row along ``token_dim`` first), in as few calls as it allows.
+        to its last row along ``token_dim`` first), in as few calls as it allows. ``call``: this
+        output's call number, counted by :meth:`on_module_tensors`.
 
         Inside a forward each Python frame and torch call of a capture costs ~10x its tight-loop
         time (the forward evicts the interpreter's working set; docs/performance.md, issue 35), so
@@ -245,14 +260,8 @@ class Recorder(PassMachine):
         capturing into the same ``step()`` may have spilled them into a part file meanwhile. No
         capture order is kept for it (only a stats pass writes one). The same decisions, keys and
         accounting as :meth:`_capture_module`; the rare cases (a failed sink, a CUDA graph
-        capturing) take that path."""
+        capturing) take that path (:meth:`on_module_tensors` sends them)."""
         sink = self.sink
-        if sink.failure is not None or stream_is_capturing():
-            self._capture_module(current, name, leaves, is_input=False)
-            return
-        calls = current.calls
-        call = calls.get(name, 0)
-        calls[name] = call + 1
         accepts, copy = sink.accepts, sink.copy
         for suffix, tensor in leaves:
             if not accepts(tensor):
@@ -271,7 +280,7 @@ class Recorder(PassMachine):
                 self._make_room(current)
 
     def _sweep_leaves(
-        self, current: Pass, name: str, leaves: list[tuple[str, torch.Tensor]], plan: SweepPlan
+        self, current: Pass, name: str, call: int, leaves: list[tuple[str, torch.Tensor]], plan: SweepPlan
     ) -> None:
         """:meth:`_capture_module` for a module's output in stats mode when the C sweep makes every
         statistic asked for (:func:`~tracedump.dump.reduce.sweep_plan`). In the forward, only what
@@ -279,21 +288,16 @@ class Recorder(PassMachine):
         and the sums' rounding are made by the writer thread (``StatsJob``), since in the forward
         each Python step costs ~10x its tight-loop time (docs/performance.md, issue 35, stats).
         A tensor the sweep cannot take (another dtype or device, a NaN or Inf) goes to
-        :meth:`_keep_stats`. The same records, in the same order, as :meth:`_capture_module`."""
+        :meth:`_keep_stats`. The same records, in the same order, as :meth:`_capture_module`, which
+        takes the rare cases, as for :meth:`_copy_leaves`. ``call``: as there."""
         sink = self.sink
-        if sink.failure is not None or stream_is_capturing():
-            self._capture_module(current, name, leaves, is_input=False)
-            return
-        calls = current.calls
-        call = calls.get(name, 0)
-        calls[name] = call + 1
         for suffix, tensor in leaves:
             if not sink.accepts(tensor):
                 self.skipped["unsupported_tensor"] += 1
                 continue
             swept = sweep(tensor, plan.recipe)
             if swept is None:  # torch's reductions, without a second sweep of a NaN or an Inf
-                self._keep_stats(current, name, suffix, call, tensor, False, swept=False)
+                self._keep_stats(current, name, suffix, call, tensor, False, use_sweep=False)
                 continue
             extras: dict[str, object] = {"shape": list(tensor.shape)} if plan.shape else {}
             if plan.dtype is not None:
@@ -314,11 +318,11 @@ class Recorder(PassMachine):
         tensor: torch.Tensor,
         is_input: bool,
         *,
-        swept: bool = True,
+        use_sweep: bool = True,
     ) -> None:
-        """One capture's statistics, computed now. ``swept``: False when the C sweep already
+        """One capture's statistics, computed now. ``use_sweep``: False when the C sweep already
         refused this tensor (:meth:`_sweep_leaves`): torch's reductions, not a second sweep."""
-        numeric, values, extras = stats_values(tensor, self.keep.stats, sweep=swept)
+        numeric, values, extras = stats_values(tensor, self.keep.stats, use_sweep=use_sweep)
         if isinstance(values, list) or values.is_cpu:  # made here, no buffer of the host's: no copy
             host, event = values, None
         else:

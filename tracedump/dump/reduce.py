@@ -347,12 +347,12 @@ def compute_stats(
 
 
 def stats_values(
-    tensor: torch.Tensor, names: Sequence[str], *, sweep: bool = True
+    tensor: torch.Tensor, names: Sequence[str], *, use_sweep: bool = True
 ) -> tuple[list[str], torch.Tensor | list[float], dict[str, object]]:
     """:func:`compute_stats` for the recorder: statistics the C sweep computed stay Python floats
     (float64, the same values), since in the forward a ``torch.tensor`` of four floats costs
     13-16 µs (docs/performance.md, issue 35); those torch computed are its float64 vector, on the
-    tensor's device, as :func:`compute_stats` returns them. ``sweep=False``: torch's reductions
+    tensor's device, as :func:`compute_stats` returns them. ``use_sweep=False``: torch's reductions
     only (the caller's sweep already refused the tensor: a NaN or an Inf in it)."""
     source = tensor.detach()
     numeric = [n for n in names if n in _STAT_OF]
@@ -365,7 +365,7 @@ def stats_values(
         return numeric, [], extras
     recipe = _recipe(tuple(numeric))
     x = _reduction_input(source)
-    swept = _swept(x, recipe) if sweep else None
+    swept = _swept(x, recipe) if use_sweep else None
     if swept is not None:
         return numeric, swept, extras
     computed = [_REDUCTIONS[kind](x) for kind in recipe.reductions]
