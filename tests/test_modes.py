@@ -453,13 +453,21 @@ def test_stats_mode_plain_sweep_path_writes_what_the_general_path_writes(
     """Statistics the C sweep makes whole take the recorder's plain path (Recorder._sweep_leaves:
     raw sums kept, the record made by the writer thread). Its stats.jsonl is the general path's,
     byte for byte, and it hands that path only what the sweep cannot take: NaN and Inf, int64,
-    bfloat16. With grad enabled the outputs require grad, which the sweep reads detached."""
+    bfloat16. With grad enabled the outputs require grad, which the sweep reads detached. Where
+    the C kernel was not built, a numpy stand-in sweeps: the paths are the same either way."""
     from tracedump.dump import recorder as recorder_module
+    from tracedump.dump import reduce
+
+    class NumpySums:
+        def stats(self, a: np.ndarray) -> tuple[float, ...]:
+            x = a.astype(np.float64)
+            return (float(x.sum()), float(np.abs(x).sum()), float(x.min()), float(x.max()))
 
     monkeypatch.setenv("TRACEDUMP_DUMP_MODE", "stats")
     monkeypatch.setenv("TRACEDUMP_DUMP_STATS", "abs_mean,sum,min,max,mean,shape,dtype")
     general = _modules_passed_to(monkeypatch, "_keep_stats")
     written, taken = {}, {}
+    kernel = reduce.compiled_kernel() or NumpySums()
     for path in ("plain", "general"):
         if path == "general":
             monkeypatch.setattr(recorder_module, "sweep_plan", lambda names: None)
@@ -469,7 +477,7 @@ def test_stats_mode_plain_sweep_path_writes_what_the_general_path_writes(
         model = StatsZooTwice()
         dumper = tracedump.attach(model)
         assert dumper is not None
-        with torch.set_grad_enabled(grad):
+        with reduce.use_kernel(kernel), torch.set_grad_enabled(grad):
             for batch in (torch.randn(5, 8), torch.randn(4, 8)):
                 model(batch)
         dumper.close()
