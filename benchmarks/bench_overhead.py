@@ -6,8 +6,8 @@ Two phases, each interleaved round by round (medians of per-round paired ratios)
   plus the cost of ``attach()`` itself when off and of a no-op ``tracedump.record()``. Asserts that
   no hook of any kind was registered and no thread started.
 * **on**: full / last_row / stats dumps, a naive synchronous baseline and each mode's floor (hooks
-  that only copy into memory already mapped, cut and copy the last row, or run the C sweep:
-  ``FloorModel``), each on its own deep copy
+  that only copy into memory already mapped, then write those copies as one file; cut and copy the
+  last row; or run the C sweep: ``FloorModel``), each on its own deep copy
   of the model (identical weights), against the untouched model. A dumped step reports ``step`` (the
   forward as the host sees it: hooks + copies; disk writes happen on the writer thread) and ``e2e``
   (the same step plus waiting for the writer to put it on disk, so background work is not hidden).
@@ -234,11 +234,15 @@ class FloorModel:
         ids: torch.Tensor,
         keep: Callable[[torch.Tensor], Any],
         on_step: Callable[[], None] | None = None,
+        then: Callable[[], None] | None = None,
+        written: Path | None = None,
     ) -> None:
         self.model = copy.deepcopy(model)
         self.ids = ids
         self.keep = keep  # what it holds of one tensor; None: nothing
-        self.on_step = on_step  # called before each step's forward
+        self.on_step = on_step  # called before each step's forward, untimed
+        self.then = then  # called after it, timed as ``e2e`` (the step until its bytes are on disk)
+        self.written = written  # where ``then`` writes: emptied after each step, untimed, as DumpedModel's
         self.kept: list[Any] = []
         for module in self.model.modules():
             if not list(module.children()):
@@ -253,7 +257,16 @@ class FloorModel:
         self.kept.clear()
         if self.on_step is not None:
             self.on_step()
-        return {"step": common.timed(lambda: common.forward(self.model, self.ids))}
+        start = time.perf_counter()
+        common.forward(self.model, self.ids)
+        returned = time.perf_counter()
+        if self.then is None:
+            return {"step": returned - start}
+        self.then()
+        done = time.perf_counter()
+        if self.written is not None:
+            common.remove_files(self.written)
+        return {"step": returned - start, "e2e": done - start}
 
 
 class WarmCopies:
@@ -278,6 +291,22 @@ class WarmCopies:
             buffer = self.buffers[self.next] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         buffer.copy_(tensor)
         self.next += 1
+
+
+class WrittenCopies(WarmCopies):
+    """Full mode's least work until the pass is on disk: :class:`WarmCopies`, then this step's
+    buffers written as one file the way the writer thread writes a pass (``write_file``: the
+    header, then the buffers straight to ``os.writev``), in series, as a step waits for its own
+    write. Its ``FloorModel`` deletes the file right after the step, untimed, as
+    ``DumpedModel.step`` deletes its passes, so both write into page cache freed as long before."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def write(self) -> None:
+        tensors = {str(index): buffer for index, buffer in enumerate(self.buffers[: self.next])}
+        write_file(tensors, self.path, {"tracedump.mode": "full"})
 
 
 def sweeping(kernel: SweepKernel) -> Callable[[torch.Tensor], Any]:
@@ -321,8 +350,11 @@ def run_on(
             "stats": stats.step,
             "copies": copies.step,
         }
-        warm = WarmCopies()
-        variants["full_floor"] = FloorModel(model, ids, warm, on_step=warm.start).step
+        (workdir / "floor").mkdir(parents=True, exist_ok=True)
+        warm = WrittenCopies(workdir / "floor" / "pass.safetensors")
+        variants["full_floor"] = FloorModel(
+            model, ids, warm, on_step=warm.start, then=warm.write, written=workdir / "floor"
+        ).step
         variants["last_row_floor"] = FloorModel(model, ids, cutting(token_dim)).step
         kernel = compiled_kernel()
         if kernel is not None:  # without the compiled kernel stats dumps use torch's reductions
@@ -494,6 +526,8 @@ def _summarise_on(
     for mode in ("full", "last_row", "stats"):  # each mode's floor here: hooks doing only its least work
         if f"{mode}_floor" in samples:
             result[mode]["floor_ratio"] = common.paired_ratio(samples[f"{mode}_floor"]["step"], base)
+    if "e2e" in samples.get("full_floor", {}):  # until on disk: the copies, then one write of them
+        result["full"]["floor_ratio_e2e"] = common.paired_ratio(samples["full_floor"]["e2e"], base)
     return result
 
 

@@ -200,6 +200,7 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("full", "ratio_vs_untouched", "x"),
         ("full", "floor_ratio", "x"),
         ("full", "ratio_e2e_vs_untouched", "x"),
+        ("full", "floor_ratio_e2e", "x"),
         ("full", "ratio_steady_vs_untouched", "x"),
         ("full", "speedup_vs_naive", "x"),
         ("full", "speedup_vs_naive_e2e", "x"),

@@ -56,7 +56,13 @@ def test_off_benchmark_reports_no_hooks(bench: types.SimpleNamespace) -> None:
 
 
 def _floor_beside_a_dump(
-    bench: types.SimpleNamespace, tmp_path: Path, keep: Any, config: dict[str, Any], on_step: Any = None
+    bench: types.SimpleNamespace,
+    tmp_path: Path,
+    keep: Any,
+    config: dict[str, Any],
+    on_step: Any = None,
+    then: Any = None,
+    written: Path | None = None,
 ) -> tuple[Any, Path]:
     """One step of a bench_overhead ``FloorModel`` and one dumped forward of the same model (the
     quick one) with ``config``: the floor and the dump's run dir."""
@@ -64,13 +70,14 @@ def _floor_beside_a_dump(
 
     spec = bench.common.QUICK_SPEC
     model, ids = bench.common.build_model(spec), bench.common.make_inputs(spec)
-    floor = bench.overhead.FloorModel(model, ids, keep, on_step=on_step)
-    dumper = tracedump.attach(model, {"dir": str(tmp_path), **config})
+    floor = bench.overhead.FloorModel(model, ids, keep, on_step=on_step, then=then, written=written)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path / "dump"), **config})
     assert dumper is not None
     with torch.inference_mode():
-        floor.step()
+        timings = floor.step()
         bench.common.forward(model, ids)
     dumper.close()
+    assert ("e2e" in timings) == (then is not None) and timings.get("e2e", 1) > timings["step"] > 0
     return floor, dumper.run_dir
 
 
@@ -117,21 +124,39 @@ def test_the_last_row_floor_copies_what_a_last_row_dump_keeps(
     )
 
 
-def test_the_full_floor_copies_what_a_full_dump_keeps(bench: types.SimpleNamespace, tmp_path: Path) -> None:
-    """bench_overhead's floor of full mode (FloorModel, WarmCopies) copies every tensor a full dump
-    keeps, into the same buffers step after step."""
+def test_the_full_floor_copies_and_writes_what_a_full_dump_keeps(
+    bench: types.SimpleNamespace, tmp_path: Path
+) -> None:
+    """bench_overhead's floor of full mode (FloorModel, WrittenCopies) copies every tensor a full
+    dump keeps, into the same buffers step after step, and writes them as one file each step: the
+    same tensors as the dump's pass file, so its ``e2e`` is that figure's floor until on disk."""
+    from safetensors.torch import load_file
+
     from tracedump import load_pass
 
-    warm = bench.overhead.WarmCopies()
-    floor, run_dir = _floor_beside_a_dump(bench, tmp_path, warm, {}, on_step=warm.start)
-    assert warm.next == len(warm.buffers) > 10 and floor.kept == []
-    assert _shapes_and_sums(warm.buffers) == _shapes_and_sums(
-        load_pass(run_dir / "pass00000.safetensors").values()
+    written = tmp_path / "floor" / "pass.safetensors"
+    written.parent.mkdir()
+    warm = bench.overhead.WrittenCopies(written)
+    files: list[dict[str, torch.Tensor]] = []
+
+    def write_and_read_back() -> None:
+        warm.write()
+        files.append(load_file(written))
+
+    floor, run_dir = _floor_beside_a_dump(
+        bench, tmp_path, warm, {}, on_step=warm.start, then=write_and_read_back
     )
+    assert warm.next == len(warm.buffers) > 10 and floor.kept == []
+    dumped = _shapes_and_sums(load_pass(run_dir / "pass00000.safetensors").values())
+    assert _shapes_and_sums(warm.buffers) == dumped
+    assert [_shapes_and_sums(file.values()) for file in files] == [dumped]
     first = [buffer.data_ptr() for buffer in warm.buffers]
+    floor.written = written.parent  # emptied after each step, untimed, as a dump's run dir is
     with torch.inference_mode():
         floor.step()
     assert [buffer.data_ptr() for buffer in warm.buffers] == first  # memory already mapped
+    assert [_shapes_and_sums(file.values()) for file in files] == [dumped, dumped]
+    assert not written.exists()
 
 
 def test_hook_census_sees_module_and_global_hooks(bench: types.SimpleNamespace) -> None:
