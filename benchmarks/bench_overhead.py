@@ -300,9 +300,11 @@ class WrittenCopies(WarmCopies):
     write. Its ``FloorModel`` deletes the file right after the step, untimed, as
     ``DumpedModel.step`` deletes its passes, so both write into page cache freed as long before."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, directory: Path) -> None:
         super().__init__()
-        self.path = path
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory  # its ``FloorModel``'s ``written``
+        self.path = directory / "pass.safetensors"
 
     def write(self) -> None:
         tensors = {str(index): buffer for index, buffer in enumerate(self.buffers[: self.next])}
@@ -350,10 +352,9 @@ def run_on(
             "stats": stats.step,
             "copies": copies.step,
         }
-        (workdir / "floor").mkdir(parents=True, exist_ok=True)
-        warm = WrittenCopies(workdir / "floor" / "pass.safetensors")
+        warm = WrittenCopies(workdir / "floor")
         variants["full_floor"] = FloorModel(
-            model, ids, warm, on_step=warm.start, then=warm.write, written=workdir / "floor"
+            model, ids, warm, on_step=warm.start, then=warm.write, written=warm.directory
         ).step
         variants["last_row_floor"] = FloorModel(model, ids, cutting(token_dim)).step
         kernel = compiled_kernel()

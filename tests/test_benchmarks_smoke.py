@@ -136,9 +136,8 @@ def test_the_full_floor_copies_and_writes_what_a_full_dump_keeps(
 
     from tracedump import load_pass
 
-    written = tmp_path / "floor" / "pass.safetensors"
-    written.parent.mkdir()
-    warm = bench.overhead.WrittenCopies(written)
+    warm = bench.overhead.WrittenCopies(tmp_path / "floor")
+    written = warm.path
     files: list[dict[str, torch.Tensor]] = []
 
     def write_and_read_back() -> None:
@@ -153,7 +152,7 @@ def test_the_full_floor_copies_and_writes_what_a_full_dump_keeps(
     assert _shapes_and_sums(warm.buffers) == dumped
     assert [_shapes_and_sums(file.values()) for file in files] == [dumped]
     first = [buffer.data_ptr() for buffer in warm.buffers]
-    floor.written = written.parent  # emptied after each step, untimed, as a dump's run dir is
+    floor.written = warm.directory  # emptied after each step, untimed, as a dump's run dir is
     with torch.inference_mode():
         floor.step()
     assert [buffer.data_ptr() for buffer in warm.buffers] == first  # memory already mapped

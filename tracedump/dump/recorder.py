@@ -302,7 +302,7 @@ class Recorder(PassMachine):
             extras: dict[str, object] = {"shape": list(tensor.shape)} if plan.shape else {}
             if plan.dtype is not None:
                 extras["dtype"] = plan.dtype
-            seq = current.order
+            seq = current.order  # Pass.next_seq inline: one call fewer per capture in the forward
             current.order = seq + 1
             current.stats.append(
                 ((name, suffix, False, call, current.index, seq, extras), plan.numeric, swept, None)
