@@ -133,6 +133,9 @@ def validation_problem(error: ValidationError, data: Any) -> str:
         else:
             break
         path.append(f"[{part}]" if isinstance(part, int) else ("." if path else "") + str(part))
+    if first["type"] == "missing" and len(path) < len(first["loc"]):  # name the absent key itself
+        part = first["loc"][len(path)]
+        path.append(f"[{part}]" if isinstance(part, int) else ("." if path else "") + str(part))
     where = "".join(path) or "(the whole file)"
     message = str(first["msg"]).removeprefix("Value error, ")
     if message.startswith("Input should be "):  # "a valid dictionary or instance of Graft": a dict
