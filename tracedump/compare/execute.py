@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from ..errors import DumpReadError
 from ..store.dtypes import BY_NAME
 from ..store.format import Key
 from ..store.sequences import token_dim
@@ -107,6 +108,8 @@ class Executor:
                 return self._rows_pair(base, pair)
             stored = assemble(pair.a, views_a), assemble(pair.b, views_b)
             return self._tensor_pair(base, pair, stored, views_a, views_b)
+        except DumpReadError:
+            raise  # a tensor the diff cannot read: damaged input (exit 2), never a row
         except (ValueError, OSError, RuntimeError) as e:
             return replace(base, status="error", message=f"{type(e).__name__}: {e}")
 
