@@ -25,7 +25,15 @@ from .unshard import SideEntry
 
 EXTRA_OP = "extra_op"  # the status of an op present in one run only
 
-_OP = re.compile(r"(?P<module>.+)/(?P<index>\d+):(?P<op>[^/]+)", re.S)
+# ``<module>/<i>:<namespace>.<op>.<overload>`` as dump/ops.py writes it: ``i`` a decimal without
+# leading zeros, the op the three dotted identifiers torch names every op overload with
+# (``aten.mul.Tensor``, ``mylib.fused.default``). A module name cannot end so: a component holds no
+# ``.``, so ``x/3:aten.mul.Tensor`` would be three modules, the first named ``x/3:aten``; a
+# ``ModuleDict`` key such as ``block/1:conv`` stays a module's name.
+_IDENT = r"[A-Za-z_]\w*"
+_OP = re.compile(
+    rf"(?P<module>.*[^.])/(?P<index>0|[1-9]\d*):(?P<op>{_IDENT}\.{_IDENT}\.{_IDENT})", re.S | re.ASCII
+)
 
 
 @dataclass(frozen=True)
