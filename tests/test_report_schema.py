@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_compare_unshard import write_run
 
+import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare import html as html_report
@@ -66,7 +67,7 @@ def test_one_status_list_for_the_verdict_the_table_and_the_page(tmp_path: Path) 
 
 def test_the_schema_in_the_docs_is_up_to_date() -> None:
     assert (ROOT / "docs" / "report-schema.md").read_text() == schema_markdown(), (
-        "docs/report-schema.md is stale: run python tools/report_schema_gen.py"
+        "docs/report-schema.md is stale: run python tools/docs_gen.py"
     )
 
 
@@ -77,3 +78,53 @@ def test_the_page_s_key_lists_name_only_keys_the_report_has() -> None:
     summary_keys = set(Summary.model_fields)
     assert tensor_keys >= html_report._SHOWN_KEYS, html_report._SHOWN_KEYS - tensor_keys
     assert summary_keys >= html_report._SUMMARY_SHOWN, html_report._SUMMARY_SHOWN - summary_keys
+
+
+# ------------------------------------------------------------------ the model writes the report
+
+
+def _grafted(tmp_path: Path) -> tuple[Path, Path]:
+    """A bf16 model grafted from its fp32 reference: its report carries local, grafted_at."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).eval()
+    x = torch.randn(4, 16)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
+    assert dumper is not None
+    with torch.no_grad():
+        model(x)
+    dumper.close()
+    model = model.to(torch.bfloat16)
+    with torch.no_grad(), tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level="^0$") as g:
+        g.run(x.to(torch.bfloat16))
+    return tmp_path / "g", tmp_path / "ref"
+
+
+def test_a_grafted_report_is_written_and_validates(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    a, b = _grafted(tmp_path)
+    assert main(["diff", str(a), str(b), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert any("local" in t and "grafted_at" in t for t in doc["tensors"])  # the premise
+    report = Report.model_validate(doc)
+    assert report.model_dump(by_alias=True, exclude_unset=True, mode="json") == doc
+    schema = json.loads(schema_markdown().split("```json\n", 1)[1].split("\n```", 1)[0])
+    listed = schema["$defs"]["TensorRecord"]["properties"]
+    assert {"local", "grafted_at", "not_grafted", "paired_by"} <= set(listed)
+
+
+@pytest.mark.parametrize("which", ["plain", "grafted"])
+def test_the_model_writes_the_records_unchanged(tmp_path: Path, which: str) -> None:
+    """Through the model, a report is the JSON of its records: no key added, dropped or changed."""
+    report = compare(*(_sides(tmp_path) if which == "plain" else _grafted(tmp_path)))
+    assert report.to_json() == json.loads(json.dumps(report.records()))
+
+
+def test_a_record_key_the_model_does_not_list_never_reaches_a_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = compare(*_sides(tmp_path))
+    records = report.records()
+    records["tensors"][0]["unlisted"] = 1
+    monkeypatch.setattr(type(report), "records", lambda self: records)
+    with pytest.raises(ValueError, match="unlisted"):
+        report.to_json()

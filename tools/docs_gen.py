@@ -1,13 +1,16 @@
-"""Generate ``docs/settings.md`` from the fields of :class:`~tracedump.config.settings.DumpSettings`.
+"""Generate the pages written from code: ``docs/settings.md`` from the fields of
+:class:`~tracedump.config.settings.DumpSettings`, ``docs/report-schema.md`` from the model that
+writes every ``--json`` report (:mod:`tracedump.compare.report_schema`).
 
 The settings reference is the page people read most and the one that drifts first when it is
 written by hand. Here the field list, types, defaults and descriptions all come from the code, and
-``tests/test_docs.py`` fails when the committed page differs from what this module renders.
+``tests/test_docs.py`` (``tests/test_report_schema.py`` for the schema) fails when a committed page
+differs from what this module renders.
 
 A developer tool, not part of the installed package:
 
-    python tools/docs_gen.py            # rewrite docs/settings.md (or: make docs)
-    python tools/docs_gen.py --check    # exit 1 (and say so) when docs/settings.md is stale
+    python tools/docs_gen.py            # rewrite both pages (or: make docs)
+    python tools/docs_gen.py --check    # exit 1 (and say so) when one is stale (make lint)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tracedump.config.switch import DEFAULT_ENV_PREFIX, env_name  # noqa: E402
 from tracedump.util.ranges import IndexRanges  # noqa: E402
 
 SETTINGS_DOC = ROOT / "docs" / "settings.md"
+REPORT_SCHEMA_DOC = ROOT / "docs" / "report-schema.md"
 REGENERATE = "python tools/docs_gen.py"
 # An IndexRanges (STEPS) is written as text (`0,3,10-20`) and parsed once into its typed value.
 _SIMPLE_TYPES = {bool: "bool", int: "int", str: "str", float: "float", Path: "path", IndexRanges: "str"}
@@ -179,18 +183,36 @@ def check(path: Path = SETTINGS_DOC) -> bool:
     return path.is_file() and path.read_text() == render_settings_doc()
 
 
+def render_report_schema_doc() -> str:
+    """The whole of ``docs/report-schema.md``: the schema of the model that writes ``--json``."""
+    from tracedump.compare.report_schema import schema_markdown
+
+    return schema_markdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/docs_gen.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the file is stale; write nothing")
-    parser.add_argument("--output", type=Path, default=SETTINGS_DOC, help="default: %(default)s")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a page is stale; write nothing")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"write the settings page only, here (default: {SETTINGS_DOC.name}, {REPORT_SCHEMA_DOC.name})",
+    )
     args = parser.parse_args(argv)
+    pages = (
+        {args.output: render_settings_doc}
+        if args.output is not None
+        else {SETTINGS_DOC: render_settings_doc, REPORT_SCHEMA_DOC: render_report_schema_doc}
+    )
     if args.check:
-        if check(args.output):
-            return 0
-        print(f"{args.output} is stale: run `{REGENERATE}` and commit the result", file=sys.stderr)
-        return 1
-    args.output.write_text(render_settings_doc())
-    print(f"wrote {args.output}")
+        stale = [path for path, render in pages.items() if not path.is_file() or path.read_text() != render()]
+        for path in stale:
+            print(f"{path} is stale: run `{REGENERATE}` and commit the result", file=sys.stderr)
+        return 1 if stale else 0
+    for path, render in pages.items():
+        path.write_text(render())
+        print(f"wrote {path}")
     return 0
 
 

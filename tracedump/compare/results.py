@@ -1,4 +1,5 @@
-"""Typed output records of a diff, each with its JSON form (the ``--json`` schema lives here).
+"""Typed output records of a diff, each with its JSON record (the ``--json`` model that writes them
+and its schema: :mod:`.report_schema`).
 
 Statuses of a tensor pair:
 
@@ -444,6 +445,13 @@ class DiffReport:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document, written by its typed model (:func:`.report_schema.written`)."""
+        from .report_schema import written
+
+        return written(self.records())
+
+    def records(self) -> dict[str, Any]:
+        """The report's records as plain dicts, before the model validates and writes them."""
         return {
             "a": self.a["path"],
             "b": self.b["path"],
