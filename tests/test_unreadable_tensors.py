@@ -102,3 +102,27 @@ def test_a_pass_truncated_after_its_header_was_read_is_exit_2(
 
     assert code == 2, (out, err)
     assert str(path) in err and "truncated while being read" in err, err
+
+
+def test_a_pass_truncated_after_it_was_mapped_is_exit_2_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is cut after the map was made and before the second tensor's view is taken: its
+    pages past the new end would be a SIGBUS, so the file's size is asked again per tensor."""
+    from tracedump.compare import reader
+
+    path = _run(tmp_path / "a", {"x": F32, "y": F32})
+    b = _run(tmp_path / "b", {"x": F32, "y": F32}).parent
+    real_array = reader.SafetensorsMap.array
+
+    def cut_before_y(self: reader.SafetensorsMap, name: str) -> Any:
+        if self.header.path == path and name == "y" and self._map is not None:
+            os.truncate(path, path.stat().st_size - 20)
+        return real_array(self, name)
+
+    monkeypatch.setattr(reader.SafetensorsMap, "array", cut_before_y)
+
+    code, out, err = _diff(path.parent, b, capsys)
+
+    assert code == 2, (out, err)
+    assert str(path) in err and "'y'" in err and "truncated while being read" in err, err

@@ -181,10 +181,11 @@ class SafetensorsMap:
         if count == 0:
             return Stored(np.empty(shape, numpy_dtype), dtype)
         mapped = self._mapped()
-        if len(mapped) < stored.end:  # cut short since its header was read
+        now = min(len(mapped), mapped.size())  # size(): the file's, now (a page past it is a SIGBUS)
+        if now < stored.end:  # cut short since its header was read, or since it was mapped
             raise DumpReadError(
                 f"{self.header.path}: tensor {name!r} ends at byte {stored.end}, but the file now "
-                f"has {len(mapped)} bytes (truncated while being read)"
+                f"has {now} bytes (truncated while being read)"
             )
         view = np.frombuffer(mapped, numpy_dtype, count, stored.begin)
         return Stored(view.reshape(shape), dtype)
