@@ -14,8 +14,9 @@ from test_compare_unshard import write_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare import html as html_report
+from tracedump.compare import page as html_report
 from tracedump.compare.display import STATUS_TEXT
+from tracedump.compare.page import rows as page_rows
 from tracedump.compare.report_schema import Report, Summary, TensorRecord, schema_markdown
 from tracedump.compare.status import Status
 from tracedump.compare.verdict import FAILING
@@ -75,5 +76,5 @@ def test_the_page_s_key_lists_name_only_keys_the_report_has() -> None:
     key the report no longer writes (they had drifted from the JSON's before the model)."""
     tensor_keys = {field.alias or name for name, field in TensorRecord.model_fields.items()}
     summary_keys = set(Summary.model_fields)
-    assert tensor_keys >= html_report._SHOWN_KEYS, html_report._SHOWN_KEYS - tensor_keys
-    assert summary_keys >= html_report._SUMMARY_SHOWN, html_report._SUMMARY_SHOWN - summary_keys
+    assert tensor_keys >= page_rows.SHOWN_KEYS, page_rows.SHOWN_KEYS - tensor_keys
+    assert summary_keys >= page_rows.SUMMARY_SHOWN, page_rows.SUMMARY_SHOWN - summary_keys
