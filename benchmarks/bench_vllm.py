@@ -68,7 +68,7 @@ def run(quick: bool = False, model: str = "narrow") -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the measurement
 
 
-# The issue's two engines (35): a 3-layer, 256-wide Llama, whose short decode steps show a fixed
+# Two engines: a 3-layer, 256-wide Llama, whose short decode steps show a fixed
 # cost per capture or per step plainly (8 rows x 256 x 4 B per activation); and an 8-layer,
 # 1024-wide one of ~100M parameters, where a decode step does the work of a small real model.
 SHAPES = {
@@ -272,7 +272,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             for variant, short in (("plugin_off", "off"), ("full", "full"))
             for clock in ("thread_cpu", "process_cpu")
         },
-        # the decode step taken apart (issue 35): each layer's step / untouched, paired by round
+        # the decode step taken apart: each layer's step / untouched, paired by round
         "budget_decode_ratio": {
             layer: common.paired_ratio(samples[layer]["decode"], base["decode"]) for layer in layers
         },
@@ -290,7 +290,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         },
         # what the copies alone would cost: the bytes each pass holds, at one core's memcpy
         # bandwidth into memory already mapped (the engine's one thread; the dump's fresh memory is
-        # slower: clone_GBps), over the untouched step (issue 35's floor from bytes)
+        # slower: clone_GBps), over the untouched step (the floor from bytes)
         "copy_bandwidth": bandwidth,
         **floor,
         "register_off_us": register_off_us,
@@ -300,7 +300,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
     }
 
 
-# What a dumped decode step is made of, one layer added at a time (issue 35; bench_budget.py does
+# What a dumped decode step is made of, one layer added at a time (bench_budget.py does
 # the same for an HF host step): ``steps`` the plugin's per-step work with no capture hook (the
 # pass opened and closed, set_batch, the recorded raw logits, the pass file); ``dispatch`` plus a
 # no-op forward hook where each capture hook was (torch's hooked call path); ``naive`` instead a

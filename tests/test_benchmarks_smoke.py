@@ -232,7 +232,7 @@ def test_the_align_benchmark_counts_only_what_the_align_holds(monkeypatch: pytes
 def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
     bench: types.SimpleNamespace, tmp_path: Path
 ) -> None:
-    """bench_vllm's floor beside each engine figure (issue 35): the tensor bytes each pass file
+    """bench_vllm's floor beside each engine figure: the tensor bytes each pass file
     holds (parts summed, headers left out) / a copy bandwidth, over the untouched step."""
     from benchmarks import bench_vllm
     from tracedump.store.format import pass_file_name

@@ -1,4 +1,4 @@
-"""The ``--json`` report's typed model (issue 34): one ``Status`` for the table, the JSON and the
+"""The ``--json`` report's typed model: one ``Status`` for the table, the JSON and the
 page; real reports validate against the model with unknown keys refused; the schema in the docs is
 the one generated from it."""
 
