@@ -9,9 +9,10 @@ terminal's table: whatever a flag adds to the records reaches the page.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from ..status import Status
 from .limits import num, visible
@@ -53,11 +54,11 @@ class Row:
     def status(self) -> str:
         return str(self.data["status"])
 
-    @property
+    @cached_property
     def error(self) -> float | None:
         return num(self.data.get("error"))
 
-    @property
+    @cached_property
     def threshold(self) -> float | None:
         return num(self.data.get("tolerance"))
 
@@ -136,9 +137,11 @@ def group(doc: dict[str, Any], lines: list[str]) -> Page:
 
 
 def html(template: str, *values: object) -> Markup:
-    """A small piece of markup: ``template`` with each value shown (:func:`visible`) and escaped,
-    except pieces already built by this function."""
-    return Markup(template).format(*(v if isinstance(v, Markup) else visible(v) for v in values))
+    """A small piece of markup: ``template`` (this package's own literal) with each value shown
+    (:func:`visible`) and HTML-escaped, except pieces already built as markup. ``str.format`` of
+    escaped values rather than ``Markup.format``: the same result, several times faster, which a
+    table of thousands of rows notices."""
+    return Markup(template.format(*(v if isinstance(v, Markup) else escape(visible(v)) for v in values)))
 
 
 def link(index: int, content: object) -> Markup:

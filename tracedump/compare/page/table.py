@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from ..status import status_text
 from .limits import clip_end, current, fmt, num, sort_key, visible
@@ -71,51 +71,77 @@ def table(page: Page) -> dict[str, Any]:
 
 
 def _row(page: Page, row: Row, keys: list[str]) -> dict[str, Any]:
-    """One table row: for each column its sort value (``data-v``) and what it shows."""
+    """One table row: for each column whether it is a number, its sort value (``data-v``; empty:
+    none) and what it shows. Built here rather than in the template: a big diff's table is
+    thousands of rows, and a row's cells are its data."""
     d = row.data
     error, threshold = row.error, row.threshold
     ratio = error / threshold if error is not None and threshold else None
     cosine = num(d.get("cosine"))
-    one_minus = None if cosine is None else 1 - cosine
     token = d.get("per_token") or {}
     worst = num(token.get("worst_rel_diff"))
-    flags = [
-        flag
-        for index, flag in ((page.first_index, "first divergence"), (page.growth_index, "largest growth"))
-        if row.index == index
-    ]
     numbers = {
         "max_abs": num(d.get("max_abs")),
         "rel_diff": num(d.get("rel_diff")),
-        "one_minus": one_minus,
+        "one_minus": None if cosine is None else 1 - cosine,
         "threshold": threshold,
         "ratio": ratio,
         "x_noise": num(d.get("x_noise")),
         "worst": worst,
     }
-    shown = {key: fmt(value) for key, value in numbers.items()}
+    name = visible(row.name)
+    status = visible(row.status)
+    unit = visible(page.units[row.unit])
+    paired_by = visible(d["paired_by"]) if d.get("paired_by") else ""
+    flags = "".join(
+        f"<br>← {flag}"
+        for index, flag in ((page.first_index, "first divergence"), (page.growth_index, "largest growth"))
+        if row.index == index
+    )
+    text: dict[str, tuple[str, str | Markup]] = {
+        "index": (str(row.index), str(row.index)),
+        "unit": (unit, unit),
+        "name": (name, _name_cell(name, d)),
+        "shape": ("", visible(shape(d))),
+        "dtype": ("", visible(dtype(d))),
+        "status": (
+            status,
+            Markup(f"<span class='st st-{_e(status)}'>{_e(status_text(row.status))}{flags}</span>"),
+        ),
+        "paired_by": (paired_by, paired_by),
+        "details": ("", Markup("<br>".join(_e(part) for part in _details(d)))),
+    }
+    for key, value in numbers.items():
+        text[key] = (sort_key(value), fmt(value))
     if token.get("worst") is not None:
-        shown["worst"] = f"{visible(token['worst'])}: {fmt(worst)}"
-    elif "worst" in shown:
-        shown["worst"] = "-"
+        text["worst"] = (sort_key(worst), f"{visible(token['worst'])}: {fmt(worst)}")
+    if d.get("basis"):
+        text["threshold"] = (
+            text["threshold"][0],
+            html("<span title='set by: {}'>{}</span>", d["basis"], fmt(threshold)),
+        )
     return {
         "index": row.index,
         "unit": row.unit,
-        "unit_label": visible(page.units[row.unit]),
-        "name": visible(row.name),
-        "name_b": visible(d.get("name_b")) if d.get("name_b") != d.get("name") else None,
-        "shape": visible(shape(d)),
-        "dtype": visible(dtype(d)),
-        "numbers": {key: (sort_key(value), shown[key]) for key, value in numbers.items()},
-        "basis": visible(d["basis"]) if d.get("basis") else None,
-        "status": visible(row.status),
-        "status_text": status_text(row.status),
-        "flags": flags,
+        "status": status,
         "first": row.index == page.first_index,
-        "paired_by": visible(d["paired_by"]) if d.get("paired_by") else "",
-        "details": _details(d),
-        "keys": keys,
+        "cells": [(key in numbers, *text[key]) for key in keys],
     }
+
+
+def _name_cell(name: str, data: dict[str, Any]) -> Markup:
+    """A dotted module name (A's, and B's when it differs) that wraps after a dot, not in a word."""
+    cell = f"<code>{_e(name).replace('.', '.<wbr>')}</code>"
+    if data.get("name_b") != data.get("name"):
+        cell += (
+            f"<div class='nb'>B: <code>{_e(visible(data.get('name_b'))).replace('.', '.<wbr>')}</code></div>"
+        )
+    return Markup(cell)
+
+
+def _e(text: object) -> str:
+    """``text`` HTML-escaped, as a plain string to build a cell from (the hot path of a big table)."""
+    return str(escape(text))
 
 
 def _details(data: dict[str, Any]) -> list[str]:
