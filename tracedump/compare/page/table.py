@@ -71,9 +71,8 @@ def table(page: Page) -> dict[str, Any]:
 
 
 def _row(page: Page, row: Row, keys: list[str]) -> dict[str, Any]:
-    """One table row: for each column whether it is a number, its sort value (``data-v``; empty:
-    none) and what it shows. Built here rather than in the template: a big diff's table is
-    thousands of rows, and a row's cells are its data."""
+    """One table row: its attributes, and its cells (for each column whether it is a number, its
+    sort value and what it shows)."""
     d = row.data
     error, threshold = row.error, row.threshold
     ratio = error / threshold if error is not None and threshold else None
@@ -125,8 +124,16 @@ def _row(page: Page, row: Row, keys: list[str]) -> dict[str, Any]:
         "unit": row.unit,
         "status": status,
         "first": row.index == page.first_index,
-        "cells": [(key in numbers, *text[key]) for key in keys],
+        "cells": Markup("".join(_cell(key in numbers, *text[key]) for key in keys)),
     }
+
+
+def _cell(numeric: bool, sort_value: str, shown: str | Markup) -> str:
+    """One ``<td>``: numbers right-aligned, ``data-v`` (what the script sorts by) where there is
+    one. Built here, not in the template: a big table is 60 000 cells, and a template expression
+    per cell made the page several times slower to draw than its data."""
+    attributes = (" class='n'" if numeric else "") + (f" data-v='{_e(sort_value)}'" if sort_value else "")
+    return f"<td{attributes}>{_e(shown)}</td>"
 
 
 def _name_cell(name: str, data: dict[str, Any]) -> Markup:
