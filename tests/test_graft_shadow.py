@@ -1,4 +1,4 @@
-"""The grafted verdict's allowance from each tensor's own computation: the fp32 shadow (issue 33).
+"""The grafted verdict's allowance from each tensor's own computation: the fp32 shadow.
 
 A grafted run (``GRAFT_SHADOW`` on by default) runs each grafted call a second time in float32 on
 the reference's own inputs, and stores the shadow beside each tensor. The comparator judges the

@@ -1,4 +1,4 @@
-"""The ``--json`` report's typed model (issue 34): one ``Status`` for the table, the JSON and the
+"""The ``--json`` report's typed model: one ``Status`` for the table, the JSON and the
 page; real reports validate against the model with unknown keys refused; the schema in the docs is
 the one generated from it."""
 
@@ -15,8 +15,9 @@ from test_compare_unshard import write_run
 import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare import html as html_report
+from tracedump.compare import page as html_report
 from tracedump.compare.display import STATUS_TEXT
+from tracedump.compare.page import rows as page_rows
 from tracedump.compare.report_schema import Report, Summary, TensorRecord, schema_markdown
 from tracedump.compare.status import Status
 from tracedump.compare.verdict import FAILING
@@ -76,8 +77,8 @@ def test_the_page_s_key_lists_name_only_keys_the_report_has() -> None:
     key the report no longer writes (they had drifted from the JSON's before the model)."""
     tensor_keys = {field.alias or name for name, field in TensorRecord.model_fields.items()}
     summary_keys = set(Summary.model_fields)
-    assert tensor_keys >= html_report._SHOWN_KEYS, html_report._SHOWN_KEYS - tensor_keys
-    assert summary_keys >= html_report._SUMMARY_SHOWN, html_report._SUMMARY_SHOWN - summary_keys
+    assert tensor_keys >= page_rows.SHOWN_KEYS, page_rows.SHOWN_KEYS - tensor_keys
+    assert summary_keys >= page_rows.SUMMARY_SHOWN, page_rows.SUMMARY_SHOWN - summary_keys
 
 
 # ------------------------------------------------------------------ the model writes the report

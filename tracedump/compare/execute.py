@@ -64,7 +64,7 @@ class Executor:
         self._tokens: int | None = None
         self._by_name: dict[str, PairPlan] = {}
         # each unit's pairs by A's name, in one walk over the plan (a walk per unit was quadratic
-        # in the passes: issue 34, defect 14)
+        # in the passes)
         self._units_by_name: dict[int, dict[str, PairPlan]] = {}
         for pair in plan.pairs:
             self._units_by_name.setdefault(pair.unit, {})[pair.a.name] = pair

@@ -62,7 +62,7 @@ class GatheredRows(Stored):
 
     Why: joining the parts copies every byte once more; the comparison reads each part where it
     lies instead (:func:`tracedump.compare.metrics.compare_by_row`), and the joined ``array`` is
-    made only when something else asks for it (docs/performance.md, issue 35: ``--align tokens``).
+    made only when something else asks for it (docs/performance.md: the comparator).
     Every part has the same trailing shape and storage dtype."""
 
     def __init__(self, parts: Sequence[np.ndarray], dtype: str) -> None:

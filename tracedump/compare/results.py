@@ -59,7 +59,7 @@ def strict_json(value: Any) -> Any:
 
     For what the report copies from files it did not write: a manifest may hold ``NaN`` or
     ``Infinity`` (Python's json reads them), and ``--json`` writes strict JSON, which has neither
-    (defect 6 of issue 34: the whole report was lost to "Out of range float values")."""
+    (one such value once lost the whole report to "Out of range float values")."""
     if isinstance(value, float):
         return json_number(value)
     if isinstance(value, dict):
