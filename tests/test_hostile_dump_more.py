@@ -1,4 +1,4 @@
-"""Dump-side defects of the fourth hostile run: a full disk at close, the shadow and the host's
+"""Dump-side defects a hostile run found: a full disk at close, the shadow and the host's
 hooks, a dump written into its own reference, worker threads in one step, complex statistics.
 
 Each test builds its premise (a really full filesystem, a forced interleaving of two threads) and
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -102,3 +101,57 @@ def test_a_manifest_that_cannot_be_written_is_never_said_to_be_marked_incomplete
     assert manifest["incomplete_reason"] is None  # the premise: the manifest kept its first version
     assert "is marked incomplete" not in said
     assert "could not be updated" in said and "No space left" in said
+
+
+# ------------------------------------------------------------------ 7. a dump written into its reference
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reference a graft can read: one pass with the modules' inputs."""
+    root = tmp_path_factory.mktemp("reference") / "ref"
+    model = _Wide().eval()
+    with tracedump.attach(model, {"dir": root, "inputs": True}), torch.no_grad():
+        model(torch.ones(2, 16))
+    return root
+
+
+def _runs(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name.startswith("rank"))
+
+
+@pytest.mark.parametrize("where", ["itself", "inside", "inside_its_run", "link", "run_dir_parent"])
+def test_a_graft_whose_dump_dir_is_inside_its_reference_is_refused_naming_both_variables(
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    (run,) = _runs(reference)
+    graft_from = reference / run if where == "run_dir_parent" else reference
+    out = {
+        "itself": reference,
+        "inside": reference / "again",
+        "inside_its_run": reference / run / "sub",
+        "link": tmp_path / "link",
+        "run_dir_parent": reference,
+    }[where]
+    if where == "link":
+        out.symlink_to(reference)
+    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(out))
+    monkeypatch.setenv("TRACEDUMP_DUMP_GRAFT_FROM", str(graft_from))
+    with pytest.raises(tracedump.ConfigError) as info:
+        tracedump.attach(_Wide().eval())
+    message = str(info.value)
+    assert f"TRACEDUMP_DUMP_DIR={str(out)!r}" in message, message
+    assert "TRACEDUMP_DUMP_GRAFT_FROM" in message and "into the reference" in message
+    assert _runs(reference) == [run] and not (reference / "again").exists()
+    assert not (reference / run / "sub").exists()
+
+
+def test_graft_into_its_own_reference_is_refused_and_beside_it_is_not(
+    reference: Path, tmp_path: Path
+) -> None:
+    model = _Wide().eval()
+    with pytest.raises(tracedump.ConfigError, match="into the reference"):
+        tracedump.graft(model, reference, dir=reference / "g").__enter__()
+    with torch.no_grad(), tracedump.graft(model, reference, dir=tmp_path / "g") as graft:
+        graft.run(torch.ones(2, 16))
+    assert len(_runs(tmp_path / "g")) == 1 and len(_runs(reference)) == 1
