@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +158,162 @@ def test_graft_into_its_own_reference_is_refused_and_beside_it_is_not(
     with torch.no_grad(), tracedump.graft(model, reference, dir=tmp_path / "g") as graft:
         graft.run(torch.ones(2, 16))
     assert len(_runs(tmp_path / "g")) == 1 and len(_runs(reference)) == 1
+
+
+# ------------------------------------------------------------------ 6. the shadow and the host's hooks
+
+
+class _Grafted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+class _Probe:
+    """A host's probe: every call its hooks see, with the output's dtype and values."""
+
+    def __init__(self) -> None:
+        self.pre: list[str] = []
+        self.post: list[tuple[str, torch.dtype, torch.Tensor]] = []
+        self.global_post: list[str] = []
+        self.names: dict[nn.Module, str] = {}
+
+    def attach(self, model: nn.Module, kind: str) -> list[torch.utils.hooks.RemovableHandle]:
+        handles = []
+        for name, module in model.named_modules():
+            self.names[module] = name or type(module).__name__
+            if not name or kind != "module":
+                continue
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.pre.append(n)))
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, n=name: self.post.append((n, out.dtype, out.detach().clone()))
+                )
+            )
+        handles.append(
+            nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: self.global_post.append(self.names.get(m, "a module not the host's"))
+            )
+        )
+        return handles
+
+
+def _probed_run(model: nn.Module, x: torch.Tensor, graft: Any, kind: str) -> tuple[_Probe, torch.Tensor]:
+    probe = _Probe()
+    handles = probe.attach(model, kind)
+    try:
+        with torch.no_grad():
+            out = graft.run(x) if graft is not None else model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return probe, out
+
+
+def _reference_and_bf16(tmp_path: Path) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Grafted().eval()
+    x = torch.randn(4, 16)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
+    with torch.no_grad():
+        model(x)
+    dumper.close()
+    return model.to(torch.bfloat16), x.to(torch.bfloat16)
+
+
+def _shadow_summary(path: Path) -> dict[str, Any]:
+    return tracedump.open_dump(path).run().manifest["graft"]["shadow"]
+
+
+@pytest.mark.parametrize("probe_kind", ["module", "global"])
+def test_the_host_hooks_see_the_hosts_own_calls_never_the_shadows(tmp_path: Path, probe_kind: str) -> None:
+    model, x = _reference_and_bf16(tmp_path)
+    plain, _ = _probed_run(model, x, None, probe_kind)  # what the host's hooks see alone
+    with tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level="^(inner|out)$") as graft:
+        probe, out = _probed_run(model, x, graft, probe_kind)
+    if probe_kind == "module":
+        assert probe.pre == plain.pre == ["inner", "inner.0", "inner.1", "out"]
+        assert [n for n, _, _ in probe.post] == [n for n, _, _ in plain.post]
+        assert all(dtype == torch.bfloat16 for _, dtype, _ in probe.post)  # never the shadow's float32
+        seen = {n: value for n, _, value in probe.post}
+        assert torch.equal(seen["out"], out)  # the host's own output, as the host got it
+        run = tracedump.open_dump(tmp_path / "g").run().passes[0].load()
+        assert torch.equal(seen["inner"], run["inner"]) and torch.equal(seen["out"], run["out"])
+    assert probe.global_post == plain.global_post
+    if probe_kind == "global":
+        assert probe.global_post == ["inner.0", "inner.1", "inner", "out", "_Grafted"]
+    # A hook may change what a module computes: a call under one is not shadowed, and says why.
+    shadow = _shadow_summary(tmp_path / "g")
+    assert shadow["shadowed_calls"] == {}
+    assert sum(shadow["not_shadowed"].values()) == 2
+    assert all("hooks" in reason for reason in shadow["not_shadowed"]), shadow
+
+
+def test_without_host_hooks_the_shadow_runs_and_with_a_hook_inside_it_does_not(tmp_path: Path) -> None:
+    model, x = _reference_and_bf16(tmp_path)
+    with (
+        torch.no_grad(),
+        tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "a", level="^(inner|out)$") as g,
+    ):
+        g.run(x)
+    assert _shadow_summary(tmp_path / "a") == {"shadowed_calls": {"inner": 1, "out": 1}, "not_shadowed": {}}
+    handle = model.inner[1].register_forward_hook(lambda m, a, out: out * 1.02)  # a planted bug
+    try:
+        with (
+            torch.no_grad(),
+            tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "b", level="^(inner|out)$") as g,
+        ):
+            g.run(x)
+    finally:
+        handle.remove()
+    shadow = _shadow_summary(tmp_path / "b")
+    assert shadow["shadowed_calls"] == {"out": 1}
+    (reason,) = shadow["not_shadowed"]
+    assert "inner.1" in reason
+
+
+# ------------------------------------------------------------------ 12. worker threads in one step()
+
+
+class _SlowReads(dict):
+    """A pass's call counts whose reads wait (releasing the GIL): every thread that reads a count
+    before another wrote it back would take the same call number, unless the count is locked."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = super().get(key, default)
+        time.sleep(0.002)
+        return value
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_worker_threads_capturing_into_one_step_lose_no_capture(tmp_path: Path, mode: str) -> None:
+    model = _Wide().eval()
+    threads_n, calls_n = 4, 15
+    start = threading.Barrier(threads_n)
+
+    def work() -> None:
+        start.wait(timeout=60)
+        for _ in range(calls_n):
+            model.up(torch.ones(1, 16))  # a leaf called on an engine's worker thread, inside the step
+
+    dumper = tracedump.attach(model, {"dir": tmp_path / "d", "mode": mode})
+    with dumper, torch.no_grad(), dumper.step():
+        dumper.recorder.current.calls = _SlowReads()
+        workers = [threading.Thread(target=work) for _ in range(threads_n)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=120)
+    run = tracedump.open_dump(dumper.run_dir).run()
+    if mode == "full":
+        keys = list(run.passes[0].load())
+    else:
+        keys = [f"{r['module']}::call{r['call']}" for r in run.stats()]
+        seqs = [r["seq"] for r in run.stats()]
+        assert sorted(seqs) == list(range(threads_n * calls_n))
+    assert len(keys) == len(set(keys)) == threads_n * calls_n
+    assert run.manifest["skipped"] == {}

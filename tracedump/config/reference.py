@@ -57,15 +57,13 @@ def written_into_reference(out: Path, reference: Path) -> Path | None:
     """Where a dump into ``out`` would land inside the dump read from ``reference`` (a dump dir
     or one of its run dirs), or None when it stays outside it. Links are resolved on both sides.
 
-    A run dir is made *in* ``out``: ``out`` inside the reference (or the reference dir itself) adds
-    a run to the dump being read, as does the folder that holds a reference run dir, which that
-    run's dump is. A dump never writes into what it reads."""
+    A run dir is made *in* ``out``: ``out`` inside the reference's dump (the reference dir itself,
+    or the folder that holds a reference run dir, which that run's dump is) adds a run to the dump
+    being read, or writes among its files. A dump never writes into what it reads."""
     out_real = Path(os.path.realpath(os.path.expanduser(out)))
     ref_real = Path(os.path.realpath(os.path.expanduser(reference)))
     dump_root = ref_real.parent if _is_run_dir(ref_real) else ref_real
-    if out_real == dump_root or out_real.is_relative_to(ref_real):
-        return out_real
-    return None
+    return out_real if out_real.is_relative_to(dump_root) else None
 
 
 def _is_run_dir(path: Path) -> bool:

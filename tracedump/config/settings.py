@@ -153,8 +153,8 @@ def check_combination(settings: DumpSettings) -> None:
             both = f"{settings.describe('dir')} with {settings.describe('graft_from')}"
             raise ConfigError(
                 f"tracedump: bad setting\n  {both}: "
-                f"the dump would be written into the reference it reads ({inside} is inside that dump); "
-                "choose a DIR outside the reference"
+                f"the dump would be written into the reference it reads ({inside} is inside that dump): "
+                "a grafted run never writes into its reference. Choose a DIR outside it"
             )
     if settings.control and settings.steps is not None:
         raise ConfigError(
