@@ -317,3 +317,58 @@ def test_worker_threads_capturing_into_one_step_lose_no_capture(tmp_path: Path, 
         assert sorted(seqs) == list(range(threads_n * calls_n))
     assert len(keys) == len(set(keys)) == threads_n * calls_n
     assert run.manifest["skipped"] == {}
+
+
+# ------------------------------------------------------------------ 14. complex statistics
+
+
+class _Complex(nn.Module):
+    """A leaf with a complex output (a rotary embedding's ``polar``, an FFT)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.complex(x[..., 0], x[..., 1])
+
+
+class _ComplexRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rot = _Complex()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rot(x)
+
+
+STATS = "abs_mean,sum,min,max,mean,std,l2,dtype"
+
+
+@pytest.mark.parametrize("conjugated", [False, True])
+def test_complex_statistics_are_of_the_real_and_imaginary_parts(tmp_path: Path, conjugated: bool) -> None:
+    parts = torch.tensor([[3.0, 4.0], [-1.0, 2.0]])  # 3+4j, -1+2j
+    model = _ComplexRoot().eval()
+    if conjugated:  # a conjugate view (torch's lazy conj bit): its parts are (3, -4), (-1, -2)
+        model.rot.forward = lambda x: torch.complex(x[..., 0], x[..., 1]).conj()  # type: ignore[method-assign]
+    with tracedump.attach(model, {"dir": tmp_path / "s", "mode": "stats", "stats": STATS}), torch.no_grad():
+        model(parts)
+    (line,) = tracedump.open_dump(tmp_path / "s").run().stats()
+    values = parts * torch.tensor([1.0, -1.0]) if conjugated else parts
+    flat = values.flatten().double()
+    assert line["dtype"] == "complex64"
+    assert line["sum"] == pytest.approx(float(flat.sum()))  # 8 (-4 conjugated), not the moduli's 7.24
+    assert line["mean"] == pytest.approx(float(flat.mean()))
+    assert line["abs_mean"] == pytest.approx(2.5) and line["mean"] != line["abs_mean"]
+    assert line["min"] == pytest.approx(float(flat.min())) and line["max"] == pytest.approx(float(flat.max()))
+    assert line["std"] == pytest.approx(float(flat.std(correction=0)), rel=1e-6)
+    assert line["l2"] == pytest.approx(30**0.5)  # the complex norm: sqrt(|3+4j|^2 + |-1+2j|^2)
+
+
+def test_a_complex_stats_dump_agrees_with_the_full_dump_of_the_same_run(tmp_path: Path) -> None:
+    from tracedump.compare import compare
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 2)
+    model = _ComplexRoot().eval()
+    for mode in ("full", "stats"):
+        with tracedump.attach(model, {"dir": tmp_path / mode, "mode": mode, "stats": STATS}), torch.no_grad():
+            model(x)
+    report = compare(tmp_path / "stats", tmp_path / "full")
+    assert report.exit_code == 0, report.first_divergence
