@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 import warnings
@@ -104,6 +105,24 @@ def test_a_manifest_that_cannot_be_written_is_never_said_to_be_marked_incomplete
     assert manifest["incomplete_reason"] is None  # the premise: the manifest kept its first version
     assert "is marked incomplete" not in said
     assert "could not be updated" in said and "No space left" in said
+
+
+def test_the_reserve_holds_real_blocks_without_fallocate_and_never_passes_a_file_size_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tracedump.store import fsio
+
+    monkeypatch.delattr(fsio.os, "posix_fallocate")  # macOS, Windows: zeros written instead
+    reserve = fsio.SpaceReserve(tmp_path / ".r")
+    reserve.hold(20_000)
+    assert reserve.held == 20_480 and os.stat(tmp_path / ".r").st_blocks * 512 >= 20_480
+    monkeypatch.undo()
+    monkeypatch.setattr(fsio, "_file_size_limit", lambda: 8000)  # RLIMIT_FSIZE: SIGXFSZ past it
+    limited = fsio.SpaceReserve(tmp_path / ".s")
+    assert limited.hold_what_fits(64 << 10) == 4096 and os.path.getsize(tmp_path / ".s") == 4096
+    for each in (reserve, limited):
+        each.remove()
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------ 7. a dump written into its reference

@@ -312,6 +312,8 @@ class RunDir:
                 self.report("moving the run dir to its rank", e)
                 return
             self.path = self.writer.run_dir = moved
+            if self.writer.reserve is not None:  # moved with its folder: removed from there at close
+                self.writer.reserve.path = moved / MANIFEST_RESERVE
         self.world_size = world
         self.update(rank=self.rank, world_size=world)
 

@@ -124,21 +124,29 @@ class SpaceReserve:
         size = min(-(-size // _BLOCK) * _BLOCK, self._largest)
         if self._fd is None or size <= self.held or os.getpid() != self._pid:
             return
+        allocate = getattr(os, "posix_fallocate", None)  # not on macOS or Windows
         try:
-            os.posix_fallocate(self._fd, 0, size)
+            if allocate is None:
+                raise OSError(errno.EOPNOTSUPP, "no posix_fallocate here")
+            allocate(self._fd, 0, size)
         except OSError as e:
             if e.errno in NO_ROOM:
                 os.ftruncate(self._fd, self.held)  # a filesystem may keep part of a failed allocation
                 raise
-            self._fill(size)  # no fallocate on this filesystem (EOPNOTSUPP, EINVAL): real blocks
+            self._fill(self._fd, size)  # no fallocate on this filesystem (EOPNOTSUPP, EINVAL)
         self.held = size
 
-    def _fill(self, size: int) -> None:
-        assert self._fd is not None
+    def _fill(self, fd: int, size: int) -> None:
+        """Real blocks up to ``size``, zeros written and synced (a delayed allocation is none);
+        on a failure the file is cut back to what it held."""
         zeros = bytes(_BLOCK)
-        for offset in range(self.held, size, _BLOCK):
-            os.pwrite(self._fd, zeros, offset)
-        os.fsync(self._fd)  # a delayed allocation is no allocation: the blocks exist once on disk
+        try:
+            for offset in range(self.held, size, _BLOCK):
+                os.pwrite(fd, zeros, offset)
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, self.held)
+            raise
 
     def spend(self, write: Callable[[], _T], keep: int) -> _T:
         """``write()``; if it finds no room, run it again on the reserve's blocks, then hold
