@@ -125,6 +125,25 @@ def test_the_reserve_holds_real_blocks_without_fallocate_and_never_passes_a_file
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_reserve_moves_with_a_run_dir_renamed_to_its_rank_and_is_gone_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _Wide().eval()
+    monkeypatch.delenv("RANK", raising=False)
+    dumper = tracedump.attach(model, {"dir": tmp_path / "d"})  # before init_process_group
+    assert (dumper.run_dir / MANIFEST_RESERVE).is_file()
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
+    with torch.no_grad():
+        model(torch.ones(2, 16))  # the first pass settles the rank: the folder becomes rank3_...
+    assert dumper.run_dir.name.startswith("rank3_") and (dumper.run_dir / MANIFEST_RESERVE).is_file()
+    dumper.close()
+    (run_dir,) = (tmp_path / "d").iterdir()
+    assert run_dir.name.startswith("rank3_") and MANIFEST_RESERVE not in {p.name for p in run_dir.iterdir()}
+
+
 # ------------------------------------------------------------------ 7. a dump written into its reference
 
 
