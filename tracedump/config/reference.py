@@ -11,11 +11,12 @@ settings too.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import DumpReadError
-from ..store.format import INPUT_MARK
+from ..store.format import INPUT_MARK, MANIFEST, parse_run_dir_name
 
 if TYPE_CHECKING:
     from ..store.loader import Run
@@ -50,3 +51,21 @@ def check_graft_reference(path: Path) -> None:
         raise ValueError(f"cannot read the reference: {e}") from None
     if problems and all(problems):
         raise ValueError(str(problems[0]))
+
+
+def written_into_reference(out: Path, reference: Path) -> Path | None:
+    """Where a dump into ``out`` would land inside the dump read from ``reference`` (a dump dir
+    or one of its run dirs), or None when it stays outside it. Links are resolved on both sides.
+
+    A run dir is made *in* ``out``: ``out`` inside the reference's dump (the reference dir itself,
+    or the folder that holds a reference run dir, which that run's dump is) adds a run to the dump
+    being read, or writes among its files. A dump never writes into what it reads."""
+    out_real = Path(os.path.realpath(os.path.expanduser(out)))
+    ref_real = Path(os.path.realpath(os.path.expanduser(reference)))
+    dump_root = ref_real.parent if _is_run_dir(ref_real) else ref_real
+    return out_real if out_real.is_relative_to(dump_root) else None
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A run dir (``rank<R>_pid<P>`` or a folder holding a manifest), not a dump dir of them."""
+    return parse_run_dir_name(path.name) is not None or (path / MANIFEST).is_file()

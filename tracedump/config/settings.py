@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ..errors import ConfigError
 from .fields import DumpFields
+from .reference import written_into_reference
 from .sources import FILTER_CHOICE, ConfigSource, EnvSource, Origin, origin_of
 from .switch import DEFAULT_ENV_PREFIX
 from .usercode import UserCallables, load_callable
@@ -144,7 +145,17 @@ def check_combination(settings: DumpSettings) -> None:
     ``attach()`` and by ``tracedump run`` before it starts COMMAND.
 
     ``CONTROL`` numbers passes by engine step and arms windows of them; ``STEPS`` would select
-    fixed ones, so an armed window outside them would dump nothing and never end: refused."""
+    fixed ones, so an armed window outside them would dump nothing and never end: refused. A
+    ``DIR`` inside the dump that ``GRAFT_FROM`` reads would add a run to the reference: refused."""
+    if settings.dir is not None and settings.graft_from is not None:
+        inside = written_into_reference(settings.dir, settings.graft_from)
+        if inside is not None:
+            both = f"{settings.describe('dir')} with {settings.describe('graft_from')}"
+            raise ConfigError(
+                f"tracedump: bad setting\n  {both}: "
+                f"the dump would be written into the reference it reads ({inside} is inside that dump): "
+                "a grafted run never writes into its reference. Choose a DIR outside it"
+            )
     if settings.control and settings.steps is not None:
         raise ConfigError(
             f"tracedump: bad setting\n  {settings.describe('steps')} with {settings.describe('control')}: "

@@ -97,23 +97,32 @@ class Pass:
     # this pass's recorder submits to its sink (and resets this when it does), and the writer only
     # ever makes more room, so a value read earlier errs on the safe side. None: not read yet.
     room: int | None = None
+    # Guards the counters (calls, order) and what must change together (an entry and its seq; the
+    # entries handed to a job): an engine's worker threads may capture into one step()'s pass, and
+    # two threads that read a module's call count before either wrote it back would both take the
+    # same call number, one capture then overwriting the other in the pass file.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, key: str, tensor: torch.Tensor, event: Any) -> None:
-        self.entries.append((key, tensor, event))
-        self.seqs.append(self.next_seq())
+        with self.lock:
+            self.entries.append((key, tensor, event))
+            self.seqs.append(self.order)
+            self.order += 1
         self.nbytes += tensor.numel() * tensor.element_size()  # not .nbytes: capture() keeps sparse ones
         self.kept += 1
 
     def next_seq(self) -> int:
         """Captures of every kind (whole tensors, stats, records) share one order, so a stats-mode
         pass, which stores records whole and the rest in stats.jsonl, can be merged back in order."""
-        self.order += 1
-        return self.order - 1
+        with self.lock:
+            self.order += 1
+            return self.order - 1
 
     def take_job(self, part: int | None, mode: str) -> PassJob:
         """The entries gathered so far as one file's job; the pass starts gathering afresh."""
-        seqs = self.seqs if mode == "stats" else None
-        entries, self.entries, self.seqs, nbytes, self.nbytes = self.entries, [], [], self.nbytes, 0
+        with self.lock:
+            seqs = self.seqs if mode == "stats" else None
+            entries, self.entries, self.seqs, nbytes, self.nbytes = self.entries, [], [], self.nbytes, 0
         return PassJob(
             index=self.index,
             part=part,
@@ -126,8 +135,10 @@ class Pass:
         )
 
     def next_call(self, key: str) -> int:
-        call = self.calls.get(key, 0)
-        self.calls[key] = call + 1
+        """This call's number for ``key`` (0 for its first in the pass), under :attr:`lock`."""
+        with self.lock:
+            call = self.calls.get(key, 0)
+            self.calls[key] = call + 1
         return call
 
     @property

@@ -114,9 +114,13 @@ class Recorder(PassMachine):
                 ):
                     self._capture_module(current, name, leaves, is_input=False)
                     return
-                calls = current.calls  # the call counted once for all of this output's tensors
+                # The call counted once for all of this output's tensors, under the pass's lock
+                # (Pass.next_call inline): worker threads may capture into one step()'s pass.
+                lock, calls = current.lock, current.calls
+                lock.acquire()
                 call = calls.get(name, 0)
                 calls[name] = call + 1
+                lock.release()
                 if plan is not None:
                     self._sweep_leaves(current, name, call, leaves, plan)
                 else:
@@ -268,9 +272,8 @@ class Recorder(PassMachine):
                 self.skipped["unsupported_tensor"] += 1
                 continue
             host, event = copy(tensor if token_dim is None else last_row(tensor, token_dim))
-            current.entries.append(
-                (name + suffix if not call else key_text(name, suffix, False, call), host, event)
-            )
+            entry = (name + suffix if not call else key_text(name, suffix, False, call), host, event)
+            current.entries.append(entry)  # the list read and appended to with no call between
             current.nbytes += host.numel() * host.element_size()
             current.kept += 1
             room = current.room
@@ -302,8 +305,11 @@ class Recorder(PassMachine):
             extras: dict[str, object] = {"shape": list(tensor.shape)} if plan.shape else {}
             if plan.dtype is not None:
                 extras["dtype"] = plan.dtype
-            seq = current.order  # Pass.next_seq inline: one call fewer per capture in the forward
+            lock = current.lock  # Pass.next_seq inline: one call fewer per capture in the forward
+            lock.acquire()
+            seq = current.order
             current.order = seq + 1
+            lock.release()
             current.stats.append(
                 ((name, suffix, False, call, current.index, seq, extras), plan.numeric, swept, None)
             )

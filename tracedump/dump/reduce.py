@@ -48,16 +48,19 @@ def last_row(tensor: torch.Tensor, token_dim: int) -> torch.Tensor:
 def _reduction_input(tensor: torch.Tensor) -> torch.Tensor:
     """What the reductions read. No widening of stored bits (that is the comparator's
     ``compare.reader.widen``, on host numpy arrays): a live tensor, on its own device, kept narrow
-    where its kernels read it narrow. Integers and complex numbers as float64 (exact for counts and
-    indices); floats as they are, except narrow floats on the CPU: its reductions of bf16/fp16 into
-    a float32 accumulator are slower than one widening copy followed by float32 kernels
+    where its kernels read it narrow. Integers as float64 (exact for counts and indices); floats as
+    they are, except narrow floats on the CPU: its reductions of bf16/fp16 into a float32
+    accumulator are slower than one widening copy followed by float32 kernels
     (docs/performance.md), while on a GPU the reductions read the narrow values directly, half the
-    bytes of a widened copy."""
+    bytes of a widened copy. A complex tensor as its real and imaginary parts, the floats
+    ``torch.view_as_real`` shows (no copy): every statistic is of those parts together, as
+    ``tracedump diff`` reads a complex pass tensor, so ``mean`` is the mean of the parts and
+    ``abs_mean`` of their magnitudes, not both the mean modulus; ``l2`` is the complex norm."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor.resolve_conj())
     if tensor.is_floating_point():
         narrow = tensor.dtype not in (torch.float32, _F64)
         return tensor.float() if narrow and tensor.is_cpu else tensor
-    if tensor.is_complex():
-        return tensor.abs().double()
     return tensor.double()
 
 

@@ -28,14 +28,15 @@ from .._version import __version__
 from ..config.settings import DumpSettings
 from ..errors import ConfigError
 from ..store.format import FORMAT_VERSION, MANIFEST, ErrorEntry, run_dir_name
-from ..store.fsio import move_into_place, probe_writable, write_json_atomic
+from ..store.fsio import SpaceReserve, json_text, move_into_place, probe_writable, write_json_atomic
 from ..util.units import human_bytes
 from .runtime import Warner
-from .writer import Writer
+from .writer import MANIFEST_RESERVE, Writer, reserve_for
 
 # Skips the settings asked for: reported in the summary, not warned about.
 INTENDED_SKIPS = frozenset({"token_gate", "row_gate", "outside_pass", "profile"})
 MAX_ERRORS_KEPT = 20  # distinct (where, type) pairs kept in the manifest's "errors"
+MAX_ERROR_MESSAGE = 1000  # characters of an error's first message kept: the manifest's room is reserved
 WORKER_NOT_CLOSED = (
     "not closed: a multiprocessing worker (a Pool may terminate it before it exits); each pass "
     "listed here was flushed when its forward returned"
@@ -188,6 +189,7 @@ class ErrorLog:
         if entry is not None:
             entry["count"] += 1
         elif len(self._entries) < MAX_ERRORS_KEPT:
+            message = message[:MAX_ERROR_MESSAGE]
             self._entries[(where, kind)] = {"where": where, "type": kind, "message": message, "count": 1}
 
     def as_list(self) -> list[ErrorEntry]:
@@ -289,6 +291,7 @@ class RunDir:
     def discard(self) -> None:
         """Remove the run dir after a failed :meth:`tracedump.Capture.save`: a half-written dump
         would be refused by ``diff`` and push the next save to a ``-2`` name."""
+        self.writer.drop_reserve()
         self._remove()
 
     def settle_rank(self) -> None:
@@ -309,6 +312,8 @@ class RunDir:
                 self.report("moving the run dir to its rank", e)
                 return
             self.path = self.writer.run_dir = moved
+            if self.writer.reserve is not None:  # moved with its folder: removed from there at close
+                self.writer.reserve.path = moved / MANIFEST_RESERVE
         self.world_size = world
         self.update(rank=self.rank, world_size=world)
 
@@ -372,22 +377,29 @@ class RunDir:
             "errors": [],
             "anomalies": {},
         }
-        writer = Writer(self.path, self._settings.max_pending_bytes, manifest, self._on_write_error)
-        try:
-            write_json_atomic(self.path / MANIFEST, manifest)  # raises, unlike write_manifest()
-        except BaseException:
-            writer.close()
-            raise
+        write_json_atomic(self.path / MANIFEST, manifest)  # raises: no room for the manifest is refused
+        reserve = self._reserve(len(json_text(manifest)))
+        writer = Writer(self.path, self._settings.max_pending_bytes, manifest, self._on_write_error, reserve)
         writer.write_manifest()
         return writer
+
+    def _reserve(self, manifest_bytes: int) -> SpaceReserve | None:
+        """The space kept for the manifest's last version: as much as the disk (and a file size
+        limit) allows now; none where the file cannot even be made."""
+        try:
+            reserve = SpaceReserve(self.path / MANIFEST_RESERVE)
+        except OSError:
+            return None
+        reserve.hold_what_fits(reserve_for(manifest_bytes))
+        return reserve
 
     @property
     def manifest(self) -> dict[str, Any]:
         return self.writer.manifest
 
-    def update(self, **fields: Any) -> None:
-        """Change manifest fields (written atomically, at most about once a second while busy)."""
-        self.writer.write_manifest(**fields)
+    def update(self, **fields: Any) -> bool:
+        """Change manifest fields and write the manifest atomically; True when it is on disk."""
+        return self.writer.write_manifest(**fields)
 
     def note(self, **fields: Any) -> None:
         """Change manifest fields now, written with the next due write (at most once a second)."""
@@ -416,12 +428,20 @@ class RunDir:
     def _on_write_error(self, failure: str) -> None:
         self.failure = failure
         self.errors.add("writer", "WriteError", failure)
+        landed = self.update(complete=False, incomplete_reason=failure, errors=self.errors.as_list())
         self._warn(
             "write_error",
-            f"tracedump: {failure}. Dumping stopped; the model "
-            f"continues. {self.path / MANIFEST} is marked incomplete.",
+            f"tracedump: {failure}. Dumping stopped; the model continues. " + self._manifest_says(landed),
         )
-        self.update(complete=False, incomplete_reason=failure, errors=self.errors.as_list())
+
+    def _manifest_says(self, landed: bool) -> str:
+        """What the manifest on disk says now, for a line on stderr that must be true."""
+        if landed:
+            return f"{self.path / MANIFEST} is marked incomplete."
+        return (
+            f"{self.path / MANIFEST} could not be updated either ({self.writer.manifest_error}): "
+            "it does not say that the dump is incomplete, nor what it lost."
+        )
 
     def abandon_writes(self, error: BaseException) -> None:
         """The flush at close was interrupted: drop what is still queued, record why and how much."""
@@ -455,7 +475,7 @@ class RunDir:
             skipped["dropped_files"] = totals.dropped_jobs
             skipped["dropped_captures"] = totals.dropped_captures
             skipped["dropped_bytes"] = totals.dropped_bytes
-        self.update(
+        landed = self.update(
             complete=self.failure is None and self.cut is None,
             incomplete_reason=self.failure or self.cut,
             skipped=skipped,
@@ -463,9 +483,11 @@ class RunDir:
             end_time=dt.datetime.now(dt.timezone.utc).isoformat(),
             records_file=records_file,
         )
+        self.writer.drop_reserve()  # a killed process leaves it; a closed one holds no space
         print(
             f"tracedump: {self.path}: {len(totals.passes)} passes, {human_bytes(totals.bytes)}"
-            + (f"; skipped {skipped}" if skipped else ""),
+            + (f"; skipped {skipped}" if skipped else "")
+            + ("" if landed else f"; {self._manifest_says(False)}"),
             file=sys.stderr,
         )
         losses = {k: v for k, v in skipped.items() if k not in INTENDED_SKIPS}

@@ -20,8 +20,11 @@ the reference's own values of the call's inputs (float32, not cast). Its tensors
   comparator takes the largest draw.
 
 Never the host's numbers: the copy shares no storage with the module (its parameters are fresh
-float32 tensors, its hooks are not copied), runs under ``no_grad`` with every dumper's capture off
-for this thread, and its non-tensor inputs (a KV cache the call updates) are deep copies. A call it
+float32 tensors), runs under ``no_grad`` with every dumper's capture off for this thread, and its
+non-tensor inputs (a KV cache the call updates) are deep copies. Never the host's hooks either:
+no hook runs in the copy, neither the module's own nor torch's global module hooks, so a host's
+probe sees each of the host's calls once and the run's own output, never the shadow's float32
+reruns. (A host hook that changes a module's output is therefore no part of its shadow.) A call it
 cannot shadow (the run is float32 already, the reference is not, the copy or its forward raises) is
 counted by reason in the manifest (``graft.shadow``); its tensors keep the counting rule.
 """
@@ -43,6 +46,7 @@ from torch import nn
 from ..store.format import SHADOW_NOISE_PREFIX, SHADOW_PREFIX, key_text
 from .hooks import flatten_inputs, output_leaves
 from .recorder import leaf_path
+from .torch_compat import call_without_hooks, forward_hooks, forward_pre_hooks, global_forward_hooks
 
 __all__ = ["Shadow", "fp32_inputs", "shadow_applies", "upcast"]
 
@@ -55,7 +59,6 @@ _HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
-_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 MAX_STATES = 4  # objects (KV caches) whose shadow copies are kept: a new generate() makes a new one
 MAX_REASONS = 20  # distinct reasons kept in the manifest (all calls are counted)
 # Weight-rounding draws per shadowed call: with the largest of 6 draws, a one-degree-of-freedom
@@ -108,8 +111,10 @@ def _swapped(value: Any, swap: Callable[[Any], Any]) -> Any:
 
 
 def _fp32_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with float32 parameters and buffers of its own, and the host's hooks
-    (a hook that changes an output is part of the computation) but none of tracedump's."""
+    """A copy of ``module`` with float32 parameters and buffers of its own and no hook: the
+    host's hooks (its own and torch's global module hooks) see the host's calls only, never the
+    shadow's float32 reruns, and none of tracedump's capture or graft hooks runs in it. A forward
+    replaced on an instance (a patch, a wrapper) is kept, bound to the copy."""
     memo: dict[int, Any] = {}
     for param in module.parameters():
         data = param.detach().float() if param.is_floating_point() else param.detach().clone()
@@ -125,30 +130,70 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
     for original, copied in zip(module.modules(), shadow.modules(), strict=True):
         if "forward" in original.__dict__:  # a forward replaced on the instance (a patch, a wrapper)
             copied.forward = _rebound(original.__dict__["forward"], memo)
-        _copy_hooks(original, copied, memo)
     return shadow
 
 
 def _ours(hook: Any) -> bool:
-    """A hook tracedump registered (a capture, a graft, this shadow's): never run by the shadow."""
+    """A hook tracedump registered (a capture, a graft, the launcher's): no part of the host's."""
     target = getattr(hook, "__self__", hook)
     owner = target.__module__ if isinstance(target, types.FunctionType) else type(target).__module__
     return str(owner).startswith("tracedump.")
 
 
-def _copy_hooks(original: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> None:
-    """The host's own hooks of ``original`` onto ``copied`` (whose hook dicts start empty), each
-    rebound to the copy where it refers to a copied module; tracedump's are left out."""
-    kept: set[int] = set()
-    for attr in ("_forward_hooks", "_forward_pre_hooks"):
-        for hook_id, hook in original.__dict__.get(attr, {}).items():
-            if not _ours(hook):
-                getattr(copied, attr)[hook_id] = _rebound(hook, memo)
-                kept.add(hook_id)
-    for attr in _HOOK_FLAGS:
-        for hook_id, flag in original.__dict__.get(attr, {}).items():
-            if hook_id in kept:
-                getattr(copied, attr)[hook_id] = flag
+def host_hooks(name: str, module: nn.Module) -> str | None:
+    """Why a call of ``module`` (captured as ``name``) cannot be shadowed because of the host's
+    hooks, or None when it has none.
+
+    The shadow runs no host hook (the host's probes see the host's calls only), but a hook may
+    change what the module computes (a steering vector, a patch, a planted bug): a shadow without
+    it would not be the run's computation, and would judge a change the hook makes as rounding.
+    So a call under any host hook, on the module, one inside it, or torch's global module hooks,
+    keeps the counting rule, and the manifest says why."""
+    if any(not _ours(hook) for hook in global_forward_hooks()):
+        return "the host registered global module hooks, which the shadow does not run"
+    for relative, sub in module.named_modules():
+        hooks = (*forward_pre_hooks(sub).values(), *forward_hooks(sub).values())
+        if any(not _ours(hook) for hook in hooks):
+            where = f"{name}.{relative}" if relative else name
+            return f"the host's hooks on {where} may change what it computes; the shadow runs no host hook"
+    return None
+
+
+class _Watch:
+    """Who sees a shadow copy's module calls: the collector of the run in progress, else nobody."""
+
+    __slots__ = ("collector",)
+
+    def __init__(self) -> None:
+        self.collector: _Collector | None = None
+
+
+class _ShadowCall:
+    """One shadow module's call: its forward, shown to the watch's collector, and run by torch
+    with no hook at all (:func:`~tracedump.dump.torch_compat.call_without_hooks`)."""
+
+    __slots__ = ("module", "watch")
+
+    def __init__(self, module: nn.Module, watch: _Watch) -> None:
+        self.module = module
+        self.watch = watch
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        collector = self.watch.collector
+        if collector is not None:
+            collector.before(self.module, args, kwargs)
+        output = self.module.forward(*args, **kwargs)
+        if collector is not None:
+            collector.after(self.module, output)
+        return output
+
+
+def _hookless(shadow: nn.Module) -> _Watch:
+    """Every module of ``shadow`` called without hooks, its calls shown to the returned watch."""
+    watch = _Watch()
+    for sub in shadow.modules():
+        call_without_hooks(sub, _ShadowCall(sub, watch))
+    return watch
 
 
 def _rebound(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
@@ -211,40 +256,35 @@ def _metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 class _Collector:
-    """Hooks on a shadow copy's modules: each captured tensor under the real capture's key."""
+    """What one shadow run captures: each tensor under the real capture's key, from the calls of
+    the shadow's modules that the run dumps (shown by :class:`_ShadowCall`)."""
 
     def __init__(self, names: dict[nn.Module, str], call: int, inputs: bool, root: nn.Module) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self._names = names
         self._calls: Counter[str] = Counter()
         self._call = call
-        self._handles = []
-        for module, name in names.items():
-            self._handles.append(module.register_forward_hook(self._output(name)))
-            if inputs and module is not root:  # the root's inputs are the reference's own values
-                self._handles.append(module.register_forward_pre_hook(self._input(name), with_kwargs=True))
+        self._inputs = inputs
+        self._root = root  # its inputs are the reference's own values: not kept again
 
     def _key(self, name: str, path: str, is_input: bool) -> str:
         return key_text(name, path, input=is_input, call=self._call + self._calls[name])
 
-    def _output(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for suffix, tensor in output_leaves(output):  # integers too: a router's top-k
-                self.tensors[self._key(name, leaf_path(suffix, False), False)] = tensor.detach()
-            self._calls[name] += 1
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self._names.get(module)
+        if name is None or not self._inputs or module is self._root:
+            return
+        for flat, tensor in flatten_inputs(args, kwargs):
+            if tensor.is_floating_point():
+                self.tensors[self._key(name, leaf_path(flat, True), True)] = tensor.detach().clone()
 
-        return hook
-
-    def _input(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            for flat, tensor in flatten_inputs(args, kwargs):
-                if tensor.is_floating_point():
-                    self.tensors[self._key(name, leaf_path(flat, True), True)] = tensor.detach().clone()
-
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+    def after(self, module: nn.Module, output: Any) -> None:
+        name = self._names.get(module)
+        if name is None:
+            return
+        for suffix, tensor in output_leaves(output):  # integers too: a router's top-k
+            self.tensors[self._key(name, leaf_path(suffix, False), False)] = tensor.detach()
+        self._calls[name] += 1
 
 
 class Shadow:
@@ -320,6 +360,10 @@ class Shadow:
         if pending is None or getattr(self._local, "running", False):
             return
         call, args, kwargs = pending
+        hooked = host_hooks(name, module)
+        if hooked is not None:
+            self.skip(hooked)
+            return
         self._local.running = True
         try:
             first, draws = self._run(name, module, call, args, kwargs)
@@ -346,8 +390,9 @@ class Shadow:
         noise shadow's state (a KV cache), the last on the state itself, so it grows once a call."""
         with torch.no_grad(), self._quiet():
             shadow = _fp32_copy(module)
+            watch = _hookless(shadow)
             names = self._names(name, module, shadow)
-            first = self._once(shadow, names, call, _swapped((args, kwargs), self._own_state(1)))
+            first = self._once(shadow, watch, names, call, _swapped((args, kwargs), self._own_state(1)))
             weights = {n: t.data.clone() for n, t in (*shadow.named_parameters(), *shadow.named_buffers())}
             draws = []
             for draw in range(NOISE_DRAWS):
@@ -356,7 +401,7 @@ class Shadow:
                 _perturb(module, shadow, zlib.crc32(f"{name}::{call}::{draw}".encode()))
                 last = draw == NOISE_DRAWS - 1
                 state = self._own_state(2) if last else self._own_state_copy(2)
-                draws.append(self._once(shadow, names, call, _swapped((args, kwargs), state)))
+                draws.append(self._once(shadow, watch, names, call, _swapped((args, kwargs), state)))
         return first, draws
 
     def _names(self, name: str, module: nn.Module, shadow: nn.Module) -> dict[nn.Module, str]:
@@ -375,16 +420,17 @@ class Shadow:
     def _once(
         self,
         shadow: nn.Module,
+        watch: _Watch,
         names: dict[nn.Module, str],
         call: int,
         inputs: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> dict[str, torch.Tensor]:
-        collector = _Collector(names, call, self._inputs, shadow)
+        collector = watch.collector = _Collector(names, call, self._inputs, shadow)
         args, kwargs = inputs
         try:
             shadow(*args, **kwargs)
         finally:
-            collector.remove()
+            watch.collector = None
         return collector.tensors
 
     def summary(self) -> dict[str, Any]:

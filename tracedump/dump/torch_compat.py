@@ -192,6 +192,29 @@ def move_hook_last(hooks: dict[int, Any], hook_id: int) -> None:
     hooks.move_to_end(hook_id)  # type: ignore[attr-defined]
 
 
+def global_forward_hooks() -> list[Any]:
+    """Torch's global module forward pre-hooks and forward hooks (``register_module_forward_pre_hook``,
+    ``register_module_forward_hook``): the module-level dicts ``_global_forward_pre_hooks`` and
+    ``_global_forward_hooks`` of ``torch/nn/modules/module.py`` (read back to 2.3, run in 2.13)."""
+    from torch.nn.modules import module as torch_module
+
+    return [
+        *getattr(torch_module, "_global_forward_pre_hooks", {}).values(),
+        *getattr(torch_module, "_global_forward_hooks", {}).values(),
+    ]
+
+
+def call_without_hooks(module: nn.Module, call: Callable[..., Any]) -> None:
+    """Make every call of ``module`` (``module(...)``, and its parent's ``self.child(...)``) run
+    ``call(*args, **kwargs)`` instead of torch's call with hooks: no hook of its own and none of
+    torch's global module hooks (``register_module_forward_hook``), which a per-thread switch
+    cannot turn off for one copy of a module. Relies on ``__call__ = _wrapped_call_impl`` calling
+    ``self._call_impl`` (an instance attribute is found before the class's method) when
+    ``_compiled_call_impl`` is None (``torch/nn/modules/module.py``, read back to 2.3, run in 2.13)."""
+    module.__dict__["_compiled_call_impl"] = None
+    module.__dict__["_call_impl"] = call
+
+
 # ------------------------------------------------------------------------------ torch.compile
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -35,7 +35,14 @@ from ..store.format import (
     pass_metadata,
     with_numbers,
 )
-from ..store.fsio import atomic_path, move_into_place, open_for_append, write_json_atomic
+from ..store.fsio import (
+    SpaceReserve,
+    atomic_path,
+    json_text,
+    move_into_place,
+    open_for_append,
+    write_text_atomic,
+)
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
 from .cuda import POOLED_FROM_BYTES, wait_for
@@ -44,6 +51,16 @@ from .torch_compat import safetensors_writable_dtypes
 
 _MANIFEST_INTERVAL_S = 1.0
 _MANIFEST_SHARE = 100  # a manifest write waits at least this many times its own duration
+MANIFEST_RESERVE = ".manifest.reserve"  # the disk space kept for the manifest (store.fsio.SpaceReserve)
+_RESERVE_MARGIN = 16 << 10  # what the manifest may grow by at close: skipped counts, errors, end time
+
+
+def reserve_for(manifest_bytes: int) -> int:
+    """The space kept for a manifest of ``manifest_bytes``: room for its next version written
+    beside it (twice its size, at least 16 KiB more), so the last version lands on a full disk."""
+    return max(2 * manifest_bytes, manifest_bytes + _RESERVE_MARGIN)
+
+
 # Tensor names a safetensors file cannot hold: its header keeps the metadata under this key.
 RESERVED_NAMES = frozenset({"__metadata__"})
 # The dtypes a pass file holds (what safetensors writes and reads back); any other dtype is skipped
@@ -191,13 +208,20 @@ class Writer:
     """Background writer with a byte-bounded queue. Start it only when dumping is on."""
 
     def __init__(
-        self, run_dir: Path, max_pending_bytes: int, manifest: Manifest, on_error: Callable[[str], None]
+        self,
+        run_dir: Path,
+        max_pending_bytes: int,
+        manifest: Manifest,
+        on_error: Callable[[str], None],
+        reserve: SpaceReserve | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.reserve = reserve  # the space the manifest's writes fall back on once the disk is full
         self.max_pending_bytes = max_pending_bytes
         self.manifest = manifest
         self.totals = WriterTotals()
         self.failure: str | None = None
+        self.manifest_error: str | None = None  # why the last manifest write that failed did
         self._on_error = on_error
         self._queue: collections.deque[tuple[Job, float]] = collections.deque()  # with when queued
         self._pending = 0
@@ -378,8 +402,10 @@ class Writer:
         self._stats_handle.flush()
         self.totals.bytes += sum(len(line) + 1 for line in lines)
 
-    def write_manifest(self, **updates: Any) -> None:
-        """Apply ``updates`` and write the manifest; safe from any thread (see ``_manifest_lock``)."""
+    def write_manifest(self, **updates: Any) -> bool:
+        """Apply ``updates`` and write the manifest; safe from any thread (see ``_manifest_lock``).
+        True when this version is on disk. On a full disk the write falls back on the space
+        reserved for it (:attr:`reserve`), so the version that says why the dump stopped lands."""
         with self._manifest_lock:
             self.manifest.update(updates)
             self.manifest["passes"] = {
@@ -389,14 +415,36 @@ class Writer:
                 "indices": sorted(self.totals.passes),
             }
             started = time.monotonic()
-            try:
-                write_json_atomic(self.run_dir / MANIFEST, self.manifest)
-            except OSError as e:  # the disk may be full: the failure itself is already being reported
-                self.manifest.setdefault("manifest_error", str(e))
+            landed = self._write_manifest_file()
             self._last_manifest = now = time.monotonic()
             # The manifest lists every pass, so it grows with the run: written at most once a
             # second, and never more than 1% of the writer's time (the GIL it holds is the host's).
             self._manifest_every = max(_MANIFEST_INTERVAL_S, _MANIFEST_SHARE * (now - started))
+            return landed
+
+    def _write_manifest_file(self) -> bool:
+        """One atomic write of the manifest (its lock held), then the reserve kept at its size."""
+        text = json_text(self.manifest)
+        path = self.run_dir / MANIFEST
+        reserve = self.reserve
+        try:
+            if reserve is None:
+                write_text_atomic(path, text)
+            else:
+                reserve.spend(lambda: write_text_atomic(path, text), keep=reserve_for(len(text)))
+        except OSError as e:  # the failure that filled the disk is reported by the caller
+            self.manifest_error = f"{type(e).__name__}: {e}"
+            self.manifest.setdefault("manifest_error", str(e))
+            return False
+        if reserve is not None:
+            with contextlib.suppress(OSError):  # the manifest grew: keep room for its next version
+                reserve.hold(reserve_for(len(text)))
+        return True
+
+    def drop_reserve(self) -> None:
+        """The last manifest is written (or the run dir removed): give the reserved space back."""
+        if self.reserve is not None:
+            self.reserve.remove()
 
     def _seal_stats(self) -> None:
         if self._stats_handle is None:
