@@ -1,8 +1,9 @@
 """Reading what someone else could have written: bounded bytes, strict JSON, one-line errors.
 
 Every file tracedump reads but did not necessarily write (a manifest, ``stats.jsonl``, a heartbeat,
-``correspondence.json``, a bridge rule file, a safetensors header's JSON) goes through here, so that a crafted or damaged
-file is one message naming the file and the field, never a traceback later:
+``correspondence.json``, a bridge rule file, a safetensors header's JSON) goes through here, so
+that a crafted or damaged file is one message naming the file and the field, never a traceback
+later:
 
 - :func:`read_limited` opens without blocking (a FIFO under a file's name would block every reader
   forever), refuses anything but a regular file (``/dev/zero`` behind a link would fill memory) and
