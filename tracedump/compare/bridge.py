@@ -44,7 +44,7 @@ from ..errors import UsageError
 from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
-from .correspondence import derive_bridge, tensor_parallel_joins
+from .correspondence import derive_bridge, tensor_parallel_joins, weight_findings, weight_pairs
 from .input_roles import Role, input_role, is_input, pair_inputs
 from .options import DiffOptions, UnshardRule
 from .sources import EntryMeta, Side
@@ -290,7 +290,10 @@ class BridgedPair:
     b: Expr
     how: str | None  # "split -1", "sum", ... ; None for a pair matched by name
     rule: str | None = None  # "rule 3 (split)"
-    classes: tuple[str, str] | None = None  # set: not comparable (one name, two classes, no rule)
+    # set: not comparable (one name, two classes known to compute different quantities, no rule)
+    classes: tuple[str, str] | None = None
+    paired_by: str = "name"  # what proves the pair: name | weights | load | structure | rule | map
+    note: str | None = None  # what the pairing saw beside it: two classes, a weights finding
 
     def describe(self) -> str | None:
         """``split -1 (rule 4: qkv)``: what the table's bridge column shows; None for a name match."""
@@ -317,6 +320,32 @@ class Matched:
     leftovers: list[Leftover] = field(default_factory=list)
 
 
+# What a pair may be proven by (``TensorResult.paired_by``), strongest first: the engine's load
+# record, one name on both sides, the parameters' values, the place among proven pairs; a rule
+# file's rules and --map are the user's say-so (docs/comparator.md, "How two runs are paired").
+PAIRED_BY = ("load", "name", "weights", "structure", "rule", "map")
+
+# Two classes under one name known to compute different quantities, whatever the model: a fused
+# ``act(gate) * up`` against an activation alone.
+_KNOWN_DIFFERENT = (
+    (
+        re.compile(r".*AndMul"),
+        "one computes act(gate) * up from the fused gate and up halves, the other the activation alone",
+    ),
+)
+
+
+def known_different(class_a: str | None, class_b: str | None) -> str | None:
+    """Why two modules of one name compute different quantities, or None: a class difference is
+    by itself no such reason (a port's own ``Linear`` subclass, its own RMSNorm)."""
+    if not class_a or not class_b or class_a == class_b:
+        return None
+    for pattern, why in _KNOWN_DIFFERENT:
+        if bool(pattern.fullmatch(class_a)) != bool(pattern.fullmatch(class_b)):
+            return why
+    return None
+
+
 NO_NAME_IN_B = "no tensor of that name in B"
 NO_NAME_IN_A = "no tensor of that name in A"
 PLAIN_REASONS = frozenset({NO_NAME_IN_A, NO_NAME_IN_B})
@@ -337,6 +366,10 @@ class Matcher:
     line: str = ""
     align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
     unshard: tuple[UnshardRule, ...] = ()  # tensor-parallel joins derived from the ranks' loads
+    # module (one name on both sides) -> what its recorded weights say against B's (:func:`weight_findings`)
+    findings: Mapping[str, str] = field(default_factory=dict)
+    # A's module -> B's, by parameters of unique values: what --map renames are checked against
+    weight_pairs: Mapping[str, str] = field(default_factory=dict)
     # two module trees (a bridge applies): inputs pair by what they hold (:mod:`.input_roles`)
     inputs_by_role: bool = False
     # passes of one run usually hold the same names: matched once (names in order, and the roles
@@ -409,14 +442,7 @@ class Matcher:
             if m not in in_b:
                 out.leftovers.append(Leftover(side="A", name=name, reason=NO_NAME_IN_B, mapped=m))
                 continue
-            # one name, two classes: not comparable. A name --map made is the user's rule: compared.
-            class_a, class_b = (
-                (self.class_of("a", name), self.class_of("b", m)) if m == name else (None, None)
-            )
-            classes = (class_a, class_b) if class_a and class_b and class_a != class_b else None
-            anchored.append(
-                (order[m], BridgedPair(a=Expr(names=(name,)), b=Expr(names=(m,)), how=None, classes=classes))
-            )
+            anchored.append((order[m], self._by_name(name, m)))
             claimed["b"].add(m)
         for name in names_b:
             if name not in claimed["b"]:
@@ -427,6 +453,35 @@ class Matcher:
         out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
         out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
         return out
+
+    def _by_name(self, name: str, mapped: str) -> BridgedPair:
+        """A pair of one name (``name``), or made by ``--map`` (``mapped``), whatever the classes:
+        not comparable only where the two classes are known to compute different quantities. The
+        note says what the classes and the recorded weights say beside it."""
+        class_a, class_b = self.class_of("a", name), self.class_of("b", mapped)
+        why = known_different(class_a, class_b) if mapped == name else None
+        if why is not None:
+            classes = (class_a or "", class_b or "")
+            return BridgedPair(a=Expr(names=(name,)), b=Expr(names=(mapped,)), how=None, classes=classes)
+        notes = []
+        if class_a and class_b and class_a != class_b:
+            notes.append(f"classes: A {class_a}, B {class_b}")
+        try:
+            module_a, module_b = Key.parse(name).module, Key.parse(mapped).module
+        except ValueError:
+            module_a = module_b = ""
+        if mapped == name and module_a in self.findings:
+            notes.append(self.findings[module_a])
+        held = self.weight_pairs.get(module_a)
+        if mapped != name and held is not None and held != module_b:
+            notes.append(map_contradiction(module_a, module_b, held))
+        return BridgedPair(
+            a=Expr(names=(name,)),
+            b=Expr(names=(mapped,)),
+            how=None,
+            paired_by="name" if mapped == name else "map",
+            note="; ".join(notes) or None,
+        )
 
     def _pair_inputs(
         self,
@@ -457,6 +512,7 @@ class Matcher:
                     b=Expr(names=(b,)),
                     how=None if by_name else "input by role",
                     rule=None if by_name or role is None else role.describe(),
+                    paired_by="name" if by_name else "structure",
                 )
                 state.anchored.append((state.order.get(a, len(state.order)), pair))
                 state.claimed["a"].add(a)
@@ -472,12 +528,12 @@ class Matcher:
 
     def _input_counterpart(self, module: str, modules: Mapping[str, str]) -> str | None:
         """The module of B whose inputs A's ``module``'s inputs pair with: the bridge's module
-        pair (``modules``), else the same name unless the two classes differ (not comparable, by
-        name)."""
+        pair (``modules``), else the same name unless the two classes are known to compute
+        different quantities (not comparable, by name)."""
         if module in modules:
             return modules[module]
         class_a, class_b = self.classes_a.get(module), self.classes_b.get(module)
-        if class_a and class_b and _bare(class_a) != _bare(class_b):
+        if known_different(_bare(class_a or ""), _bare(class_b or "")):
             return None
         return module
 
@@ -503,9 +559,8 @@ class Matcher:
                     continue
                 position, other = found
                 mine = Expr(names=(leftover.name,))
-                pair = BridgedPair(a=mine, b=other, how="identity", rule=f"returns {source}")
-                if side == "B":
-                    pair = BridgedPair(a=other, b=mine, how="identity", rule=f"returns {source}")
+                a, b = (mine, other) if side == "A" else (other, mine)
+                pair = BridgedPair(a=a, b=b, how="identity", rule=f"returns {source}", paired_by="structure")
                 anchored.append((position, pair))
             out.leftovers = kept
         anchored.sort(key=lambda item: item[0])
@@ -564,7 +619,7 @@ class Matcher:
             position = min((state.order[n] for n in names_a if n in state.order), default=len(state.order))
             for pair in pairs:
                 a = replace(pair.a, names=tuple(state.original.get(n, n) for n in pair.a.names))
-                state.anchored.append((position, replace(pair, a=a)))
+                state.anchored.append((position, replace(pair, a=a, paired_by=rule.paired_by)))
             return
         if first_reason is not None:
             state.claimed[side].add(name)
@@ -737,6 +792,12 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     unshard: tuple[UnshardRule, ...] = ()
     for info in (info_a, info_b):  # a tensor-parallel side joined as its ranks' loads say
         unshard += tensor_parallel_joins(list(info.ranks), info.classes)
+    findings: dict[str, str] = {}
+    held: dict[str, str] = {}
+    if info_a.record is not None and info_b.record is not None:
+        findings = weight_findings(info_a.record, info_b.record)
+        if options.maps:  # the user's renames, checked against what the weights say
+            held = weight_pairs(info_a.record, info_b.record)
     return Matcher(
         bridge=bridge,
         classes_a=info_a.classes,
@@ -745,6 +806,27 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
         align=align,
         unshard=unshard,
         inputs_by_role=bridge is not None,  # two module trees: their calls take other arguments
+        findings=findings,
+        weight_pairs=held,
+    )
+
+
+def ambiguous_modules(matcher: Matcher) -> list[dict[str, Any]]:
+    """The modules no evidence paired (their weights held by several modules of the other side, no
+    structure telling which), for the report: side, module, candidates."""
+    if matcher.bridge is None:
+        return []
+    return [
+        {"side": side, "module": module, "candidates": list(candidates)}
+        for side, module, candidates in matcher.bridge.ambiguous
+    ]
+
+
+def map_contradiction(module_a: str, module_b: str, held: str) -> str:
+    """The note on a pair ``--map`` made against the recorded weights."""
+    return (
+        f"--map pairs {module_a} with {module_b}, but its weights are {held}'s: "
+        "the rule contradicts the recorded weights"
     )
 
 

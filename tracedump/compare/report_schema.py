@@ -94,6 +94,10 @@ class TensorRecord(_Record):
     stats: dict[str, StatDeltaRecord] | None = Field(None, description="stats pairs only")
     unshard: UnshardRecord | None = Field(None, description="absent unless a side was joined")
     bridge: str | None = Field(None, description="how the bridge paired it; absent: by name")
+    paired_by: Literal["load", "name", "weights", "structure", "rule", "map"] | None = Field(
+        None, description="what proves the pair (docs/comparator.md); absent for an op pair (OPS)"
+    )
+    pairing: str | None = Field(None, description="what the pairing saw beside it: classes, weights")
     message: str | None = Field(None, description="absent when there is nothing to say")
     level_before: str | None = Field(None, description="absent unless judged by the level before it")
     noise: JsonNumber | None = Field(None, description="--baseline: err(C, B); absent otherwise")
@@ -175,6 +179,8 @@ class Summary(_Record):
     not_comparable: int
     bridged: int
     bridge: dict[str, Any] | None
+    paired_by: dict[str, int] = Field(description="pairs counted by what proves them")
+    ambiguous: list[dict[str, Any]] = Field(description="modules no evidence paired: side, candidates")
     inputs_differ: list[dict[str, Any]]
     output_changed: list[dict[str, Any]] = Field(
         description="--align tokens: sequences whose generated tokens differ, after the first divergence"
