@@ -453,3 +453,24 @@ def test_a_swapped_activation_in_a_pretrained_checkpoint_is_named_at_the_swap(
     assert code == 1 and first["name"] == "encoder.layer.2.intermediate.intermediate_act_fn"
     row = report["tensors"][first["index"]]
     assert row["paired_by"] == "name" and "classes: A " in row["pairing"]
+
+
+def test_a_weight_loaded_scaled_in_a_port_under_its_own_names_is_placed_and_named(
+    references: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer 2's down projection loaded 5 % too large: its values are held by no module of the
+    reference, so no weights pair it. Its place does (the one such projection in layer 2's MLP,
+    of the reference's shapes): named there, the row saying what its weights hold."""
+    reference = _reference("llama")
+    port = _load_own(OwnNamedPort(reference.config), reference).eval()
+    with torch.no_grad():
+        port.blocks[2].ff.w_down.weight.mul_(1.05)
+    code, report = _diff(_dump(port, tmp_path / "port", monkeypatch), references["llama"])
+    first = report["summary"]["first_divergence"]
+    assert code == 1 and (first["name"], first["name_b"]) == (
+        "blocks.2.ff.w_down",
+        "model.layers.2.mlp.down_proj",
+    )
+    row = report["tensors"][first["index"]]
+    assert row["paired_by"] == "structure"
+    assert row["pairing"].startswith("weights: its parameters hold values no module of B holds")

@@ -584,6 +584,20 @@ class Matcher:
                 return name
         return None
 
+    def _bridge_note(self, pair: BridgedPair) -> str | None:
+        """What the bridge saw of a pair's module (its weights held nowhere on the other side)."""
+        if self.bridge is None or not self.bridge.notes:
+            return None
+        notes = {(side, module): note for side, module, note in self.bridge.notes}
+        for side, expr in (("A", pair.a), ("B", pair.b)):
+            try:
+                module = Key.parse(expr.names[0]).module
+            except ValueError:
+                continue
+            if (side, module) in notes:
+                return notes[(side, module)]
+        return None
+
     def _anchor(
         self,
         side: str,
@@ -619,7 +633,8 @@ class Matcher:
             position = min((state.order[n] for n in names_a if n in state.order), default=len(state.order))
             for pair in pairs:
                 a = replace(pair.a, names=tuple(state.original.get(n, n) for n in pair.a.names))
-                state.anchored.append((position, replace(pair, a=a, paired_by=rule.paired_by)))
+                note = self._bridge_note(pair)
+                state.anchored.append((position, replace(pair, a=a, paired_by=rule.paired_by, note=note)))
             return
         if first_reason is not None:
             state.claimed[side].add(name)

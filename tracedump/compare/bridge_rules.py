@@ -104,6 +104,8 @@ class Bridge:
     # (side "A" or "B" of the diff, module, its candidates on the other side): a derived bridge's
     # modules whose weights several modules hold, no structure telling which
     ambiguous: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # (side "A" or "B" of the diff, module, what the pairing saw of it): rows of its pairs carry it
+    notes: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def module_pairs(self) -> dict[str, str]:

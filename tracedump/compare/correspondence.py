@@ -363,8 +363,10 @@ class Pairing:
     placed: set[str] = field(default_factory=set)
     # leaves whose weights several modules hold and no structure told apart -> the candidates
     ambiguous: dict[str, list[str]] = field(default_factory=dict)
-    # weightless modules (activations, dropout, rotary) paired by their place (:func:`pair_weightless`)
+    # weightless modules (activations, dropout, rotary) paired by their place (:func:`pair_by_place`)
     weightless: dict[str, str] = field(default_factory=dict)
+    # modules holding parameters the other side holds nowhere, paired by their place
+    unheld: dict[str, str] = field(default_factory=dict)
 
 
 def pair_modules(
@@ -559,6 +561,10 @@ def synthesise_rules(
 SAME_WEIGHTS_ID = "same weights"
 PLACED_ID = "shared weights, placed by structure"
 STRUCTURE_ID = "weightless, placed by structure"
+UNHELD_ID = "weights held nowhere else, placed by structure"
+UNHELD_NOTE = (
+    "weights: its parameters hold values no module of {other} holds (loaded scaled, transposed, other)"
+)
 AMBIGUOUS_REASON = (
     "ambiguous: its parameters hold values that {count} modules of the other side hold ({names}), "
     'and no structure tells which one it is (docs/comparator.md, "How two runs are paired")'
@@ -573,6 +579,11 @@ def _structure_rules(pairing: Pairing) -> list[dict[str, Any]]:
         m, c = _esc(module), counterpart
         rules.append(_rule("rename", m, b=c, id=STRUCTURE_ID))
         rules.append(_rule("rename", m + r"\[(\d+)\]", b=c + "[{1}]", id=STRUCTURE_ID))
+    for module, counterpart in pairing.unheld.items():
+        m, c = _esc(module), counterpart
+        for target in (c, c + "[0]", c + "[last_hidden_state]"):
+            rules.append(_rule("rename", m, b=target, id=UNHELD_ID))
+        rules.append(_rule("rename", m + r"\[(\d+)\]", b=c + "[{1}]", id=UNHELD_ID))
     for module, candidates in pairing.ambiguous.items():
         more = f", ... {len(candidates) - 4} more" if len(candidates) > 4 else ""
         shown = ", ".join(candidates[:4]) + more
@@ -590,28 +601,68 @@ def _weighted(held: Holdings) -> set[str]:
     return found
 
 
-def pair_weightless(
+def pair_by_place(
     pairing: Pairing,
     engine: Holdings,
     other: Holdings,
     classes_engine: Mapping[str, str],
     classes_other: Mapping[str, str],
+    shapes: tuple[Mapping[str, list[Any]], Mapping[str, list[Any]]] = ({}, {}),
 ) -> None:
-    """Weightless modules (activations, dropout, rotary, an attention op) paired by their place:
-    the children of two paired modules that hold no parameters, in the order each side defines
-    them, where both have as many; else those of one class name on both sides, one each."""
+    """The modules no weights paired, by their place: the unpaired children of two paired modules,
+    in the order each side defines them, where both have as many. Weightless ones (activations,
+    dropout, rotary, an attention op) with weightless ones (else those of one class name on both
+    sides, one each); modules holding parameters no module of the other side holds (a weight
+    loaded scaled, transposed, from another layer) with such modules, a leaf only where its
+    parameters have the counterpart's shapes (``shapes``: module -> its parameters' shapes), a
+    container only where none of its paired modules is paired outside the counterpart; then their
+    children in turn."""
     weighted_e, weighted_o = _weighted(engine), _weighted(other)
-    for home, there in {"": "", **pairing.containers}.items():
-        mine = [m for m in classes_engine if m and _parent(m) == home and m not in weighted_e]
-        theirs = [m for m in classes_other if m and _parent(m) == there and m not in weighted_o]
-        if len(mine) == len(theirs):
-            pairing.weightless.update(zip(mine, theirs, strict=True))
+    paired_e = {*pairing.leaves, *pairing.containers, *pairing.splits, *pairing.ambiguous}
+    paired_o = {*pairing.leaves.values(), *pairing.containers.values()}
+    paired_o |= {p for pieces in pairing.splits.values() for p in pieces}
+    paired_o |= {c for found in pairing.ambiguous.values() for c in found}
+    homes = list({"": "", **pairing.containers}.items())
+    while homes:
+        home, there = homes.pop(0)
+        mine = [m for m in classes_engine if m and _parent(m) == home and m not in paired_e]
+        theirs = [m for m in classes_other if m and _parent(m) == there and m not in paired_o]
+        light = ([m for m in mine if m not in weighted_e], [m for m in theirs if m not in weighted_o])
+        _zip_weightless(pairing, *light, classes_engine, classes_other)
+        heavy = ([m for m in mine if m in weighted_e], [m for m in theirs if m in weighted_o])
+        if not heavy[0] or len(heavy[0]) != len(heavy[1]):
             continue
-        for qualname in {_bare(classes_engine[m]) for m in mine}:
-            one = [m for m in mine if _bare(classes_engine[m]) == qualname]
-            two = [m for m in theirs if _bare(classes_other[m]) == qualname]
-            if len(one) == len(two) == 1:
-                pairing.weightless[one[0]] = two[0]
+        for module, counterpart in zip(*heavy, strict=True):
+            leaf = not any(_parent(m) == module for m in classes_engine)
+            mine_shapes, their_shapes = shapes[0].get(module, []), shapes[1].get(counterpart, [])
+            same = sorted(map(str, mine_shapes)) == sorted(map(str, their_shapes))
+            fits = same if leaf else _inside(pairing, module, counterpart)
+            if fits:
+                pairing.unheld[module] = counterpart
+                homes.append((module, counterpart))
+
+
+def _zip_weightless(
+    pairing: Pairing,
+    mine: list[str],
+    theirs: list[str],
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+) -> None:
+    if len(mine) == len(theirs):
+        pairing.weightless.update(zip(mine, theirs, strict=True))
+        return
+    for qualname in {_bare(classes_engine[m]) for m in mine}:
+        one = [m for m in mine if _bare(classes_engine[m]) == qualname]
+        two = [m for m in theirs if _bare(classes_other[m]) == qualname]
+        if len(one) == len(two) == 1:
+            pairing.weightless[one[0]] = two[0]
+
+
+def _inside(pairing: Pairing, module: str, counterpart: str) -> bool:
+    """Whether every module paired below ``module`` is paired below ``counterpart``, and back."""
+    pairs = [*pairing.leaves.items(), *pairing.containers.items()]
+    return all(_under(a, module) == _under(b, counterpart) for a, b in pairs)
 
 
 def _weightless(
@@ -901,8 +952,9 @@ def derive_bridge(
     pairing = pair_modules(held_engine, held_other, order_e, order_o)
     if not (pairing.leaves or pairing.splits):
         return None
-    if not engine.loads:  # two plain runs: weightless modules by their place (an engine's: its rules)
-        pair_weightless(pairing, held_engine, held_other, classes_e, classes_o)
+    if not engine.loads:  # two plain runs: the rest by its place (an engine's weightless: its rules)
+        shapes = (_shapes(engine), _shapes(other))
+        pair_by_place(pairing, held_engine, held_other, classes_e, classes_o, shapes)
     rules = synthesise_rules(
         pairing, held_engine, held_other, classes_e, classes_o, weightless=bool(engine.loads)
     )
@@ -917,7 +969,8 @@ def derive_bridge(
         },
         "rule": rules,
     }
-    modules = [*pairing.leaves.items(), *pairing.containers.items(), *pairing.weightless.items()]
+    modules = [*pairing.leaves.items(), *pairing.containers.items()]
+    modules += [*pairing.weightless.items(), *pairing.unheld.items()]
     modules += [(module, pieces[0]) for module, pieces in pairing.splits.items()]  # one input, stacked rows
     parsed = parse_bridge(data, "correspondence.json")
     bridge = replace(
@@ -925,8 +978,19 @@ def derive_bridge(
         rules=tuple(replace(rule, paired_by=kind) for rule, kind in zip(parsed.rules, kinds, strict=True)),
         modules=tuple(modules),
         ambiguous=tuple(("B" if swap else "A", m, tuple(c)) for m, c in pairing.ambiguous.items()),
+        notes=tuple(
+            ("B" if swap else "A", m, UNHELD_NOTE.format(other="A" if swap else "B")) for m in pairing.unheld
+        ),
     )
     return bridge.swapped() if swap else bridge
+
+
+def _shapes(record: Correspondence) -> dict[str, list[Any]]:
+    """Module -> the shapes of the parameters it holds directly."""
+    out: dict[str, list[Any]] = {}
+    for name, meta in record.parameters.items():
+        out.setdefault(name.rpartition(".")[0], []).append(list(meta.get("shape") or []))
+    return out
 
 
 # the rules that pair by the tensors each side holds: proven by the load where one was recorded,
@@ -941,7 +1005,7 @@ def _paired_by(rule_id: str, *, loaded: bool) -> str:
     ``rule`` for the engine-wide rules of weightless parts."""
     if rule_id in _HELD_IDS:
         return "load" if loaded else "weights"
-    if rule_id in (PLACED_ID, STRUCTURE_ID, "ambiguous"):
+    if rule_id in (PLACED_ID, STRUCTURE_ID, UNHELD_ID, "ambiguous"):
         return "structure"
     return "rule"
 
