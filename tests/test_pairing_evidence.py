@@ -474,3 +474,30 @@ def test_a_weight_loaded_scaled_in_a_port_under_its_own_names_is_placed_and_name
     row = report["tensors"][first["index"]]
     assert row["paired_by"] == "structure"
     assert row["pairing"].startswith("weights: its parameters hold values no module of B holds")
+
+
+def test_a_map_rule_the_weights_contradict_is_reported_not_trusted_silently(
+    references: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--map`` stays the user's override, but a rule that pairs layer 1's query projection with
+    layer 2's, against what the recorded weights say, is said on the row and in the summary."""
+    reference = _reference("llama")
+    port = _dump(_load_own(OwnNamedPort(reference.config), reference).eval(), tmp_path / "port", monkeypatch)
+    maps = [
+        r"^blocks\.1\.attn\.wq$=model.layers.2.self_attn.q_proj",
+        r"^blocks\.0\.attn\.wq$=model.layers.0.self_attn.q_proj",
+    ]
+    code, report = _diff(port, references["llama"], *(w for m in maps for w in ("--map", m)))
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert code == 1 and rows["blocks.1.attn.wq"]["paired_by"] == "map"
+    note = (
+        "--map pairs blocks.1.attn.wq with model.layers.2.self_attn.q_proj, but its weights are "
+        "model.layers.1.self_attn.q_proj's: the rule contradicts the recorded weights"
+    )
+    assert rows["blocks.1.attn.wq"]["pairing"] == f"classes: A PortLinear, B Linear; {note}"
+    assert rows["blocks.0.attn.wq"]["paired_by"] == "map"
+    assert rows["blocks.0.attn.wq"]["pairing"] == "classes: A PortLinear, B Linear"  # the weights agree
+    assert f"pairing: blocks.1.attn.wq: {note}" in capsys.readouterr().out

@@ -1071,10 +1071,10 @@ def _weight_finding(
 
 
 def weight_pairs(a: Correspondence, b: Correspondence) -> dict[str, str]:
-    """A's module -> B's, for the modules whose parameters hold values one module of B holds
-    (unique fingerprints only): the evidence a ``--map`` rule is checked against."""
+    """A's module -> B's, for the modules whose parameters (or whose subtree's) hold values one
+    module of B holds (unique fingerprints only): the evidence a ``--map`` rule is checked against."""
     if a.loads or b.loads:
         return {}
     sources = {name: meta for name, meta in b.parameters.items() if "same_as" not in meta}
     pairing = pair_modules(plain_holdings(a, sources), plain_holdings(b, sources))
-    return dict(pairing.leaves)
+    return {**pairing.leaves, **pairing.containers}
