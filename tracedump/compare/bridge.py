@@ -29,8 +29,10 @@ apply to is a leftover, counted with the first rule's reason; it is never matche
 
 The order, documented in docs/engines.md: A's names go through ``--map`` first (the user's
 renames), the bridge's rules then see the mapped names and B's names, and what no rule claimed is
-matched by name as always, where two modules of one name and different classes (the manifests'
-``module_classes``) are reported as not comparable instead of being measured against each other.
+matched by name as always, whatever the two classes (the manifests' ``module_classes``): only two
+classes known to compute different quantities (:func:`known_different`) are reported as not
+comparable instead of being measured against each other. Every pair says what proves it
+(:attr:`BridgedPair.paired_by`, docs/comparator.md "How two runs are paired").
 """
 
 from __future__ import annotations
