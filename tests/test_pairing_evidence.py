@@ -501,3 +501,64 @@ def test_a_map_rule_the_weights_contradict_is_reported_not_trusted_silently(
     assert rows["blocks.0.attn.wq"]["paired_by"] == "map"
     assert rows["blocks.0.attn.wq"]["pairing"] == "classes: A PortLinear, B Linear"  # the weights agree
     assert f"pairing: blocks.1.attn.wq: {note}" in capsys.readouterr().out
+
+
+def _param(shape: list[int], values: list[float], **extra: Any) -> dict[str, Any]:
+    return {"module": "", "shape": shape, "dtype": "torch.float32", "fingerprint": values, **extra}
+
+
+def test_a_tied_head_under_other_names_is_placed_not_paired_with_the_first_holder() -> None:
+    """The embedding and the tied head hold one tensor on both sides: the values name no module.
+    Each side's order of definition does: the embedding with the embedding, the head with the head
+    (before: both with the first holder)."""
+    from tracedump.compare.correspondence import pair_modules, plain_holdings
+    from tracedump.store.correspondence import Correspondence
+
+    emb = _param([8, 4], [0.1, -0.2, 0.3, 0.4])
+    mine = Correspondence(
+        parameters={"tok.weight": emb, "out.weight": {"shape": [8, 4], "same_as": "tok.weight"}}
+    )
+    theirs = Correspondence(
+        parameters={
+            "model.embed_tokens.weight": emb,
+            "lm_head.weight": {"shape": [8, 4], "same_as": "model.embed_tokens.weight"},
+        }
+    )
+    sources = {n: m for n, m in theirs.parameters.items() if "same_as" not in m}
+    pairing = pair_modules(
+        plain_holdings(mine, sources),
+        plain_holdings(theirs, sources),
+        {"tok": 0, "out": 1},
+        {"model": 0, "model.embed_tokens": 1, "lm_head": 2},
+    )
+    assert pairing.leaves == {"tok": "model.embed_tokens", "out": "lm_head"}
+
+
+def test_what_the_weights_say_of_a_pair_of_one_name() -> None:
+    """Per module of one name: another module's values, B's scaled, B's transposed, values B holds
+    nowhere; nothing where they agree (within a dtype change's rounding)."""
+    from tracedump.compare.correspondence import weight_findings
+    from tracedump.store.correspondence import Correspondence
+
+    w1, w2, w3 = [0.5, -1.0, 2.0, 0.25], [0.7, 0.1, -0.3, 1.5], [0.9, -0.4, 0.6, -1.1]
+    theirs = {
+        "l1.q.weight": _param([4, 2], w1),
+        "l2.q.weight": _param([4, 2], w2),
+        "l3.q.weight": _param([4, 2], w3),
+        "l4.q.weight": _param([4, 2], w3),
+        "l5.q.weight": _param([4, 2], w1),
+    }
+    mine = {
+        "l1.q.weight": _param([4, 2], w2),  # layer 2's values
+        "l2.q.weight": _param([4, 2], [v * 1.05 for v in w2]),  # scaled
+        "l3.q.weight": _param([2, 4], w3),  # transposed
+        "l4.q.weight": _param([4, 2], [0.11, 0.22, 0.33, 0.44]),  # held nowhere
+        "l5.q.weight": _param([4, 2], [v * (1 + 3e-3) for v in w1]),  # bf16 rounding: agrees
+    }
+    found = weight_findings(Correspondence(parameters=mine), Correspondence(parameters=theirs))
+    assert found == {
+        "l1.q": "weights: holds l2.q's values",
+        "l2.q": "weights: weight is B's x1.05",
+        "l3.q": "weights: weight [2, 4] is B's [4, 2] transposed",
+        "l4.q": "weights: weight differs from B's (same shape)",
+    }
