@@ -398,20 +398,29 @@ def test_norms_no_structure_tells_apart_are_listed_as_ambiguous_with_their_candi
     assert ordered.leaves == {"a": "y", "b": "x"} and ordered.placed == {"a", "b"}
 
 
+@pytest.mark.parametrize("extra", [False, True], ids=["same-parameters", "one-more-parameter"])
 def test_a_loader_that_filled_layer_1_from_layer_2_is_named_there_with_the_weights_finding(
-    references: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    extra: bool, references: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same names, layer 1's ``q_proj`` holding layer 2's values: the first divergence is in layer
-    1's attention, and its row says what the recorded weights say."""
+    1's attention, and its row says what the recorded weights say. The name is the stronger
+    evidence, also where the two runs' parameters differ elsewhere (a port with one parameter
+    more, so the weights pair the rest): never paired with layer 2's by its values."""
     reference = _reference("llama")
     port = HFNamedPort(reference.config, bias=False)
+    if extra:  # the port keeps its rotary frequencies as a (frozen) parameter
+        rotary = port.model.rotary_emb
+        frequencies = rotary.inv_freq
+        del rotary.inv_freq
+        rotary.inv_freq = nn.Parameter(frequencies, requires_grad=False)
     state = reference.state_dict()
     state["model.layers.1.self_attn.q_proj.weight"] = state["model.layers.2.self_attn.q_proj.weight"].clone()
-    port.load_state_dict(state, strict=True)
+    port.load_state_dict(state, strict=not extra)
     code, report = _diff(_dump(port.eval(), tmp_path / "port", monkeypatch), references["llama"])
     first = report["summary"]["first_divergence"]
-    assert code == 1 and first["name"] == "model.layers.1.self_attn.q_proj"
+    assert code == 1 and (first["name"], first["name_b"]) == ("model.layers.1.self_attn.q_proj",) * 2
     row = report["tensors"][first["index"]]
+    assert row["paired_by"] == "name"
     assert "weights: holds model.layers.2.self_attn.q_proj's values" in row["pairing"]
 
 

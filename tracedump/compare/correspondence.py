@@ -367,6 +367,12 @@ class Pairing:
     weightless: dict[str, str] = field(default_factory=dict)
     # modules holding parameters the other side holds nowhere, paired by their place
     unheld: dict[str, str] = field(default_factory=dict)
+    # modules of one name on both sides of two plain runs: paired by the name matcher, no rule
+    named: dict[str, str] = field(default_factory=dict)
+
+    def boxes(self) -> dict[str, str]:
+        """The paired modules that place others by structure: the roots, containers, named ones."""
+        return {"": "", **self.named, **self.containers}
 
 
 def pair_modules(
@@ -374,25 +380,31 @@ def pair_modules(
     other: Holdings,
     order_engine: Mapping[str, int] | None = None,
     order_other: Mapping[str, int] | None = None,
+    named: frozenset[str] = frozenset(),
 ) -> Pairing:
     """Pairs by held checkpoint tensors: leaves by their direct tensors (an equal name breaks a
     tie), fused leaves split into the modules holding each piece whole, containers by subtree.
 
     Values several modules hold are no identity: such a leaf is placed by structure
     (:func:`_place`) once the rest is paired, else listed as ambiguous with its candidates.
-    ``order_*``: each side's modules in the order the model defines (or runs) them."""
-    out = Pairing()
+    ``order_*``: each side's modules in the order the model defines (or runs) them. ``named``:
+    modules of one name on both sides of two plain runs, paired by their name, which is stronger
+    evidence than the values (a loader that filled layer 1 from layer 2 is still layer 1): none of
+    them is paired by weights, and they stand as paired containers for the structure."""
+    out = Pairing(named={m: m for m in named})
     by_set: dict[frozenset[str], list[str]] = {}
     for module, sources in other.direct.items():
-        by_set.setdefault(frozenset(sources), []).append(module)
+        if module not in named:
+            by_set.setdefault(frozenset(sources), []).append(module)
     holder: dict[str, str] = {}
     for module, sources in other.direct.items():
         for source in sources:
-            holder.setdefault(source, module)
+            if module not in named:
+                holder.setdefault(source, module)
     taken: set[str] = set()
     pending: dict[str, list[str]] = {}
     for module in sorted(engine.direct, key=lambda m: (m.count("."), m)):
-        if module in engine.experts:
+        if module in engine.experts or module in named:
             continue
         same = by_set.get(frozenset(engine.direct[module]), [])
         candidates = [m for m in same if m not in taken] or same  # else: one module under two names
@@ -414,7 +426,10 @@ def pair_modules(
         ):
             out.splits[module] = [t for t in targets if t is not None]
     for module, params in engine.ambiguous.items():
-        sets = [{m for m, held in other.direct.items() if held & found} for found in params]
+        if module in named:
+            continue
+        holders = {m: held for m, held in other.direct.items() if m not in named}
+        sets = [{m for m, held in holders.items() if held & found} for found in params]
         candidates = sorted(set.intersection(*sets)) if sets else []
         if candidates:
             pending[module] = candidates
@@ -425,7 +440,7 @@ def pair_modules(
     groups: dict[frozenset[str], tuple[list[str], list[str]]] = {}
     for side, tree, leaves in ((0, mine, engine.direct), (1, theirs, other.direct)):
         for module, sources in tree.items():
-            if sources and module and module not in leaves:
+            if sources and module and module not in leaves and module not in named:
                 groups.setdefault(sources, ([], []))[side].append(module)
     for a_list, b_list in groups.values():
         remaining = sorted(b_list, key=lambda m: (m.count("."), m))
@@ -464,7 +479,7 @@ def _place(
     of a container that does not hold the leaf (a norm of ``blocks.2`` among layer 2's norms, the
     final norm outside every layer); several left for several such leaves of one container pair
     in the order each side defines them. What is still open is ambiguous, with its candidates."""
-    boxes_paired = {"": "", **out.containers}  # the two roots: each is the whole model
+    boxes_paired = out.boxes()  # the two roots: each is the whole model
     reverse = {b: a for a, b in boxes_paired.items()}
     narrowed: dict[str, tuple[str, tuple[str, ...]]] = {}
     for module, candidates in pending.items():
@@ -618,11 +633,11 @@ def pair_by_place(
     container only where none of its paired modules is paired outside the counterpart; then their
     children in turn."""
     weighted_e, weighted_o = _weighted(engine), _weighted(other)
-    paired_e = {*pairing.leaves, *pairing.containers, *pairing.splits, *pairing.ambiguous}
-    paired_o = {*pairing.leaves.values(), *pairing.containers.values()}
+    paired_e = {*pairing.leaves, *pairing.containers, *pairing.splits, *pairing.ambiguous, *pairing.named}
+    paired_o = {*pairing.leaves.values(), *pairing.containers.values(), *pairing.named}
     paired_o |= {p for pieces in pairing.splits.values() for p in pieces}
     paired_o |= {c for found in pairing.ambiguous.values() for c in found}
-    homes = list({"": "", **pairing.containers}.items())
+    homes = list(pairing.boxes().items())
     while homes:
         home, there = homes.pop(0)
         mine = [m for m in classes_engine if m and _parent(m) == home and m not in paired_e]
@@ -661,7 +676,7 @@ def _zip_weightless(
 
 def _inside(pairing: Pairing, module: str, counterpart: str) -> bool:
     """Whether every module paired below ``module`` is paired below ``counterpart``, and back."""
-    pairs = [*pairing.leaves.items(), *pairing.containers.items()]
+    pairs = [*pairing.leaves.items(), *pairing.containers.items(), *pairing.named.items()]
     return all(_under(a, module) == _under(b, counterpart) for a, b in pairs)
 
 
@@ -949,7 +964,8 @@ def derive_bridge(
         sources = {name: meta for name, meta in other.parameters.items() if "same_as" not in meta}
         held_engine, held_other = plain_holdings(engine, sources), plain_holdings(other, sources)
     order_e, order_o = ({m: i for i, m in enumerate(c)} for c in (classes_e, classes_o))
-    pairing = pair_modules(held_engine, held_other, order_e, order_o)
+    named = frozenset() if engine.loads else frozenset(classes_e.keys() & classes_o.keys())
+    pairing = pair_modules(held_engine, held_other, order_e, order_o, named)
     if not (pairing.leaves or pairing.splits):
         return None
     if not engine.loads:  # two plain runs: the rest by its place (an engine's weightless: its rules)
