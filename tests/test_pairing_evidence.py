@@ -571,3 +571,23 @@ def test_what_the_weights_say_of_a_pair_of_one_name() -> None:
         "l3.q": "weights: weight [2, 4] is B's [4, 2] transposed",
         "l4.q": "weights: weight differs from B's (same shape)",
     }
+
+
+def test_norms_defined_out_of_order_are_placed_by_the_order_they_ran(
+    references: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block that defines its second norm before its first: the order of definition would pair
+    each with the other's counterpart. Both runs dumped every norm, so the order they ran in
+    decides: clean, exit 0."""
+    reference = _reference("llama")
+    port = _load_own(OwnNamedPort(reference.config), reference).eval()
+    for block in port.blocks:
+        block._modules["ln_a"] = block._modules.pop("ln_a")  # defined last, still run first
+    assert list(port.blocks[0]._modules) == ["attn", "ln_b", "ff", "ln_a"]
+    code, report = _diff(_dump(port, tmp_path / "port", monkeypatch), references["llama"])
+    pairs = {t["name"]: t["name_b"] for t in report["tensors"]}
+    assert code == 0, [
+        (t["name"], t["name_b"], t["status"]) for t in report["tensors"] if t["status"] != "ok"
+    ]
+    assert pairs["blocks.1.ln_a"] == "model.layers.1.input_layernorm"
+    assert pairs["blocks.1.ln_b"] == "model.layers.1.post_attention_layernorm"

@@ -49,7 +49,7 @@ from .bridge_rules import Bridge, Rule, builtin_bridges
 from .correspondence import derive_bridge, tensor_parallel_joins, weight_findings, weight_pairs
 from .input_roles import Role, input_role, is_input, pair_inputs
 from .options import DiffOptions, UnshardRule
-from .sources import EntryMeta, Side
+from .sources import EntryMeta, RunSource, Side
 from .tolerance import pair_precision
 from .unshard import SideEntry
 
@@ -70,6 +70,7 @@ class SideInfo:
     integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
     record: Correspondence | None = None  # its correspondence.json (rank 0's), if it wrote one
     ranks: tuple[Correspondence, ...] = ()  # every rank's, in rank order (tensor parallelism)
+    ran: Mapping[str, int] = field(default_factory=dict)  # module -> place of its first output
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -88,12 +89,14 @@ def side_info(side: Side) -> SideInfo:
     manifest: Mapping[str, Any] = {}
     record = None
     ranks: list[Correspondence] = []
+    ran: dict[str, int] = {}
     for group in side.groups:
         for run in group.runs:
             if run.run is not None:
                 manifest = run.run.manifest
                 record = read_correspondence(run.run.path)
                 ranks = _rank_records(side, run.run.root)
+                ran = _run_order(run) if record is not None else {}
                 break
         if manifest:
             break
@@ -114,7 +117,32 @@ def side_info(side: Side) -> SideInfo:
         integration=engine,
         record=record,
         ranks=tuple(ranks),
+        ran=ran,
     )
+
+
+def _run_order(run: RunSource) -> dict[str, int]:
+    """Each module of a run's first pass -> the place of its first output in the capture order
+    (the execution order of siblings: a module's output is captured when it returns); empty when
+    the pass cannot be read (the plan reports that)."""
+    passes = run.pass_indices()
+    if not passes:
+        return {}
+    try:
+        view = run.open_pass(passes[0])
+    except Exception:  # an unreadable pass is the plan's to report, with the file named
+        return {}
+    order: dict[str, int] = {}
+    try:
+        for name in view.entries:
+            key = Key.parse(name)
+            if not key.input:
+                order.setdefault(key.module, len(order))
+    except ValueError:
+        pass
+    finally:
+        view.close()
+    return order
 
 
 def _rank_records(side: Side, root: str) -> list[Correspondence]:
@@ -187,6 +215,7 @@ def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None
         classes_b=b.classes,
         ranks_a=list(a.ranks) or None,
         ranks_b=list(b.ranks) or None,
+        ran=(a.ran, b.ran),
     )
 
 

@@ -381,13 +381,15 @@ def pair_modules(
     order_engine: Mapping[str, int] | None = None,
     order_other: Mapping[str, int] | None = None,
     named: frozenset[str] = frozenset(),
+    ran: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {}),
 ) -> Pairing:
     """Pairs by held checkpoint tensors: leaves by their direct tensors (an equal name breaks a
     tie), fused leaves split into the modules holding each piece whole, containers by subtree.
 
     Values several modules hold are no identity: such a leaf is placed by structure
     (:func:`_place`) once the rest is paired, else listed as ambiguous with its candidates.
-    ``order_*``: each side's modules in the order the model defines (or runs) them. ``named``:
+    ``order_*``: each side's modules in the order the model defines them; ``ran``: in the order
+    each run's outputs were captured (preferred where it places every module concerned). ``named``:
     modules of one name on both sides of two plain runs, paired by their name, which is stronger
     evidence than the values (a loader that filled layer 1 from layer 2 is still layer 1): none of
     them is paired by weights, and they stand as paired containers for the structure."""
@@ -450,7 +452,7 @@ def pair_modules(
             chosen = module if module in remaining else remaining[0]
             out.containers[module] = chosen
             remaining.remove(chosen)
-    _place(out, pending, taken, order_engine or {}, order_other or {})
+    _place(out, pending, taken, (ran[0], order_engine or {}), (ran[1], order_other or {}))
     return out
 
 
@@ -471,14 +473,15 @@ def _place(
     out: Pairing,
     pending: Mapping[str, list[str]],
     taken: set[str],
-    order_engine: Mapping[str, int],
-    order_other: Mapping[str, int],
+    orders_engine: tuple[Mapping[str, int], ...],
+    orders_other: tuple[Mapping[str, int], ...],
 ) -> None:
     """Leaves whose weights several modules hold, placed by structure: of the candidates, those
     inside the counterpart of the leaf's nearest paired container and not inside the counterpart
     of a container that does not hold the leaf (a norm of ``blocks.2`` among layer 2's norms, the
     final norm outside every layer); several left for several such leaves of one container pair
-    in the order each side defines them. What is still open is ambiguous, with its candidates."""
+    in the order each run executed them (where both runs dumped them all), else the order each
+    side defines them. What is still open is ambiguous, with its candidates."""
     boxes_paired = out.boxes()  # the two roots: each is the whole model
     reverse = {b: a for a, b in boxes_paired.items()}
     narrowed: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -497,11 +500,13 @@ def _place(
     for module, key in narrowed.items():
         groups.setdefault(key, []).append(module)
     for (_, candidates), modules in groups.items():
-        if (
-            len(candidates) == len(modules)
-            and _ordered(modules, order_engine)
-            and _ordered(candidates, order_other)
-        ):
+        orders = [
+            (mine, theirs)
+            for mine, theirs in zip(orders_engine, orders_other, strict=True)
+            if _ordered(modules, mine) and _ordered(candidates, theirs)
+        ]
+        if len(candidates) == len(modules) and orders:
+            order_engine, order_other = orders[0]  # the runs' order where it places them all
             mine = sorted(modules, key=lambda m: order_engine.get(m, 0))
             theirs = sorted(candidates, key=lambda m: order_other.get(m, 0))
             for module, counterpart in zip(mine, theirs, strict=True):
@@ -938,6 +943,7 @@ def derive_bridge(
     classes_b: Mapping[str, str],
     ranks_a: list[Correspondence] | None = None,
     ranks_b: list[Correspondence] | None = None,
+    ran: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {}),
 ) -> Bridge | None:
     """The bridge of two runs' records, or None when nothing pairs, or when both name their
     parameters alike (two runs of one engine, two HF runs: paired by name, as always).
@@ -964,8 +970,9 @@ def derive_bridge(
         sources = {name: meta for name, meta in other.parameters.items() if "same_as" not in meta}
         held_engine, held_other = plain_holdings(engine, sources), plain_holdings(other, sources)
     order_e, order_o = ({m: i for i, m in enumerate(c)} for c in (classes_e, classes_o))
+    ran_e, ran_o = ran[::-1] if swap else ran
     named = frozenset() if engine.loads else frozenset(classes_e.keys() & classes_o.keys())
-    pairing = pair_modules(held_engine, held_other, order_e, order_o, named)
+    pairing = pair_modules(held_engine, held_other, order_e, order_o, named, (ran_e, ran_o))
     if not (pairing.leaves or pairing.splits):
         return None
     if not engine.loads:  # two plain runs: the rest by its place (an engine's weightless: its rules)
