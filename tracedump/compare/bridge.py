@@ -130,7 +130,7 @@ def _run_order(run: RunSource) -> dict[str, int]:
         return {}
     try:
         view = run.open_pass(passes[0])
-    except Exception:  # an unreadable pass is the plan's to report, with the file named
+    except (OSError, ValueError):  # unreadable (TracedumpError is a ValueError): the plan reports it
         return {}
     order: dict[str, int] = {}
     try:
