@@ -79,8 +79,10 @@ bench: $(STAMP)
 calibrate: $(STAMP)
 	$(BIN)/python benchmarks/calibrate.py --markdown --out benchmarks/calibration.json
 	$(BIN)/python benchmarks/calibrate_graft.py --markdown --out benchmarks/calibration_graft.json
+	$(BIN)/python tools/docs_gen.py
 
-# docs/settings.md is generated from the fields in tracedump/config/fields.py (tests/test_docs.py checks it).
+# docs/settings.md is generated from the fields in tracedump/config/fields.py, docs/calibration.md from
+# benchmarks/calibration*.json (tests/test_docs.py checks both).
 docs: $(STAMP)
 	$(BIN)/python tools/docs_gen.py
 

@@ -1,4 +1,4 @@
-"""Where a dumped step's time goes: the capture taken apart, one layer at a time (issue 35).
+"""Where a dumped step's time goes: the capture taken apart, one layer at a time.
 
 A decode-shaped step (an HF Llama, 3 layers, 256 wide, 8 rows of one token: the shape of the vLLM
 benchmark's decode steps) with ``MODULES=all`` in full mode, against the untouched model, in six

@@ -380,7 +380,7 @@ class PassCopies:
     ``write``: the pass written as one file the way the writer thread writes it
     (``tracedump.store.stformat.write_file``: header, then the buffers straight to ``os.writev``): one
     copy per byte, the kernel's into the page cache. ``save_file``: the same file through
-    safetensors' ``save_file``, the writer before issue 14. Both files are deleted untimed.
+    safetensors' ``save_file``, the writer it replaced. Both files are deleted untimed.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], directory: Path) -> None:

@@ -20,7 +20,6 @@ one engine, one model and one thread pool: only the plugin differs between them.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import importlib.util
 import json
@@ -69,7 +68,7 @@ def run(quick: bool = False, model: str = "narrow") -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the measurement
 
 
-# The issue's two engines (35): a 3-layer, 256-wide Llama, whose short decode steps show a fixed
+# Two engines: a 3-layer, 256-wide Llama, whose short decode steps show a fixed
 # cost per capture or per step plainly (8 rows x 256 x 4 B per activation); and an 8-layer,
 # 1024-wide one of ~100M parameters, where a decode step does the work of a small real model.
 SHAPES = {
@@ -134,7 +133,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
     from vllm import LLM, SamplingParams
 
     import tracedump.integrations.vllm as plugin
-    from benchmarks import common, native
+    from benchmarks import common
 
     shape = _save_model(work / "model", quick, model_name)
     llm = LLM(
@@ -176,7 +175,6 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
     rounds = 3 if quick else 11 if model_name == "narrow" else 7
     passes = 0
     pass_bytes: dict[int, int] = {}  # a full round's captured bytes, by pass (step) index
-    pass_keys: dict[str, dict[int, list[str]]] = {}  # the keys of a full and a native round's passes
     carried: dict[str, Any] = {}  # the ``steady`` layer's host buffer pool, from round to round
 
     def dumped(layer: str) -> Callable[[], dict[str, float]]:
@@ -198,11 +196,8 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             hooks.remove()  # closes the dumper: its last writes are flushed here, outside the timing
             if layer == "steady" and writer is not None:  # written passes' buffers, back in the pool
                 carried["pool"] = writer.buffers
-            if layer in ("full", "native") and layer not in pass_keys:  # the first such round
-                written = _pass_tensors(dumps)
-                pass_keys[layer] = _pass_keys(written)
-                if layer == "full":
-                    pass_bytes.update(_pass_bytes(written))
+            if layer == "full" and not pass_bytes:  # the first such round
+                pass_bytes.update(_pass_bytes(_pass_tensors(dumps)))
             shutil.rmtree(dumps, ignore_errors=True)
             gc.collect()
             return seconds | clock.result()
@@ -216,15 +211,12 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         return seconds | clock.result()
 
     layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("held", "naive", "full", "steady")
-    if not quick and native.load() is not None:  # hooks in C, where a C compiler builds them
-        layers += native.LAYERS
     captured = _captured_modules(plugin, runner, model, dumps) if "held" in layers else []
 
-    def held(in_c: bool = False) -> dict[str, float]:
-        """The ``held`` layer: no dumper, clone hooks on the dump's modules holding every clone
-        (``held_native``: the same hook in C)."""
+    def held() -> dict[str, float]:
+        """The ``held`` layer: no dumper, clone hooks on the dump's modules holding every clone."""
         kept: list[Any] = []
-        keeper = native.keeper(kept) if in_c else _NaiveClones(hold=True, kept=kept)
+        keeper = _NaiveClones(hold=True, kept=kept)
         handles = [module.register_forward_hook(keeper) for module in captured]
         with StepClock(runner, prompts) as clock:
             seconds = _clocked(generate)
@@ -239,10 +231,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             {
                 "untouched": plain,
                 "plugin_off": plain,
-                **{
-                    layer: functools.partial(held, layer == "held_native") if layer in HELD else dumped(layer)
-                    for layer in layers
-                },
+                **{layer: held if layer == "held" else dumped(layer) for layer in layers},
             },
             rounds=rounds,
             warmup=1,
@@ -283,7 +272,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
             for variant, short in (("plugin_off", "off"), ("full", "full"))
             for clock in ("thread_cpu", "process_cpu")
         },
-        # the decode step taken apart (issue 35): each layer's step / untouched, paired by round
+        # the decode step taken apart: each layer's step / untouched, paired by round
         "budget_decode_ratio": {
             layer: common.paired_ratio(samples[layer]["decode"], base["decode"]) for layer in layers
         },
@@ -295,17 +284,15 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         # holding every clone while the engine runs (``held``: the floor of the mechanism)
         **{
             f"{layer}_{clock}_ratio": common.paired_ratio(samples[layer][key], base[key])
-            for layer in ("naive", "held", *native.LAYERS)
+            for layer in ("naive", "held")
             if layer in layers
             for clock, key in (("decode", "decode"), ("generate", "s"))
         },
         # what the copies alone would cost: the bytes each pass holds, at one core's memcpy
         # bandwidth into memory already mapped (the engine's one thread; the dump's fresh memory is
-        # slower: clone_GBps), over the untouched step (issue 35's floor from bytes)
+        # slower: clone_GBps), over the untouched step (the floor from bytes)
         "copy_bandwidth": bandwidth,
         **floor,
-        # the native layer wrote what the real dump writes (same passes, same keys); None: not run
-        "native_same_keys": pass_keys["native"] == pass_keys["full"] if "native" in pass_keys else None,
         "register_off_us": register_off_us,
         "off_untouched": bool(untouched and hooks_off == 0),
         "full_passes_per_round": passes / max(1, rounds + 1),
@@ -313,7 +300,7 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
     }
 
 
-# What a dumped decode step is made of, one layer added at a time (issue 35; bench_budget.py does
+# What a dumped decode step is made of, one layer added at a time (bench_budget.py does
 # the same for an HF host step): ``steps`` the plugin's per-step work with no capture hook (the
 # pass opened and closed, set_batch, the recorded raw logits, the pass file); ``dispatch`` plus a
 # no-op forward hook where each capture hook was (torch's hooked call path); ``naive`` instead a
@@ -330,26 +317,16 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
 # previous ``steady`` round (each round attaches afresh, to interleave with the untouched engine):
 # its large copies land in memory already mapped, where ``full``'s first generate after attach
 # maps every one of them fresh.
-# Where the machine has a C compiler, three more (benchmarks/native.py): ``held_native``, ``held``
-# with its hook in C; ``held_steps``, those hooks beside the per-step work; ``native``, the real dump
-# with each plain capture hook in C.
 LAYERS = ("steps", "dispatch", "naive", "held", "record", "copy", "full", "steady")
-HELD = ("held", "held_native")  # the layers with no dumper
 
 
 def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
     """Cut a freshly attached dumper down to ``layer`` (see :data:`LAYERS`); the handles of any
     stand-in hooks, to remove after the round."""
-    from benchmarks import native
-
     if dumper is None or layer in ("full", "steady"):
         return []
-    if layer == "native":
-        if not native.swap_in_captures(dumper, model):
-            raise RuntimeError("bench_vllm: no capture hook to replace for the native layer")
-        return []
     sink = dumper.sink
-    if layer in ("steps", "dispatch", "naive", "held_steps"):
+    if layer in ("steps", "dispatch", "naive"):
         hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
         dumper.hooks.remove()
         if layer == "steps":
@@ -357,7 +334,6 @@ def _cut_to(layer: str, dumper: Any, model: Any) -> list[Any]:
         stand_in: dict[str, Callable[[], Any]] = {
             "dispatch": lambda: _no_op,
             "naive": _NaiveClones,
-            "held_steps": lambda: native.keeper([]),  # each clone held until the round ends
         }
         return [m.register_forward_hook(stand_in[layer]()) for m in hooked]
     if layer == "record":
@@ -474,11 +450,6 @@ class StepClock:
 def _pass_bytes(passes: dict[int, list[tuple[str, Any]]]) -> dict[int, int]:
     """The tensor bytes of each pass (:func:`_pass_tensors`; its parts summed, headers left out)."""
     return {index: sum(t.end - t.begin for _, t in tensors) for index, tensors in passes.items()}
-
-
-def _pass_keys(passes: dict[int, list[tuple[str, Any]]]) -> dict[int, list[str]]:
-    """The keys of each pass (:func:`_pass_tensors`), in file order (its parts in turn)."""
-    return {index: [key for key, _ in tensors] for index, tensors in passes.items()}
 
 
 def _pass_tensors(dumps: Path) -> dict[int, list[tuple[str, Any]]]:

@@ -4,7 +4,7 @@ Builds tiny models of sixteen families (:data:`FAMILIES`) from configs (random w
 downloaded): a Llama (GQA, rotary), GPT2 (learned positions, LayerNorm), three MoE (Mixtral, whose
 router weights come out of an fp32 softmax; Qwen2-MoE with a shared expert; OLMoE), T5
 (encoder-decoder, ``wo`` kept in fp32 inside bf16 as HF does), a diffusers UNet run as a 25-step
-DDIM loop (one pass per step), the issue-23 families, and since issue 33 families the verdict was
+DDIM loop (one pass per step), the rounding-order families, and families the verdict was
 never tuned on: Phi3 (fused ``qkv_proj`` and ``gate_up_proj``), Bart (a second encoder-decoder) and
 Gemma2 with every kind of bug. Each family is dumped
 
@@ -13,7 +13,7 @@ Gemma2 with every kind of bug. Each family is dumped
 
 and every case of :func:`cases` is compared with default flags (``--baseline`` where the case
 says so), in every setting of :data:`SETTINGS` (ISA caps, seeds), each in a child process. Every
-row carries its ratio to its allowance (:func:`ratios`) and whether it meets issue 33's margins
+row carries its ratio to its allowance (:func:`ratios`) and whether it meets the margin goals
 (clean <= 0.5x, bug >= 2x). The tables it prints (and writes as JSON with ``--out``) are the ones
 in ``docs/comparator.md``; ``tests/test_compare_verdict.py`` runs a slice of it.
 
@@ -66,7 +66,7 @@ SETTINGS: dict[str, tuple[dict[str, str], int]] = {
     "seed1": ({}, 1),
     "capped-seed2": ({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}, 2),
 }
-# Every setting by default (issue 33: native, the AVX2 caps, ATen's portable kernels, other seeds);
+# Every setting by default (native, the AVX2 caps, ATen's portable kernels, other seeds);
 # avx2 gave the same bits as capped on the Intel Xeon of the first table, not on every CPU.
 DEFAULT_SETTINGS = ("native", "capped", "avx2", "seed1", "capped-seed2")
 
@@ -478,7 +478,7 @@ def unet_family(steps: int = 25) -> Family:
 def _value_bias(model: nn.Module, beta: float) -> nn.Module:
     """Every layer's v_proj bias a fixed vector of scale ``beta``, q/k/o biases zero: values share a
     component across tokens, so the attention output (o_proj) moves little when the weights move.
-    The issue's case: a rotary bug then shows in the attention weights (15 roundings) while o_proj
+    The case this family is for: a rotary bug then shows in the attention weights (15 roundings) while o_proj
     moves by less than one rounding, and o_proj is recorded first."""
     generator = torch.Generator().manual_seed(5 + SEED)
     with torch.no_grad():
@@ -635,8 +635,8 @@ def gemma2_family() -> Family:
 
 def phi3_family() -> Family:
     """Phi3: q, k and v one fused ``qkv_proj``, gate and up one fused ``gate_up_proj`` (HF's own
-    layout), rotary, GQA. Bugs in layer 2: rope theta x 2, the layer's skip path x 1.05 (issue
-    33's "residual x 1.05"), the MLP x 1.02, the post-attention norm's eps, the softmax scale x 1.05."""
+    layout), rotary, GQA. Bugs in layer 2: rope theta x 2, the layer's skip path x 1.05 (a
+    "residual x 1.05"), the MLP x 1.02, the post-attention norm's eps, the softmax scale x 1.05."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     def build(dtype: torch.dtype, attention: str) -> nn.Module:
@@ -789,12 +789,12 @@ def mamba_family() -> Family:
     )
 
 
-# The tied experts' down-projections x 3 and x -3 (the issue: both x 3).
+# The tied experts' down-projections x 3 and x -3 (both x 3 moves the layer's output too little).
 TIE_DOWN_SCALE = 3.0
 
 
 def qwen3_moe_tie_family() -> Family:
-    """The issue's constructed near-tie: Qwen3-MoE, 4 experts, top-2; in layer 1's router expert 1's
+    """A constructed near-tie: Qwen3-MoE, 4 experts, top-2; in layer 1's router expert 1's
     row is expert 0's x (1 + 2^-12), so the two tie exactly in bf16 and not in fp32, and their
     down-projections are scaled (:data:`TIE_DOWN_SCALE`) so that a flip matters. bf16 against fp32
     must pass (the flipped tokens are a near-tie), with and without --baseline; a bug downstream
@@ -840,7 +840,7 @@ def tie_experts(block: nn.Module, first: int = 0, second: int = 1, factor: float
     """In an fp32 Qwen3-MoE block: router row ``first`` rounded to bf16 and row ``second`` = it x
     (1 + 2^-12), a tie in bf16 (2^-12 is below half a bf16 ulp), not in fp32; the experts'
     down-projections x ``factor`` and x ``-factor``, so that a token flipped between them moves
-    past the bf16 ceiling on every CPU (with both x 3, as in the issue, 2 flipped tokens of 48 moved
+    past the bf16 ceiling on every CPU (with both x 3, 2 flipped tokens of 48 moved
     the layer's output by 0.009 under the ISA caps)."""
     with torch.no_grad():
         row = block.gate.weight[first].bfloat16().float()  # bf16-exact, so x (1 + 2^-12) rounds back
@@ -940,7 +940,7 @@ def cases(family: Family) -> list[Case]:
     return out
 
 
-# The margins issue 33 asks of every row: a clean case at most half its allowance anywhere, a bug
+# The margins asked of every row: a clean case at most half its allowance anywhere, a bug
 # at least twice its allowance somewhere in the planted layer. "(welcome)" rows have no goal.
 CLEAN_GOAL = 0.5
 BUG_GOAL = 2.0
@@ -966,7 +966,7 @@ def ratios(results: Any, inside: Callable[[str], bool]) -> tuple[float, float]:
 
 
 def goal_met(expect: str, ratio: float | None) -> bool | None:
-    """Whether a row meets issue 33's margin (None: a "(welcome)" row, no goal)."""
+    """Whether a row meets its margin goal (None: a "(welcome)" row, no goal)."""
     if expect == "clean":
         return ratio is not None and ratio <= CLEAN_GOAL
     if expect == "detect":
@@ -1145,7 +1145,7 @@ MUST = {"clean": "exit 0", "detect": "exit 1 in layer", "welcome": "(welcome)", 
 
 def settings_markdown(results: dict[str, dict[str, Any]]) -> str:
     """One table, a column per setting: each case's exit code, first divergence and ratio to its
-    allowance there, and whether the row meets issue 33's margins in every setting."""
+    allowance there, and whether the row meets the margin goals in every setting."""
     names = list(results)
     lines = [
         "| family | case | must | " + " | ".join(names) + " | margin goal |",
@@ -1205,7 +1205,7 @@ def _goal_cell(expect: str, rows: list[dict[str, Any]], names: list[str]) -> str
 
 def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
     """Per family and setting: the largest clean ratio, the smallest required bug's ratio (welcome
-    rows aside), and how many rows missed issue 33's margins."""
+    rows aside), and how many rows missed the margin goals."""
     names = list(results)
     lines = [
         "| family | " + " | ".join(f"{n}: clean max / bug min" for n in names) + " | rows missing a goal |",

@@ -15,7 +15,7 @@ inside a leaf (a norm's eps); bugs in code between leaves (rotary, attention sca
 output scale) are invisible at leaf level by construction (docs/comparator.md) and marked "(not
 visible)" there. ``tests/test_graft*.py`` run Llama, Mixtral and T5 rows in CI.
 
-Since issue 33: Phi3, Gemma2 and Bart too (:data:`DEFAULT_FAMILIES`), every setting of
+Phi3, Gemma2 and Bart too (:data:`DEFAULT_FAMILIES`), every setting of
 calibrate.py's ``SETTINGS`` (each a child process; ``--seed`` there is calibrate.py's model seed),
 and each row's ratio to its allowance and the margin goals, in calibrate.py's row form, so its
 settings table, summary and ``--merge`` serve both scripts.
@@ -284,7 +284,7 @@ def calibrate_family(name: str, root: Path, log: Callable[[str], None] = print) 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One row per family and run, the leaf and layer columns side by side (the docs table), each
-    with its ratio to the allowance and whether it meets issue 33's margins."""
+    with its ratio to the allowance and whether it meets the margin goals."""
     lines = [
         "| family | bf16 run, grafted from fp32 | leaf level | layer level | held |",
         "|---|---|---|---|---|",

@@ -13,7 +13,7 @@ machine and run as ``python benchmarks/gpu.py [--quick] [--out gpu.json]``. It p
   copies, by design) and with that escape disabled, which shows the copies themselves never
   synchronise; errors the dumper swallowed are counted. The untouched model is the reference (the
   model may sync by itself) and the naive baseline the contrast. ``no_sync_per_hook`` sums it up.
-* ``cuda_graph``: ``TRACEDUMP_DUMP_COMPILED=1`` inside a CUDA graph (issue 36): a small fp32 model
+* ``cuda_graph``: ``TRACEDUMP_DUMP_COMPILED=1`` inside a CUDA graph: a small fp32 model
   compiled with inductor, warmed up, captured by hand into one ``torch.cuda.CUDAGraph`` and replayed
   with each new input copied into the static one; its dump against an eager dump of the same inputs,
   ``tracedump diff``'s exit code (0: every replay dumped what eager computes, within rounding) and

@@ -34,7 +34,7 @@ TARGETS: dict[str, tuple[str, str, str, float | bool, str]] = {
         "ratio_e2e_vs_untouched",
         "<=",
         1.20,
-        "full step until on disk / untouched (issue 35)",
+        "full step until on disk / untouched",
     ),
     "full_steady": (
         "full",
@@ -56,7 +56,7 @@ TARGETS: dict[str, tuple[str, str, str, float | bool, str]] = {
         "full_ratio",
         "<=",
         1.20,
-        "vLLM generate 8 x 16 tokens, MODULES=all full dump / none (issue 35)",
+        "vLLM generate 8 x 16 tokens, MODULES=all full dump / none",
     ),
     "vllm_decode": ("vllm", "full_decode_ratio", "<=", 1.20, "vLLM decode step, MODULES=all full / none"),
     "vllm_wide_full": (
@@ -92,7 +92,7 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["control"] = _run_module("bench_control", quick)
     if "cli" not in skip:
         results["cli"] = _run_module("bench_cli", quick)
-    if "budget" not in skip:  # where a dumped decode step's time goes, layer by layer (issue 35)
+    if "budget" not in skip:  # where a dumped decode step's time goes, layer by layer
         results["budget"] = _run_module("bench_budget", quick)
     if "compiled" not in skip:  # COMPILED=1 on an inductor-compiled model, beside the eager dump
         results["compiled"] = _run_module("bench_compiled", quick)
@@ -100,7 +100,7 @@ def run(quick: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, An
         results["vllm"] = _run_module("bench_vllm", quick)
         if "skipped" in results["vllm"]:
             print(f"bench_vllm skipped: {results['vllm']['skipped']}", file=sys.stderr)
-        elif not quick:  # the issue's second engine model: steps ~8x longer, the same captures
+        elif not quick:  # the second engine model: steps ~8x longer, the same captures
             results["vllm_wide"] = _run_module("bench_vllm", quick, model="wide")
     results["targets"] = judge(results)
     results["seconds"] = time.perf_counter() - started
@@ -253,11 +253,6 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("vllm", "naive_decode_ratio", "x"),
         ("vllm", "held_decode_ratio", "x"),
         ("vllm", "held_generate_ratio", "x"),
-        ("vllm", "held_native_decode_ratio", "x"),
-        ("vllm", "held_steps_decode_ratio", "x"),
-        ("vllm", "native_decode_ratio", "x"),
-        ("vllm", "native_generate_ratio", "x"),
-        ("vllm", "native_same_keys", ""),
         ("vllm", "steady_ratio", "x"),
         ("vllm", "steady_decode_ratio", "x"),
         ("vllm", "steady_prefill_ratio", "x"),
@@ -270,12 +265,6 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("vllm_wide", "naive_decode_ratio", "x"),
         ("vllm_wide", "held_decode_ratio", "x"),
         ("vllm_wide", "held_generate_ratio", "x"),
-        ("vllm_wide", "held_native_decode_ratio", "x"),
-        ("vllm_wide", "held_steps_decode_ratio", "x"),
-        ("vllm_wide", "held_steps_generate_ratio", "x"),
-        ("vllm_wide", "native_decode_ratio", "x"),
-        ("vllm_wide", "native_generate_ratio", "x"),
-        ("vllm_wide", "native_same_keys", ""),
         ("vllm_wide", "steady_ratio", "x"),
         ("vllm_wide", "steady_decode_ratio", "x"),
         ("vllm_wide", "steady_prefill_ratio", "x"),
@@ -320,7 +309,7 @@ FLOOR_KEYS = ("bytes_floor_ratio", "bytes_floor_fresh_ratio")  # memory already 
 
 
 def _floor_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """Issue 35's floor from bytes and bandwidth, beside each engine's figures."""
+    """The floor from bytes and bandwidth, beside each engine's figures."""
     rows = []
     for section in ("vllm", "vllm_wide"):
         floors = [results.get(section, {}).get(key, {}) for key in FLOOR_KEYS]

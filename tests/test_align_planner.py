@@ -1,4 +1,4 @@
-"""``--align tokens`` is one more planner (issue 32, item 6): its plan runs through the same
+"""``--align tokens`` is one more planner: its plan runs through the same
 executor, ``--baseline`` and verdict as a pass-by-pass plan, so MoE routing flips and the baseline
 judge a sequence's rows exactly as they judge the pass that holds them.
 

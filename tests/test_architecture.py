@@ -381,7 +381,7 @@ def _dumper_uses(path: Path) -> list[tuple[int, str]]:
 
 
 def test_integrations_call_only_public_dumper_methods() -> None:
-    """Issue 32: the vLLM plugin calls only ``Dumper``'s public methods, never its internals
+    """The vLLM plugin calls only ``Dumper``'s public methods, never its internals
     (``rundir``, ``recorder``, ``hooks`` …), so the dump side can change inside without breaking
     an engine integration."""
     api = _dumper_api()

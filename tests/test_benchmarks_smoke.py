@@ -29,18 +29,6 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     )
 
 
-@pytest.fixture
-def native(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """``benchmarks.native``, its C hooks built (skipped where no C compiler builds them: bench_vllm
-    then leaves its native layers out)."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    from benchmarks import native
-
-    if native.load() is None:
-        pytest.skip("no C compiler or Python headers here: bench_vllm leaves its native layers out")
-    return native
-
-
 def test_off_benchmark_reports_no_hooks(bench: types.SimpleNamespace) -> None:
     spec = bench.common.QUICK_SPEC
     model = bench.common.build_model(spec)
@@ -244,7 +232,7 @@ def test_the_align_benchmark_counts_only_what_the_align_holds(monkeypatch: pytes
 def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
     bench: types.SimpleNamespace, tmp_path: Path
 ) -> None:
-    """bench_vllm's floor beside each engine figure (issue 35): the tensor bytes each pass file
+    """bench_vllm's floor beside each engine figure: the tensor bytes each pass file
     holds (parts summed, headers left out) / a copy bandwidth, over the untouched step."""
     from benchmarks import bench_vllm
     from tracedump.store.format import pass_file_name
@@ -260,7 +248,6 @@ def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
     (run_dir / "manifest.json").write_text("{}")
     written = bench_vllm._pass_tensors(tmp_path)  # each pass's parts in their order: 1, 2, 10
     assert bench_vllm._pass_bytes(written) == {0: 9000, 1: 1000, 2: 2000, 3: 3000}
-    assert bench_vllm._pass_keys(written) == {0: ["a", "b", "d"], 1: ["c"], 2: ["c"], 3: ["c"]}
 
     untouched = {"prefill": [0.004, 0.002, 0.003], "decode": [0.001, 0.001, 0.001], "s": [0.01, 0.01]}
     floor = bench_vllm._bytes_floor(
@@ -282,189 +269,3 @@ def test_the_engine_floor_from_bytes_is_the_passes_bytes_over_the_bandwidth(
             "",
         )
     ]
-
-
-def test_the_native_capture_hook_dumps_what_the_python_hooks_dump(
-    native: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bench_vllm's ``native`` layer measures tracedump's capture done in C: it is a measure of the
-    same work only if it writes the same passes (keys, order, values), a flat tuple with a None
-    (attention's ``(out, None)``) and a module called twice included."""
-    import tracedump
-    from tests.conftest import make_tiny_llama
-
-    class Twice(torch.nn.Module):
-        """One child (one name) called twice a forward: its second capture is ``::call1``."""
-
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(self.inner(x))
-
-    model = make_tiny_llama()
-    model.model.layers[0].mlp.act_fn = Twice(model.model.layers[0].mlp.act_fn)
-    monkeypatch.setenv("TRACEDUMP_DUMP_MODULES", "all")
-    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
-
-    def dump(variant: str) -> dict[int, dict[str, torch.Tensor]]:
-        monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / variant))
-        dumper = tracedump.attach(model)
-        handed_back: list[str] = []  # the native hooks' captures done by the recorder instead
-        if variant == "native":
-            assert native.swap_in_captures(dumper, model) > 10
-            python_path = dumper.recorder.on_module_tensors
-
-            def counted(name: str, value: object, *, is_input: bool) -> None:
-                handed_back.append(name)
-                python_path(name, value, is_input=is_input)
-
-            monkeypatch.setattr(dumper.recorder, "on_module_tensors", counted)
-        with torch.inference_mode():
-            model(ids)
-            model(ids[:, :3])
-        dumper.close()
-        assert set(handed_back) <= {"model"}, handed_back  # only HF's ModelOutput: not a flat tuple
-        run = tracedump.open_dump(dumper.run_dir).run()
-        return {index: pass_file.load() for index, pass_file in run.passes.items()}
-
-    python, in_c = dump("python"), dump("native")
-    assert list(python) == list(in_c) == [0, 1]
-    for index, stored in python.items():
-        assert list(in_c[index]) == list(stored)
-        assert "model.layers.0.mlp.act_fn.inner::call1" in stored
-        assert "model.layers.0.self_attn[0]" in stored  # (out, None): the tuple path
-        for key, tensor in stored.items():
-            assert torch.equal(in_c[index][key], tensor), key
-
-
-def test_the_native_keeper_clones_every_output_tensor(native: types.ModuleType) -> None:
-    kept: list[torch.Tensor] = []
-    hook = native.keeper(kept)
-    out = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: the clone is
-    hook(None, (), out)
-    hook(None, (), (out, None, 1, out[0]))
-    hook(None, (), [out])  # a list: not a hook output the keeper walks
-    assert [k.shape for k in kept] == [(3, 2), (3, 2), (2,)]
-    assert all(k.is_contiguous() and torch.equal(k, o) for k, o in zip(kept, (out, out, out[0]), strict=True))
-    assert kept[0].data_ptr() != out.data_ptr()
-    with pytest.raises(TypeError):
-        hook(None, out)
-
-
-def test_the_native_capture_keeps_the_accounts_the_recorder_keeps(
-    native: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Beyond the pass files: after each output the C hook leaves the open pass as the recorder's
-    own hook does (the calls counted, the bytes and captures it holds, the memory cap consulted),
-    and the recorder counts the same skips, for the shapes the plain path takes and for those it
-    hands over. The cap (512 KiB) is below the last capture alone, so that capture spills the pass
-    whatever the writer has done meanwhile."""
-    hooks = native.load()
-    import tracedump
-    from tracedump.dump.hooks import OutputHook
-
-    outputs = [
-        torch.ones(4, 8),
-        (torch.ones(2, 3), None),  # a fused op's (out, None)
-        (None,),  # nothing to keep: no call counted
-        (),
-        tuple(torch.full((2,), float(i)) for i in range(16)),  # the last index path, [15]
-        torch.ones(4, 8),  # a later call: ::call3
-        torch.ones(3, 2).t(),  # not contiguous: copied dense
-        torch.ones(3, requires_grad=True),  # the sink's copy, detached
-        (torch.ones(2), torch.zeros(2, dtype=torch.complex128)),  # not storable: the recorder's walk
-        [torch.ones(2)],  # a list: the recorder's walk
-        torch.zeros(160 << 10),  # 640 KiB: the sink's pooled copy, over the cap
-    ]
-    monkeypatch.setenv("TRACEDUMP_DUMP_MAX_PENDING_BYTES", "512KiB")
-
-    def run(variant: str) -> tuple[list[object], dict[str, int], dict[int, dict[str, torch.Tensor]]]:
-        monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path / variant))
-        dumper = tracedump.attach(torch.nn.Linear(2, 2))
-        recorder = dumper.recorder
-        hook = (
-            hooks.Capture("m", recorder, dumper.rundir) if variant == "native" else OutputHook(recorder, "m")
-        )
-        made_room: list[int] = []
-        make_room = recorder._make_room
-
-        def spy(current: object) -> None:
-            made_room.append(current.nbytes)  # type: ignore[attr-defined]
-            make_room(current)
-
-        monkeypatch.setattr(recorder, "_make_room", spy)
-        seen: list[object] = []
-        with dumper.step():
-            current = recorder.current
-            for output in outputs:
-                hook(None, (), output)
-                keys = [(key, copy.requires_grad) for key, copy, _ in current.entries]  # copies detached
-                seen.append((dict(current.calls), current.nbytes, current.kept, keys, list(made_room)))
-        with pytest.warns(tracedump.TracedumpWarning, match="unsupported_tensor"):
-            dumper.close()  # the complex tensor, counted and said
-        run_files = tracedump.open_dump(dumper.run_dir).run()
-        return seen, dict(recorder.skipped), {i: p.load() for i, p in run_files.passes.items()}
-
-    (python, python_skips, python_passes), (in_c, c_skips, c_passes) = run("python"), run("native")
-    assert in_c == python
-    assert c_skips == python_skips and python_skips.get("unsupported_tensor") == 1
-    elements = 32 + 6 + 16 * 2 + 32 + 6 + 3 + 2 + 2 + (160 << 10)  # the complex tensor is skipped
-    assert python[-1][4] == [elements * 4]  # the cap consulted once: the last capture spills
-    assert python[3][0] == {"m": 2}  # (None,) and () counted no call
-    assert ("m[15]::call2", False) in python[4][3] and ("m::call3", False) in python[5][3]  # [15]; a 4th call
-    assert list(c_passes) == list(python_passes) == [0]
-    assert list(c_passes[0]) == list(python_passes[0])
-    for key, tensor in python_passes[0].items():
-        assert torch.equal(c_passes[0][key], tensor), key
-
-
-def test_a_failure_in_the_native_capture_is_reported_never_raised(
-    native: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As the recorder's own hot path: a failure inside the C hook (here the sink's room) goes to
-    the recorder's report and the forward goes on."""
-    hooks = native.load()
-    import tracedump
-
-    monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
-    dumper = tracedump.attach(torch.nn.Linear(2, 2))
-    reported: list[tuple[str, BaseException]] = []
-    monkeypatch.setattr(dumper.recorder, "report", lambda where, error: reported.append((where, error)))
-
-    def no_room() -> int:
-        raise RuntimeError("no room")
-
-    monkeypatch.setattr(dumper.sink, "room", no_room)
-    hook = hooks.Capture("m", dumper.recorder, dumper.rundir)
-    with dumper.step():
-        assert hook(None, (), torch.ones(2)) is None
-    dumper.close()
-    assert [(where, str(error)) for where, error in reported] == [("m", "no room")]
-
-
-def test_without_a_c_compiler_the_native_layers_are_left_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Where no C compiler is found, or the build fails, ``load()`` says why and gives None (and
-    leaves no build directory behind): bench_vllm then runs its other layers only."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    import shutil
-    import tempfile
-
-    from benchmarks import native
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(native, "_compiler", lambda: None)
-    native.load.cache_clear()
-    try:
-        assert native.load() is None
-        assert "no C compiler" in capsys.readouterr().err
-        monkeypatch.setattr(native, "_compiler", lambda: [shutil.which("false") or "false"])
-        native.load.cache_clear()
-        assert native.load() is None
-        assert "the build failed" in capsys.readouterr().err
-        assert list(tmp_path.iterdir()) == []
-    finally:
-        native.load.cache_clear()

@@ -1,4 +1,4 @@
-"""The CLI's guard (issue 34, defects 6 and 15): exit 1 means "diverged" and nothing else.
+"""The CLI's guard: exit 1 means "diverged" and nothing else.
 
 Real subprocesses, each with the premise built, never raced: stdout closed by the shell (``>&-``),
 a pipe whose reader left before the first write, a Ctrl-C delivered while the diff is held at a
@@ -179,7 +179,7 @@ def test_an_unexpected_error_in_process_never_returns_1(
     assert "internal error: AttributeError" in err and len(err.strip().splitlines()) == 1
 
 
-# ------------------------------------------------------------------ defect 6: NaN in a manifest
+# ------------------------------------------------------------------ NaN in a manifest
 
 
 def _strict(text: str) -> object:

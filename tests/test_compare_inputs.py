@@ -165,7 +165,7 @@ def test_a_stats_line_without_a_module_exits_2_naming_its_line(
         '["not", "an", "object"]',
         '{"module": "m", "pass": 0, "abs_mean": [1]}',
         '{"module": "m"}',
-        '{"module": "m", "pass": 0, "shape": [-5, -16], "abs_mean": 1.0}',  # as a header's (#26 item 9)
+        '{"module": "m", "pass": 0, "shape": [-5, -16], "abs_mean": 1.0}',  # as a header's
         '{"module": "m", "pass": 0, "shape": [1.5, 5, 16], "abs_mean": 1.0}',
     ],
 )

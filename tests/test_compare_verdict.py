@@ -1,6 +1,6 @@
 """The verdict at the precision engines run: the calibration table, reproduced on real models.
 
-Every case of ``benchmarks/calibrate.py`` for the Llama (the issue's table: rotary, MLP-scale,
+Every case of ``benchmarks/calibrate.py`` for the Llama (rotary, MLP-scale,
 softmax-scale and eps bugs in layer 3; fp32, bf16 vs bf16 with eager attention, bf16 vs fp32 with
 ``--baseline``), plus the families whose physics differ: Mixtral (an fp32 router whose top-k flips
 at near-ties), T5 (``wo`` kept in fp32 inside bf16) and a 25-step diffusion loop in bf16 vs fp32.
@@ -60,7 +60,7 @@ def test_the_llama_table_holds(llama: tuple[Family, dict[str, Path]], case: Case
         assert outcome.error > outcome.threshold
 
 
-# Issue 33: families the verdict was not tuned on (fused qkv/gate_up, soft-caps and 1 + w norms, a
+# Families the verdict was not tuned on (fused qkv/gate_up, soft-caps and 1 + w norms, a
 # second encoder-decoder). One clean row and the must-find bf16-vs-bf16 bugs of each, fast.
 UNTUNED_ROWS = {
     "phi3": ("bf16 vs fp32", "bf16-eager+residual vs bf16-eager", "bf16-eager+rope_theta vs bf16-eager"),
@@ -426,7 +426,7 @@ def test_tied_router_rows_score_alike_in_bf16_and_apart_in_fp32() -> None:
 
 def test_calibration_slices_merge_into_one_table_with_each_rows_margin(tmp_path: Path) -> None:
     """``calibrate.py --merge``: slices of families run one at a time make one table per setting;
-    a row missing issue 33's margins says so, a setting not run for a family shows "not run"."""
+    a row missing its margin goal says so, a setting not run for a family shows "not run"."""
     from benchmarks.calibrate import goal_met, merge_settings, settings_markdown, summary_markdown
 
     def row(family: str, case: str, expect: str, ratio: float) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""A diff's work grows with the passes, not with their square (issue 34, defect 14).
+"""A diff's work grows with the passes, not with their square.
 
 Counted, not timed: how often each side's batch layouts are read, and how often the executor
 walks the whole plan. Both were once per pass (500 / 2000 one-tensor passes took 4 / 74 s on the

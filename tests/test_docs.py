@@ -1,7 +1,8 @@
 """The docs never drift from the code.
 
 - ``docs/settings.md`` is generated from ``DumpSettings``; a field added, renamed or redescribed
-  without regenerating fails here.
+  without regenerating fails here. ``docs/calibration.md`` is generated from the calibration
+  results; a ``make calibrate`` whose JSON is committed without the page fails here.
 - Every ``TRACEDUMP_DUMP_*`` variable named anywhere in the README or ``docs/`` is a real setting.
 - Every flag shown on a ``tracedump <subcommand>`` command line in the docs exists in that
   subcommand's argparse parser, and every flag named in the run/diff guides exists in theirs.
@@ -95,14 +96,17 @@ def test_settings_doc_lists_every_field_with_env_name_default_and_description() 
 def test_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
     """The guard itself must be able to fail: a hand edit, and a field the page does not know."""
     stale = tmp_path / "settings.md"
+    calibration = tmp_path / "calibration.md"
+    calibration.write_text(docs_gen.render_calibration_doc())
+    pages = ["--output", str(stale), "--calibration-output", str(calibration)]
     lines = docs_gen.render_settings_doc().splitlines(keepends=True)
     first_row = next(i for i, line in enumerate(lines) if line.startswith("| `TRACEDUMP_DUMP_"))
     stale.write_text("".join(lines[:first_row] + lines[first_row + 1 :]))  # a setting the page forgot
     assert not docs_gen.check(stale)
-    assert docs_gen.main(["--check", "--output", str(stale)]) == 1
-    assert docs_gen.main(["--output", str(stale)]) == 0
+    assert docs_gen.main(["--check", *pages]) == 1
+    assert docs_gen.main(pages) == 0
     assert docs_gen.check(stale)
-    assert docs_gen.main(["--check", "--output", str(stale)]) == 0
+    assert docs_gen.main(["--check", *pages]) == 0
 
     grown = create_model(
         "GrownSettings",
@@ -112,6 +116,38 @@ def test_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
     rendered = docs_gen.render_settings_doc(grown)
     assert "| `TRACEDUMP_DUMP_COMPRESS` | `compress` | bool | `0` | Compress pass files. |" in rendered
     assert rendered != stale.read_text()
+
+
+def test_calibration_doc_is_current() -> None:
+    assert docs_gen.check(docs_gen.CALIBRATION_DOC, docs_gen.render_calibration_doc), (
+        f"docs/calibration.md is stale: run `{docs_gen.REGENERATE}` and commit the result"
+    )
+
+
+def test_the_calibration_page_shows_every_row_of_the_results_and_its_check_can_fail(tmp_path: Path) -> None:
+    """Each case of each calibration file is a row of the page, with its ratio; a result the page
+    does not show (a rerun committed without the page) fails the check."""
+    page = docs_gen.render_calibration_doc()
+    for path in (docs_gen.CALIBRATION, docs_gen.CALIBRATION_GRAFT):
+        document = json.loads(path.read_text())
+        for name, setting in document["settings"].items():
+            assert f"| {name} | " in page  # the setting's row in its table
+            for row in setting["rows"]:
+                label = row.get("case") or row.get("variant")
+                assert f"| {row['family']} | {label}" in page, (path.name, name, label)
+    results = json.loads(docs_gen.CALIBRATION.read_text())
+    first = next(iter(results["settings"].values()))
+    first["rows"][0]["ratio"] = 123.0  # a rerun whose numbers moved
+    moved = tmp_path / "calibration.json"
+    moved.write_text(json.dumps(results))
+    rendered = docs_gen.render_calibration_doc(moved, docs_gen.CALIBRATION_GRAFT)
+    assert "123x" in rendered and rendered != docs_gen.CALIBRATION_DOC.read_text()
+    stale = tmp_path / "calibration.md"
+    stale.write_text(docs_gen.render_calibration_doc())
+    assert docs_gen.check(stale, docs_gen.render_calibration_doc)
+    stale.write_text(rendered)
+    assert not docs_gen.check(stale, docs_gen.render_calibration_doc)
+    assert docs_gen.main(["--check", "--calibration-output", str(stale)]) == 1
 
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))

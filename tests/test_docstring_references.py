@@ -1,7 +1,7 @@
 """Every name a docstring or comment of the package points at exists.
 
 A module that moves or a method that is renamed leaves behind prose that still names the old place
-(issue 25 found docstrings naming methods that no longer existed). Two kinds of pointer are checked:
+(docstrings once named methods that no longer existed). Two kinds of pointer are checked:
 
 - Sphinx cross references (``:mod:``, ``:func:``, ``:class:``, ``:meth:``, ``:attr:``, ``:data:``,
   ``:exc:``, ``:obj:``): an absolute target (``tracedump.x.y``, ``~tracedump.x.y``) is imported and
@@ -12,6 +12,10 @@ A module that moves or a method that is renamed leaves behind prose that still n
 - Source paths (``dump/recorder.py``, ``util/kernel.c``, ``tests/test_x.py``): a path with a folder
   exists under ``tracedump/``, the repository root, or the installed package its first folder names
   (``torch/utils/hooks.py``); a bare file name in double backquotes is a file of the package.
+
+And no prose anywhere (code's comments, docstrings and strings, the docs, the README) points into
+the project's history by number (an issue, a defect, a round of work): a reader cannot follow it,
+and the history is ``git log``. The prose says the why instead.
 """
 
 from __future__ import annotations
@@ -247,3 +251,69 @@ def test_real_paths_pass() -> None:
         )
         == []
     )
+
+
+# ----------------------------------------------------------------------------- no history numbers
+
+# A pointer into the project's history: "issue 35", "defect 14", "#24", "the sixth round", "rounds
+# 6-9", "item 4". The history is git's log; docs, docstrings and comments say the why instead.
+HISTORY = re.compile(
+    r"\b[Ii]ssues? ?#?\d+"
+    r"|\b[Dd]efects? ?#?\d+"
+    r"|(?<![&\w])#\d{2}\b"  # an issue's number; an HTML entity (&#34;), a colour (#111827) are not
+    r"|\b(?:second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th)) rounds?\b"
+    r"|\b[Rr]ounds? \d+(?:-\d+)?\b(?! (?:after|of|per|each))"
+    r"|\bitems? \d+\b"
+)
+SCANNED_FOLDERS = ("tracedump", "benchmarks", "tests", "tests_vllm", "examples", "tools", "docs")
+SCANNED_SUFFIXES = {".py", ".md", ".c", ".j2", ".js", ".css", ".toml"}
+
+
+def _scanned_files() -> list[Path]:
+    """Every text file of the repository that people read: code (its comments, docstrings and
+    strings), the docs and the README; this file, which must spell the patterns, aside."""
+    files = [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
+    for folder in SCANNED_FOLDERS:
+        files += [p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in SCANNED_SUFFIXES]
+    return sorted(p for p in files if p.is_file() and p.resolve() != Path(__file__).resolve())
+
+
+def history_numbers(text: str) -> list[str]:
+    """Each pointer into the project's history in ``text``, as ``line: what``."""
+    return [f"{_line(text, m.start())}: {m.group(0)}" for m in HISTORY.finditer(text)]
+
+
+def test_no_issue_round_or_defect_numbers_in_docs_docstrings_or_comments() -> None:
+    found = []
+    for path in _scanned_files():
+        found += [f"{path.relative_to(ROOT)}:{where}" for where in history_numbers(path.read_text())]
+    assert not found, "history numbers (say the why instead; the history is git log):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# measured slower (issue 14, second round)",
+        '"""The guard (defect 6): exit 1 means diverged."""',
+        "as in #26 item 10",
+        "over rounds 6-9 the figure held",
+        "see the seventh round",
+        "Issue #25 moved it",
+    ],
+)
+def test_a_history_number_is_flagged(text: str) -> None:
+    assert history_numbers(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "12 rounds after 2 warm-up rounds",
+        "the first round warms up",
+        "assert '&#34;' in page",
+        "colour #1f77b4, #393b79, #111 and #374151",
+        "round(x, 1)",
+    ],
+)
+def test_words_that_are_not_history_pass(text: str) -> None:
+    assert history_numbers(text) == []

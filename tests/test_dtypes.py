@@ -81,9 +81,12 @@ OLD_CODES_ON_DISK_ORDER = {
     "F8_E5M2": "float8_e5m2",
     "I8": "int8",
     "U8": "uint8",
+    "F6_E3M2": "float6_e3m2fn",  # safetensors' sub-byte MX floats: no torch dtype, compared bitwise
+    "F6_E2M3": "float6_e2m3fn",
     "F4": "float4_e2m1fn_x2",
     "BOOL": "bool",
 }
+SUB_BYTE = {"F6_E3M2": 6, "F6_E2M3": 6}
 OLD_WIDTHS = {**dict.fromkeys(("F64", "I64", "U64", "C64"), 8), **dict.fromkeys(("F32", "I32", "U32"), 4)}
 OLD_WIDTHS |= dict.fromkeys(("BF16", "F16", "I16", "U16"), 2)
 OLD_STORAGE = {
@@ -97,6 +100,8 @@ OLD_STORAGE = {
     "float8_e5m2fnuz": np.uint8,
     "float8_e8m0fnu": np.uint8,
     "float4_e2m1fn_x2": np.uint8,
+    "float6_e3m2fn": np.uint8,
+    "float6_e2m3fn": np.uint8,
     "complex64": np.float32,
     "int64": np.int64,
     "int32": np.int32,
@@ -108,7 +113,7 @@ OLD_STORAGE = {
     "uint8": np.uint8,
     "bool": np.bool_,
 }
-OLD_BITS_VIEW = {name for name in OLD_STORAGE if name.startswith(("bfloat", "float8", "float4"))}
+OLD_BITS_VIEW = {name for name in OLD_STORAGE if name.startswith(("bfloat", "float8", "float4", "float6_"))}
 OLD_FP8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}
 OLD_WIDE = {"float64", "int64", "uint64", "int32", "uint32"}
 OLD_SHORT = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -158,7 +163,9 @@ def test_the_derived_tables_hold_the_old_values() -> None:
     assert tolerance.INTEGER_DTYPES == OLD_INTEGERS
     assert verdict.UNIT_ROUNDOFF == OLD_UNIT_ROUNDOFF
     assert list(stformat.CODES_ON_DISK_ORDER.items()) == list(OLD_CODES_ON_DISK_ORDER.items())
-    assert {code: OLD_WIDTHS.get(code, 1) for code in OLD_CODES_ON_DISK_ORDER} == dtypes.ELEMENT_BYTES
+    widths = {code: OLD_WIDTHS.get(code, 1) for code in OLD_CODES_ON_DISK_ORDER if code not in SUB_BYTE}
+    assert widths == dtypes.ELEMENT_BYTES
+    assert dtypes.ELEMENT_BITS == SUB_BYTE
     assert {name: np.dtype(t) for name, t in OLD_STORAGE.items()} == reader._STORAGE
     assert dtypes.BITS_STORED == OLD_BITS_VIEW
     assert dtypes.TORCH_WIDENED == OLD_FP8

@@ -1,4 +1,4 @@
-"""Grafting (issue 28): each module's own error, bf16 grafted from an fp32 reference, no baseline.
+"""Grafting: each module's own error, bf16 grafted from an fp32 reference, no baseline.
 
 A Llama (6 layers, GQA) in fp32 with eager attention is the reference, dumped with INPUTS=1; the
 bf16 model is dumped grafted from it, at leaf level and at decoder-layer level, clean and with one

@@ -1,4 +1,4 @@
-"""Grafting an engine whose modules take the reference's values in another form (issue 32, item 5).
+"""Grafting an engine whose modules take the reference's values in another form.
 
 An engine-style model (vLLM's shape: decoder layers called ``layer(positions, hidden_states,
 residual)`` returning ``(hidden, residual)``, norms that add the residual inside, ``norm(x,

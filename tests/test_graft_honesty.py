@@ -1,4 +1,4 @@
-"""Grafting's honesty rules and its three entry points (issue 28 item 4).
+"""Grafting's honesty rules and its three entry points.
 
 A call whose reference inputs are missing runs on its own inputs and is recorded as not grafted,
 with the reason; a grafted run never writes into its reference; the host's numbers are untouched

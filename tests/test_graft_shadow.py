@@ -1,4 +1,4 @@
-"""The grafted verdict's allowance from each tensor's own computation: the fp32 shadow (issue 33).
+"""The grafted verdict's allowance from each tensor's own computation: the fp32 shadow.
 
 A grafted run (``GRAFT_SHADOW`` on by default) runs each grafted call a second time in float32 on
 the reference's own inputs, and stores the shadow beside each tensor. The comparator judges the
@@ -318,3 +318,52 @@ def test_a_module_that_refuses_float32_falls_back_to_the_counting_rule_and_says_
     by_name = {r.name: r for r in _local(report)}
     assert "fp32 shadow" in by_name["inner"].tolerance.source
     assert "counting rule: no shadow of this tensor" in by_name["odd"].tolerance.source
+
+
+# ------------------------------------------------------------------------ a shadow that does not fit
+
+
+def _rewrite_pass(path: Path, edit: Any) -> None:
+    """The pass file with ``edit(tensors)`` applied, its metadata kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    edit(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize("unfit", ["transposed", "integer"])
+def test_a_shadow_of_another_shape_or_dtype_is_not_used(tmp_path: Path, unfit: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.GELU()).eval()
+    x = torch.randn(16, 64)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
+    assert dumper is not None
+    with torch.no_grad():
+        model(x)
+    dumper.close()
+    model = model.to(torch.bfloat16)
+    with torch.no_grad(), tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level="^0$") as g:
+        g.run(x.to(torch.bfloat16))
+    (path,) = (tmp_path / "g").glob("*/pass00000.safetensors")
+    assert "shadow~0" in tracedump.load_pass(path)  # the premise: the grafted call has its shadow
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        shadow = tensors["shadow~0"]
+        if unfit == "transposed":  # the same elements in another order: compared element by element, wrong
+            tensors["shadow~0"] = (shadow.t().contiguous() * 1.5).to(shadow.dtype)
+        else:
+            tensors["shadow~0"] = torch.zeros(shadow.shape, dtype=torch.int32)
+
+    _rewrite_pass(path, edit)
+
+    report = compare(tmp_path / "g", tmp_path / "ref")
+
+    assert report.exit_code == 0, report.first_divergence
+    (row,) = [r for r in _local(report) if r.name == "0"]
+    transposed = "shape [48, 16] is not the tensor's [16, 48]"
+    why = transposed if unfit == "transposed" else "dtype int32 does not fit"
+    assert "counting rule" in row.tolerance.source and why in row.tolerance.source, row.tolerance.source

@@ -1,4 +1,4 @@
-"""The HF reference as it is usually run (#24 item 4): a padded batch through ``generate`` (or one
+"""The HF reference as it is usually run: a padded batch through ``generate`` (or one
 forward) gets its batch layout from the root forward's ``input_ids`` / ``attention_mask``, with no
 ``set_batch``, so ``tracedump diff --align tokens`` pairs each row with the same prompt run alone,
 padding is never compared, and a bug is named with its sequence and position."""

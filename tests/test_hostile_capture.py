@@ -1,4 +1,4 @@
-"""Hostile captures and targets for ``capture().save()`` and attach (issue 26: items 3, 4, 5, 14)."""
+"""Hostile captures and targets for ``capture().save()`` and attach."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile dumps and options against the comparator (issue 26: items 6-10, 14, 17)."""
+"""Hostile dumps and options against the comparator."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile orders, heartbeats and files against live control (issue 26: items 1, 2, 11-13, 15, 16)."""
+"""Hostile orders, heartbeats and files against live control."""
 
 from __future__ import annotations
 
@@ -193,7 +193,8 @@ def test_steps_with_control_under_tracedump_run_does_not_start_the_command(tmp_p
 def test_a_dump_dir_component_too_long_under_tracedump_run_does_not_start_the_command(
     tmp_path: Path,
 ) -> None:
-    """#26 item 14 under run: each child would warn 'cannot dump' and run end 'nothing written', exit 0."""
+    """A dump dir that cannot be written, under run: each child would warn 'cannot dump' and run
+    end 'nothing written', exit 0."""
     import subprocess
     import sys
 

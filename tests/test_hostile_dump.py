@@ -1,4 +1,4 @@
-"""Dump-side defects of the third hostile run (issue 34, defects 17-22).
+"""Dump-side defects found by feeding tracedump hostile programs and files.
 
 Each test names its defect and failed on the code before its fix.
 """

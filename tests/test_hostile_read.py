@@ -1,9 +1,9 @@
-"""Hostile files against tracedump's readers (issue 34, defects 1-13): bridge rule files, manifests,
+"""Hostile files against tracedump's readers: bridge rule files, manifests,
 safetensors headers, ``stats.jsonl`` and control files that someone else could have written.
 
 Each crafted input must end in exit 2 with one line naming the file (and the field), never a
-traceback and never exit 1 (which ``tracedump diff`` keeps for "diverged"); where the issue asks for
-a fallback (a bad capture order) or an error row (a bridge dim out of range), that is what is checked.
+traceback and never exit 1 (which ``tracedump diff`` keeps for "diverged"); where a fallback is
+the answer (a bad capture order) or an error row (a bridge dim out of range), that is what is checked.
 """
 
 from __future__ import annotations

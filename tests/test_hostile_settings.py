@@ -1,5 +1,4 @@
-"""Hostile settings and arguments: errors that name the variable, one line, nothing left behind
-(issue 26: item 14)."""
+"""Hostile settings and arguments: errors that name the variable, one line, nothing left behind."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The report page is bounded in bytes, not only in rows (issue 34, defect 16).
+"""The report page is bounded in bytes, not only in rows.
 
 100 names of 100 KB once made a 50 MB page (300: 139 MB); docs/comparator.md promises a few MB.
 """
@@ -15,7 +15,7 @@ from test_compare_unshard import write_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare import html as html_report
+from tracedump.compare.page import limits, render
 
 LONG = 50_000  # characters of each name
 
@@ -44,9 +44,9 @@ def test_long_names_are_cut_with_a_marker_and_the_page_stays_small(
     total_name_bytes = len(names) * LONG
     assert total_name_bytes > 1 << 20  # the premise: the names alone are MBs, each shown several times
     assert page.stat().st_size < 1 << 20, page.stat().st_size
-    cut = LONG + len(".<b>") + len("model.m0") - html_report.MAX_TEXT
+    cut = LONG + len(".<b>") + len("model.m0") - limits.MAX_TEXT
     assert f"… [{cut} more characters]" in text
-    assert "x" * (html_report.MAX_TEXT + 1) not in text
+    assert "x" * (limits.MAX_TEXT + 1) not in text
     assert "strings (names, messages, values) cut at 1000 characters" in text  # said at the top
     assert "<b>xxx" not in text and "&lt;b&gt;xxx" in text  # cut, then escaped: no tag, no torn entity
     doc = json.loads(report.read_text())
@@ -58,10 +58,10 @@ def test_a_page_over_the_byte_cap_is_drawn_again_with_tighter_limits(
 ) -> None:
     a, b, _ = long_names
     report = compare(a, b)
-    roomy = html_report.render(report)
+    roomy = render(report)
     cap = len(roomy.encode()) // 3
-    monkeypatch.setattr(html_report, "MAX_PAGE_BYTES", cap)
-    text = html_report.render(report)
+    monkeypatch.setattr(limits, "MAX_PAGE_BYTES", cap)
+    text = render(report)
     assert len(text.encode()) <= cap
     assert re.search(r"page size: drawn [23] times", text), "the first tighter limits, or the second"
     assert re.search(r"cut at (200|60) characters", text)
@@ -73,8 +73,8 @@ def test_the_summary_alone_when_nothing_else_fits(
 ) -> None:
     a, b, _ = long_names
     report = compare(a, b)
-    monkeypatch.setattr(html_report, "MAX_PAGE_BYTES", 1)  # nothing fits: the last drawing is kept
-    text = html_report.render(report)
+    monkeypatch.setattr(limits, "MAX_PAGE_BYTES", 1)  # nothing fits: the last drawing is kept
+    text = render(report)
     assert "the summary alone" in text and "page size: drawn 4 times" in text
     assert "id='table-section'" not in text and "id='curve-section'" not in text
     assert len(text.encode()) < 100_000
@@ -85,6 +85,6 @@ def test_many_verdict_lines_are_bounded(monkeypatch: pytest.MonkeyPatch, tmp_pat
     a, b, _ = _long_names(tmp_path, count=3)
     report = compare(a, b)
     report.notes.extend(f"note {i}" for i in range(50))
-    monkeypatch.setattr(html_report, "MAX_LINES_SHOWN", 10)
-    text = html_report.render(report)
+    monkeypatch.setattr(limits, "MAX_LINES_SHOWN", 10)
+    text = render(report)
     assert "more lines" in text

@@ -34,8 +34,9 @@ from conftest import make_tiny_llama
 import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare import html as html_report
-from tracedump.compare.html import MAX_LINES, esc, png, render
+from tracedump.compare.page import charts, limits, render
+from tracedump.compare.page.limits import MAX_LINES, esc
+from tracedump.compare.page.rows import Row
 
 PROMPTS = [torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8, 2, 11]]), torch.tensor([[8, 9, 7, 9, 3, 4]])]
 PERTURBED = "model.layers.1.mlp.up_proj"
@@ -459,17 +460,59 @@ def test_strings_are_escaped_and_control_characters_shown() -> None:
     assert esc("\udcff") == "\\udcff"  # a lone surrogate (a name from bytes) cannot break the file
 
 
-def test_the_png_is_a_valid_palette_image() -> None:
-    import struct
-    import zlib
+def test_the_heatmap_png_has_a_pixel_per_cell_in_its_level_s_colour() -> None:
+    """No data transparent, exact zero grey, NaN/Inf red, then viridis from small to large."""
+    import io
 
-    data = png(3, 2, bytes([0, 1, 2, 3, 4, 5]), [(i, i, i) for i in range(256)])
+    from matplotlib.image import imread
+
+    first = charts.FIRST_LEVEL
+    levels = bytes([charts.NO_DATA, charts.ZERO, charts.NON_FINITE, first, first + 100, 255])
+    data = charts.png(levels, 3, 2)
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height, depth, colour = struct.unpack(">IIBB", data[16:26])
-    assert (width, height, depth, colour) == (3, 2, 8, 3)
-    start = data.index(b"IDAT") + 4
-    length = struct.unpack(">I", data[start - 8 : start - 4])[0]
-    assert zlib.decompress(data[start : start + length]) == b"\x00\x00\x01\x02\x00\x03\x04\x05"
+    pixels = (imread(io.BytesIO(data)) * 255).round().astype(int)
+    assert pixels.shape == (2, 3, 4)
+    assert pixels[0, 0, 3] == 0  # no data: transparent
+    assert pixels[0, 1].tolist() == [236, 236, 236, 255] and pixels[0, 2].tolist() == [214, 39, 40, 255]
+    assert pixels[1, 0].tolist() == [68, 1, 84, 255] and pixels[1, 2].tolist() == [253, 231, 37, 255]
+    assert pixels[1, 1].tolist() not in (pixels[1, 0].tolist(), pixels[1, 2].tolist())
+
+
+def test_without_matplotlib_the_page_leaves_the_heatmap_out_and_says_so(
+    dumps: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = compare(dumps["hostile_a"], dumps["hostile_b"])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.image", None)
+    text = render(report)
+    assert "<svg id='heatmap'" not in text and "id='heat-data'" not in text
+    assert "The heatmap needs matplotlib" in text
+    bounds = text.split("id='bounds'")[1].split("</div>")[0]
+    assert "heatmap: left out, matplotlib is not installed" in bounds
+    assert "id='curve'" in text and "<tr id='t-0'" in text  # the rest of the page is there
+
+
+def test_a_pairing_and_a_reason_on_the_records_are_shown(dumps: dict[str, Path]) -> None:
+    """Records that say how their pair was made get a ``paired by`` column (after the status, so
+    the columns before it keep their places); a reason record is shown in the row and, for the
+    first divergence, in the summary's why."""
+    report = compare(dumps["hostile_a"], dumps["hostile_b"])
+    doc = report.to_json()
+    first = doc["summary"]["first_divergence"]["index"]
+    for record in doc["tensors"]:
+        record["paired_by"] = "name" if record["index"] != first else "<rule> q|k"
+    doc["tensors"][first]["reason"] = {"text": "error above the threshold", "evidence": "<local>"}
+    text = render(report, doc)
+    head = text.split("<thead>")[1].split("</thead>")[0]
+    titles = re.findall(r"<button type='button'>([^<]*)</button>", head)
+    assert titles[6] == "rel_diff" and titles[-3:] == ["status", "paired by", "details"]
+    row = text.split(f"<tr id='t-{first}'")[1].split("</tr>")[0]
+    assert "&lt;rule&gt; q|k" in row and "<rule>" not in row
+    assert "reason: error above the threshold; evidence &lt;local&gt;" in row
+    why = text.split("<dl class='why'>")[1].split("</dl>")[0]
+    assert "<dt>reason</dt><dd>error above the threshold; evidence &lt;local&gt;</dd>" in why
+    assert "<dt>paired by</dt>" in why
+    assert "paired by" not in render(report)  # records without it: no column
 
 
 def test_html_works_with_baseline_and_unshard(dumps: dict[str, Path], tmp_path: Path) -> None:
@@ -489,7 +532,7 @@ def test_a_big_diff_gives_a_bounded_page(tmp_path: Path, monkeypatch: pytest.Mon
         ("HEATMAP_COLS", 16),
         ("MAX_POINTS", 100),
     ):
-        monkeypatch.setattr(html_report, name, value)
+        monkeypatch.setattr(limits, name, value)
     tensors = {
         f"layer{i}.out": torch.randn(1, 40, 2, generator=torch.Generator().manual_seed(i)) for i in range(600)
     }
@@ -530,9 +573,10 @@ def test_many_passes_are_drawn_as_at_most_max_lines(tmp_path: Path) -> None:
 def test_only_diff_with_html_imports_the_page_module(dumps: dict[str, Path], tmp_path: Path) -> None:
     probe = (
         "import sys, tracedump; from tracedump.cli import main\n"
-        "assert 'tracedump.compare.html' not in sys.modules, 'import tracedump'\n"
+        "assert 'tracedump.compare.page' not in sys.modules, 'import tracedump'\n"
+        "assert 'jinja2' not in sys.modules, 'import tracedump imports jinja2'\n"
         "code = main(sys.argv[1:])\n"
-        "print('IMPORTED' if 'tracedump.compare.html' in sys.modules else 'NOT IMPORTED', code)\n"
+        "print('IMPORTED' if 'tracedump.compare.page' in sys.modules else 'NOT IMPORTED', code)\n"
     )
     args = [str(dumps["a"]), str(dumps["b"]), "--pass", "0"]
     plain = subprocess.run(
@@ -587,7 +631,7 @@ def test_html_into_a_fifo_or_through_a_link_replaces_neither(dumps: dict[str, Pa
 
 
 def test_a_nan_only_divergence_says_nan_on_the_page(tmp_path: Path) -> None:
-    """As the terminal (#26 item 10): not "rel_diff 0 > threshold", which is false."""
+    """As the terminal says it: not "rel_diff 0 > threshold", which is false."""
     values = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
     with_nan = values.clone()
     with_nan[0, 1] = float("nan")
@@ -621,22 +665,18 @@ def test_fields_a_later_option_adds_reach_the_page(dumps: dict[str, Path]) -> No
     doc["summary"]["bridged"] = ["plain <i>"]
     text = render(report, doc)
     row = text.split("<tr id='t-1'")[1].split("</tr>")[0]
-    assert "bridge: {&quot;rule&quot;: &quot;&lt;b&gt;qkv&lt;/b&gt;&quot;" in row
+    assert "bridge: {&#34;rule&#34;: &#34;&lt;b&gt;qkv&lt;/b&gt;&#34;" in row
     assert "<code>bridge</code> on 1 tensors" in text
     assert "<code>bridged</code>: <code>plain &lt;i&gt;</code>" in text
 
 
 def test_heatmap_columns_bin_positions_by_their_largest_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(html_report, "HEATMAP_COLS", 4)
+    monkeypatch.setattr(limits, "HEATMAP_COLS", 4)
     rows = [
-        html_report._Row(
-            {"index": 0, "per_token": {"rel_diff": [1e-3, 2e-3, 0.0, "nan", 5e-4, 1e-4, 0.0]}}, 0, 0
-        ),
-        html_report._Row(
-            {"index": 1, "per_token": {"rel_diff": [3e-3, 1e-5], "positions": [100, 101]}}, 0, 1
-        ),
+        Row({"index": 0, "per_token": {"rel_diff": [1e-3, 2e-3, 0.0, "nan", 5e-4, 1e-4, 0.0]}}, 0, 0),
+        Row({"index": 1, "per_token": {"rel_diff": [3e-3, 1e-5], "positions": [100, 101]}}, 0, 1),
     ]
-    grid, width, binned = html_report._cells(rows)
+    grid, width, binned = charts.cells(rows)
     assert (width, binned) == (102, 26) and len(grid[0]) == len(grid[1]) == 4
     assert grid[0][0] is not None and math.isnan(grid[0][0])  # a NaN among the first 26 positions wins
     assert grid[0][1:] == [None, None, None] and grid[1] == [None, None, None, 3e-3]

@@ -1,4 +1,4 @@
-"""Inputs first (issue 24, item 5): aligned sequences fed different token ids are reported before
+"""Inputs first: aligned sequences fed different token ids are reported before
 any numeric verdict, exit 1, and no module is named as the first divergence. Real HF models (tiny
 random Llama), dumped with their token ids in the batch layout."""
 

@@ -39,7 +39,7 @@ def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _flatten(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of a (nested) tuple/list, named like the issue's keys: ``name``, ``name[0]``."""
+    """Tensors of a (nested) tuple/list, named as the file format's keys: ``name``, ``name[0]``."""
     if isinstance(value, torch.Tensor):
         yield prefix, value
     elif isinstance(value, (tuple, list)):
@@ -50,7 +50,7 @@ def _flatten(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 @contextlib.contextmanager
 def reference_outputs(modules: list[tuple[str, nn.Module]]) -> Iterator[list[dict[str, torch.Tensor]]]:
     """One dict per root forward (call ``passes.append({})`` first) of cloned module outputs; the
-    N-th repeat call of a module in one forward gets ``::callN``, as in the issue's key scheme."""
+    N-th repeat call of a module in one forward gets ``::callN``, as in the file format's key scheme."""
     passes: list[dict[str, torch.Tensor]] = []
     handles = []
     for name, module in modules:

@@ -1,4 +1,4 @@
-"""The ``--json`` report's typed model (issue 34): one ``Status`` for the table, the JSON and the
+"""The ``--json`` report's typed model: one ``Status`` for the table, the JSON and the
 page; real reports validate against the model with unknown keys refused; the schema in the docs is
 the one generated from it."""
 
@@ -12,10 +12,12 @@ import pytest
 import torch
 from test_compare_unshard import write_run
 
+import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare import html as html_report
+from tracedump.compare import page as html_report
 from tracedump.compare.display import STATUS_TEXT
+from tracedump.compare.page import rows as page_rows
 from tracedump.compare.report_schema import Report, Summary, TensorRecord, schema_markdown
 from tracedump.compare.status import Status
 from tracedump.compare.verdict import FAILING
@@ -66,7 +68,7 @@ def test_one_status_list_for_the_verdict_the_table_and_the_page(tmp_path: Path) 
 
 def test_the_schema_in_the_docs_is_up_to_date() -> None:
     assert (ROOT / "docs" / "report-schema.md").read_text() == schema_markdown(), (
-        "docs/report-schema.md is stale: run python tools/report_schema_gen.py"
+        "docs/report-schema.md is stale: run python tools/docs_gen.py"
     )
 
 
@@ -75,5 +77,55 @@ def test_the_page_s_key_lists_name_only_keys_the_report_has() -> None:
     key the report no longer writes (they had drifted from the JSON's before the model)."""
     tensor_keys = {field.alias or name for name, field in TensorRecord.model_fields.items()}
     summary_keys = set(Summary.model_fields)
-    assert tensor_keys >= html_report._SHOWN_KEYS, html_report._SHOWN_KEYS - tensor_keys
-    assert summary_keys >= html_report._SUMMARY_SHOWN, html_report._SUMMARY_SHOWN - summary_keys
+    assert tensor_keys >= page_rows.SHOWN_KEYS, page_rows.SHOWN_KEYS - tensor_keys
+    assert summary_keys >= page_rows.SUMMARY_SHOWN, page_rows.SUMMARY_SHOWN - summary_keys
+
+
+# ------------------------------------------------------------------ the model writes the report
+
+
+def _grafted(tmp_path: Path) -> tuple[Path, Path]:
+    """A bf16 model grafted from its fp32 reference: its report carries local, grafted_at."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).eval()
+    x = torch.randn(4, 16)
+    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
+    assert dumper is not None
+    with torch.no_grad():
+        model(x)
+    dumper.close()
+    model = model.to(torch.bfloat16)
+    with torch.no_grad(), tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level="^0$") as g:
+        g.run(x.to(torch.bfloat16))
+    return tmp_path / "g", tmp_path / "ref"
+
+
+def test_a_grafted_report_is_written_and_validates(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    a, b = _grafted(tmp_path)
+    assert main(["diff", str(a), str(b), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert any("local" in t and "grafted_at" in t for t in doc["tensors"])  # the premise
+    report = Report.model_validate(doc)
+    assert report.model_dump(by_alias=True, exclude_unset=True, mode="json") == doc
+    schema = json.loads(schema_markdown().split("```json\n", 1)[1].split("\n```", 1)[0])
+    listed = schema["$defs"]["TensorRecord"]["properties"]
+    assert {"local", "grafted_at", "not_grafted", "paired_by"} <= set(listed)
+
+
+@pytest.mark.parametrize("which", ["plain", "grafted"])
+def test_the_model_writes_the_records_unchanged(tmp_path: Path, which: str) -> None:
+    """Through the model, a report is the JSON of its records: no key added, dropped or changed."""
+    report = compare(*(_sides(tmp_path) if which == "plain" else _grafted(tmp_path)))
+    assert report.to_json() == json.loads(json.dumps(report.records()))
+
+
+def test_a_record_key_the_model_does_not_list_never_reaches_a_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = compare(*_sides(tmp_path))
+    records = report.records()
+    records["tensors"][0]["unlisted"] = 1
+    monkeypatch.setattr(type(report), "records", lambda self: records)
+    with pytest.raises(ValueError, match="unlisted"):
+        report.to_json()

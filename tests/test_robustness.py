@@ -1,4 +1,4 @@
-"""Defects found running tracedump against real programs and hostile input (issue 13).
+"""Defects found running tracedump against real programs and hostile input.
 
 Each test names the defect it guards against; each failed on the code before its fix.
 """

@@ -1,4 +1,4 @@
-"""An engine's scheduling against a reference, by sequence (issue 32, items 2-4): coverage stated
+"""An engine's scheduling against a reference, by sequence: coverage stated
 and enforced, causes before consequences (a generated token that differs is the consequence of an
 earlier divergence, a prompt token that differs is an input difference), preemption with
 recompute, parallel sampling, a step that raised, ``--pass`` under ``--align tokens``.

@@ -1,4 +1,4 @@
-"""A module registered under several parents is named by the parent that calls it (#24 item 3):
+"""A module registered under several parents is named by the parent that calls it:
 vLLM's one rotary embedding held by every layer's attention is ``layers.2.self_attn.rotary_emb``
 when layer 2 calls it, not ``layers.0.self_attn.rotary_emb::call2``; a second call by the same
 parent keeps ``::call1``; a reused block is named by the branch it runs in."""

@@ -1,4 +1,4 @@
-"""No false layer after a near-tie routing flip (issue 33).
+"""No false layer after a near-tie routing flip.
 
 A token a router flipped at a near-tie carries another expert's answer from there on, and every
 token that attends to it in a later layer receives part of it: no rounding model bounds that, so

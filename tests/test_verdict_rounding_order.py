@@ -1,4 +1,4 @@
-"""The verdict on rounding order (issue 23): what explains an error must have been computed first.
+"""The verdict on rounding order: what explains an error must have been computed first.
 
 - A container's own outputs (attention weights) are explained by what came before its last child,
   not by the error its last child (``o_proj``) computed later and was recorded earlier: a query
@@ -236,7 +236,7 @@ def test_a_constructed_near_tie_passes_bf16_vs_fp32(tie: dict[str, Path], baseli
     _assert_tie_premise(report, tie)
     layer = _by_name(report.results)["model.layers.1"]
     assert report.exit_code == 0, report.first_divergence and report.first_divergence.message
-    if baseline is None:  # issue 33: tests/test_verdict_after_flip.py
+    if baseline is None:  # tests/test_verdict_after_flip.py
         assert layer.status in ("routing_flip", "not_judged") and layer.after_flip is not None
         return
     assert layer.status == "routing_flip" and layer.error is not None and layer.error < 1e-2
@@ -245,7 +245,7 @@ def test_a_constructed_near_tie_passes_bf16_vs_fp32(tie: dict[str, Path], baseli
 
 @numerics
 def test_a_bug_downstream_of_the_near_tie_is_still_found(tie: dict[str, Path]) -> None:
-    for baseline in (tie["bf16"],):  # without one: tests/test_verdict_after_flip.py (issue 33)
+    for baseline in (tie["bf16"],):  # without one: tests/test_verdict_after_flip.py
         report = compare(tie["bf16+norm_eps"], tie["fp32"], baseline=baseline)
         _assert_tie_premise(report, tie)
         first = report.first_divergence
@@ -306,7 +306,7 @@ def test_the_ceiling_does_not_judge_tokens_a_near_tie_flip_sent_elsewhere(tmp_pa
     assert report.exit_code == 0, rows["layer"]
     assert rows["moe"].status == "routing_flip" and rows["moe"].error < 1e-5  # bf16 rounding
     # after the block, with no manifest to say the attention is causal, nothing is provably
-    # out of the flip's reach: listed, not judged (issue 33)
+    # out of the flip's reach: listed, not judged
     assert rows["layer"].status == "not_judged" and rows["layer"].after_flip is not None
 
 
@@ -341,6 +341,6 @@ def test_calibrate_runs_each_setting_in_a_process_of_its_own_and_reports_them_si
     count = len(calibrate.cases(calibrate.FAMILIES["gemma2"]()))
     assert f"native: {count} of {count} as expected" in printed
     assert f"capped: {count} of {count} as expected" in printed
-    # issue 33: each row's ratio to its allowance, the margin goal, the minutes each setting took
+    # each row's ratio to its allowance, the margin goal, the minutes each setting took
     assert all(row["ratio"] is not None and "goal_met" in row for row in capped["rows"])
     assert capped["seconds"] > 0 and "native: clean max / bug min" in printed

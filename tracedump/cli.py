@@ -53,7 +53,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     console().print(table)
     for run in dump.runs:
         _print_control(run)
-        _print_sequences(run)
+        _print_sequences(run, everything=args.sequences)
     return ExitCode.OK
 
 
@@ -91,19 +91,31 @@ def _print_control(run: Any) -> None:
         )
 
 
-def _print_sequences(run: Any) -> None:
-    """The sequences and positions each pass holds, for runs whose engine called ``set_batch``."""
+LISTED_SEQUENCES = 8  # sequences named per pass by `tracedump ls` (all with --sequences)
+LISTED_PASSES = 20  # passes listed by `tracedump ls` (all with --sequences)
+
+
+def _print_sequences(run: Any, *, everything: bool = False) -> None:
+    """The sequences and positions each pass holds, for runs whose engine called ``set_batch``:
+    summarised (a pass of many sequences counted, the first passes listed) unless ``everything``
+    (``--sequences``). Linear in the rows either way: an engine's passes hold thousands."""
     try:
         found = run.batches()
     except ValueError as e:  # a SequenceError, or metadata no tracedump wrote
         console().print(printable(f"{run.name}: sequence metadata unreadable: {e}"), markup=False)
         return
-    declared = {index: batch for index, batch in found.items() if batch.declared}
+    declared = [batch for _, batch in sorted(found.items()) if batch.declared]
     if not declared:
         return
-    console().print(printable(f"{run.name}: sequences per pass (seq: positions)"), markup=False)
-    for index, batch in sorted(declared.items()):
-        console().print(printable(f"  pass {index}: {batch.summary()}"), markup=False)  # seq ids: user data
+    shown = declared if everything else declared[:LISTED_PASSES]
+    lines = [f"{run.name}: sequences per pass (seq: positions)"]
+    listed = None if everything else LISTED_SEQUENCES
+    lines += [f"  pass {batch.pass_index}: {batch.summary(listed)}" for batch in shown]  # seq ids: user data
+    if len(shown) < len(declared):
+        lines.append(
+            f"  ... {len(declared) - len(shown)} more passes (`tracedump ls --sequences` lists every one)"
+        )
+    console().print("\n".join(printable(line) for line in lines), markup=False)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -215,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list the runs and passes of a dump")
     ls.add_argument("dir", type=Path)
+    ls.add_argument(
+        "--sequences",
+        action="store_true",
+        help="list every sequence of every pass (by default a pass of many sequences is counted, and "
+        f"the first {LISTED_PASSES} passes are listed)",
+    )
     ls.set_defaults(func=cmd_ls)
     show = sub.add_parser("show", help="show the tensors of one pass file")
     show.add_argument("passfile", type=Path)

@@ -17,7 +17,7 @@ Stages, one module each, in the order a diff runs them (:mod:`.pipeline` drives 
   largest growth, the exit code; :mod:`.containers` says which upstream level explains a
   container's own outputs) and :mod:`.local` (a grafted dump: each module's own error);
 - :mod:`.results` (typed records, the ``--json`` schema) with :mod:`.report` (its settings block)
-  -> :mod:`.display` (the table), :mod:`.plot`, :mod:`.html`.
+  -> :mod:`.display` (the table), :mod:`.plot`, :mod:`.page`.
 
 :func:`compare` runs the pipeline from Python; nothing heavy is imported until it is called.
 """

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 from ..errors import ExitCode, UsageError
 from .results import DiffReport, TensorResult
 from .unshard import SideEntry
 
-LOW = 0.5  # below this fraction of the reference compared, the summary says so
+LOW = Fraction(1, 2)  # below this fraction of the reference compared, the summary says so
 
 
 def _stored_names(entry: SideEntry) -> tuple[str, ...]:
@@ -62,30 +63,50 @@ class CoverageCount:
             if result.error is not None or result.metrics is not None:
                 compared.update(self.read_by.get(result.index, ()))
         reference = self.reference | compared  # an @in a pair read counts, once read
-        fraction = len(compared) / len(reference) if reference else 0.0
+        fraction = exact(len(compared), len(reference))
         return {
             "compared": len(compared),
             "reference": len(reference),
-            "fraction": round(fraction, 4),
+            "fraction": round(float(fraction), 4),  # for the reader; every decision uses the counts
             "low": fraction < LOW,
         }
 
 
+def exact(compared: int, reference: int) -> Fraction:
+    """The covered fraction, exact: what ``--min-coverage`` and the "low" warning decide on (the
+    rounded ``fraction`` of the JSON would let 20000 of 20001 pass ``--min-coverage 1``)."""
+    return Fraction(compared, reference) if reference else Fraction(0)
+
+
+def _fraction_of(coverage: Mapping[str, Any]) -> Fraction:
+    return exact(int(coverage["compared"]), int(coverage["reference"]))
+
+
+def percent(coverage: Mapping[str, Any]) -> str:
+    """The covered share as printed, never more than it is: whole percents rounded down (199 of
+    200 is "99", never "100"), a share below 1 % with two significant digits, also rounded down."""
+    share = 100 * _fraction_of(coverage)
+    if share >= 1 or share == 0:
+        return str(share.numerator // share.denominator)
+    digits = 0
+    while share * 10**digits < 10:  # two significant digits, cut, not rounded
+        digits += 1
+    cut = Fraction(share.numerator * 10**digits // share.denominator, 10**digits)
+    return f"{float(cut):.{digits}f}".rstrip("0").rstrip(".")
+
+
 def line(coverage: Mapping[str, Any]) -> str:
     """``compared N of M reference tensors per step (K %)``: the first line of every report."""
-    percent = 100.0 * coverage["fraction"]
-    shown = f"{percent:.0f}" if percent >= 1 or percent == 0 else f"{percent:.2g}"
     counts = f"{coverage['compared']} of {coverage['reference']}"
-    return f"compared {counts} reference tensors per step ({shown} %)"
+    return f"compared {counts} reference tensors per step ({percent(coverage)} %)"
 
 
 def warnings(coverage: Mapping[str, Any]) -> list[str]:
     """What the summary adds when less than half of the reference was compared."""
     if not coverage.get("low"):
         return []
-    percent = 100.0 * coverage["fraction"]
     return [
-        f"warning: less than half of the reference (B) was compared ({percent:.0f} %): a clean verdict "
+        f"warning: less than half of the reference (B) was compared ({percent(coverage)} %): a clean verdict "
         "covers only that part (why the rest was not: not comparable, not aligned, only in B, below)"
     ]
 
@@ -114,8 +135,9 @@ def enforce(report: DiffReport, min_coverage: float | None) -> None:
     coverage = report.coverage
     if min_coverage is None or coverage is None or report.exit_code != ExitCode.OK:
         return
-    if coverage["fraction"] < min_coverage:
+    if _fraction_of(coverage) < Fraction(repr(min_coverage)):  # the decimal as typed, exactly
         report.notes.append(
-            f"coverage {100 * coverage['fraction']:.0f} % is below --min-coverage {min_coverage:g}: exit 2"
+            f"coverage {percent(coverage)} % ({coverage['compared']} of {coverage['reference']}) "
+            f"is below --min-coverage {min_coverage!r}: exit 2"
         )
         report.findings = replace(report.concluded, exit_code=ExitCode.USAGE)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from ..errors import DumpReadError
 from ..store.dtypes import BY_NAME
 from ..store.format import Key
 from ..store.sequences import token_dim
@@ -63,7 +64,7 @@ class Executor:
         self._tokens: int | None = None
         self._by_name: dict[str, PairPlan] = {}
         # each unit's pairs by A's name, in one walk over the plan (a walk per unit was quadratic
-        # in the passes: issue 34, defect 14)
+        # in the passes)
         self._units_by_name: dict[int, dict[str, PairPlan]] = {}
         for pair in plan.pairs:
             self._units_by_name.setdefault(pair.unit, {})[pair.a.name] = pair
@@ -107,6 +108,8 @@ class Executor:
                 return self._rows_pair(base, pair)
             stored = assemble(pair.a, views_a), assemble(pair.b, views_b)
             return self._tensor_pair(base, pair, stored, views_a, views_b)
+        except DumpReadError:
+            raise  # a tensor the diff cannot read: damaged input (exit 2), never a row
         except (ValueError, OSError, RuntimeError) as e:
             return replace(base, status="error", message=f"{type(e).__name__}: {e}")
 

@@ -367,6 +367,8 @@ class _Shadows:
         """(the measure to judge ``result`` by, or None; why not, when it has one it cannot use)."""
         measure = self.measures.get((result.pass_index, result.root, result.name))
         scope = (result.pass_index, result.root, owner)
+        if measure is not None and measure.unfit is not None:
+            return None, measure.unfit
         if measure is None or measure.logic is None or measure.rounding is None or measure.weights is None:
             return None, None
         if scope in self.routed_otherwise:

@@ -2,7 +2,8 @@
 
 A diff that exits 0 must not hide that one side holds less than it seems: a pass cut short by an
 exception or Ctrl-C (``truncated_passes``), a dump that stopped early (``complete: false`` with its
-``incomplete_reason``: a write error, a step that raised), the run-time ``errors`` it recorded, or
+``incomplete_reason``: a write error, a step that raised; or with none: a process killed, or a disk
+that filled, before the manifest was finalised), the run-time ``errors`` it recorded, or
 what the dumper flagged while running (``anomalies``: concurrent threads, compiled calls it could
 not see). Read from the manifests and
 pass-file metadata only; no tensor is touched.
@@ -44,10 +45,15 @@ def _incomplete(which: str, name: str, manifest: dict[str, Any]) -> list[str]:
     the files it dropped, and the run-time errors it recorded."""
     notes: list[str] = []
     reason = manifest.get("incomplete_reason")
-    if manifest.get("complete") is False and isinstance(reason, str) and reason:
+    if manifest.get("complete") is False:
         skipped = manifest.get("skipped")
         dropped = skipped.get("dropped_files") if isinstance(skipped, dict) else None
         lost = f" ({dropped} files dropped)" if isinstance(dropped, int) and dropped else ""
+        if not (isinstance(reason, str) and reason):  # the manifest was never finalised
+            reason = (
+                "its manifest was never finalised (complete: false, no reason): the process was "
+                "killed, or the disk filled, before the dump closed; it may hold less than it seems"
+            )
         notes.append(f"{which} {name}: the dump is incomplete{lost}: {reason}")
     errors = manifest.get("errors")
     if isinstance(errors, list):

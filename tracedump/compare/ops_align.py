@@ -25,7 +25,22 @@ from .unshard import SideEntry
 
 EXTRA_OP = "extra_op"  # the status of an op present in one run only
 
-_OP = re.compile(r"(?P<module>.+)/(?P<index>\d+):(?P<op>[^/]+)", re.S)
+# Ops whose output holds memory they never wrote (uninitialised: whatever the allocator handed out,
+# or a resize's new elements): two identical runs differ there, so they are never compared.
+ALLOCATION_OPS = frozenset(
+    {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
+    | {"resize_", "resize_as_"}
+)
+
+# ``<module>/<i>:<namespace>.<op>.<overload>`` as dump/ops.py writes it: ``i`` a decimal without
+# leading zeros, the op the three dotted identifiers torch names every op overload with
+# (``aten.mul.Tensor``, ``mylib.fused.default``). A module name cannot end so: a component holds no
+# ``.``, so ``x/3:aten.mul.Tensor`` would be three modules, the first named ``x/3:aten``; a
+# ``ModuleDict`` key such as ``block/1:conv`` stays a module's name.
+_IDENT = r"[A-Za-z_]\w*"
+_OP = re.compile(
+    rf"(?P<module>.*[^.])/(?P<index>0|[1-9]\d*):(?P<op>{_IDENT}\.{_IDENT}\.{_IDENT})", re.S | re.ASCII
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,8 @@ class OpAlignment:
     """The op pairs of one pass, the extra ops, and the op keys of calls only one run tapped."""
 
     pairs: list[tuple[SideEntry, SideEntry]] = field(default_factory=list)
+    # A's name of a pair -> why its values are not compared (an allocation op's output)
+    unwritten: dict[str, str] = field(default_factory=dict)
     extras: list[ExtraOp] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
@@ -136,6 +153,9 @@ def _align_call(module: str, group_a: _Group, group_b: _Group, out: OpAlignment)
                         out.extras.append(ExtraOp("A", entry_a, module, op_a[1], last_a))
                     else:
                         out.pairs.append((entry_a, entry_b))
+                        why = unwritten_reason(op_a[1])
+                        if why is not None:
+                            out.unwritten[entry_a.name] = why
                     last_a = entry_a.name
                 for path, entry_b in leaves_b.items():
                     if path not in leaves_a:
@@ -148,6 +168,15 @@ def _align_call(module: str, group_a: _Group, group_b: _Group, out: OpAlignment)
         for op_b in ops_b[b0:b1]:  # insert, replace: nor have B's
             for entry_b in group_b[op_b].values():
                 out.extras.append(ExtraOp("B", entry_b, module, op_b[1], last_a))
+
+
+def unwritten_reason(op: str) -> str | None:
+    """Why the output of ``op`` (``aten.empty_like.default``) is not compared: an allocation op
+    returns memory it did not write; None for any other op."""
+    name = op.split(".")[1] if op.count(".") >= 2 else op
+    if name not in ALLOCATION_OPS:
+        return None
+    return f"{op} allocates its output without writing it (uninitialised memory): never compared"
 
 
 def suggest_ops(name: str, dumped: Mapping[str, object] | None = None) -> str | None:

@@ -288,7 +288,7 @@ def run(options: DiffOptions) -> int:
         if options.plot_path is not None:
             write_plot(report, options.plot_path)
         if options.html_path is not None:
-            from .html import write_html  # only here: a diff without --html never imports it
+            from .page import write_html  # only here: a diff without --html never imports it
 
             write_html(report, options.html_path, doc)
     except OSError as e:

@@ -426,6 +426,8 @@ def _with_ops(
         placed.append((at, len(placed), planned))
     for entry_a, entry_b in alignment.pairs:
         planned = _pair(unit, entry_a, entry_b, options, precisions)
+        if entry_a.name in alignment.unwritten:  # an allocation op's output: nothing it wrote
+            planned = replace(planned, kind="not_comparable", message=alignment.unwritten[entry_a.name])
         placed.append((position[entry_a.name], len(placed), planned))
     for extra in alignment.extras:
         if extra.side == "A":

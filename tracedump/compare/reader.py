@@ -15,13 +15,15 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..store.dtypes import BITS_STORED, NUMPY_STORAGE, TORCH_WIDENED
+from ..errors import DumpReadError
+from ..store.dtypes import BITS_STORED, BY_NAME, NUMPY_STORAGE, TORCH_WIDENED
 from ..store.format import dtype_name
 from ..store.loader import SafetensorsHeader
 
@@ -60,7 +62,7 @@ class GatheredRows(Stored):
 
     Why: joining the parts copies every byte once more; the comparison reads each part where it
     lies instead (:func:`tracedump.compare.metrics.compare_by_row`), and the joined ``array`` is
-    made only when something else asks for it (docs/performance.md, issue 35: ``--align tokens``).
+    made only when something else asks for it (docs/performance.md: the comparator).
     Every part has the same trailing shape and storage dtype."""
 
     def __init__(self, parts: Sequence[np.ndarray], dtype: str) -> None:
@@ -142,6 +144,20 @@ def last_row_cut(stored: Stored, dim: int) -> Stored:
     return Stored(stored.array[(slice(None),) * dim + (slice(-1, None),)], stored.dtype)
 
 
+def _stored_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the numpy storage of a tensor of ``shape``: complex64 as (real, imag) float32
+    pairs; a sub-byte dtype (float6) as its bytes, along the last dim where each row fills whole
+    bytes, else flat."""
+    if dtype == "complex64":
+        return (*shape, 2)
+    bits = BY_NAME[dtype].bits if dtype in BY_NAME else None
+    if bits:
+        if shape and shape[-1] * bits % 8 == 0:
+            return (*shape[:-1], shape[-1] * bits // 8)
+        return (math.prod(shape) * bits // 8,)
+    return shape
+
+
 class SafetensorsMap:
     """One safetensors file, described by its header: data mapped on first access, views handed out."""
 
@@ -150,21 +166,50 @@ class SafetensorsMap:
         self._map: mmap.mmap | None = None
 
     def array(self, name: str) -> Stored:
+        """The tensor's values, a read-only view of the mapped file. A tensor the diff cannot read
+        (a dtype it does not know, bytes no longer in the file) is a DumpReadError naming the file
+        and the tensor (exit 2): damaged input, never a row that reads as "diverged"."""
         stored = self.header.tensors[name]
         dtype, shape = stored.info.dtype, stored.info.shape
         numpy_dtype = _STORAGE.get(dtype)
         if numpy_dtype is None:
-            raise ValueError(f"{self.header.path}: tensor {name!r} has dtype {dtype}, which diff cannot read")
-        if dtype == "complex64":
-            shape = (*shape, 2)  # (real, imag) float32 pairs
+            raise DumpReadError(
+                f"{self.header.path}: tensor {name!r} has dtype {dtype}, which tracedump cannot read"
+            )
+        shape = _stored_shape(dtype, shape)
         count = math.prod(shape)
         if count == 0:
             return Stored(np.empty(shape, numpy_dtype), dtype)
-        if self._map is None:
-            with self.header.path.open("rb") as handle:
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        view = np.frombuffer(self._map, numpy_dtype, count, stored.begin)
+        mapped = self._mapped()
+        now = min(len(mapped), mapped.size())  # size(): the file's, now (a page past it is a SIGBUS)
+        if now < stored.end:  # cut short since its header was read, or since it was mapped
+            raise DumpReadError(
+                f"{self.header.path}: tensor {name!r} ends at byte {stored.end}, but the file now "
+                f"has {now} bytes (truncated while being read)"
+            )
+        view = np.frombuffer(mapped, numpy_dtype, count, stored.begin)
         return Stored(view.reshape(shape), dtype)
+
+    def _mapped(self) -> mmap.mmap:
+        """The file mapped whole, once; a file shorter than its header says is refused here, before
+        any page is touched (a page past the end of a mapped file is a SIGBUS, not an error)."""
+        if self._map is None:
+            path = self.header.path
+            try:
+                with path.open("rb") as handle:
+                    size = os.fstat(handle.fileno()).st_size
+                    needed = max((t.end for t in self.header.tensors.values()), default=0)
+                    if size < needed:
+                        raise DumpReadError(
+                            f"{path}: the file has {size} bytes but its header describes {needed} "
+                            "(truncated while being read)"
+                        )
+                    self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                if isinstance(e, DumpReadError):
+                    raise
+                raise DumpReadError(f"{path}: cannot read its tensors ({e})") from e
+        return self._map
 
     def close(self) -> None:
         """Drop the map. Views handed out keep it alive until they are gone (numpy holds a reference)."""

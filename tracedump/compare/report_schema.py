@@ -1,18 +1,17 @@
-"""The ``--json`` report as a typed model: what :meth:`.results.DiffReport.to_json` writes, once.
+"""The ``--json`` report as one typed model: it writes the JSON, and the schema comes from it.
 
-Why a model beside the dict-building ``to_json`` rather than ``to_json`` through the model: a
-report of 30 000 pairs is built in about a second as plain dicts; validating each record through
-pydantic would add several. So the report is written as before, and this model *describes* it:
-``tests/test_report_schema.py`` validates real reports (every status, stats pairs, per-token
-records, a bridge, ``--align tokens``) against it with unknown keys refused, so a key added to
-``to_json`` and not here fails a test; docs/report-schema.md is the JSON schema generated from it
-(``tools/report_schema_gen.py``; a test checks the doc is up to date).
+:meth:`.results.DiffReport.to_json` gathers the report's records as plain dicts and hands them to
+:func:`written`, which validates them through :class:`Report` (unknown keys refused) and dumps the
+model: a key the model does not list can never reach a report, and the schema in
+docs/report-schema.md (generated from the same model by ``tools/docs_gen.py``; ``make lint`` and
+``tests/test_report_schema.py`` fail when it is stale) lists every key a report can hold, the
+grafted run's ``local``, ``grafted_at`` and ``not_grafted`` included.
 
-To add a field (a summary count, a tensor record's key): add it to ``to_json`` and here, with a
-description, and regenerate the doc. Optional keys (written only when they apply) default to
-``None`` here and are marked "absent when ..." in their description.
-
-Imported by the tests and the doc generator only: a diff never imports pydantic for its report.
+To add a field (a summary count, a tensor record's key): add it to the record's dict in
+:mod:`.results` and to its class here, with a description, and regenerate the doc. Optional keys
+(written only when they apply) default to ``None`` here and are marked "absent when ..." in their
+description; what was not given is not written (``exclude_unset``), so a report keeps exactly the
+keys its records hold, in the model's order.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .status import Status
 
@@ -84,7 +83,6 @@ class TensorRecord(_Record):
     atol: float | None
     tolerance_source: str
     status: Status
-    basis: str | None = Field(description="how the threshold was set: upstream | baseline | fixed | routing")
     root: str | None = Field(None, description="absent unless several roots are compared")
     sequence: str | None = Field(
         None,
@@ -95,16 +93,32 @@ class TensorRecord(_Record):
     unshard: UnshardRecord | None = Field(None, description="absent unless a side was joined")
     bridge: str | None = Field(None, description="how the bridge paired it; absent: by name")
     paired_by: Literal["load", "name", "weights", "structure", "rule", "map"] | None = Field(
-        None, description="what proves the pair (docs/comparator.md); absent for an op pair (OPS)"
+        None,
+        description="the evidence that paired it (docs/comparator.md, 'How two runs are paired'); "
+        "absent for an op pair (OPS)",
     )
-    pairing: str | None = Field(None, description="what the pairing saw beside it: classes, weights")
+    pairing: str | None = Field(
+        None, description="what the pairing saw beside the pair: two classes, what the weights say"
+    )
     message: str | None = Field(None, description="absent when there is nothing to say")
+    basis: str | None = Field(description="how the threshold was set: upstream | baseline | fixed | routing")
     level_before: str | None = Field(None, description="absent unless judged by the level before it")
     noise: JsonNumber | None = Field(None, description="--baseline: err(C, B); absent otherwise")
     x_noise: JsonNumber | None = Field(None, description="--baseline: the error over the noise")
-    per_token: PerTokenRecord | None = Field(None, description="absent for a tensor with no token dim")
     after_flip: AfterFlipRecord | None = Field(
         None, description="absent unless downstream of a near-tie flip"
+    )
+    per_token: PerTokenRecord | None = Field(None, description="absent for a tensor with no token dim")
+    local: bool | None = Field(
+        None,
+        description="a grafted A (GRAFT_FROM): judged by its own module's error (true) or as in an "
+        "ungrafted diff (false); absent unless A was grafted",
+    )
+    grafted_at: str | None = Field(
+        None, description="a grafted A: the grafted module it is or lies inside; absent otherwise"
+    )
+    not_grafted: str | None = Field(
+        None, description="a grafted A: why its call kept its own inputs; absent when it was grafted"
     )
 
 
@@ -232,6 +246,17 @@ class Report(_Record):
     only_in_b: list[UnmatchedRecord]
 
 
+_REPORT = TypeAdapter(Report)
+
+
+def written(doc: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` document of a report's records (``doc``, plain dicts): validated through
+    :class:`Report` (a key it does not list, a value of the wrong type: a ValueError, a bug of the
+    writer) and dumped from it, the keys ``doc`` holds only, in the model's order."""
+    model = _REPORT.validate_python(doc)
+    return _REPORT.dump_python(model, mode="json", by_alias=True, exclude_unset=True)
+
+
 def schema() -> dict[str, Any]:
     """The JSON schema of the ``--json`` report (by alias: ``pass``, not ``pass_``)."""
     return Report.model_json_schema(by_alias=True)
@@ -242,9 +267,9 @@ def schema_markdown() -> str:
     statuses = ", ".join(f"`{s.value}` ({s.text})" for s in Status)
     return (
         "# The `--json` report's schema\n\n"
-        "Generated from `tracedump/compare/report_schema.py` by `tools/report_schema_gen.py`; do not\n"
-        "edit by hand (`tests/test_report_schema.py` fails when it is out of date, and validates real\n"
-        "reports against the model with unknown keys refused). What each field means:\n"
+        "Generated from `tracedump/compare/report_schema.py`, the model that writes every `--json`\n"
+        "report, by `python tools/docs_gen.py`; do not edit by hand (`make lint` and\n"
+        "`tests/test_report_schema.py` fail when it is out of date). What each field means:\n"
         "[comparator.md](comparator.md#json-report---json). NaN and infinities are the strings\n"
         '`"nan"`, `"inf"`, `"-inf"`: the file is strict JSON.\n\n'
         "Statuses of a pair (`Status`, `tracedump/compare/status.py`, shared by the table, the JSON\n"

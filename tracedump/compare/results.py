@@ -1,4 +1,5 @@
-"""Typed output records of a diff, each with its JSON form (the ``--json`` schema lives here).
+"""Typed output records of a diff, each with its JSON record (the ``--json`` model that writes them
+and its schema: :mod:`.report_schema`).
 
 Statuses of a tensor pair:
 
@@ -64,7 +65,7 @@ def strict_json(value: Any) -> Any:
 
     For what the report copies from files it did not write: a manifest may hold ``NaN`` or
     ``Infinity`` (Python's json reads them), and ``--json`` writes strict JSON, which has neither
-    (defect 6 of issue 34: the whole report was lost to "Out of range float values")."""
+    (one such value once lost the whole report to "Out of range float values")."""
     if isinstance(value, float):
         return json_number(value)
     if isinstance(value, dict):
@@ -465,6 +466,13 @@ class DiffReport:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document, written by its typed model (:func:`.report_schema.written`)."""
+        from .report_schema import written
+
+        return written(self.records())
+
+    def records(self) -> dict[str, Any]:
+        """The report's records as plain dicts, before the model validates and writes them."""
         return {
             "a": self.a["path"],
             "b": self.b["path"],

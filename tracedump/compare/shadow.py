@@ -13,7 +13,10 @@ measures, with the pair's own pairing (bridge splits, unsharding, last-row cuts)
   largest of its draws);
 - ``routed_otherwise``: an integer tensor (a router's top-k) of the shadow that differs from the
   reference's: the shadow took other experts at a near-tie, so what follows in that grafted
-  module is not judged by the shadow.
+  module is not judged by the shadow;
+- ``unfit``: a shadow whose shape or kind of dtype is not its tensor's (a transposed or hand-made
+  ``shadow~KEY``) is not used, never compared element by element: the tensor is judged as if it
+  had no shadow, by the counting rule, with this reason.
 
 The judging itself is :func:`.verdict.judge_with_shadow`, called from :mod:`.local`.
 """
@@ -24,11 +27,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..store.dtypes import BY_NAME
 from ..store.format import SHADOW_NOISE_PREFIX, SHADOW_PREFIX
 from .bridge import Matcher
 from .metrics import compare_arrays
 from .options import DiffOptions
 from .plan import PairPlan, build_plan
+from .reader import Stored
 from .sources import PassView, Side
 from .unshard import SideEntry, assemble
 
@@ -43,6 +48,7 @@ class ShadowMeasure:
     logic: tuple[float, float] | None = None  # the shadow vs the reference
     weights: tuple[float, float] | None = None  # the shadow vs itself with the weights moved
     routed_otherwise: bool = False  # an integer tensor of the shadow differs from the reference's
+    unfit: str | None = None  # why the shadow is not used: its shape or dtype is not the tensor's
 
 
 def _renamed(entry: SideEntry, prefix: str) -> SideEntry:
@@ -73,15 +79,36 @@ def _weights(entry: SideEntry, views: list[PassView]) -> tuple[float, float] | N
     return (float(largest[0]), float(largest[1]))
 
 
+def _kind(stored: Stored) -> str:
+    """What kind of values a tensor holds: a float shadow stands for a float tensor of any width,
+    an integer shadow (a router's top-k) for an integer tensor only."""
+    known = BY_NAME.get(stored.dtype)
+    if known is not None:
+        return "exact" if known.integer else known.kind
+    return "exact" if np.issubdtype(stored.array.dtype, np.integer) or stored.array.dtype == bool else "float"
+
+
+def _unfit(run: Stored, shadow: Stored) -> str | None:
+    """Why ``shadow`` cannot stand for ``run`` (None when it can): another shape, or another kind."""
+    if shadow.shape != run.shape:
+        return f"its shadow's shape {list(shadow.shape)} is not the tensor's {list(run.shape)}"
+    if _kind(shadow) != _kind(run):
+        return f"its shadow's dtype {shadow.dtype} does not fit the tensor's {run.dtype}"
+    return None
+
+
 def _measure(pair: PairPlan, views_a: list[PassView], views_b: list[PassView]) -> ShadowMeasure | None:
     if pair.kind != "tensor" or not _has(pair.a, SHADOW_PREFIX, views_a):
         return None
     shadow = assemble(_renamed(pair.a, SHADOW_PREFIX), views_a)
+    run = assemble(pair.a, views_a)
+    unfit = _unfit(run, shadow)
+    if unfit is not None:
+        return ShadowMeasure(unfit=unfit)
     reference = assemble(pair.b, views_b)
-    if np.issubdtype(shadow.array.dtype, np.integer) or shadow.dtype.startswith(("int", "uint", "bool")):
+    if _kind(shadow) == "exact":
         same = shadow.array.shape == reference.array.shape and np.array_equal(shadow.array, reference.array)
         return ShadowMeasure(routed_otherwise=not same)
-    run = assemble(pair.a, views_a)
     return ShadowMeasure(
         rounding=_pair_of(compare_arrays(run, shadow)),
         logic=_pair_of(compare_arrays(shadow, reference)),

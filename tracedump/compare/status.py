@@ -1,8 +1,8 @@
 """The one list of a tensor pair's statuses, read by the table, the JSON report and the page.
 
 Each status once, with what the terminal and the page print for it and whether it makes the exit
-code 1. Before issue 34 the table, the page and the JSON each kept their own copies of these
-lists, and the page's had drifted from the JSON's. A ``str`` enum: ``Status.OK == "ok"`` and
+code 1. Kept once because copies of these lists in the table, the page and the JSON had
+drifted apart. A ``str`` enum: ``Status.OK == "ok"`` and
 ``json.dumps`` writes ``"ok"``, so the JSON's values stay exactly the strings they always were.
 Imports nothing (the comparator's hot path and ``tracedump ls`` never pay for it).
 """

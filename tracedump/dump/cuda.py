@@ -26,7 +26,7 @@ _NO_CUDA_BUILD = not torch.backends.cuda.is_built()
 # Below this many bytes a capture is a ``clone()`` (one op; the allocator hands back memory it
 # freed a moment ago), above it a copy into a recycled buffer (a fresh large allocation page-faults
 # on every page). Measured on the bench machine: clone 1.6 µs and pool 3-5 µs at 8 KiB, the same
-# at 256 KiB, clone 1.7x slower at 4 MiB (docs/performance.md, issue 35).
+# at 256 KiB, clone 1.7x slower at 4 MiB (docs/performance.md).
 POOLED_FROM_BYTES = 512 << 10
 
 

@@ -252,7 +252,7 @@ class Recorder(PassMachine):
         output's call number, counted by :meth:`on_module_tensors`.
 
         Inside a forward each Python frame and torch call of a capture costs ~10x its tight-loop
-        time (the forward evicts the interpreter's working set; docs/performance.md, issue 35), so
+        time (the forward evicts the interpreter's working set; docs/performance.md), so
         per tensor this path makes two calls (the sink's check and copy; a third for last_row's
         cut) and adds the entry in place: no mode test or leaf path, the call counted once, and
         the memory cap consulted only when the pass outgrows the room it had (:attr:`Pass.room`).
@@ -286,7 +286,7 @@ class Recorder(PassMachine):
         statistic asked for (:func:`~tracedump.dump.reduce.sweep_plan`). In the forward, only what
         needs the live tensor: the sweep, the call counted once, the capture's order; its record
         and the sums' rounding are made by the writer thread (``StatsJob``), since in the forward
-        each Python step costs ~10x its tight-loop time (docs/performance.md, issue 35, stats).
+        each Python step costs ~10x its tight-loop time (docs/performance.md, unit costs).
         A tensor the sweep cannot take (another dtype or device, a NaN or Inf) goes to
         :meth:`_keep_stats`. The same records, in the same order, as :meth:`_capture_module`, which
         takes the rare cases, as for :meth:`_copy_leaves`. ``call``: as there."""

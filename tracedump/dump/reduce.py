@@ -233,7 +233,7 @@ def sweep(x: torch.Tensor, recipe: _StatsRecipe) -> Swept | None:
     (a fraction of those kernels' time over a pass of the bench model, AVX-512 and AVX2 alike:
     docs/performance.md). Only what must see the live tensor happens here, in the host's forward:
     the rounding and scaling (:func:`swept_numbers`) wait for the writer thread, as in the forward
-    each Python step costs ~10x its tight-loop time (docs/performance.md, issue 35, stats)."""
+    each Python step costs ~10x its tight-loop time (docs/performance.md, unit costs)."""
     if recipe.sweep is None or type(x) is not torch.Tensor or x.dtype is not torch.float32:
         return None
     if not x.is_cpu or not x.is_contiguous() or x.is_neg():
@@ -351,7 +351,7 @@ def stats_values(
 ) -> tuple[list[str], torch.Tensor | list[float], dict[str, object]]:
     """:func:`compute_stats` for the recorder: statistics the C sweep computed stay Python floats
     (float64, the same values), since in the forward a ``torch.tensor`` of four floats costs
-    13-16 µs (docs/performance.md, issue 35); those torch computed are its float64 vector, on the
+    13-16 µs (docs/performance.md); those torch computed are its float64 vector, on the
     tensor's device, as :func:`compute_stats` returns them. ``use_sweep=False``: torch's reductions
     only (the caller's sweep already refused the tensor: a NaN or an Inf in it)."""
     source = tensor.detach()

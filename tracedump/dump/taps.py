@@ -168,7 +168,7 @@ def _rebuild_call(tensors: list[torch.Tensor], paths: str) -> tuple[tuple[Any, .
 @functools.lru_cache(maxsize=65536)
 def _parsed(key: str) -> tuple[int, str, str, str]:
     """A tap's key taken apart: ``(serial, kind, name, paths)``. Cached: each key is a constant of
-    its graph, met again at every step (docs/performance.md, issue 35: the compiled path)."""
+    its graph, met again at every step (docs/performance.md: compiled models)."""
     serial, kind, name, paths = key.split(FIELD, 3)
     return int(serial), kind, name, paths
 

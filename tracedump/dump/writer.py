@@ -170,7 +170,7 @@ def _yield_cpu_to_host() -> None:
     Why: torch keeps every core busy during a forward, and its intra-op threads meet at a barrier
     after each parallel op, so a writer thread that takes a core from one of them stalls them all
     (at the host's priority, back-to-back steps of the bench model ran far slower while the
-    writer worked beside them: docs/performance.md, issue 14); at nice 19 it mostly waits for idle
+    writer worked beside them: docs/performance.md); at nice 19 it mostly waits for idle
     time (between steps, or while the host waits on the memory cap or a flush, when it runs at
     full speed), and
     :meth:`Writer.host_busy` makes it wait outright while such a forward runs. Nothing is dropped:
@@ -209,7 +209,7 @@ class Writer:
         # What the writer thread waits for now: "work" (an empty queue), "host" (an idle host, see
         # host_busy), None (it runs). The host wakes it only for what it waits for: a thread woken
         # for nothing still costs the host a context switch and a GIL hand-off on its cores, once
-        # per step (issue 35; docs/performance.md has what the per-step work measured).
+        # per step (docs/performance.md has what the per-step work measured).
         self._writer_waits: str | None = None
         self._cond = threading.Condition()
         self._closing = False
@@ -272,7 +272,7 @@ class Writer:
         Why the writer holds back then: torch's intra-op threads meet at a barrier after each
         parallel op, and a writer that takes a core from one of them stalls them all; at nice 19
         it still got that core often enough to slow back-to-back steps of the bench model
-        markedly (docs/performance.md, issue 14, second round). Written between forwards instead,
+        markedly (docs/performance.md). Written between forwards instead,
         the same bytes cost what they cost on their own. The host never waits for this: a pass
         waits in the queue, and the writer goes on at once when the host waits on it (the cap, a
         flush, exit), and once a pass has waited :data:`MAX_HOLD_BACK_S` since it was queued it

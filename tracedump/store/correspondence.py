@@ -4,16 +4,27 @@ Written once per run dir, at ``attach()`` (every dumped model: its parameters) a
 that loads the checkpoint itself (the vLLM plugin), again after the load with what each parameter
 was filled from. Read by the comparator (:mod:`tracedump.compare.correspondence`) to pair two
 module trees with no rule file. Plain JSON, no torch.
+
+A reader cannot trust the file (a dump may come from another machine, a damaged disk or a hand):
+it is read like a manifest, bounded and non-blocking (:func:`~tracedump.store.jsonio.read_limited`),
+and validated by one typed model, one class per part of the record (:class:`ParameterEntry`,
+:class:`SourceEntry`, :class:`LoadEntry`, :class:`TensorParallel`), so a wrong value is one
+:class:`~tracedump.errors.DumpReadError` naming the file and the field (``diff`` exits 2), never an
+internal error in the pairing. A field added to a part is added to its class here.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from ..errors import DumpReadError
 from . import fsio
+from .jsonio import LimitError, loads, read_limited, validated
 
 CORRESPONDENCE_FILE = "correspondence.json"
 CORRESPONDENCE_VERSION = 1
@@ -76,16 +87,9 @@ class Correspondence:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Correspondence:
-        tp = data.get("tensor_parallel") or {}
-        return cls(
-            parameters=dict(data.get("parameters") or {}),
-            sources=dict(data.get("sources") or {}),
-            loads=[Load(**raw) for raw in data.get("loads") or []],
-            tp_rank=int(tp.get("rank", 0)),
-            tp_size=int(tp.get("size", 1)),
-            failures=[str(f) for f in data.get("failures") or []],
-        )
+    def from_json(cls, data: Any) -> Correspondence:
+        """The record of parsed JSON, validated (:func:`parse_correspondence`)."""
+        return parse_correspondence(data, CORRESPONDENCE_FILE)
 
 
 FINGERPRINT_RTOL = 1e-2  # a checkpoint tensor loaded in another dtype (bf16 from fp32) still matches
@@ -134,15 +138,126 @@ def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), default=str)
 
 
+# ------------------------------------------------------------------ the typed reader
+
+MAX_CORRESPONDENCE_BYTES = 1 << 28  # 256 MiB, as a manifest: a large model's record is a few MB
+MAX_INDEX = 2**63 - 1  # a row, a dim, a size
+MAX_RANK = 2**31 - 1
+MAX_DIMS = 64  # dims of a shape or a region
+MAX_FINGERPRINT = 64  # values of a fingerprint (tracedump writes 8)
+
+Index = Annotated[int, Field(ge=0, le=MAX_INDEX)]
+Number = float | Literal["nan", "inf", "-inf"]  # NaN / Infinity / 1e400 are read as these strings
+Shape = Annotated[list[Index], Field(max_length=MAX_DIMS)]
+Fingerprint = Annotated[list[Number], Field(max_length=MAX_FINGERPRINT)]
+Span = Annotated[list[Index], Field(min_length=2, max_length=2)]  # [start, stop]
+RowRun = Annotated[list[Index], Field(min_length=3, max_length=3)]  # [param_row, source_row, count]
+
+
+class _Part(BaseModel):
+    """A part of the record: strictly typed fields, unknown keys let through (a minor version
+    only adds), never used by the pairing."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ParameterEntry(_Part):
+    """``parameters[name]``: one parameter of the dumped model (``dump/weights.py``)."""
+
+    module: str | None = None
+    shape: Shape | None = None
+    dtype: str | None = None
+    fingerprint: Fingerprint | None = None
+    same_as: str | None = None  # a shared parameter: the first name that holds it
+
+
+class SourceEntry(_Part):
+    """``sources[name]``: one checkpoint tensor an engine's load read (``integrations/vllm_load.py``)."""
+
+    shape: Shape | None = None
+    dtype: str | None = None
+    fingerprint: Fingerprint | None = None
+
+
+class LoadEntry(_Part):
+    """``loads[i]``: one ``weight_loader`` call (:class:`Load`)."""
+
+    param: str
+    source: str
+    shard: str | None = None
+    expert: Annotated[int, Field(ge=-MAX_RANK, le=MAX_RANK)] | None = None
+    region: Annotated[list[Span], Field(max_length=MAX_DIMS)] | None = None
+    rows: list[RowRun] | None = None
+    cols: Span | None = None
+
+
+class TensorParallel(_Part):
+    """``tensor_parallel``: the worker's rank in its group of ``size``."""
+
+    rank: Annotated[int, Field(ge=0, le=MAX_RANK)] = 0
+    size: Annotated[int, Field(ge=1, le=MAX_RANK + 1)] = 1
+
+
+class CorrespondenceFile(_Part):
+    """``correspondence.json``, every part typed (docs/file-format.md has each one's meaning)."""
+
+    version: Annotated[int, Field(ge=0, le=MAX_RANK)] | None = None
+    parameters: dict[str, ParameterEntry] = {}
+    sources: dict[str, SourceEntry] = {}
+    loads: list[LoadEntry] = []
+    tensor_parallel: TensorParallel = TensorParallel()
+    failures: list[str] = []
+
+
+_ADAPTER = TypeAdapter(CorrespondenceFile)
+_LOAD_FIELDS = frozenset(f.name for f in fields(Load))
+
+
+def _entry(part: _Part) -> dict[str, Any]:
+    """A parameter's or source's entry as the pairing reads it: the keys written (None dropped),
+    the fingerprint as floats (``"nan"`` read back as a float NaN)."""
+    entry = part.model_dump(exclude_none=True)
+    if "fingerprint" in entry:
+        entry["fingerprint"] = [float(v) for v in entry["fingerprint"]]
+    return entry
+
+
+def parse_correspondence(data: Any, path: Path | str) -> Correspondence:
+    """The record of parsed JSON ``data`` read from ``path``; a DumpReadError names the field."""
+    if not isinstance(data, dict):
+        raise DumpReadError(f"{path}: not a JSON object")
+    model: CorrespondenceFile = validated(
+        _ADAPTER.validate_python, data, lambda line: DumpReadError(f"{path}: {line}")
+    )
+    return Correspondence(
+        parameters={name: _entry(entry) for name, entry in model.parameters.items()},
+        sources={name: _entry(entry) for name, entry in model.sources.items()},
+        loads=[
+            Load(**{k: v for k, v in load.model_dump().items() if k in _LOAD_FIELDS}) for load in model.loads
+        ],
+        tp_rank=model.tensor_parallel.rank,
+        tp_size=model.tensor_parallel.size,
+        failures=list(model.failures),
+    )
+
+
 def read_correspondence(run_dir: Path) -> Correspondence | None:
-    """The run dir's record, or None when it has none (a dump written before it existed) or it
-    cannot be read (then the diff falls back to rule files)."""
+    """The run dir's record, or None when it has none (a dump written before it existed: the diff
+    falls back to rule files). A file that is there but cannot be read (not a regular file, over
+    :data:`MAX_CORRESPONDENCE_BYTES`, not JSON, a field of the wrong type) is a DumpReadError
+    naming the file and the field: the pairing never guesses from half a record."""
     path = Path(run_dir) / CORRESPONDENCE_FILE
-    try:
-        data = json.loads(path.read_text())
-        return Correspondence.from_json(data) if isinstance(data, dict) else None
-    except (OSError, ValueError, TypeError):
+    if not (path.exists() or path.is_symlink()):
         return None
+    try:
+        data = loads(read_limited(path, MAX_CORRESPONDENCE_BYTES))
+    except OSError as e:
+        raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
+    except LimitError as e:
+        raise DumpReadError(f"{path}: {e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
+    return parse_correspondence(data, path)
 
 
 # ------------------------------------------------------------------ counterparts (grafting)

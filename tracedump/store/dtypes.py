@@ -25,6 +25,7 @@ class DType:
     code: str | None = None  # safetensors dtype code; None: no storage dtype (tfloat32)
     disk_rank: int | None = None  # safetensors' on-disk order (its Dtype enum, descending): 0 first
     bytes: int | None = None  # bytes per element as stored (float4_e2m1fn_x2: a pair of values a byte)
+    bits: int | None = None  # bits per element of a sub-byte dtype (float6: 6, four values in 3 bytes)
     storage: str | None = None  # numpy dtype of the stored values (bit patterns where numpy has none)
     torch_widens: bool = False  # stored as bits, made numbers by torch (the fp8s); float4 stays bytes
     precision_rank: int | None = None  # 0: most precise; None: no tolerance of its own (ints, scales)
@@ -116,7 +117,12 @@ DTYPES: tuple[DType, ...] = (
     # power-of-two scales (MX formats): a value is an exponent alone
     _fp8("float8_e8m0fnu", "F8_E8M0", 13, 1),
     # torch cannot widen it: kept as its byte values, compared bitwise (any difference diverges)
-    DType(name="float4_e2m1fn_x2", kind="packed", significand_bits=2, code="F4", disk_rank=18, bytes=1,
+    DType(name="float4_e2m1fn_x2", kind="packed", significand_bits=2, code="F4", disk_rank=20, bytes=1,
+          storage="uint8"),
+    # MX float6 (no torch dtype): its packed bytes, compared bitwise as float4's are
+    DType(name="float6_e3m2fn", kind="packed", significand_bits=3, code="F6_E3M2", disk_rank=18, bits=6,
+          storage="uint8"),
+    DType(name="float6_e2m3fn", kind="packed", significand_bits=4, code="F6_E2M3", disk_rank=19, bits=6,
           storage="uint8"),
     # as (real, imag) float32 pairs: twice the values, each compared as a float
     DType(name="complex64", kind="complex", significand_bits=24, code="C64", disk_rank=3, bytes=8,
@@ -129,7 +135,7 @@ DTYPES: tuple[DType, ...] = (
     _int("int16", "I16", 10, 2),
     _int("int8", "I8", 16, 1),
     _int("uint8", "U8", 17, 1),
-    DType(name="bool", kind="bool", significand_bits=1, code="BOOL", disk_rank=19, bytes=1, storage="bool"),
+    DType(name="bool", kind="bool", significand_bits=1, code="BOOL", disk_rank=21, bytes=1, storage="bool"),
 )
 # fmt: on
 
@@ -146,6 +152,8 @@ CODES_ON_DISK_ORDER: dict[str, str] = {d.code: d.name for d in _STORED if d.code
 ELEMENT_BYTES: dict[str, int] = {
     d.code: d.bytes for d in _STORED if d.code is not None and d.bytes is not None
 }
+# safetensors code -> bits per element, for the codes of less than a byte an element (float6)
+ELEMENT_BITS: dict[str, int] = {d.code: d.bits for d in _STORED if d.code is not None and d.bits is not None}
 NUMPY_STORAGE: dict[str, str] = {d.name: d.storage for d in DTYPES if d.storage is not None}
 BITS_STORED: frozenset[str] = frozenset(d.name for d in DTYPES if d.bits_stored)
 TORCH_WIDENED: frozenset[str] = frozenset(d.name for d in DTYPES if d.torch_widens)

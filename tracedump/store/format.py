@@ -326,7 +326,7 @@ class Manifest(TypedDict, total=False):
     module_classes: dict[str, str]  # 1.1: each captured module name (and shared alias) -> class qualname
     shared_modules: dict[str, list[str]]  # 1.1: a module with several names -> the names it is dumped under
     precision: dict[str, Any]
-    attention: dict[str, Any]  # optional (issue 33): {"causal", "causal_modules", "not_causal"}
+    attention: dict[str, Any]  # optional (older dumps lack it): {"causal", "causal_modules", "not_causal"}
     pid: int
     rank: int
     world_size: int

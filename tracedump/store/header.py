@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, with_config
 from typing_extensions import TypedDict  # pydantic needs it, not typing's, before Python 3.12
 
 from ..errors import DumpReadError
-from .dtypes import CODES_ON_DISK_ORDER, ELEMENT_BYTES
+from .dtypes import CODES_ON_DISK_ORDER, ELEMENT_BITS, ELEMENT_BYTES
 from .format import FORMAT_KEY, ORDER_KEY, SEQ_KEY, check_format
 from .jsonio import LimitError, loads, validated
 
@@ -157,7 +157,11 @@ def _stored_tensor(entry: HeaderEntry, data_start: int) -> StoredTensor:
             raise ValueError(f"an F4 tensor of shape {list(shape)} does not fill whole bytes")
         shape = (*shape[:-1], shape[-1] // 2)
     begin, end = entry["data_offsets"]
-    if not begin <= end or (width and end - begin != math.prod(shape) * width):
+    bits = ELEMENT_BITS.get(raw)  # float6: four values in three bytes, the whole tensor in whole bytes
+    if bits and math.prod(shape) * bits % 8:
+        raise ValueError(f"a {raw} tensor of shape {list(shape)} does not fill whole bytes")
+    nbytes = math.prod(shape) * bits // 8 if bits else math.prod(shape) * width
+    if not begin <= end or ((width or bits) and end - begin != nbytes):
         raise ValueError(f"data_offsets {[begin, end]} do not hold a {raw} tensor of shape {list(shape)}")
     return StoredTensor(TensorInfo(shape, name), data_start + begin, data_start + end)
 

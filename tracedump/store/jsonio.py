@@ -1,7 +1,7 @@
 """Reading what someone else could have written: bounded bytes, strict JSON, one-line errors.
 
 Every file tracedump reads but did not necessarily write (a manifest, ``stats.jsonl``, a heartbeat,
-a bridge rule file, a safetensors header's JSON) goes through here, so that a crafted or damaged
+``correspondence.json``, a bridge rule file, a safetensors header's JSON) goes through here, so that a crafted or damaged
 file is one message naming the file and the field, never a traceback later:
 
 - :func:`read_limited` opens without blocking (a FIFO under a file's name would block every reader
@@ -132,6 +132,9 @@ def validation_problem(error: ValidationError, data: Any) -> str:
             node = node[part]
         else:
             break
+        path.append(f"[{part}]" if isinstance(part, int) else ("." if path else "") + str(part))
+    if first["type"] == "missing" and len(path) < len(first["loc"]):  # name the absent key itself
+        part = first["loc"][len(path)]
         path.append(f"[{part}]" if isinstance(part, int) else ("." if path else "") + str(part))
     where = "".join(path) or "(the whole file)"
     message = str(first["msg"]).removeprefix("Value error, ")

@@ -62,13 +62,33 @@ class Batch:
         """Rows that belong to no sequence."""
         return sum(seq is None for seq in self.seq_ids)
 
-    def summary(self) -> str:
-        """For ``tracedump ls``: ``seq 0: 0-5, seq 1: 3`` (positions held per sequence)."""
-        parts = []
-        for seq in dict.fromkeys(s for s in self.seq_ids if s is not None):
-            held = [position for s, position in zip(self.seq_ids, self.positions, strict=True) if s == seq]
-            span = f"{min(held)}-{max(held)}" if len(held) > 1 else str(held[0])
-            parts.append(f"{seq}: {span}")
+    def spans(self) -> dict[SeqId, tuple[int, int, int]]:
+        """Each sequence (in order of first appearance) -> (lowest position, highest, rows held):
+        one walk over the rows, whatever the number of sequences."""
+        found: dict[SeqId, tuple[int, int, int]] = {}
+        for seq, position in zip(self.seq_ids, self.positions, strict=True):
+            if seq is None:
+                continue
+            low, high, rows = found.get(seq, (position, position, 0))
+            found[seq] = (min(low, position), max(high, position), rows + 1)
+        return found
+
+    def summary(self, listed: int | None = None) -> str:
+        """For ``tracedump ls``: ``0: 0-5, 1: 3`` (positions held per sequence). ``listed``: at most
+        that many sequences are named; a pass holding more is counted instead
+        (``2048 sequences, 2048 rows, positions 0-7; first: 0: 3, 1: 0, ...``). Linear in the rows."""
+        spans = self.spans()
+        shown = spans if listed is None else dict(itertools.islice(spans.items(), listed))
+        parts = [
+            f"{seq}: {low}-{high}" if rows > 1 else f"{seq}: {low}"
+            for seq, (low, high, rows) in shown.items()
+        ]
+        if len(shown) < len(spans):
+            low = min(span[0] for span in spans.values())
+            high = max(span[1] for span in spans.values())
+            rows = sum(span[2] for span in spans.values())
+            counted = f"{len(spans)} sequences, {rows} rows, positions {low}-{high}"
+            parts = [f"{counted}; first: {', '.join(parts)}, ..." if parts else counted]
         if self.padding:
             parts.append(f"{self.padding} padding rows")
         layout = f"[{self.grid[0]} x {self.grid[1]}] " if self.grid is not None else ""

@@ -74,7 +74,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     Why not ``tensor.view(torch.uint8).numpy()``: that is four torch calls per tensor (5 µs on the
     bench machine, against 0.6 µs here), each of which lets go of the GIL and takes it back, so the
     writer thread, building a pass of small tensors, kept snatching the GIL from the host's forward
-    (docs/performance.md, issue 35). The caller keeps ``tensor`` alive while the view is used."""
+    (docs/performance.md). The caller keeps ``tensor`` alive while the view is used."""
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
