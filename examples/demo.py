@@ -7,9 +7,11 @@ off. The demo
 1. dumps four runs, switched on by env vars only: the reference (HF ``transformers``, random
    weights from a fixed seed, no download) through ``tracedump run`` in fp32 and bf16, and the port,
    which calls ``tracedump.attach()`` at start-up like an engine, with and without the planted bug;
-2. runs ``tracedump diff`` on the buggy port against the reference with ``--map`` rules that
-   translate the port's names, prints its table, checks that it names the planted layer as the
-   first divergence, and writes the plot and the report page (``demo_out/report.html``);
+2. runs ``tracedump diff`` on the buggy port against the reference with no flag: the two module
+   trees are paired by the weights each run recorded (the port loaded the reference's), fresh norms
+   and other values several modules hold by their place (docs/comparator.md, "How two runs are
+   paired"); prints its table, checks that it names the planted layer as the first divergence, and
+   writes the plot and the report page (``demo_out/report.html``);
 3. shows that the bug-free port passes (exit 0), and that bf16 against fp32 is within the default
    tolerances (exit 0);
 4. shows a bug only grafting finds: the bf16 port with one MLP output 2% too large passes against
@@ -47,17 +49,6 @@ PORT_FILTER = r"^(tok_emb|blocks\.\d+(\.(norm1|attn|norm2|mlp))?|final_norm|head
 REFERENCE_FILTER = (
     r"^(model\.embed_tokens|model\.layers\.\d+(\.(input_layernorm|self_attn|post_attention_layernorm|mlp))?"
     r"|model\.norm|lm_head)$"
-)
-# The port's names, spelled the reference's way; applied in order with re.sub to the port's keys.
-# HF attention returns (output, weights), so its output is the tuple element [0].
-NAME_MAP = (
-    r"^tok_emb$=model.embed_tokens",
-    r"^blocks\.=model.layers.",
-    r"\.norm1$=.input_layernorm",
-    r"\.attn$=.self_attn[0]",
-    r"\.norm2$=.post_attention_layernorm",
-    r"^final_norm$=model.norm",
-    r"^head$=lm_head",
 )
 DUMPS = (
     "ref_fp32",
@@ -194,7 +185,6 @@ def graft_job(out: Path) -> Job:
 
 def diff_jobs(out: Path, quick: bool) -> list[Job]:
     """The comparisons, A (under test) first and B (reference) second, each writing a JSON report."""
-    maps = [word for rule in NAME_MAP for word in ("--map", rule)]
 
     def diff(label: str, a: str, b: str, *options: str) -> Job:
         return Job(
@@ -207,7 +197,6 @@ def diff_jobs(out: Path, quick: bool) -> list[Job]:
             "diff_buggy",
             "port_buggy",
             "ref_fp32",
-            *maps,
             "--plot",
             str(out / PLOT),
             "--html",
@@ -216,11 +205,11 @@ def diff_jobs(out: Path, quick: bool) -> list[Job]:
     ]
     if not quick:
         jobs += [
-            diff("diff_fixed", "port_fixed", "ref_fp32", *maps),
+            diff("diff_fixed", "port_fixed", "ref_fp32"),
             diff("diff_bf16", "ref_bf16", "ref_fp32"),
-            diff("diff_bf16_bug", "port_buggy_bf16", "ref_fp32", *maps, "--baseline", str(out / "ref_bf16")),
-            diff("diff_mlp", "port_mlp", "ref_fp32", *maps, "--baseline", str(out / "ref_bf16")),
-            diff("diff_mlp_graft", "port_mlp_graft", "ref_inputs", *maps),
+            diff("diff_bf16_bug", "port_buggy_bf16", "ref_fp32", "--baseline", str(out / "ref_bf16")),
+            diff("diff_mlp", "port_mlp", "ref_fp32", "--baseline", str(out / "ref_bf16")),
+            diff("diff_mlp_graft", "port_mlp_graft", "ref_inputs"),
         ]
     return jobs
 

@@ -344,7 +344,7 @@ def test_a_json_rule_file_works_like_toml(toy: dict[str, Path], tmp_path: Path) 
     assert {r.name_b for r in report.results if r.bridge} == {"layers.0.q", "layers.0.k", "layers.0.v"}
 
 
-def test_one_name_two_classes_and_no_rule_is_never_compared(
+def test_one_name_two_classes_known_to_differ_and_no_rule_is_never_compared(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     g = torch.Generator().manual_seed(2)
@@ -362,6 +362,7 @@ def test_one_name_two_classes_and_no_rule_is_never_compared(
     assert data["summary"]["not_comparable"] == 1
     assert code == 0  # what was compared agrees; the rest is listed
     assert "not comparable (1): mlp.act_fn (A SiluAndMul vs B SiLUActivation)" in out
+    assert "act(gate) * up" in act["message"]  # the reason: known to compute other quantities
     # dumps without module_classes (written before format 1.1): compared as before
     old_a, old_b = write_run(tmp_path / "oa", [a]), write_run(tmp_path / "ob", [b])
     report = compare(old_a, old_b)
@@ -579,7 +580,10 @@ def test_a_fused_tensor_longer_than_its_pieces_is_an_error_not_a_dropped_remaind
     assert "add up to 16" in pieces[0].message and "has 18" in pieces[0].message
 
 
-def test_a_map_rule_relates_two_classes_as_a_bridge_rule_does(tmp_path: Path) -> None:
+def test_a_map_rule_and_a_name_pair_two_classes(tmp_path: Path) -> None:
+    """A class difference alone is no reason not to compare: the ``--map`` pair is compared (the
+    user's rule, ``paired_by`` map), so is the pair of one name (``paired_by`` name), the two
+    classes on its row."""
     a = {"blocks.0.norm": torch.ones(TOKENS, HIDDEN), "model.layers.0.norm": torch.ones(TOKENS, HIDDEN)}
     b = {
         "model.layers.0.input_layernorm": torch.ones(1, TOKENS, HIDDEN),
@@ -595,4 +599,7 @@ def test_a_map_rule_relates_two_classes_as_a_bridge_rule_does(tmp_path: Path) ->
     )
     results = by_name(compare(side_a, side_b, maps=[r"^blocks\.0\.norm$=model.layers.0.input_layernorm"]))
     assert results["blocks.0.norm"].status == "ok"  # the user's --map said these two compare
-    assert results["model.layers.0.norm"].status == "not_comparable"  # same name, no rule
+    assert results["blocks.0.norm"].paired_by == "map"
+    norm = results["model.layers.0.norm"]
+    assert norm.status == "ok" and norm.paired_by == "name"  # same name, two classes: compared
+    assert norm.pairing == "classes: A RMSNorm, B LlamaRMSNorm"

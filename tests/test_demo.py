@@ -95,7 +95,9 @@ def test_demo_names_the_planted_layer(tmp_path: Path) -> None:
     assert (out / "port_vs_reference.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "report.html").read_text()
     assert "First divergence: <a href='#t-" in page and "<code>blocks.1.attn</code>" in page
-    assert "<code>model.layers.1.self_attn[0]</code>" in page  # the reference's name, through --map
+    assert "<code>model.layers.1.self_attn[0]</code>" in page  # the reference's name, paired with no --map
+    row = report["tensors"][report["summary"]["first_divergence"]["index"]]
+    assert row["paired_by"] == "weights"  # the port loaded the reference's weights: they pair it
     assert f"Open the report in a browser: {out / 'report.html'}" in done.stdout
     manifests = [json.loads(p.read_text()) for p in sorted(out.glob("*/rank*_pid*/manifest.json"))]
     assert {m["root"] for m in manifests} == {"PortLM", "LlamaForCausalLM"}

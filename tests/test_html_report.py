@@ -512,7 +512,11 @@ def test_a_pairing_and_a_reason_on_the_records_are_shown(dumps: dict[str, Path])
     why = text.split("<dl class='why'>")[1].split("</dl>")[0]
     assert "<dt>reason</dt><dd>error above the threshold; evidence &lt;local&gt;</dd>" in why
     assert "<dt>paired by</dt>" in why
-    assert "paired by" not in render(report)  # records without it: no column
+    assert "<dt>paired by</dt><dd>name</dd>" in render(report)  # every pair says how it was paired
+    bare = report.to_json()
+    for record in bare["tensors"]:
+        record.pop("paired_by", None)
+    assert "paired by" not in render(report, bare)  # records without it: no column
 
 
 def test_html_works_with_baseline_and_unshard(dumps: dict[str, Path], tmp_path: Path) -> None:
@@ -551,7 +555,7 @@ def test_a_big_diff_gives_a_bounded_page(tmp_path: Path, monkeypatch: pytest.Mon
     assert text.count("<tr id='t-") == 200 and "<tr id='t-500' class='s-diverged first'" in text
     assert text.count("<rect class='hrow") == 50 and "class='hrow first'" in text
     assert text.count("<circle class='pt") < 200 and "#t-500'><circle" in text
-    assert len(text) < 200_000  # a tenth of it the cells' PNG and the table
+    assert len(text) < 210_000  # a tenth of it the cells' PNG and the table (each row: how it was paired)
 
 
 def test_many_passes_are_drawn_as_at_most_max_lines(tmp_path: Path) -> None:

@@ -276,19 +276,28 @@ def test_every_report_says_first_how_much_of_the_reference_was_compared(
     assert coverage == {"compared": 4, "reference": 4, "fraction": 1.0, "low": False}
 
 
+class SiluAndMul(nn.Module):
+    """An engine's fused ``silu(gate) * up`` over the two halves of its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
 def test_a_diff_that_compares_nothing_exits_2_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # one name, two classes, and no rule relating them: not comparable, and nothing else in common
+    # one name, two classes known to compute different quantities (a fused act(gate) * up against
+    # the act alone), no rule relating them: not comparable, and nothing else in common
     for out, model in (
-        (tmp_path / "a", nn.Sequential(nn.ReLU())),
-        (tmp_path / "b", nn.Sequential(nn.Tanh())),
+        (tmp_path / "a", nn.Sequential(SiluAndMul())),
+        (tmp_path / "b", nn.Sequential(nn.SiLU())),
     ):
         with tracedump.attach(model, {"dir": str(out)}), torch.no_grad():
             model(torch.ones(2, 4))
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert "nothing comparable" in err and "not comparable" in err and "ReLU" in err
+    assert "nothing comparable" in err and "not comparable" in err and "SiluAndMul" in err
     with pytest.raises(UsageError, match="nothing comparable"):
         compare(tmp_path / "a", tmp_path / "b")
 

@@ -54,6 +54,7 @@ from .plan import (
     not_comparable_message,
     pair_roots,
     pair_tolerance,
+    provenance,
     run_precision,
     short_list,
     side_entries,
@@ -560,7 +561,7 @@ class _PlanBuilder:
                 b=replace(entry_b, name=names[1]),
                 kind="tensor",
                 tolerance=pair_tolerance(options, names, dtypes, precisions),
-                bridge=bridged.describe(),
+                **provenance(bridged),
                 rows=rows,
             )
             if bridged.classes is not None:

@@ -29,8 +29,10 @@ apply to is a leftover, counted with the first rule's reason; it is never matche
 
 The order, documented in docs/engines.md: A's names go through ``--map`` first (the user's
 renames), the bridge's rules then see the mapped names and B's names, and what no rule claimed is
-matched by name as always, where two modules of one name and different classes (the manifests'
-``module_classes``) are reported as not comparable instead of being measured against each other.
+matched by name as always, whatever the two classes (the manifests' ``module_classes``): only two
+classes known to compute different quantities (:func:`known_different`) are reported as not
+comparable instead of being measured against each other. Every pair says what proves it
+(:attr:`BridgedPair.paired_by`, docs/comparator.md "How two runs are paired").
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ from ..errors import UsageError
 from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
-from .correspondence import derive_bridge, tensor_parallel_joins
+from .correspondence import derive_bridge, tensor_parallel_joins, weight_findings, weight_pairs
 from .input_roles import Role, input_role, is_input, pair_inputs
 from .options import DiffOptions, UnshardRule
-from .sources import EntryMeta, Side
+from .sources import EntryMeta, RunSource, Side
 from .tolerance import pair_precision
 from .unshard import SideEntry
 
@@ -68,6 +70,7 @@ class SideInfo:
     integration: str = ""  # the engine integration that dumped it (manifest "integration": "vllm")
     record: Correspondence | None = None  # its correspondence.json (rank 0's), if it wrote one
     ranks: tuple[Correspondence, ...] = ()  # every rank's, in rank order (tensor parallelism)
+    ran: Mapping[str, int] = field(default_factory=dict)  # module -> place of its first output
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -86,12 +89,14 @@ def side_info(side: Side) -> SideInfo:
     manifest: Mapping[str, Any] = {}
     record = None
     ranks: list[Correspondence] = []
+    ran: dict[str, int] = {}
     for group in side.groups:
         for run in group.runs:
             if run.run is not None:
                 manifest = run.run.manifest
                 record = read_correspondence(run.run.path)
                 ranks = _rank_records(side, run.run.root)
+                ran = _run_order(run) if record is not None else {}
                 break
         if manifest:
             break
@@ -112,7 +117,32 @@ def side_info(side: Side) -> SideInfo:
         integration=engine,
         record=record,
         ranks=tuple(ranks),
+        ran=ran,
     )
+
+
+def _run_order(run: RunSource) -> dict[str, int]:
+    """Each module of a run's first pass -> the place of its first output in the capture order
+    (the execution order of siblings: a module's output is captured when it returns); empty when
+    the pass cannot be read (the plan reports that)."""
+    passes = run.pass_indices()
+    if not passes:
+        return {}
+    try:
+        view = run.open_pass(passes[0])
+    except (OSError, ValueError):  # unreadable (TracedumpError is a ValueError): the plan reports it
+        return {}
+    order: dict[str, int] = {}
+    try:
+        for name in view.entries:
+            key = Key.parse(name)
+            if not key.input:
+                order.setdefault(key.module, len(order))
+    except ValueError:
+        pass
+    finally:
+        view.close()
+    return order
 
 
 def _rank_records(side: Side, root: str) -> list[Correspondence]:
@@ -185,6 +215,7 @@ def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None
         classes_b=b.classes,
         ranks_a=list(a.ranks) or None,
         ranks_b=list(b.ranks) or None,
+        ran=(a.ran, b.ran),
     )
 
 
@@ -290,7 +321,10 @@ class BridgedPair:
     b: Expr
     how: str | None  # "split -1", "sum", ... ; None for a pair matched by name
     rule: str | None = None  # "rule 3 (split)"
-    classes: tuple[str, str] | None = None  # set: not comparable (one name, two classes, no rule)
+    # set: not comparable (one name, two classes known to compute different quantities, no rule)
+    classes: tuple[str, str] | None = None
+    paired_by: str = "name"  # what proves the pair: name | weights | load | structure | rule | map
+    note: str | None = None  # what the pairing saw beside it: two classes, a weights finding
 
     def describe(self) -> str | None:
         """``split -1 (rule 4: qkv)``: what the table's bridge column shows; None for a name match."""
@@ -317,6 +351,32 @@ class Matched:
     leftovers: list[Leftover] = field(default_factory=list)
 
 
+# What a pair may be proven by (``TensorResult.paired_by``), strongest first: the engine's load
+# record, one name on both sides, the parameters' values, the place among proven pairs; a rule
+# file's rules and --map are the user's say-so (docs/comparator.md, "How two runs are paired").
+PAIRED_BY = ("load", "name", "weights", "structure", "rule", "map")
+
+# Two classes under one name known to compute different quantities, whatever the model: a fused
+# ``act(gate) * up`` against an activation alone.
+_KNOWN_DIFFERENT = (
+    (
+        re.compile(r".*AndMul"),
+        "one computes act(gate) * up from the fused gate and up halves, the other the activation alone",
+    ),
+)
+
+
+def known_different(class_a: str | None, class_b: str | None) -> str | None:
+    """Why two modules of one name compute different quantities, or None: a class difference is
+    by itself no such reason (a port's own ``Linear`` subclass, its own RMSNorm)."""
+    if not class_a or not class_b or class_a == class_b:
+        return None
+    for pattern, why in _KNOWN_DIFFERENT:
+        if bool(pattern.fullmatch(class_a)) != bool(pattern.fullmatch(class_b)):
+            return why
+    return None
+
+
 NO_NAME_IN_B = "no tensor of that name in B"
 NO_NAME_IN_A = "no tensor of that name in A"
 PLAIN_REASONS = frozenset({NO_NAME_IN_A, NO_NAME_IN_B})
@@ -337,6 +397,10 @@ class Matcher:
     line: str = ""
     align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
     unshard: tuple[UnshardRule, ...] = ()  # tensor-parallel joins derived from the ranks' loads
+    # module (one name on both sides) -> what its recorded weights say against B's (:func:`weight_findings`)
+    findings: Mapping[str, str] = field(default_factory=dict)
+    # A's module -> B's, by parameters of unique values: what --map renames are checked against
+    weight_pairs: Mapping[str, str] = field(default_factory=dict)
     # two module trees (a bridge applies): inputs pair by what they hold (:mod:`.input_roles`)
     inputs_by_role: bool = False
     # passes of one run usually hold the same names: matched once (names in order, and the roles
@@ -409,14 +473,7 @@ class Matcher:
             if m not in in_b:
                 out.leftovers.append(Leftover(side="A", name=name, reason=NO_NAME_IN_B, mapped=m))
                 continue
-            # one name, two classes: not comparable. A name --map made is the user's rule: compared.
-            class_a, class_b = (
-                (self.class_of("a", name), self.class_of("b", m)) if m == name else (None, None)
-            )
-            classes = (class_a, class_b) if class_a and class_b and class_a != class_b else None
-            anchored.append(
-                (order[m], BridgedPair(a=Expr(names=(name,)), b=Expr(names=(m,)), how=None, classes=classes))
-            )
+            anchored.append((order[m], self._by_name(name, m)))
             claimed["b"].add(m)
         for name in names_b:
             if name not in claimed["b"]:
@@ -427,6 +484,35 @@ class Matcher:
         out.pairs = [pair for _, pair in anchored if options.selected(*_names(pair))]
         out.leftovers = [u for u in out.leftovers if options.selected(u.name, u.mapped)]
         return out
+
+    def _by_name(self, name: str, mapped: str) -> BridgedPair:
+        """A pair of one name (``name``), or made by ``--map`` (``mapped``), whatever the classes:
+        not comparable only where the two classes are known to compute different quantities. The
+        note says what the classes and the recorded weights say beside it."""
+        class_a, class_b = self.class_of("a", name), self.class_of("b", mapped)
+        why = known_different(class_a, class_b) if mapped == name else None
+        if why is not None:
+            classes = (class_a or "", class_b or "")
+            return BridgedPair(a=Expr(names=(name,)), b=Expr(names=(mapped,)), how=None, classes=classes)
+        notes = []
+        if class_a and class_b and class_a != class_b:
+            notes.append(f"classes: A {class_a}, B {class_b}")
+        try:
+            module_a, module_b = Key.parse(name).module, Key.parse(mapped).module
+        except ValueError:
+            module_a = module_b = ""
+        if mapped == name and module_a in self.findings:
+            notes.append(self.findings[module_a])
+        held = self.weight_pairs.get(module_a)
+        if mapped != name and held is not None and held != module_b:
+            notes.append(map_contradiction(module_a, module_b, held))
+        return BridgedPair(
+            a=Expr(names=(name,)),
+            b=Expr(names=(mapped,)),
+            how=None,
+            paired_by="name" if mapped == name else "map",
+            note="; ".join(notes) or None,
+        )
 
     def _pair_inputs(
         self,
@@ -457,6 +543,7 @@ class Matcher:
                     b=Expr(names=(b,)),
                     how=None if by_name else "input by role",
                     rule=None if by_name or role is None else role.describe(),
+                    paired_by="name" if by_name else "structure",
                 )
                 state.anchored.append((state.order.get(a, len(state.order)), pair))
                 state.claimed["a"].add(a)
@@ -472,12 +559,12 @@ class Matcher:
 
     def _input_counterpart(self, module: str, modules: Mapping[str, str]) -> str | None:
         """The module of B whose inputs A's ``module``'s inputs pair with: the bridge's module
-        pair (``modules``), else the same name unless the two classes differ (not comparable, by
-        name)."""
+        pair (``modules``), else the same name unless the two classes are known to compute
+        different quantities (not comparable, by name)."""
         if module in modules:
             return modules[module]
         class_a, class_b = self.classes_a.get(module), self.classes_b.get(module)
-        if class_a and class_b and _bare(class_a) != _bare(class_b):
+        if known_different(_bare(class_a or ""), _bare(class_b or "")):
             return None
         return module
 
@@ -503,9 +590,8 @@ class Matcher:
                     continue
                 position, other = found
                 mine = Expr(names=(leftover.name,))
-                pair = BridgedPair(a=mine, b=other, how="identity", rule=f"returns {source}")
-                if side == "B":
-                    pair = BridgedPair(a=other, b=mine, how="identity", rule=f"returns {source}")
+                a, b = (mine, other) if side == "A" else (other, mine)
+                pair = BridgedPair(a=a, b=b, how="identity", rule=f"returns {source}", paired_by="structure")
                 anchored.append((position, pair))
             out.leftovers = kept
         anchored.sort(key=lambda item: item[0])
@@ -527,6 +613,20 @@ class Matcher:
                 continue
             if not before.input and not re.fullmatch(r"\[[1-9]\d*\]", before.path):
                 return name
+        return None
+
+    def _bridge_note(self, pair: BridgedPair) -> str | None:
+        """What the bridge saw of a pair's module (its weights held nowhere on the other side)."""
+        if self.bridge is None or not self.bridge.notes:
+            return None
+        notes = {(side, module): note for side, module, note in self.bridge.notes}
+        for side, expr in (("A", pair.a), ("B", pair.b)):
+            try:
+                module = Key.parse(expr.names[0]).module
+            except ValueError:
+                continue
+            if (side, module) in notes:
+                return notes[(side, module)]
         return None
 
     def _anchor(
@@ -564,7 +664,8 @@ class Matcher:
             position = min((state.order[n] for n in names_a if n in state.order), default=len(state.order))
             for pair in pairs:
                 a = replace(pair.a, names=tuple(state.original.get(n, n) for n in pair.a.names))
-                state.anchored.append((position, replace(pair, a=a)))
+                note = self._bridge_note(pair)
+                state.anchored.append((position, replace(pair, a=a, paired_by=rule.paired_by, note=note)))
             return
         if first_reason is not None:
             state.claimed[side].add(name)
@@ -737,6 +838,12 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     unshard: tuple[UnshardRule, ...] = ()
     for info in (info_a, info_b):  # a tensor-parallel side joined as its ranks' loads say
         unshard += tensor_parallel_joins(list(info.ranks), info.classes)
+    findings: dict[str, str] = {}
+    held: dict[str, str] = {}
+    if info_a.record is not None and info_b.record is not None:
+        findings = weight_findings(info_a.record, info_b.record)
+        if options.maps:  # the user's renames, checked against what the weights say
+            held = weight_pairs(info_a.record, info_b.record)
     return Matcher(
         bridge=bridge,
         classes_a=info_a.classes,
@@ -745,6 +852,27 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
         align=align,
         unshard=unshard,
         inputs_by_role=bridge is not None,  # two module trees: their calls take other arguments
+        findings=findings,
+        weight_pairs=held,
+    )
+
+
+def ambiguous_modules(matcher: Matcher) -> list[dict[str, Any]]:
+    """The modules no evidence paired (their weights held by several modules of the other side, no
+    structure telling which), for the report: side, module, candidates."""
+    if matcher.bridge is None:
+        return []
+    return [
+        {"side": side, "module": module, "candidates": list(candidates)}
+        for side, module, candidates in matcher.bridge.ambiguous
+    ]
+
+
+def map_contradiction(module_a: str, module_b: str, held: str) -> str:
+    """The note on a pair ``--map`` made against the recorded weights."""
+    return (
+        f"--map pairs {module_a} with {module_b}, but its weights are {held}'s: "
+        "the rule contradicts the recorded weights"
     )
 
 

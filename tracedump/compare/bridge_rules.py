@@ -76,6 +76,7 @@ class Rule:
     index: int = 0  # unwrap: the tuple element kept
     reason: str = ""
     id: str = ""
+    paired_by: str = "rule"  # what proves its pairs: a rule file's say-so, or a derived rule's evidence
 
     @property
     def title(self) -> str:
@@ -100,6 +101,11 @@ class Bridge:
     # (module of a, module of b) that compute the same thing (a derived bridge's, paired by their
     # weights): whose inputs pair (compare/input_roles.py); a rule file names none
     modules: tuple[tuple[str, str], ...] = ()
+    # (side "A" or "B" of the diff, module, its candidates on the other side): a derived bridge's
+    # modules whose weights several modules hold, no structure telling which
+    ambiguous: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # (side "A" or "B" of the diff, module, what the pairing saw of it): rows of its pairs carry it
+    notes: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def module_pairs(self) -> dict[str, str]:

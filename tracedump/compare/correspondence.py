@@ -145,6 +145,9 @@ class Holdings:
     pieces: dict[str, list[Piece]] = field(default_factory=dict)  # the weight (dims >= 2) param's
     experts: set[str] = field(default_factory=set)  # modules loaded per expert
     unresolved: set[str] = field(default_factory=set)  # modules holding parameters of no known source
+    # modules whose every known parameter holds values several checkpoint tensors hold (fresh
+    # norms all ones, zero biases): per parameter, the candidate tensors; paired by structure
+    ambiguous: dict[str, list[frozenset[str]]] = field(default_factory=dict)
 
     def subtree(self, universe: set[str]) -> dict[str, frozenset[str]]:
         """Every module (ancestors included) -> the known checkpoint tensors of its subtree."""
@@ -276,8 +279,11 @@ def _pieces(load: Load, source: Mapping[str, Any] | None) -> list[Piece]:
 
 
 def plain_holdings(record: Correspondence, sources: Mapping[str, Mapping[str, Any]]) -> Holdings:
-    """For a run that did not record its load (HF): each parameter is the checkpoint tensor of its
-    name, else the one of its shape and fingerprint among the engine's ``sources``."""
+    """For a run that did not record its load (HF, a port): each parameter is the checkpoint tensor
+    of its name, else the one of its shape and fingerprint among ``sources``. A fingerprint several
+    tensors share (fresh norms all ones, zero biases) is no identity: such a parameter is kept with
+    its candidates, resolved by the module's other parameters where they name one module (a
+    Linear's zero bias beside its unique weight), else left to :func:`pair_modules`' structure."""
     out = Holdings()
     by_print: dict[tuple[int, ...], list[tuple[str, list[float]]]] = {}
     for name, meta in sources.items():
@@ -285,36 +291,59 @@ def plain_holdings(record: Correspondence, sources: Mapping[str, Mapping[str, An
             (name, list(meta.get("fingerprint") or []))
         )
     firsts = {name: meta for name, meta in record.parameters.items() if "same_as" not in meta}
+    shared: dict[str, list[tuple[str, frozenset[str]]]] = {}
     for param, meta in record.parameters.items():
         module = param.rpartition(".")[0]
         own = firsts.get(meta.get("same_as", param), meta)
-        source = _resolve(param, own, sources, by_print)
-        if source is None:
+        found = _candidates(param, own, sources, by_print)
+        if not found:
             out.unresolved.add(module)
             continue
-        out.direct.setdefault(module, set()).add(source)
-        if _is_weight(param, meta):
-            rows = int((meta.get("shape") or [0])[0])
-            out.pieces.setdefault(module, []).append(Piece(source, 0, rows, 0, True))
+        if len(found) > 1:
+            shared.setdefault(module, []).append((param, frozenset(found)))
+            continue
+        _hold(out, module, param, meta, found[0])
+    for module, params in shared.items():
+        homes = {_parent(s) for s in out.direct.get(module, ())}
+        for param, found in params:
+            leaf = param.rpartition(".")[2]
+            mine = [s for s in found if _parent(s) in homes and s.rpartition(".")[2] == leaf]
+            if len(homes) == 1 and len(mine) == 1:
+                _hold(out, module, param, record.parameters[param], mine[0])
+            elif not homes:
+                out.ambiguous.setdefault(module, []).append(found)
     return out
 
 
-def _resolve(
+def _hold(out: Holdings, module: str, param: str, meta: Mapping[str, Any], source: str) -> None:
+    out.direct.setdefault(module, set()).add(source)
+    if _is_weight(param, meta):
+        rows = int((meta.get("shape") or [0])[0])
+        out.pieces.setdefault(module, []).append(Piece(source, 0, rows, 0, True))
+
+
+def _candidates(
     param: str,
     meta: Mapping[str, Any],
     sources: Mapping[str, Mapping[str, Any]],
     by_print: Mapping[tuple[int, ...], list[tuple[str, list[float]]]],
-) -> str | None:
+) -> list[str]:
+    """The checkpoint tensors ``param`` may hold: the one of its name and shape; else those of its
+    shape and fingerprint, narrowed to the one named most like it where one shares more trailing
+    name components than every other (a tied head's ``lm_head.weight``); several when none does."""
     shape = tuple(meta.get("shape") or ())
     if param in sources and tuple(sources[param].get("shape") or ()) == shape:
-        return param
+        return [param]
     mine = list(meta.get("fingerprint") or [])
     if not mine:
-        return None
+        return []
     found = [name for name, theirs in by_print.get(shape, []) if fingerprints_match(mine, theirs)]
-    if not found:
-        return None
-    return max(found, key=lambda s: shared_tail(s, param))
+    if len(found) <= 1:
+        return found
+    tails = sorted(((shared_tail(s, param), s) for s in found), reverse=True)
+    if tails[0][0] > 0 and tails[0][0] > tails[1][0]:
+        return [tails[0][1]]
+    return found
 
 
 # ------------------------------------------------------------------ pairing
@@ -322,36 +351,72 @@ def _resolve(
 
 @dataclass
 class Pairing:
-    """Engine module -> the other side's, and the fused leaves' pieces."""
+    """Engine module -> the other side's, and the fused leaves' pieces; how each leaf pair was
+    proven, and the modules no evidence could pair with one counterpart."""
 
     leaves: dict[str, str] = field(default_factory=dict)
     splits: dict[str, list[str]] = field(
         default_factory=dict
     )  # fused engine leaf -> other modules in row order
     containers: dict[str, str] = field(default_factory=dict)
+    # leaves whose weights several modules of the other side hold (fresh norms): placed by structure
+    placed: set[str] = field(default_factory=set)
+    # leaves whose weights several modules hold and no structure told apart -> the candidates
+    ambiguous: dict[str, list[str]] = field(default_factory=dict)
+    # weightless modules (activations, dropout, rotary) paired by their place (:func:`pair_by_place`)
+    weightless: dict[str, str] = field(default_factory=dict)
+    # modules holding parameters the other side holds nowhere, paired by their place
+    unheld: dict[str, str] = field(default_factory=dict)
+    # modules of one name on both sides of two plain runs: paired by the name matcher, no rule
+    named: dict[str, str] = field(default_factory=dict)
+
+    def boxes(self) -> dict[str, str]:
+        """The paired modules that place others by structure: the roots, containers, named ones."""
+        return {"": "", **self.named, **self.containers}
 
 
-def pair_modules(engine: Holdings, other: Holdings) -> Pairing:
+def pair_modules(
+    engine: Holdings,
+    other: Holdings,
+    order_engine: Mapping[str, int] | None = None,
+    order_other: Mapping[str, int] | None = None,
+    named: frozenset[str] = frozenset(),
+    ran: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {}),
+) -> Pairing:
     """Pairs by held checkpoint tensors: leaves by their direct tensors (an equal name breaks a
-    tie), fused leaves split into the modules holding each piece whole, containers by subtree."""
-    out = Pairing()
+    tie), fused leaves split into the modules holding each piece whole, containers by subtree.
+
+    Values several modules hold are no identity: such a leaf is placed by structure
+    (:func:`_place`) once the rest is paired, else listed as ambiguous with its candidates.
+    ``order_*``: each side's modules in the order the model defines them; ``ran``: in the order
+    each run's outputs were captured (preferred where it places every module concerned). ``named``:
+    modules of one name on both sides of two plain runs, paired by their name, which is stronger
+    evidence than the values (a loader that filled layer 1 from layer 2 is still layer 1): none of
+    them is paired by weights, and they stand as paired containers for the structure."""
+    out = Pairing(named={m: m for m in named})
     by_set: dict[frozenset[str], list[str]] = {}
     for module, sources in other.direct.items():
-        by_set.setdefault(frozenset(sources), []).append(module)
+        if module not in named:
+            by_set.setdefault(frozenset(sources), []).append(module)
     holder: dict[str, str] = {}
     for module, sources in other.direct.items():
         for source in sources:
-            holder.setdefault(source, module)
+            if module not in named:
+                holder.setdefault(source, module)
     taken: set[str] = set()
+    pending: dict[str, list[str]] = {}
     for module in sorted(engine.direct, key=lambda m: (m.count("."), m)):
-        if module in engine.experts:
+        if module in engine.experts or module in named:
             continue
         same = by_set.get(frozenset(engine.direct[module]), [])
         candidates = [m for m in same if m not in taken] or same  # else: one module under two names
-        if candidates:
-            chosen = module if module in candidates else min(candidates, key=lambda m: (m.count("."), m))
+        if module in candidates or len(candidates) == 1:
+            chosen = module if module in candidates else candidates[0]
             out.leaves[module] = chosen
             taken.add(chosen)
+            continue
+        if candidates:
+            pending[module] = candidates
             continue
         pieces = engine.pieces.get(module, [])
         targets = [holder.get(p.source) for p in pieces]
@@ -362,6 +427,14 @@ def pair_modules(engine: Holdings, other: Holdings) -> Pairing:
             and len(set(targets)) == len(targets)
         ):
             out.splits[module] = [t for t in targets if t is not None]
+    for module, params in engine.ambiguous.items():
+        if module in named:
+            continue
+        holders = {m: held for m, held in other.direct.items() if m not in named}
+        sets = [{m for m, held in holders.items() if held & found} for found in params]
+        candidates = sorted(set.intersection(*sets)) if sets else []
+        if candidates:
+            pending[module] = candidates
     universe = (
         set().union(*engine.direct.values()) & set().union(*other.direct.values()) if other.direct else set()
     )
@@ -369,7 +442,7 @@ def pair_modules(engine: Holdings, other: Holdings) -> Pairing:
     groups: dict[frozenset[str], tuple[list[str], list[str]]] = {}
     for side, tree, leaves in ((0, mine, engine.direct), (1, theirs, other.direct)):
         for module, sources in tree.items():
-            if sources and module and module not in leaves:
+            if sources and module and module not in leaves and module not in named:
                 groups.setdefault(sources, ([], []))[side].append(module)
     for a_list, b_list in groups.values():
         remaining = sorted(b_list, key=lambda m: (m.count("."), m))
@@ -379,7 +452,74 @@ def pair_modules(engine: Holdings, other: Holdings) -> Pairing:
             chosen = module if module in remaining else remaining[0]
             out.containers[module] = chosen
             remaining.remove(chosen)
+    _place(out, pending, taken, (ran[0], order_engine or {}), (ran[1], order_other or {}))
     return out
+
+
+def _ancestors(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b", "a", ""]``: every module above, nearest first, the root last."""
+    out = []
+    while name:
+        name = _parent(name)
+        out.append(name)
+    return out
+
+
+def _under(name: str, top: str) -> bool:
+    return not top or name == top or name.startswith(top + ".")
+
+
+def _place(
+    out: Pairing,
+    pending: Mapping[str, list[str]],
+    taken: set[str],
+    orders_engine: tuple[Mapping[str, int], ...],
+    orders_other: tuple[Mapping[str, int], ...],
+) -> None:
+    """Leaves whose weights several modules hold, placed by structure: of the candidates, those
+    inside the counterpart of the leaf's nearest paired container and not inside the counterpart
+    of a container that does not hold the leaf (a norm of ``blocks.2`` among layer 2's norms, the
+    final norm outside every layer); several left for several such leaves of one container pair
+    in the order each run executed them (where both runs dumped them all), else the order each
+    side defines them. What is still open is ambiguous, with its candidates."""
+    boxes_paired = out.boxes()  # the two roots: each is the whole model
+    reverse = {b: a for a, b in boxes_paired.items()}
+    narrowed: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for module, candidates in pending.items():
+        home = next((p for p in _ancestors(module) if p in boxes_paired), "")
+        there = boxes_paired[home]
+        kept = []
+        for candidate in candidates:
+            if candidate in taken or not _under(candidate, there):
+                continue
+            boxes = [p for p in _ancestors(candidate) if p in reverse and _under(p, there) and p != there]
+            if all(_under(module, reverse[p]) for p in boxes):
+                kept.append(candidate)
+        narrowed[module] = (home, tuple(sorted(kept)))
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for module, key in narrowed.items():
+        groups.setdefault(key, []).append(module)
+    for (_, candidates), modules in groups.items():
+        orders = [
+            (mine, theirs)
+            for mine, theirs in zip(orders_engine, orders_other, strict=True)
+            if _ordered(modules, mine) and _ordered(candidates, theirs)
+        ]
+        if len(candidates) == len(modules) and orders:
+            order_engine, order_other = orders[0]  # the runs' order where it places them all
+            mine = sorted(modules, key=lambda m: order_engine.get(m, 0))
+            theirs = sorted(candidates, key=lambda m: order_other.get(m, 0))
+            for module, counterpart in zip(mine, theirs, strict=True):
+                out.leaves[module] = counterpart
+                out.placed.add(module)
+            continue
+        for module in modules:
+            out.ambiguous[module] = list(candidates) or sorted(pending[module])
+
+
+def _ordered(modules: list[str] | tuple[str, ...], order: Mapping[str, int]) -> bool:
+    """Whether ``order`` places every one of ``modules`` (a single one needs no order)."""
+    return len(modules) == 1 or all(m in order for m in modules)
 
 
 # ------------------------------------------------------------------ rules
@@ -402,9 +542,10 @@ def synthesise_rules(
     engine-wide rules for weightless parts only when side "a" is an engine that recorded its load
     (two plain runs pair by their weights alone, the rest by name)."""
     rules: list[dict[str, Any]] = []
-    leaf_id, split_id, box_id = "same weights", "fused, split at the load's offsets", "same weights below"
+    split_id, box_id = "fused, split at the load's offsets", "same weights below"
     for module, counterpart in pairing.leaves.items():
         m, c = _esc(module), counterpart
+        leaf_id = PLACED_ID if module in pairing.placed else SAME_WEIGHTS_ID
         if _is("scaled", classes_engine.get(module)) != _is("scaled", classes_other.get(counterpart)):
             rules.extend(_scaled(module, counterpart, pairing, classes_engine, classes_other))
             continue
@@ -433,7 +574,115 @@ def synthesise_rules(
         )
     if weightless:
         rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other))
+    rules.extend(_structure_rules(pairing))
     return rules
+
+
+SAME_WEIGHTS_ID = "same weights"
+PLACED_ID = "shared weights, placed by structure"
+STRUCTURE_ID = "weightless, placed by structure"
+UNHELD_ID = "weights held nowhere else, placed by structure"
+UNHELD_NOTE = (
+    "weights: its parameters hold values no module of {other} holds (loaded scaled, transposed, other)"
+)
+AMBIGUOUS_REASON = (
+    "ambiguous: its parameters hold values that {count} modules of the other side hold ({names}), "
+    'and no structure tells which one it is (docs/comparator.md, "How two runs are paired")'
+)
+
+
+def _structure_rules(pairing: Pairing) -> list[dict[str, Any]]:
+    """Weightless modules paired by their place (their outputs, each tuple element against the
+    same element), and the ambiguous leaves listed with their candidates."""
+    rules: list[dict[str, Any]] = []
+    for module, counterpart in pairing.weightless.items():
+        m, c = _esc(module), counterpart
+        rules.append(_rule("rename", m, b=c, id=STRUCTURE_ID))
+        rules.append(_rule("rename", m + r"\[(\d+)\]", b=c + "[{1}]", id=STRUCTURE_ID))
+    for module, counterpart in pairing.unheld.items():
+        m, c = _esc(module), counterpart
+        for target in (c, c + "[0]", c + "[last_hidden_state]"):
+            rules.append(_rule("rename", m, b=target, id=UNHELD_ID))
+        rules.append(_rule("rename", m + r"\[(\d+)\]", b=c + "[{1}]", id=UNHELD_ID))
+    for module, candidates in pairing.ambiguous.items():
+        more = f", ... {len(candidates) - 4} more" if len(candidates) > 4 else ""
+        shown = ", ".join(candidates[:4]) + more
+        reason = AMBIGUOUS_REASON.format(count=len(candidates), names=shown)
+        rules.append(_rule("skip", _esc(module) + r"(\[\w+\])?(::call\d+)?", reason=reason, id="ambiguous"))
+    return rules
+
+
+def _weighted(held: Holdings) -> set[str]:
+    """Every module holding parameters, and every module above one."""
+    found: set[str] = set()
+    for module in (*held.direct, *held.unresolved, *held.ambiguous, *held.experts):
+        found.add(module)
+        found.update(_ancestors(module))
+    return found
+
+
+def pair_by_place(
+    pairing: Pairing,
+    engine: Holdings,
+    other: Holdings,
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+    shapes: tuple[Mapping[str, list[Any]], Mapping[str, list[Any]]] = ({}, {}),
+) -> None:
+    """The modules no weights paired, by their place: the unpaired children of two paired modules,
+    in the order each side defines them, where both have as many. Weightless ones (activations,
+    dropout, rotary, an attention op) with weightless ones (else those of one class name on both
+    sides, one each); modules holding parameters no module of the other side holds (a weight
+    loaded scaled, transposed, from another layer) with such modules, a leaf only where its
+    parameters have the counterpart's shapes (``shapes``: module -> its parameters' shapes), a
+    container only where none of its paired modules is paired outside the counterpart; then their
+    children in turn."""
+    weighted_e, weighted_o = _weighted(engine), _weighted(other)
+    paired_e = {*pairing.leaves, *pairing.containers, *pairing.splits, *pairing.ambiguous, *pairing.named}
+    paired_o = {*pairing.leaves.values(), *pairing.containers.values(), *pairing.named}
+    paired_o |= {p for pieces in pairing.splits.values() for p in pieces}
+    paired_o |= {c for found in pairing.ambiguous.values() for c in found}
+    homes = list(pairing.boxes().items())
+    while homes:
+        home, there = homes.pop(0)
+        mine = [m for m in classes_engine if m and _parent(m) == home and m not in paired_e]
+        theirs = [m for m in classes_other if m and _parent(m) == there and m not in paired_o]
+        light = ([m for m in mine if m not in weighted_e], [m for m in theirs if m not in weighted_o])
+        _zip_weightless(pairing, *light, classes_engine, classes_other)
+        heavy = ([m for m in mine if m in weighted_e], [m for m in theirs if m in weighted_o])
+        if not heavy[0] or len(heavy[0]) != len(heavy[1]):
+            continue
+        for module, counterpart in zip(*heavy, strict=True):
+            leaf = not any(_parent(m) == module for m in classes_engine)
+            mine_shapes, their_shapes = shapes[0].get(module, []), shapes[1].get(counterpart, [])
+            same = sorted(map(str, mine_shapes)) == sorted(map(str, their_shapes))
+            fits = same if leaf else _inside(pairing, module, counterpart)
+            if fits:
+                pairing.unheld[module] = counterpart
+                homes.append((module, counterpart))
+
+
+def _zip_weightless(
+    pairing: Pairing,
+    mine: list[str],
+    theirs: list[str],
+    classes_engine: Mapping[str, str],
+    classes_other: Mapping[str, str],
+) -> None:
+    if len(mine) == len(theirs):
+        pairing.weightless.update(zip(mine, theirs, strict=True))
+        return
+    for qualname in {_bare(classes_engine[m]) for m in mine}:
+        one = [m for m in mine if _bare(classes_engine[m]) == qualname]
+        two = [m for m in theirs if _bare(classes_other[m]) == qualname]
+        if len(one) == len(two) == 1:
+            pairing.weightless[one[0]] = two[0]
+
+
+def _inside(pairing: Pairing, module: str, counterpart: str) -> bool:
+    """Whether every module paired below ``module`` is paired below ``counterpart``, and back."""
+    pairs = [*pairing.leaves.items(), *pairing.containers.items(), *pairing.named.items()]
+    return all(_under(a, module) == _under(b, counterpart) for a, b in pairs)
 
 
 def _weightless(
@@ -694,6 +943,7 @@ def derive_bridge(
     classes_b: Mapping[str, str],
     ranks_a: list[Correspondence] | None = None,
     ranks_b: list[Correspondence] | None = None,
+    ran: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {}),
 ) -> Bridge | None:
     """The bridge of two runs' records, or None when nothing pairs, or when both name their
     parameters alike (two runs of one engine, two HF runs: paired by name, as always).
@@ -719,12 +969,19 @@ def derive_bridge(
     else:  # both plain: B's parameters are the checkpoint both hold
         sources = {name: meta for name, meta in other.parameters.items() if "same_as" not in meta}
         held_engine, held_other = plain_holdings(engine, sources), plain_holdings(other, sources)
-    pairing = pair_modules(held_engine, held_other)
+    order_e, order_o = ({m: i for i, m in enumerate(c)} for c in (classes_e, classes_o))
+    ran_e, ran_o = ran[::-1] if swap else ran
+    named = frozenset() if engine.loads else frozenset(classes_e.keys() & classes_o.keys())
+    pairing = pair_modules(held_engine, held_other, order_e, order_o, named, (ran_e, ran_o))
     if not (pairing.leaves or pairing.splits):
         return None
+    if not engine.loads:  # two plain runs: the rest by its place (an engine's weightless: its rules)
+        shapes = (_shapes(engine), _shapes(other))
+        pair_by_place(pairing, held_engine, held_other, classes_e, classes_o, shapes)
     rules = synthesise_rules(
         pairing, held_engine, held_other, classes_e, classes_o, weightless=bool(engine.loads)
     )
+    kinds = [_paired_by(str(rule.get("id", "")), loaded=bool(engine.loads)) for rule in rules]
     fw_e, fw_o = (framework_b, framework_a) if swap else (framework_a, framework_b)
     data = {
         "bridge": {
@@ -736,6 +993,111 @@ def derive_bridge(
         "rule": rules,
     }
     modules = [*pairing.leaves.items(), *pairing.containers.items()]
+    modules += [*pairing.weightless.items(), *pairing.unheld.items()]
     modules += [(module, pieces[0]) for module, pieces in pairing.splits.items()]  # one input, stacked rows
-    bridge = replace(parse_bridge(data, "correspondence.json"), modules=tuple(modules))
+    parsed = parse_bridge(data, "correspondence.json")
+    bridge = replace(
+        parsed,
+        rules=tuple(replace(rule, paired_by=kind) for rule, kind in zip(parsed.rules, kinds, strict=True)),
+        modules=tuple(modules),
+        ambiguous=tuple(("B" if swap else "A", m, tuple(c)) for m, c in pairing.ambiguous.items()),
+        notes=tuple(
+            ("B" if swap else "A", m, UNHELD_NOTE.format(other="A" if swap else "B")) for m in pairing.unheld
+        ),
+    )
     return bridge.swapped() if swap else bridge
+
+
+def _shapes(record: Correspondence) -> dict[str, list[Any]]:
+    """Module -> the shapes of the parameters it holds directly."""
+    out: dict[str, list[Any]] = {}
+    for name, meta in record.parameters.items():
+        out.setdefault(name.rpartition(".")[0], []).append(list(meta.get("shape") or []))
+    return out
+
+
+# the rules that pair by the tensors each side holds: proven by the load where one was recorded,
+# else by the parameters' values
+_HELD_IDS = frozenset({SAME_WEIGHTS_ID, "fused, split at the load's offsets", "same weights below",
+                       "(hidden, residual)", "extra output"})  # fmt: skip
+
+
+def _paired_by(rule_id: str, *, loaded: bool) -> str:
+    """How a derived rule's pairs are proven (``TensorResult.paired_by``): ``load`` or
+    ``weights`` for what the two sides hold, ``structure`` for a place among proven pairs,
+    ``rule`` for the engine-wide rules of weightless parts."""
+    if rule_id in _HELD_IDS:
+        return "load" if loaded else "weights"
+    if rule_id in (PLACED_ID, STRUCTURE_ID, UNHELD_ID, "ambiguous"):
+        return "structure"
+    return "rule"
+
+
+# ------------------------------------------------------------------ what the weights say of a pair
+
+
+def _firsts(record: Correspondence) -> dict[str, Mapping[str, Any]]:
+    """Each parameter's own entry (a shared one's fingerprint is its first holder's)."""
+    params = record.parameters
+    return {name: params.get(str(meta.get("same_as")), meta) if "same_as" in meta else meta
+            for name, meta in params.items()}  # fmt: skip
+
+
+def weight_findings(a: Correspondence, b: Correspondence) -> dict[str, str]:
+    """Module (of one name on both sides) -> what its recorded weights say against B's where they
+    are not B's of that name: it holds another module's values (a loader that filled layer 1 from
+    layer 2), B's scaled, B's transposed, or values of B's shape that B holds nowhere. Compared by
+    fingerprint (:func:`~tracedump.store.correspondence.fingerprints_match`, which allows a dtype
+    change); only for two runs that load no checkpoint themselves (an engine's load is its record)."""
+    if a.loads or b.loads:
+        return {}
+    mine, theirs = _firsts(a), _firsts(b)
+    by_print: dict[tuple[int, ...], list[tuple[str, list[float]]]] = {}
+    for name, meta in theirs.items():
+        by_print.setdefault(tuple(meta.get("shape") or ()), []).append(
+            (name, list(meta.get("fingerprint") or []))
+        )
+    out: dict[str, str] = {}
+    for param in mine.keys() & theirs.keys():
+        finding = _weight_finding(param, mine[param], theirs[param], by_print)
+        if finding is not None:
+            module = param.rpartition(".")[0]
+            out[module] = f"{out[module]}; {finding}" if module in out else finding
+    return out
+
+
+def _weight_finding(
+    param: str,
+    mine: Mapping[str, Any],
+    theirs: Mapping[str, Any],
+    by_print: Mapping[tuple[int, ...], list[tuple[str, list[float]]]],
+) -> str | None:
+    leaf = param.rpartition(".")[2]
+    shape_a, shape_b = list(mine.get("shape") or []), list(theirs.get("shape") or [])
+    if shape_a != shape_b:
+        turned = len(shape_a) == 2 and shape_a == shape_b[::-1]
+        return f"weights: {leaf} {shape_a} is B's {shape_b}" + (" transposed" if turned else "")
+    fa, fb = list(mine.get("fingerprint") or []), list(theirs.get("fingerprint") or [])
+    if not fa or not fb or fingerprints_match(fa, fb):
+        return None
+    holders = [n for n, f in by_print.get(tuple(shape_a), []) if n != param and fingerprints_match(fa, f)]
+    if len(holders) == 1:
+        holder = holders[0]
+        named = holder.rpartition(".")[0] if holder.rpartition(".")[2] == leaf else holder
+        return f"weights: holds {named}'s values"
+    if holders:
+        return f"weights: holds values {len(holders)} tensors of B hold ({', '.join(holders[:3])}, ...)"
+    ratios = [x / y for x, y in zip(fa, fb, strict=True) if abs(y) > 1e-12]
+    if ratios and len(ratios) == len(fa) and max(ratios) - min(ratios) <= 1e-3 * max(abs(r) for r in ratios):
+        return f"weights: {leaf} is B's x{sum(ratios) / len(ratios):.4g}"
+    return f"weights: {leaf} differs from B's (same shape)"
+
+
+def weight_pairs(a: Correspondence, b: Correspondence) -> dict[str, str]:
+    """A's module -> B's, for the modules whose parameters (or whose subtree's) hold values one
+    module of B holds (unique fingerprints only): the evidence a ``--map`` rule is checked against."""
+    if a.loads or b.loads:
+        return {}
+    sources = {name: meta for name, meta in b.parameters.items() if "same_as" not in meta}
+    pairing = pair_modules(plain_holdings(a, sources), plain_holdings(b, sources))
+    return {**pairing.leaves, **pairing.containers}

@@ -130,9 +130,11 @@ def table(report: DiffReport, max_rows: int) -> Any:
     with_noise = report.settings.get("baseline") is not None
     with_tokens = any(r.per_token for r in report.results)
     with_bridge = any(r.bridge for r in report.results)
+    with_paired = any(r.paired_by not in (None, "name") for r in report.results)
     columns = ["shape", "dtype", "max_abs", "rel_diff", "cosine"]
     columns += ["x noise"] if with_noise else []
     columns += ["worst token"] if with_tokens else []
+    columns += ["paired"] if with_paired else []
     columns += ["bridged"] if with_bridge else []
     for column in (*columns, "status"):
         numeric = column in ("max_abs", "rel_diff", "cosine", "x noise")
@@ -155,6 +157,7 @@ def table(report: DiffReport, max_rows: int) -> Any:
             _cosine(result),
             *([_times_noise(result)] if with_noise else []),
             *([_worst_token(result)] if with_tokens else []),
+            *([result.paired_by or "-"] if with_paired else []),
             *([result.bridge or "-"] if with_bridge else []),
             _status(result, first, growth),
         ]
@@ -203,6 +206,52 @@ def _where(result: TensorResult) -> str:
     )
 
 
+# What each ``paired_by`` means, for the summary's legend (docs/comparator.md, "How two runs are paired").
+PAIRED_BY_LEGEND = {
+    "load": "the engine's load record",
+    "name": "one name on both sides",
+    "weights": "the same parameter values",
+    "structure": "the place among proven pairs",
+    "rule": "a bridge rule",
+    "map": "a --map rule",
+}
+
+
+def pairing_lines(report: DiffReport) -> list[str]:
+    """How the pairs were made: counted by evidence with the legend (when any pair was made by
+    more than a name), the modules no evidence paired, and what the weights say of a pair."""
+    counts = report.paired_by_counts()
+    lines = []
+    if set(counts) - {"name"}:
+        lines.append(
+            "paired by: "
+            + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+            + " ("
+            + "; ".join(f"{kind}: {PAIRED_BY_LEGEND[kind]}" for kind in counts if kind in PAIRED_BY_LEGEND)
+            + ")"
+        )
+    if report.ambiguous:
+        shown = [
+            f"{item['side']} {item['module']} (one of {', '.join(item['candidates'])})"
+            for item in report.ambiguous[:_LISTED]
+        ]
+        more = f", ... {len(report.ambiguous) - _LISTED} more" if len(report.ambiguous) > _LISTED else ""
+        lines.append(f"ambiguous ({len(report.ambiguous)}), not paired: {'; '.join(shown)}{more}")
+    noted = list(
+        dict.fromkeys(
+            f"{r.name}: {part}"
+            for r in report.results
+            for part in (r.pairing or "").split("; ")
+            if part.startswith(("weights:", "--map"))
+        )
+    )
+    for line in noted[:_LISTED]:
+        lines.append(f"pairing: {line}")
+    if len(noted) > _LISTED:
+        lines.append(f"pairing: ... {len(noted) - _LISTED} more (the JSON's pairing field)")
+    return lines
+
+
 def summary_lines(report: DiffReport) -> list[str]:
     """The verdict in a few plain lines (the last thing printed, also what logs keep)."""
     s = report.summary()
@@ -222,6 +271,7 @@ def summary_lines(report: DiffReport) -> list[str]:
     ]
     if report.bridge is not None:
         lines.append(f"{report.bridge['why']}: {s['bridged']} tensors bridged (the table's bridged column)")
+    lines.extend(pairing_lines(report))
     first = report.first_divergence
     if report.inputs_differ:
         lines.append("first divergence: none named: the two runs were fed different token ids (above)")
@@ -229,6 +279,7 @@ def summary_lines(report: DiffReport) -> list[str]:
         lines.append(
             f"first divergence: {_aligned_where(report) or _where(first)}: {_describe_error(first)}"
             + (f"; {first.message}" if first.message else "")
+            + (f"; {first.pairing}" if first.pairing else "")
         )
         if report.look_inside is not None:
             lines.append(f"look inside: rerun both runs with {report.look_inside} (each aten op's output)")

@@ -471,5 +471,7 @@ def _planned(index: int, pass_a: int, pass_b: int | None, root: str | None, pair
         unshard_a=pair.a.how,
         unshard_b=pair.b.how,
         bridge=pair.bridge,
+        paired_by=pair.paired_by,
+        pairing=pair.pairing,
         positions=pair.rows.positions if pair.rows is not None else None,
     )

@@ -19,7 +19,7 @@ from ..errors import UsageError
 from ..store.fsio import write_output
 from ..util.console import printable
 from .align import SequenceWorkspace, TokenFindings, baseline_plan, plan_tokens
-from .bridge import matcher_for
+from .bridge import ambiguous_modules, matcher_for
 from .coverage import CoverageCount, enforce, nothing_comparable
 from .display import print_report, progress_bar
 from .execute import Executor
@@ -93,6 +93,7 @@ def build_report(options: DiffOptions) -> DiffReport:
     settings["notes"] = side_notes(side_a) + side_notes(side_b)
     report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
     report.bridge = bridge_summary(matcher)
+    report.ambiguous = ambiguous_modules(matcher)
     if tokens is None:
         report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
     else:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
 from ..store.format import last_row_dim
-from .bridge import PLAIN_REASONS, BridgedPair, Expr, Matcher, matcher_for, size_splits
+from .bridge import PLAIN_REASONS, BridgedPair, Expr, Matcher, known_different, matcher_for, size_splits
 from .ops_align import EXTRA_OP, ExtraOp, OpAlignment, align_ops, split_ops
 from .options import DiffOptions
 from .reader import Stored
@@ -70,6 +70,8 @@ class PairPlan:
     message: str | None = None
     bridge: str | None = None  # how the bridge made this pair (compare/bridge.py), None: by name
     rows: Rows | None = None  # --align tokens: the rows to gather (None: the entries of one pass)
+    paired_by: str | None = None  # what proves the pair (bridge.PAIRED_BY); None: an op pair (OPS)
+    pairing: str | None = None  # what the pairing saw beside it: two classes, a weights finding
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,10 +322,13 @@ def bridged_pairs(
 
 def not_comparable_message(pair: BridgedPair) -> str:
     assert pair.classes is not None
-    return (
-        f"A {pair.classes[0]} vs B {pair.classes[1]}: two different modules under one name, and no "
-        "bridge rule relates them"
-    )
+    why = known_different(*pair.classes) or "they compute different quantities"
+    return f"A {pair.classes[0]} vs B {pair.classes[1]}: {why}, and no bridge rule relates them"
+
+
+def provenance(pair: BridgedPair) -> dict[str, str | None]:
+    """The fields of a planned pair that say how the bridge paired it and on what evidence."""
+    return {"bridge": pair.describe(), "paired_by": pair.paired_by, "pairing": pair.note}
 
 
 def build_plan(
@@ -364,7 +369,7 @@ def build_plan(
         unit_pairs: list[PairPlan] = []
         for bridged, entry_a, entry_b in found:
             entry_a, entry_b = _apply_cut(entry_a, entry_b, group_a, group_b)
-            planned = replace(_pair(unit, entry_a, entry_b, options, precisions), bridge=bridged.describe())
+            planned = replace(_pair(unit, entry_a, entry_b, options, precisions), **provenance(bridged))
             if bridged.classes is not None:
                 planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
             unit_pairs.append(planned)

@@ -92,10 +92,13 @@ class TensorRecord(_Record):
     stats: dict[str, StatDeltaRecord] | None = Field(None, description="stats pairs only")
     unshard: UnshardRecord | None = Field(None, description="absent unless a side was joined")
     bridge: str | None = Field(None, description="how the bridge paired it; absent: by name")
-    paired_by: str | None = Field(
+    paired_by: Literal["load", "name", "weights", "structure", "rule", "map"] | None = Field(
         None,
-        description="the evidence that paired it (name, weights, load, structure, rule, map); "
-        "absent: by name",
+        description="the evidence that paired it (docs/comparator.md, 'How two runs are paired'); "
+        "absent for an op pair (OPS)",
+    )
+    pairing: str | None = Field(
+        None, description="what the pairing saw beside the pair: two classes, what the weights say"
     )
     message: str | None = Field(None, description="absent when there is nothing to say")
     basis: str | None = Field(description="how the threshold was set: upstream | baseline | fixed | routing")
@@ -190,6 +193,8 @@ class Summary(_Record):
     not_comparable: int
     bridged: int
     bridge: dict[str, Any] | None
+    paired_by: dict[str, int] = Field(description="pairs counted by what proves them")
+    ambiguous: list[dict[str, Any]] = Field(description="modules no evidence paired: side, candidates")
     inputs_differ: list[dict[str, Any]]
     output_changed: list[dict[str, Any]] = Field(
         description="--align tokens: sequences whose generated tokens differ, after the first divergence"

@@ -24,9 +24,13 @@ Statuses of a tensor pair:
   (:attr:`TensorResult.after_flip`; :mod:`.verdict`);
 - ``extra_op``: an op that one run ran and the other did not, inside a module both tapped with
   ``OPS`` (:mod:`.ops_align`): a divergence of its own, never measured;
-- ``not_comparable``: one name, two module classes (the manifests' ``module_classes``: vLLM's
-  ``SiluAndMul`` against HF's ``SiLUActivation``), and no bridge rule relates them: never measured,
-  listed with both class names (:mod:`.bridge`).
+- ``not_comparable``: one name, two module classes known to compute different quantities (the
+  manifests' ``module_classes``: vLLM's ``SiluAndMul`` against HF's ``SiLUActivation``), and no
+  bridge rule relates them: never measured, listed with both class names and the reason
+  (:func:`.bridge.known_different`). A class difference alone is compared.
+
+Each pair says how it was paired (``paired_by``: ``load``, ``name``, ``weights``, ``structure``,
+``rule`` or ``map``; docs/comparator.md, "How two runs are paired").
 
 Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned``, ``not_judged`` and ``not_comparable``
 makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`). Those rules, the
@@ -37,11 +41,13 @@ this module holds what they decide, as :class:`Findings`.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ExitCode
 from ..store.format import json_number
+from .bridge import PAIRED_BY
 from .metrics import TensorMetrics
 from .ops_align import suggest_ops
 from .plan import Plan
@@ -131,6 +137,8 @@ class TensorResult:
     pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
     level_before: str | None = None  # a container's own output: explained by the level before this tensor
     bridge: str | None = None  # how the bridge paired it ("split -1 (rule 4: qkv)"); None: by name
+    paired_by: str | None = None  # what proves the pair (bridge.PAIRED_BY); None: an op pair (OPS)
+    pairing: str | None = None  # what the pairing saw beside it: two classes, a weights finding
     after_flip: AfterFlip | None = None  # downstream of a near-tie flip, outside its MoE block
     # --align tokens: the sequence pair whose rows were compared (``seq 0``, ``seq 0 (B: 3)``)
     sequence: str | None = None
@@ -195,6 +203,10 @@ class TensorResult:
             data["unshard"] = {"a": self.unshard_a, "b": self.unshard_b}
         if self.bridge is not None:
             data["bridge"] = self.bridge
+        if self.paired_by is not None:
+            data["paired_by"] = self.paired_by
+        if self.pairing:
+            data["pairing"] = self.pairing
         if self.message:
             data["message"] = self.message
         data["basis"] = self.basis
@@ -326,6 +338,8 @@ class DiffReport:
     # first divergence before it once concluded
     output_changed: list[dict[str, Any]] = field(default_factory=list)
     coverage: dict[str, Any] | None = None  # compared / reference tensors per step (compare/coverage.py)
+    # modules whose weights several modules of the other side hold, no structure telling which
+    ambiguous: list[dict[str, Any]] = field(default_factory=list)
     findings: Findings | None = None  # set by verdict.conclude once the results are final
 
     @property
@@ -379,6 +393,11 @@ class DiffReport:
         """Pairs the verdict judged (a number against a threshold): compared, less not judged."""
         return sum(1 for r in self.results if r.error is not None and r.status != "not_judged")
 
+    def paired_by_counts(self) -> dict[str, int]:
+        """Pairs counted by what proves them (``name``, ``weights``, ...), strongest first."""
+        counts = Counter(r.paired_by for r in self.results if r.paired_by is not None)
+        return {kind: counts[kind] for kind in PAIRED_BY if kind in counts}
+
     def leftovers_by_reason(self) -> dict[str, dict[str, int]]:
         """Tensors without a counterpart, per side, counted by why (plain: "no tensor of that name")."""
         counts: dict[str, dict[str, int]] = {}
@@ -411,6 +430,8 @@ class DiffReport:
             "not_comparable": self.count("not_comparable"),
             "bridged": sum(1 for r in self.results if r.bridge is not None),
             "bridge": self.bridge,
+            "paired_by": self.paired_by_counts(),
+            "ambiguous": list(self.ambiguous),
             "inputs_differ": list(self.inputs_differ),
             "output_changed": list(self.output_changed),
             "leftovers": self.leftovers_by_reason(),
