@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import UsageError
+from ..util import rules
 from ..util.ranges import IndexRanges
 from .bridge_rules import Bridge, load_bridge
 
@@ -21,15 +22,12 @@ METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
 
 
 def split_rule(text: str, option: str) -> tuple[str, str]:
-    """Split ``PATTERN=VALUE`` on the **last** ``=``.
-
-    The pattern may hold ``=`` (lookarounds such as ``(?=...)``, ``(?<=...)``); the value may not,
-    which costs nothing because module names never contain ``=``.
-    """
-    pattern, sep, value = text.rpartition("=")
-    if not sep or not pattern:
-        raise UsageError(f"{option} {text!r}: expected 'PATTERN=VALUE'")
-    return pattern, value
+    """``PATTERN=VALUE`` split as every rule of the package is (:func:`tracedump.util.rules.split_rule`),
+    a bad one a usage error naming ``option``."""
+    try:
+        return rules.split_rule(text)
+    except ValueError:
+        raise UsageError(f"{option} {text!r}: expected 'PATTERN=VALUE'") from None
 
 
 def compile_regex(pattern: str, option: str) -> re.Pattern[str]:
@@ -50,10 +48,10 @@ class NameMap:
     def parse(cls, text: str) -> NameMap:
         pattern, replacement = split_rule(text, "--map")
         rule = cls(compile_regex(pattern, "--map"), replacement)
-        try:  # a bad group reference (\3 with two groups) fails now: re checks it even when nothing matches
-            rule.apply("")
-        except (re.error, IndexError) as e:
-            raise UsageError(f"--map {rule}: bad replacement: {e}") from e
+        try:
+            rules.check_replacement(rule.pattern, replacement)
+        except ValueError as e:
+            raise UsageError(f"--map {rule}: {e}") from e
         return rule
 
     def apply(self, name: str) -> str:

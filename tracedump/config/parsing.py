@@ -19,6 +19,7 @@ from typing import Any
 
 from ..store.format import NUMERIC_STAT_NAMES
 from ..util.ranges import IndexRanges
+from ..util.rules import split_rule
 from .reference import check_graft_reference
 
 STAT_NAMES = (*NUMERIC_STAT_NAMES, "shape", "dtype")
@@ -179,13 +180,14 @@ def parse_map_rules(value: Any) -> list[str] | None:
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(rule, str) for rule in value):
         raise ValueError("expected a 'PATTERN=REPL' rule or a list of them")
-    rules = list(value)
-    for rule in rules:
-        pattern, sep, _ = rule.rpartition("=")
-        if not sep or not pattern:
-            raise ValueError(f"expected 'PATTERN=REPL', got {rule!r}")
+    parsed = list(value)
+    for rule in parsed:
+        try:
+            pattern, _ = split_rule(rule)
+        except ValueError as e:
+            raise ValueError(f"{e}, got {rule!r}") from None
         parse_regex(pattern)
-    return rules
+    return parsed
 
 
 def parse_stats(value: Any) -> list[str]:

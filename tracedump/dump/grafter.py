@@ -25,6 +25,7 @@ from ..config.reference import reference_problem
 from ..errors import ConfigError, DumpReadError, GraftFeedRefused
 from ..store.correspondence import Correspondence, module_counterparts, read_correspondence
 from ..store.format import dtype_name, key_text
+from ..util.rules import check_replacement, split_rule
 from .cuda import stream_is_capturing
 from .graft_feed import KEPT, ZERO, InputFeed, fed_paths
 from .hooks import MAX_DEPTH, flatten_inputs, input_prefix
@@ -44,13 +45,11 @@ def parse_graft_map(rules: Iterable[str]) -> list[tuple[re.Pattern[str], str]]:
     names of the model under test are spelt in the reference."""
     parsed = []
     for rule in rules:
-        pattern, sep, repl = rule.rpartition("=")
-        if not sep or not pattern:
-            raise ConfigError(f"tracedump: bad graft map {rule!r}: expected 'PATTERN=REPL'")
         try:
+            pattern, repl = split_rule(rule)
             compiled = re.compile(pattern)
-            compiled.sub(repl, "")
-        except (re.error, IndexError) as e:
+            check_replacement(compiled, repl)
+        except (ValueError, re.error) as e:
             raise ConfigError(f"tracedump: bad graft map {rule!r}: {e}") from e
         parsed.append((compiled, repl))
     return parsed
