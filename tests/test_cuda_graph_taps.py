@@ -263,10 +263,12 @@ def test_graph_buffers_are_counted_warned_once_and_let_go_with_their_graph(
         assert said[0] == [] and said[2] == []
         (message,) = said[1]
         assert "2 graphs" in message and "TRACEDUMP_DUMP_FILTER" in message
-        assert target.summary() == {"taps": 0, "cuda_graphs": 3, "graph_tap_bytes": 192, "idle_graph_steps": 0}
+        held = {"taps": 0, "cuda_graphs": 3, "graph_tap_bytes": 192, "idle_graph_steps": 0}
+        assert target.summary() == held
         del graphs[0], graph  # an engine drops a graph: its buffers go with it
         gc.collect()
-        assert target.summary() == {"taps": 0, "cuda_graphs": 2, "graph_tap_bytes": 128, "idle_graph_steps": 0}
+        held = {"taps": 0, "cuda_graphs": 2, "graph_tap_bytes": 128, "idle_graph_steps": 0}
+        assert target.summary() == held
         graphs[0].capture(lambda: None)  # captured again, with no tap: it holds nothing now
         assert target.summary()["graph_tap_bytes"] == 64
     finally:
