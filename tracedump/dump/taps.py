@@ -266,7 +266,7 @@ LIVE: dict[str, bool] = {}
 
 def refresh() -> None:
     """Set :data:`LIVE` from every open ``COMPILED`` dumper's :meth:`TapTarget.wanted`."""
-    for target in list(_TARGETS.values()):
+    for target in tuple(_TARGETS.values()):
         try:
             on = bool(target.wanted())
         except Exception as e:  # never into the host: the taps stay traced, the safe side
@@ -490,10 +490,8 @@ class _RootClose(_Tap):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # eager: the next step's state is set when it opens
             self.emit(module, args, output)
-        else:
-            refresh()  # eager root: the next step's state
 
     def emit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.op([], self.prefix)
