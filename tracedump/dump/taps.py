@@ -14,15 +14,20 @@ emit two more taps (``open``, with the root's tensor arguments for the HF batch 
 
 The ``key`` argument is a constant of the graph: ``<dumper serial>\\x1f<kind>\\x1f<name>\\x1f<paths>``
 (kind ``out``, ``in``, ``open``, ``close``; paths the output paths of the leaves, joined by
-``\\x1e``). The op looks the dumper up by its serial in :data:`_TARGETS` (a dumper closed since the
-graph was compiled is skipped: the op then does nothing).
+``\\x1e``). Each hook makes its part of the key once, as text, when it is registered: nothing the
+trace reads to build a key is an int ``dynamic=True`` could make symbolic. The op looks the dumper
+up by its serial in :data:`_TARGETS` (a dumper closed since the graph was compiled is skipped: the
+op then does nothing). A module shared by several parents is named, while Dynamo traces, after the
+parent whose method Dynamo is inlining (:func:`_caller_name`), as the eager stack walk names it.
+
+Idle: the module taps go into a traced graph only while their dumper wants the step (:data:`LIVE`,
+which Dynamo guards on), so an idle step runs the tap-free graph; the root's hooks run uncompiled
+when Dynamo meets them as frames of their own (:func:`run_root_hooks_eagerly`).
 
 What compiling cannot keep (docs/compiled.md): an output inductor would have fused away is
 materialised for the tap (the tap is an extern call, a fusion boundary; values are the same bits
 the fused kernel would have fed on only when inductor does not recompute them inside the fused
-kernel); a module shared by several parents is named by its first name (the stack walk of
-:class:`~.hooks.CallSites` has no frames to walk in compiled code); ``OPS`` sees no op of a
-compiled region.
+kernel); ``OPS`` sees no op of a compiled region.
 
 CUDA graphs: a tap that runs while a CUDA graph is captured copies its tensors into buffers that
 live as long as the graph (the copy kernels are captured with it, so every replay refreshes them),
