@@ -487,7 +487,7 @@ class Dumper:
             capturing=self._capturing,
         ).register()
         try:
-            hooks = TapHooks(model, tap_target, self.modules, inputs, sites)
+            hooks = TapHooks(model, tap_target, self.modules, inputs, sites, eager=self.hooks.handles)
         except BaseException:
             tap_target.unregister()
             self.hooks.remove()

@@ -295,7 +295,10 @@ class TapHooks:
         outputs: Iterable[tuple[str, nn.Module]],
         inputs: Iterable[tuple[str, nn.Module]] = (),
         sites: CallSites | None = None,
+        eager: Iterable[RemovableHandle] = (),
     ) -> None:
+        """``eager``: the dumper's other hooks; with these, those on the root run uncompiled
+        (:func:`run_root_hooks_eagerly`)."""
         self.target = target
         self.op = register_tap_op()
         self.handles: list[RemovableHandle] = []
@@ -323,7 +326,7 @@ class TapHooks:
         except BaseException:
             self.remove()
             raise
-        run_root_hooks_eagerly(model)
+        run_root_hooks_eagerly(model, {handle.id for handle in [*self.handles, *eager]})
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -333,27 +336,23 @@ class TapHooks:
             _SHARED.pop(prefix, None)
 
 
-def run_root_hooks_eagerly(model: nn.Module) -> None:
+def run_root_hooks_eagerly(model: nn.Module, ids: Iterable[int]) -> None:
     """Let tracedump's hooks on the root run as plain Python when Dynamo meets them as frames of
     their own. ``torch.compile(model)`` runs the root's ``_call_impl`` uncompiled and compiles each
     hook it calls as a separate frame: one more guard check and compiled call per hook and step,
-    which on a small model cost more than the graph itself. Each of tracedump's root hooks is put
+    which on a small model cost more than the graph itself. Each of the dumper's root hooks is put
     inside an :class:`_EagerAtTop`, whose frames Dynamo skips at the top: there the eager pass
     hooks open and close the pass (as for an engine whose root stays eager) and the tap hooks
     return at once; traced inline (a compiled function that calls the model) the wrapper is traced
-    through, taps and all. Only this ``COMPILED`` dumper's hooks are wrapped (another dumper's
-    hooks keep their own code objects). Private Dynamo API: a torch without it keeps the frames."""
+    through, taps and all. Only the hooks of ``ids`` (this ``COMPILED`` dumper's handles) are
+    wrapped: another dumper's stay as they are. Private Dynamo API: a torch without it keeps the
+    frames."""
     if _SKIP_AT_TOP is None:
         return
-    package = __file__.rsplit("/", 2)[0]
+    wanted = set(ids)
     for hooks in (model._forward_pre_hooks, model._forward_hooks):
         for key, hook in list(hooks.items()):
-            code = _hook_code(hook)
-            if (
-                code is not None
-                and code.co_filename.startswith(package)
-                and not isinstance(hook, _EagerAtTop)
-            ):
+            if key in wanted and not isinstance(hook, _EagerAtTop):
                 hooks[key] = _EagerAtTop(hook)
 
 
@@ -393,14 +392,6 @@ if _SKIP_AT_TOP is not None:
         _SKIP_AT_TOP(_EagerAtTop.__call__.__code__)
     except Exception:
         _SKIP_AT_TOP = None
-
-
-def _hook_code(hook: Any) -> Any:
-    function = getattr(hook, "__func__", hook)  # a bound method's function
-    code = getattr(function, "__code__", None)
-    if code is None:  # a callable object: its class's __call__
-        code = getattr(type(hook).__dict__.get("__call__"), "__code__", None)
-    return code
 
 
 # A shared module's tap prefix -> (serial, the dumper's call sites, the module's hooked name).
