@@ -1,13 +1,16 @@
 """What ``COMPILED=1`` costs a ``torch.compile``d model (inductor, CPU), beside what a full eager
 dump costs the eager model.
 
-Four steps on identical weights (medians of per-round ratios): the eager model untouched and with
-a full eager dump, interleaved round by round; the compiled model untouched, then with a full
-``COMPILED=1`` dump (one after the other, Dynamo reset between). Each dumped step waits for its
-pass to be on disk (``flush``), so the writer's work is not hidden. Compile time (the first
-call) is reported apart, once per compiled model. Beside them, each round: the dumped steps as the
-host sees them (``*_host_ratio``: the flush not timed), and the compiled graph with its taps whose
-target is gone (``compiled_taps_idle_ratio``: what the taps cost the graph itself).
+Every figure on identical weights, interleaved round by round in one process (medians of
+per-round ratios): the eager model untouched and with a full eager dump; the compiled model
+untouched (the floor of every compiled figure), with a full ``COMPILED=1`` dump, an armable
+server never armed (``CONTROL=1``) and a dump whose ``STEPS`` select none of these steps (both
+run the tap-free graph: ``compiled_taps_idle_ratio``, ``compiled_unselected_ratio``); and the dumped model's
+tapped graph with its target gone (``compiled_taps_noop_ratio``: the taps called, returning at
+once). Each compiled copy is an instance of a class of its own, so Dynamo keeps their graphs
+apart. Each dumped step waits for its pass to be on disk (``flush``), so the writer's work is not
+hidden; ``*_host_ratio`` is the step as the host sees it (the flush not timed). Compile time (the
+first call) is reported apart.
 
 Run alone: ``python benchmarks/bench_compiled.py [--quick]`` prints the JSON.
 """
@@ -45,45 +48,68 @@ def run(quick: bool = False) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def _own_class(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as an instance of a subclass of its own: Dynamo guards each compiled frame on the
+    type of ``self``, so copies of one model compiled side by side keep their graphs apart (a deep
+    copy of the same class may run another copy's graph: docs/compiled.md)."""
+    model.__class__ = type(f"Bench{type(model).__name__}{id(model)}", (type(model),), {})
+    return model
+
+
 def _run(quick: bool) -> dict[str, Any]:
     rounds = 3 if quick else 10
     base = common.build_model(SPEC).eval()
     ids = common.make_inputs(SPEC)
-    models = {name: copy.deepcopy(base) for name in ("eager", "eager_dump", "compiled", "compiled_dump")}
+    names = ("eager", "eager_dump", "compiled", "compiled_dump", "compiled_armable", "compiled_unselected")
+    models = {name: _own_class(copy.deepcopy(base)) for name in names}
     with tempfile.TemporaryDirectory(prefix="td-bench-compiled-") as root:
         dumpers = {
             "eager_dump": tracedump.attach(models["eager_dump"], {"dir": f"{root}/eager"}),
             "compiled_dump": tracedump.attach(
                 models["compiled_dump"], {"dir": f"{root}/compiled", "compiled": True}
             ),
+            # An armable server, never armed (CONTROL=1), and a dump whose STEPS select none of
+            # these steps: both run the tap-free graph.
+            "compiled_armable": tracedump.attach(
+                models["compiled_armable"], {"dir": f"{root}/armable", "compiled": True, "control": True}
+            ),
+            "compiled_unselected": tracedump.attach(
+                models["compiled_unselected"],
+                {"dir": f"{root}/unselected", "compiled": True, "steps": "1000000000"},
+            ),
         }
+        torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        times: dict[str, list[float]] = {name: [] for name in models}
+        calls = {name: models[name] for name in ("eager", "eager_dump")}
         compile_s: dict[str, float] = {}
         with torch.inference_mode():
-            # Eager pair interleaved. The compiled pair runs one after the other, with Dynamo's
-            # caches reset between: Dynamo would reuse one model's graph for its deep copy, hooks
-            # or not (docs/compiled.md), so the two cannot be compiled side by side.
-            host: dict[str, list[float]] = {"eager_dump": [], "compiled_dump": [], "compiled_taps_idle": []}
-            for _ in range(rounds + 1):
-                for name in ("eager", "eager_dump"):
-                    times[name].append(_timed_step(models[name], dumpers.get(name), ids))
-                host["eager_dump"].append(_host_step(models["eager_dump"], dumpers["eager_dump"], ids))
-            for name in ("compiled", "compiled_dump"):
-                torch._dynamo.reset()
-                call = torch.compile(models[name])
-                compile_s[name] = _timed_step(call, dumpers.get(name), ids)
-                for _ in range(rounds + 1):
-                    times[name].append(_timed_step(call, dumpers.get(name), ids))
-                    if name == "compiled_dump":
-                        host[name].append(_host_step(call, dumpers[name], ids))
-                        target = dumpers[name].taps.target
-                        target.unregister()  # the taps stay in the graph and return at once
-                        host["compiled_taps_idle"].append(_timed_step(call, None, ids))
-                        target.register()
+            for name in ("compiled", "compiled_dump", "compiled_armable", "compiled_unselected"):
+                calls[name] = torch.compile(models[name])
+                compile_s[name] = _timed_step(calls[name], dumpers.get(name), ids)
+            target = dumpers["compiled_dump"].taps.target
+            # The taps in the graph with no target (the op called, returning at once): the graph
+            # traced with taps, then the target gone. What a tap that is a no-op until armed costs.
+            target.unregister()  # its LIVE entry gone: the tapped graph, each tap finding no target
+            compile_s["compiled_taps_noop"] = _timed_step(calls["compiled_dump"], None, ids)
+            target.register()
+            taps_before = target.taps
+            times: dict[str, list[float]] = {name: [] for name in (*names, "compiled_taps_noop")}
+            host: dict[str, list[float]] = {"eager_dump": [], "compiled_dump": []}
+            for _ in range(rounds + 1):  # every figure interleaved, round by round, one process
+                for name in names:
+                    times[name].append(_timed_step(calls[name], dumpers.get(name), ids))
+                for name in host:
+                    host[name].append(_host_step(calls[name], dumpers[name], ids))
+                target.unregister()
+                times["compiled_taps_noop"].append(_timed_step(calls["compiled_dump"], None, ids))
+                target.register()
+            taps_run = target.taps - taps_before
         times = {name: values[1:] for name, values in times.items()}  # the first round warms up
         host = {name: values[1:] for name, values in host.items()}
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        idle_taps = sum(
+            dumpers[name].taps.target.taps for name in ("compiled_armable", "compiled_unselected")
+        )
         for dumper in dumpers.values():
             if dumper is not None:
                 dumper.close()
@@ -92,12 +118,15 @@ def _run(quick: bool) -> dict[str, Any]:
         "eager_dump_ratio": _paired(times["eager_dump"], times["eager"]),
         "compiled_dump_ratio": _paired(times["compiled_dump"], times["compiled"]),
         "compiled_dump_vs_eager_dump": _paired(times["compiled_dump"], times["eager_dump"]),
-        # The step as the host sees it (the writer left to work beside the next step), and the
-        # compiled graph with its taps but the tap's target gone (the op is called and returns):
-        # what the taps cost the graph itself (no fusion across a tapped output, the op's dispatch).
+        # The step as the host sees it (the writer left to work beside the next step).
         "eager_dump_host_ratio": _paired(host["eager_dump"], times["eager"]),
-        "compiled_dump_host_ratio": common.ratio(common.median(host["compiled_dump"]), med["compiled"]),
-        "compiled_taps_idle_ratio": common.ratio(common.median(host["compiled_taps_idle"]), med["compiled"]),
+        "compiled_dump_host_ratio": _paired(host["compiled_dump"], times["compiled"]),
+        # Idle, two ways, each against the untouched compiled graph of the same round: the
+        # tap-free graph a guard switches to (an armable server never armed: CONTROL=1), and the
+        # tapped graph whose op returns at once (what a tap that is a no-op until armed costs).
+        "compiled_taps_idle_ratio": _paired(times["compiled_armable"], times["compiled"]),
+        "compiled_unselected_ratio": _paired(times["compiled_unselected"], times["compiled"]),
+        "compiled_taps_noop_ratio": _paired(times["compiled_taps_noop"], times["compiled"]),
     }
     return {
         "model": f"llama hidden={SPEC.hidden} layers={SPEC.layers} tokens={SPEC.tokens}",
@@ -106,6 +135,10 @@ def _run(quick: bool) -> dict[str, Any]:
         "host_step_ms": {name: common.median(values) * 1e3 for name, values in host.items()},
         "compile_s": compile_s,
         "graph_breaks": breaks,
+        # the premise of each figure: the dumped model ran its taps every round and only then, the
+        # idle ones never (their graph is the tap-free one)
+        "taps_per_dumped_step": taps_run / (2 * (rounds + 1)),
+        "idle_taps": idle_taps,
         **ratios,
     }
 

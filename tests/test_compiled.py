@@ -77,11 +77,13 @@ def scale_layer2_mlp(graph: torch.fx.Graph) -> None:
         return  # a graph without that tap (the root's open / close taps) is left as it is
 
 
-def dump(path: Path, family: str, compiled: bool, post_pass: Any = None) -> tuple[Path, Any]:
+def dump(
+    path: Path, family: str, compiled: bool, post_pass: Any = None, **compile_options: Any
+) -> tuple[Path, Any]:
     model = BUILDERS[family]()
     dumper = tracedump.attach(model, {"dir": path, "compiled": compiled})
     assert dumper is not None
-    run = torch.compile(model) if compiled else model
+    run = torch.compile(model, **compile_options) if compiled else model
     patch = {"post_grad_custom_post_pass": post_pass, "fx_graph_cache": False}
     with torch._inductor.config.patch(patch), torch.no_grad():
         run(IDS)
@@ -99,7 +101,9 @@ def diff(tmp_path: Path, a: Path, b: Path) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_compiled_model_dumps_the_eager_names_with_no_graph_break(tmp_path: Path, family: str) -> None:
-    compiled, taps_run = dump(tmp_path / "compiled", family, compiled=True)
+    """``fullgraph=True, dynamic=True`` (a root looping over its layers): every tap's key is a
+    constant of the trace, so Dynamo neither breaks the graph nor refuses it."""
+    compiled, taps_run = dump(tmp_path / "compiled", family, compiled=True, fullgraph=True, dynamic=True)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     eager, _ = dump(tmp_path / "eager", family, compiled=False)
@@ -211,3 +215,182 @@ def test_taps_inside_a_cuda_graph_capture_are_read_after_each_replay(monkeypatch
         assert name == "m.lin" and value.tolist() == [5.0, 5.0, 5.0]
     finally:
         target.unregister()
+
+
+# ------------------------------------------------------------------ modes, shapes, shared modules, idle
+
+
+class Rotary(torch.nn.Module):
+    """One module held by every layer, as vLLM's rotary embedding is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Block(torch.nn.Module):
+    def __init__(self, rotary: Rotary) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.rotary(self.proj(x))) + x
+
+
+class Shared(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        rotary = Rotary()
+        self.layers = torch.nn.ModuleList([Block(rotary) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+ROTARY_NAMES = [f"layers.{i}.rotary" for i in range(3)]
+
+
+def _inputs(rows: int) -> torch.Tensor:
+    return torch.linspace(-1, 1, rows * 8).reshape(rows, 8)
+
+
+def _run_shared(path: Path, compile_options: dict[str, Any] | None, mark: bool = False, **config: Any) -> Any:
+    """Three steps of the shared-module model (4, 6, 4 rows), compiled or not; the dumper, closed."""
+    model = Shared()
+    dumper = tracedump.attach(model, {"dir": path, "compiled": compile_options is not None, **config})
+    assert dumper is not None
+    run = torch.compile(model, **compile_options) if compile_options is not None else model
+    with torch.no_grad():
+        for rows in (4, 6, 4):
+            x = _inputs(rows)
+            if mark:
+                torch._dynamo.mark_dynamic(x, 0)
+            run(x)
+    dumper.close()
+    return dumper
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fullgraph": True, "dynamic": True},
+        {"fullgraph": True, "mark_dynamic": True},
+        {"fullgraph": True, "dynamic": True, "mode": "reduce-overhead"},
+        {"fullgraph": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs"},
+    ],
+    ids=["dynamic", "mark_dynamic", "reduce-overhead", "max-autotune-no-cudagraphs"],
+)
+def test_every_cpu_mode_taps_with_no_graph_break_and_names_a_shared_module_by_its_caller(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    options = dict(options)
+    mark = options.pop("mark_dynamic", False)
+    compiled = _run_shared(tmp_path / "c", options, mark=mark)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert compiled.taps.target.taps > 0
+    eager = _run_shared(tmp_path / "e", None)
+    passes_c, passes_e = read_passes(compiled.run_dir), read_passes(eager.run_dir)
+    assert sorted(passes_c) == [0, 1, 2]
+    for index in passes_c:
+        assert list(passes_c[index]) == list(passes_e[index])
+        assert [n for n in passes_c[index] if "rotary" in n] == ROTARY_NAMES  # the caller's name
+    status, report = diff(tmp_path, compiled.run_dir, eager.run_dir)
+    assert status == 0, report["summary"]["first_divergence"]
+
+
+def _graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def test_an_unselected_step_runs_the_tap_free_graph_and_switching_compiles_once(tmp_path: Path) -> None:
+    """STEPS=1,3 over five steps: steps 0, 2 and 4 run the graph traced without module taps (no
+    tap runs), 1 and 3 the tapped one; each is compiled once, then both are reused."""
+    model = Shared()
+    dumper = tracedump.attach(model, {"dir": tmp_path, "compiled": True, "steps": "1,3"})
+    assert dumper is not None
+    run = torch.compile(model, fullgraph=True)
+    seen = []
+    with torch.no_grad():
+        for _ in range(5):
+            run(_inputs(4))
+            seen.append((dumper.taps.target.taps, _graphs()))
+    dumper.close()
+    per_step = 6  # 3 projections + 3 rotary calls
+    assert [t for t, _ in seen] == [0, per_step, per_step, 2 * per_step, 2 * per_step]
+    graphs = [g for _, g in seen]
+    assert graphs[1] == graphs[0] + 1 and graphs[1:] == [graphs[1]] * 4  # one recompile, then none
+    assert sorted(read_passes(dumper.run_dir)) == [1, 3]
+
+
+def test_a_wanted_step_that_ran_the_tap_free_graph_is_counted_and_reported(tmp_path: Path) -> None:
+    """The pass edges traced into the model's own frame (a compiled function calling the model):
+    a step the dumper comes to want only once that frame's guard was checked runs without module
+    taps. It is counted (``compiled.idle_graph_steps``) and reported, never silent."""
+    model = Shared()
+    dumper = tracedump.attach(model, {"dir": tmp_path, "compiled": True})
+    assert dumper is not None
+    run = torch.compile(lambda x: model(x), fullgraph=True)
+    target = dumper.taps.target
+    target.wanted = lambda: False  # the premise: every guard check sees an idle dumper
+    taps.refresh()
+    with pytest.warns(UserWarning, match="COMPILED idle graph"), torch.no_grad():
+        run(_inputs(4))
+    dumper.close()
+    manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
+    assert target.taps == 0 and manifest["compiled"]["idle_graph_steps"] == 1
+    assert any("COMPILED idle graph" in str(e) for e in manifest["errors"])
+
+
+def test_arming_and_disarming_a_compiled_server_compile_once_each_way(tmp_path: Path) -> None:
+    """CONTROL=1: idle steps run the tap-free graph; an armed window the tapped one, compiled at
+    the first arming; disarmed, the tap-free one again; armed again, no compile at all."""
+    from tracedump.cli import main as cli
+
+    model = Shared()
+    dumper = tracedump.attach(model, {"dir": tmp_path, "compiled": True, "control": True})
+    assert dumper is not None and dumper.recorder.control is not None
+    run = torch.compile(model, fullgraph=True)
+
+    def step() -> None:
+        with dumper.step(), torch.no_grad():
+            run(_inputs(4))
+
+    def until(event: str) -> None:
+        history = dumper.recorder.control.history  # type: ignore[union-attr]
+        for _ in range(20_000):
+            if history and any(e["event"] == event and e["id"] == history[-1]["id"] for e in history):
+                return
+            step()
+        raise AssertionError(f"never {event}: {history}")
+
+    try:
+        step()
+        idle_graphs = _graphs()
+        step()
+        assert (_graphs(), dumper.taps.target.taps) == (idle_graphs, 0)  # idle: no tap, no compile
+        assert cli(["arm", str(tmp_path), "--steps", "2"]) == 0
+        until("done")
+        armed_graphs = _graphs()
+        per_step = 12  # 6 outputs and, since an order may ask for inputs (--inputs), 6 inputs
+        assert armed_graphs == idle_graphs + 1 and dumper.taps.target.taps == 2 * per_step
+        for _ in range(3):
+            step()
+        assert (_graphs(), dumper.taps.target.taps) == (armed_graphs, 2 * per_step)  # idle again
+        assert cli(["arm", str(tmp_path), "--steps", "2"]) == 0
+        for _ in range(20_000):  # until the second window ran (its order joins the history late)
+            if dumper.taps.target.taps >= 4 * per_step:
+                break
+            step()
+        for _ in range(3):
+            step()
+        assert (_graphs(), dumper.taps.target.taps) == (armed_graphs, 4 * per_step)  # armed again
+    finally:
+        dumper.close()
+    assert len(list(dumper.run_dir.glob("pass*.safetensors"))) == 4

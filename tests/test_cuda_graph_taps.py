@@ -12,6 +12,7 @@ static tensors, in place) and then those copies again, as the GPU would. The rep
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import warnings
@@ -132,7 +133,7 @@ def test_three_replays_give_three_passes_each_with_its_replays_values(
     graph = fake_cuda(kernels=lambda: torch.mul(x, 2.0, out=y))
     graph.capture(program)
     assert not list(dumper.run_dir.glob("pass*"))  # nothing at capture
-    assert target.summary() == {"taps": 0, "cuda_graphs": 1, "graph_tap_bytes": 3 * 12}
+    assert target.summary() == {"taps": 0, "cuda_graphs": 1, "graph_tap_bytes": 3 * 12, "idle_graph_steps": 0}
     values = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, 0.5, 4.0]), torch.tensor([7.0, 8.0, 9.0])]
     for value in values:
         x.copy_(value)  # new input into the static one, as an engine does
@@ -144,7 +145,7 @@ def test_three_replays_give_three_passes_each_with_its_replays_values(
         assert torch.equal(passes[index]["0@in[0]"], value)
         assert torch.equal(passes[index]["0"], value * 2)
     manifest = json.loads((dumper.run_dir / "manifest.json").read_text())
-    assert manifest["compiled"] == {"taps": 6, "cuda_graphs": 1, "graph_tap_bytes": 36}
+    assert manifest["compiled"] == {"taps": 6, "cuda_graphs": 1, "graph_tap_bytes": 36, "idle_graph_steps": 0}
     assert manifest["complete"] is True and manifest["errors"] == []
     assert tracedump.open_dump(tmp_path).run().manifest["compiled"]["taps"] == 6  # the typed reader
 
@@ -262,10 +263,12 @@ def test_graph_buffers_are_counted_warned_once_and_let_go_with_their_graph(
         assert said[0] == [] and said[2] == []
         (message,) = said[1]
         assert "2 graphs" in message and "TRACEDUMP_DUMP_FILTER" in message
-        assert target.summary() == {"taps": 0, "cuda_graphs": 3, "graph_tap_bytes": 192}
+        held = {"taps": 0, "cuda_graphs": 3, "graph_tap_bytes": 192, "idle_graph_steps": 0}
+        assert target.summary() == held
         del graphs[0], graph  # an engine drops a graph: its buffers go with it
         gc.collect()
-        assert target.summary() == {"taps": 0, "cuda_graphs": 2, "graph_tap_bytes": 128}
+        held = {"taps": 0, "cuda_graphs": 2, "graph_tap_bytes": 128, "idle_graph_steps": 0}
+        assert target.summary() == held
         graphs[0].capture(lambda: None)  # captured again, with no tap: it holds nothing now
         assert target.summary()["graph_tap_bytes"] == 64
     finally:
@@ -426,7 +429,7 @@ def test_a_tap_outside_a_capture_runs_at_once_as_before(watched: Callable[[_Seen
     _tap(target, "out", "m", [("", torch.ones(1))])
     _tap(target, "close", "", [])
     assert [e[0] for e in seen.events] == ["open", "capture", "close"]
-    assert target.summary() == {"taps": 1, "cuda_graphs": 0, "graph_tap_bytes": 0}
+    assert target.summary() == {"taps": 1, "cuda_graphs": 0, "graph_tap_bytes": 0, "idle_graph_steps": 0}
 
 
 def test_resolve_cuda_graph_keeps_graphs_on_with_compiled_only(tmp_path: Path) -> None:
@@ -514,3 +517,76 @@ def test_a_graphs_buffers_live_as_long_as_the_graph_not_as_its_dumper(fake_cuda:
     del graph
     gc.collect()
     assert buffer() is None
+
+
+# ------------------------------------------------------------------ the watch beside other wrappers
+
+
+def _outer_wrapper(cls: type, name: str, calls: list[str]) -> Any:
+    """What another library does after tracedump: wrap the method it finds, keeping it."""
+    inner = getattr(cls, name)
+
+    @functools.wraps(inner)  # copies the function's attributes, as such wrappers do
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return inner(self, *args, **kwargs)
+
+    setattr(cls, name, wrapper)
+    return inner
+
+
+def test_unwatch_keeps_a_wrapper_put_on_after_tracedump_and_replays_run_each_tap_once(
+    fake_cuda: type[FakeGraph],
+) -> None:
+    target = _Seen().target()
+    replayed: list[object] = []
+    target.graph.replayed = replayed.append  # type: ignore[method-assign]
+    before = _attrs(fake_cuda)
+    replays.watch(target, fake_cuda)
+    calls: list[str] = []
+    under = _outer_wrapper(fake_cuda, "replay", calls)  # theirs, over ours
+    graph = fake_cuda()
+    graph.replay()
+    assert calls == ["replay"] and replayed == [graph]
+    replays.unwatch(target)
+    theirs = fake_cuda.__dict__["replay"]
+    assert theirs is not before["replay"] and theirs.__wrapped__ is under  # theirs kept, ours under it
+    assert _attrs(fake_cuda)["capture_end"] is before["capture_end"]  # ours alone there: removed
+    graph.replay()
+    assert calls == ["replay"] * 2 and replayed == [graph]  # ours calls through: no tap runs
+    replays.watch(target, fake_cuda)  # a later COMPILED dumper: one active layer, over theirs
+    graph.replay()
+    assert calls == ["replay"] * 3 and replayed == [graph] * 2
+    replays.unwatch(target)
+    assert fake_cuda.__dict__["replay"] is theirs
+    fake_cuda.replay = under  # type: ignore[method-assign]  # they take their layer off: ours, dormant
+    replays.watch(target, fake_cuda)
+    assert fake_cuda.__dict__["replay"] is under  # switched on again, no second layer
+    graph.replay()
+    assert replayed == [graph] * 3
+    replays.unwatch(target)
+    target.unregister()
+    after = _attrs(fake_cuda)
+    assert all(after[name] is before[name] for name in before)
+    assert replays.watched_class() is None
+
+
+def test_a_failed_attach_leaves_no_replay_watch(
+    tmp_path: Path, fake_cuda: type[FakeGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attach() failing after the watch was installed (here: joining the process's dumpers) takes
+    the watch off again, with every hook."""
+    from tracedump.dump.runtime import runtime
+
+    before = _attrs(fake_cuda)
+
+    def refuse(self: Any, dumper: Any) -> None:
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(type(runtime()), "add", refuse)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="no room"):
+        tracedump.attach(model, {"dir": tmp_path, "compiled": True})
+    assert replays.watched_class() is None and _attrs(fake_cuda) == before
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not taps._TARGETS

@@ -216,7 +216,7 @@ def test_a_compiled_runs_manifest_validates_with_its_compiled_counts(tmp_path: P
     dumper.close()
     data = json.loads((dumper.run_dir / fmt.MANIFEST).read_text())
     assert manifest_problems(data, closed=True) == []
-    assert data["compiled"] == {"taps": 0, "cuda_graphs": 0, "graph_tap_bytes": 0}
+    assert data["compiled"] == {"taps": 0, "cuda_graphs": 0, "graph_tap_bytes": 0, "idle_graph_steps": 0}
     assert tracedump.open_dump(tmp_path).run().manifest == data
 
 

@@ -103,21 +103,22 @@ def _names_used(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def _private_of_torch(node: ast.AST) -> bool:
-    """``torch._x`` as an attribute of the name ``torch`` (dunders such as ``__version__`` are public)."""
-    if (
-        not isinstance(node, ast.Attribute)
-        or not isinstance(node.value, ast.Name)
-        or node.value.id != "torch"
-    ):
+    """An attribute chain from the name ``torch`` with a private part (``torch._dynamo``,
+    ``torch.library._register_effectful_op``); dunders such as ``__version__`` are public."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id != "torch":
         return False
-    return node.attr.startswith("_") and not node.attr.startswith("__")
+    return any(p.startswith("_") and not p.startswith("__") for p in parts)
 
 
 def _torch_private_modules(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """``torch._x`` reached as an attribute, an import or a module path."""
     for node in ast.walk(tree):
-        if _private_of_torch(node):
-            yield node.lineno, f"torch.{node.attr}"  # type: ignore[attr-defined]
+        if _private_of_torch(node) and not _private_of_torch(getattr(node, "value", None)):
+            yield node.lineno, ast.unparse(node)  # the shortest private chain, once
         modules: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module:
             modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -154,6 +155,18 @@ def test_vllm_privates_live_in_vllm_compat_only() -> None:
     ("source", "seam", "names", "extra"),
     [
         ("import torch\nx = torch._dynamo\n", TORCH_SEAM, TORCH_PRIVATE_NAMES, True),
+        (
+            "import torch\ntorch.library._register_effectful_op('a::b', 0)\n",
+            TORCH_SEAM,
+            TORCH_PRIVATE_NAMES,
+            True,
+        ),
+        (
+            "from torch._C._dynamo.eval_frame import set_code_exec_strategy\n",
+            TORCH_SEAM,
+            TORCH_PRIVATE_NAMES,
+            True,
+        ),
         ("from torch._library.effects import EffectType\n", TORCH_SEAM, TORCH_PRIVATE_NAMES, True),
         ("def f(m):\n    return m._forward_hooks\n", TORCH_SEAM, TORCH_PRIVATE_NAMES, True),
         ("HOOKS = ('_forward_pre_hooks',)\n", TORCH_SEAM, TORCH_PRIVATE_NAMES, True),

@@ -51,11 +51,11 @@ def test_compiled_vllm_dumps_the_eager_names_and_matches_hf_and_its_eager_run(
 ) -> None:
     assert compiled_dump.result["tokens"] == clean_dump.result["tokens"]
     compiled, eager = names(compiled_dump), names(clean_dump)
-    # The taps ran, in compiled code: the shared rotary module is named by its first name there
-    # (no Python frames to name each call after its layer, docs/compiled.md), per layer in eager.
-    assert f"model.layers.0.{ROTARY}[0]::call1" in compiled
-    assert f"model.layers.1.{ROTARY}[0]" in eager and f"model.layers.1.{ROTARY}[0]" not in compiled
-    assert {n for n in compiled if ROTARY not in n} == {n for n in eager if ROTARY not in n}
+    # The taps ran, in compiled code: the shared rotary module is named after the layer that calls
+    # it, as in eager (named while Dynamo traces, from the frames it inlines: docs/compiled.md).
+    assert {f"model.layers.{i}.{ROTARY}[0]" for i in range(4)} <= compiled
+    assert not any("::call" in n for n in compiled if ROTARY in n)
+    assert compiled == eager
     for layer in range(4):
         assert f"model.layers.{layer}.mlp.act_fn" in compiled
     assert "logits_processor" in compiled  # computed outside the compiled forward, hooked as in eager

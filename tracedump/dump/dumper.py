@@ -52,6 +52,7 @@ from .selection import every_name, kept_names, select_modules, shared_names
 from .shadow import Shadow
 from .sinks import FileSink
 from .taps import TapHooks, TapTarget
+from .taps import refresh as refresh_taps
 from .torch_compat import compiled_original
 from .weights import module_parameters
 
@@ -178,12 +179,17 @@ class Dumper:
                 self.ops.remove()
             raise
         if control is not None:  # disarmed: no capture hook at all until an order arms a step
-            self.recorder.hooks_follow = self.hooks.set_capturing
-        self.taps = self._tap_hooks(model, target, inputs) if settings.compiled else None
-        if self.graft is not None:
-            self.graft.register()
-        self.rundir.close_at_exit(self.close)
-        runtime().add(self)
+            self.recorder.hooks_follow = self._follow if settings.compiled else self.hooks.set_capturing
+        self.taps = None
+        try:
+            self.taps = self._tap_hooks(model, target, inputs, sites) if settings.compiled else None
+            if self.graft is not None:
+                self.graft.register()
+            self.rundir.close_at_exit(self.close)
+            runtime().add(self)
+        except BaseException:
+            self._detach()  # attach() failed: nothing of it stays, the replay watch included
+            raise
 
     # ---------------------------------------------------------------- what it is
 
@@ -430,7 +436,32 @@ class Dumper:
         if self.graft is not None:
             self.graft.remove()
 
-    def _tap_hooks(self, model: nn.Module, target: Any, inputs: Any) -> TapHooks:
+    def _follow(self, outputs: bool, inputs: bool) -> None:
+        """``CONTROL`` with ``COMPILED``: armed or disarmed, the eager hooks follow and the compiled
+        graph's taps switch with them (:data:`~tracedump.dump.taps.LIVE`)."""
+        self.hooks.set_capturing(outputs, inputs)
+        refresh_taps()
+
+    def _wanted(self) -> bool:
+        """Whether the compiled graph should hold the module taps now: while suspended (an
+        engine's profile run is where it compiles, and an engine that drops guards, as vLLM does,
+        runs that graph for good), else for an armed, selected step, open or next."""
+        recorder = self.recorder
+        if recorder.closed:
+            return False
+        if recorder.suspended():
+            return True
+        if recorder.idle:
+            return False
+        current = recorder.current
+        return current.selected if current is not None else recorder.next_index in recorder.keep.steps
+
+    def _capturing(self) -> bool:
+        """Whether the open pass takes captures (armed, selected, not suspended)."""
+        current = self.recorder.current
+        return current is not None and current.selected and not self.recorder.idle
+
+    def _tap_hooks(self, model: nn.Module, target: Any, inputs: Any, sites: CallSites | None) -> TapHooks:
         """``COMPILED``: the hooks that put a ``tracedump::tap`` op into every graph Dynamo traces
         through the selected modules (:mod:`tracedump.dump.taps`); at run time the op hands the
         compiled program's tensors to ``target`` (the recorder) and opens and closes the passes
@@ -452,9 +483,11 @@ class Dumper:
             report=self.recorder.report,
             warn=self.warn,
             changed=lambda: self.rundir.note(compiled=tap_target.summary()),
+            wanted=self._wanted,
+            capturing=self._capturing,
         ).register()
         try:
-            hooks = TapHooks(model, tap_target, self.modules, inputs)
+            hooks = TapHooks(model, tap_target, self.modules, inputs, sites, eager=self.hooks.handles)
         except BaseException:
             tap_target.unregister()
             self.hooks.remove()

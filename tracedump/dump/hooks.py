@@ -286,6 +286,17 @@ class CallSites:
     def shared(self, name: str) -> bool:
         return name in self._tables
 
+    def name_among(self, hooked: str, callers: Iterable[nn.Module]) -> str | None:
+        """:meth:`name_for` from the modules running the call, innermost first, instead of this
+        thread's frames: what Dynamo is inlining while it traces (compiled code has no frames)."""
+        table = self._tables[hooked]
+        name = next((table[id(m)] for m in callers if id(m) in table and id(m) != self._root), None)
+        if name is None:
+            name = table.get(self._root, hooked)
+        if self._keep is not None and name not in self._keep[hooked]:
+            return None
+        return name
+
     def name_for(self, hooked: str) -> str | None:
         """The name this call of the shared module ``hooked`` is made under; None when the filter
         keeps no call under that name. Called from its hook, which torch calls from the shared

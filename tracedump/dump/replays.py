@@ -13,8 +13,10 @@ while at least one ``COMPILED`` dumper is open that class's two methods are wrap
 - after ``replay``: ``target.graph.replayed(graph)``: its taps run as they would have in the
   compiled code (pass edges and captures), with this replay's values.
 
-Reference-counted: the first ``COMPILED`` dumper installs the wrappers, the last one to close puts
-back the exact attributes it found. Off means off: without ``COMPILED`` nothing is patched. The
+Reference-counted: the first ``COMPILED`` dumper installs the wrappers, the last one to close takes
+its own layer off: the exact attributes it found come back, unless another library wrapped the
+methods after tracedump did; then its wrapper stays and ours, under it, is switched to
+pass-through (removing it would drop theirs). Off means off: without ``COMPILED`` nothing is patched. The
 wrappers never raise into the host: a failure of tracedump's part is reported through the
 target's ``report`` (the manifest's ``errors``, one warning); the graph's own exceptions pass
 through unchanged. The class is looked up at install time and may be given (tests use a fake one
@@ -36,7 +38,10 @@ from .taps import TapTarget
 __all__ = ["graph_class", "unwatch", "watch", "watched_class"]
 
 WRAPPED = ("capture_end", "replay")
-_MARK = "__tracedump_replay_watch__"
+# Our wrappers, each with whether it is active (False: pass-through). By identity, not by a mark on
+# the function: a wrapper another library makes with functools.wraps copies a function's attributes.
+_LAYERS: dict[Callable[..., Any], bool] = {}
+_UNDER: dict[Callable[..., Any], Any] = {}  # each of ours -> the class attribute it was put over
 _ABSENT = object()  # the class inherited the method: put back by deleting ours
 
 _lock = threading.Lock()
@@ -88,11 +93,20 @@ def unwatch(target: TapTarget) -> None:
 
 
 def _install(cls: type) -> dict[str, Any]:
+    """Wrap the class's methods; what each held before (restored at the last :func:`unwatch`).
+    A wrapper of ours left dormant by an earlier :func:`_restore` (another library had wrapped
+    over it) and outermost again is switched back on instead of wrapped over."""
     saved = {name: cls.__dict__.get(name, _ABSENT) for name in WRAPPED}
-    originals = {name: getattr(cls, name) for name in WRAPPED}
     try:
-        cls.capture_end = _capture_end(originals["capture_end"])  # type: ignore[attr-defined]
-        cls.replay = _replay(originals["replay"])  # type: ignore[attr-defined]
+        for name, make in (("capture_end", _capture_end), ("replay", _replay)):
+            current = cls.__dict__.get(name)
+            if current in _LAYERS:
+                _LAYERS[current] = True  # ours, dormant: active again, no second layer
+                saved[name] = _UNDER[current]
+            else:
+                layer = make(getattr(cls, name))
+                _UNDER[layer] = saved[name]
+                setattr(cls, name, layer)
     except BaseException:
         _restore(cls, saved)
         raise
@@ -100,17 +114,36 @@ def _install(cls: type) -> dict[str, Any]:
 
 
 def _restore(cls: type, saved: dict[str, Any]) -> None:
+    """Take our layer off each method. Outermost, it is replaced by what it wrapped; under a
+    wrapper another library put on afterwards, it stays (removing it would drop theirs) and is
+    switched off: it then only calls through."""
     for name, value in saved.items():
+        current = cls.__dict__.get(name)
+        if current not in _LAYERS:  # not ours (another layer on top, or gone)
+            _switch_off(current)
+            continue
+        del _LAYERS[current], _UNDER[current]
         if value is _ABSENT:
-            if name in cls.__dict__:
-                delattr(cls, name)
+            delattr(cls, name)
         else:
             setattr(cls, name, value)
+
+
+def _switch_off(method: Any, depth: int = 0) -> None:
+    """Our wrapper somewhere under ``method`` (followed through ``__wrapped__``): pass-through."""
+    while method is not None and depth < 32:
+        if method in _LAYERS:
+            _LAYERS[method] = False
+            return
+        method = getattr(method, "__wrapped__", None)
+        depth += 1
 
 
 def _capture_end(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _LAYERS.get(capture_end):
+            return original(self, *args, **kwargs)
         try:
             result = original(self, *args, **kwargs)
         except BaseException:
@@ -119,7 +152,7 @@ def _capture_end(original: Callable[..., Any]) -> Callable[..., Any]:
         _each("CUDA graph capture", lambda target: _captured(target, self))
         return result
 
-    setattr(capture_end, _MARK, True)
+    _LAYERS[capture_end] = True
     return capture_end
 
 
@@ -127,10 +160,11 @@ def _replay(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        _each("CUDA graph replay", lambda target: target.graph.replayed(self))
+        if _LAYERS.get(replay):
+            _each("CUDA graph replay", lambda target: target.graph.replayed(self))
         return result
 
-    setattr(replay, _MARK, True)
+    _LAYERS[replay] = True
     return replay
 
 

@@ -14,15 +14,20 @@ emit two more taps (``open``, with the root's tensor arguments for the HF batch 
 
 The ``key`` argument is a constant of the graph: ``<dumper serial>\\x1f<kind>\\x1f<name>\\x1f<paths>``
 (kind ``out``, ``in``, ``open``, ``close``; paths the output paths of the leaves, joined by
-``\\x1e``). The op looks the dumper up by its serial in :data:`_TARGETS` (a dumper closed since the
-graph was compiled is skipped: the op then does nothing).
+``\\x1e``). Each hook makes its part of the key once, as text, when it is registered: nothing the
+trace reads to build a key is an int ``dynamic=True`` could make symbolic. The op looks the dumper
+up by its serial in :data:`_TARGETS` (a dumper closed since the graph was compiled is skipped: the
+op then does nothing). A module shared by several parents is named, while Dynamo traces, after the
+parent whose method Dynamo is inlining (:func:`_caller_name`), as the eager stack walk names it.
+
+Idle: the module taps go into a traced graph only while their dumper wants the step (:data:`LIVE`,
+which Dynamo guards on), so an idle step runs the tap-free graph; the root's hooks run uncompiled
+when Dynamo meets them as frames of their own (:func:`run_root_hooks_eagerly`).
 
 What compiling cannot keep (docs/compiled.md): an output inductor would have fused away is
 materialised for the tap (the tap is an extern call, a fusion boundary; values are the same bits
 the fused kernel would have fed on only when inductor does not recompute them inside the fused
-kernel); a module shared by several parents is named by its first name (the stack walk of
-:class:`~.hooks.CallSites` has no frames to walk in compiled code); ``OPS`` sees no op of a
-compiled region.
+kernel); ``OPS`` sees no op of a compiled region.
 
 CUDA graphs: a tap that runs while a CUDA graph is captured copies its tensors into buffers that
 live as long as the graph (the copy kernels are captured with it, so every replay refreshes them),
@@ -50,7 +55,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .cuda import stream_is_capturing
-from .hooks import flatten_inputs, flatten_tensors
+from .hooks import CallSites, flatten_inputs, flatten_tensors
+from .torch_compat import (
+    dynamo_inlined_modules,
+    dynamo_skipper,
+    forward_hooks,
+    forward_pre_hooks,
+    mark_constant_result,
+    register_ordered_effect,
+)
 
 __all__ = ["GraphTaps", "TapHooks", "TapTarget", "register_tap_op", "tap"]
 
@@ -59,6 +72,7 @@ OP_NAME = "tap"
 FIELD = "\x1f"  # between the parts of a tap's key
 PATH = "\x1e"  # between the paths of its leaves
 
+_MODULE_KINDS = frozenset(("out", "in"))  # the taps of modules; the pass edges are open and close
 _TARGETS: dict[int, TapTarget] = {}  # dumper serial -> where its taps go (the one process-wide table)
 _serials = itertools.count(1)
 _register_lock = threading.Lock()
@@ -78,6 +92,8 @@ class TapTarget:
         report: Callable[[str, Exception], None],
         warn: Callable[[str, str], None] | None = None,
         changed: Callable[[], None] | None = None,
+        wanted: Callable[[], bool] | None = None,
+        capturing: Callable[[], bool] | None = None,
     ) -> None:
         self.capture = capture
         self.open_pass = open_pass
@@ -85,25 +101,38 @@ class TapTarget:
         self.report = report
         self.warn = warn  # once per key (the dumper's Warner): the CUDA-graph buffers' size
         self.changed = changed  # after a CUDA graph's capture: the manifest's ``compiled`` again
+        # Whether this dumper wants captures from the step running or coming (:data:`LIVE`)
+        self.wanted = wanted if wanted is not None else (lambda: True)
+        self.capturing = capturing if capturing is not None else (lambda: False)  # the open pass is
+        self.idle_graph_steps = 0  # wanted steps that ran a graph traced without module taps
+        self._taps_at_open = -1
         self.serial = next(_serials)
+        self.owner = str(self.serial)  # its key in LIVE
         self.graph = GraphTaps(self)
         self.taps = 0  # taps run (outputs and inputs), for the manifest and the tests
 
     def summary(self) -> dict[str, int]:
         """The manifest's ``compiled``: taps run, CUDA graphs holding taps, the bytes they hold."""
-        return {"taps": self.taps, "cuda_graphs": len(self.graph.graphs), "graph_tap_bytes": self.graph.bytes}
+        return {
+            "taps": self.taps,
+            "cuda_graphs": len(self.graph.graphs),
+            "graph_tap_bytes": self.graph.bytes,
+            "idle_graph_steps": self.idle_graph_steps,
+        }
 
     def register(self) -> TapTarget:
         _TARGETS[self.serial] = self
+        refresh()
         return self
 
     def unregister(self) -> None:
         _TARGETS.pop(self.serial, None)
+        LIVE.pop(self.owner, None)
 
     def run(self, tensors: list[torch.Tensor], key: str) -> None:
         """One tap, at run time (inside the compiled code): the capture, or a pass edge; during a
         CUDA graph's capture, kept for the graph's replays (:class:`GraphTaps`)."""
-        _, kind, name, paths = _parsed(key)
+        _, kind, name, paths, _ = _parsed(key)
         if stream_is_capturing():
             self.graph.capture(kind, name, paths, tensors)
         else:
@@ -117,11 +146,30 @@ class TapTarget:
         elif kind == "open":
             args, kwargs = _rebuild_call(tensors, paths)
             self.open_pass(args, kwargs)
+            refresh()  # this step's state, for the guard of a model frame compiled apart
+            self._taps_at_open = self.taps
         elif kind == "close":
+            if self.taps == self._taps_at_open and self.capturing():
+                self._ran_idle_graph()
             self.close_pass()
+            refresh()
         else:
             self.taps += 1
             self.capture(name, _rebuild(kind, paths, tensors), kind == "in")
+
+    def _ran_idle_graph(self) -> None:
+        """A wanted step ran no module tap: its graph was the tap-free one (the pass edges and the
+        model in one compiled frame, whose guard was checked before this step armed). Counted in
+        the manifest's ``compiled.idle_graph_steps``, said once; never silent."""
+        self.idle_graph_steps += 1
+        if self.idle_graph_steps == 1:
+            self.report(
+                "COMPILED idle graph",
+                RuntimeError(
+                    "a dumped step ran the compiled graph traced without its module taps (its guard "
+                    "was checked before the step was armed): that step's module outputs are missing"
+                ),
+            )
 
 
 def _rebuild(kind: str, paths: str, tensors: list[torch.Tensor]) -> Any:
@@ -166,17 +214,20 @@ def _rebuild_call(tensors: list[torch.Tensor], paths: str) -> tuple[tuple[Any, .
 
 
 @functools.lru_cache(maxsize=65536)
-def _parsed(key: str) -> tuple[int, str, str, str]:
-    """A tap's key taken apart: ``(serial, kind, name, paths)``. Cached: each key is a constant of
-    its graph, met again at every step (docs/performance.md: compiled models)."""
+def _parsed(key: str) -> tuple[int, str, str, str, str]:
+    """A tap's key taken apart: ``(serial, kind, name, paths, serial as text)``. Cached: each key
+    is a constant of its graph, met again at every step (docs/performance.md: compiled models)."""
     serial, kind, name, paths = key.split(FIELD, 3)
-    return int(serial), kind, name, paths
+    return int(serial), kind, name, paths, serial
 
 
 def tap(tensors: list[torch.Tensor], key: str) -> None:
     """The op's implementation, on every device: hand the tensors to the dumper whose serial the
     key names. Never raises into the compiled program: a failure is reported by the dumper."""
-    target = _TARGETS.get(_parsed(key)[0])
+    serial, kind, _, _, owner = _parsed(key)
+    if kind in _MODULE_KINDS and not LIVE.get(owner, True) and not stream_is_capturing():
+        return  # its dumper wants no capture now: a graph kept with its taps (guards dropped) idles
+    target = _TARGETS.get(serial)
     if target is None:
         return  # the dumper closed since this graph was compiled
     try:
@@ -192,13 +243,11 @@ def register_tap_op() -> Any:
     global _registered
     with _register_lock:
         if not _registered:
-            from torch._library.effects import EffectType
-
             library = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
             library.define(f"{OP_NAME}(Tensor[] xs, str key) -> ()")
             library.impl(OP_NAME, tap, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{OP_NAMESPACE}::{OP_NAME}", _fake_tap, lib=library)
-            torch.library._register_effectful_op(f"{OP_NAMESPACE}::{OP_NAME}", EffectType.ORDERED)
+            register_ordered_effect(f"{OP_NAMESPACE}::{OP_NAME}")
             _LIBRARIES.append(library)
             _registered = True
     return getattr(torch.ops, OP_NAMESPACE).tap
@@ -215,11 +264,34 @@ def _key(serial: int, kind: str, name: str, paths: Iterable[str]) -> str:
     return FIELD.join((str(serial), kind, name, PATH.join(paths)))
 
 
+# Per open COMPILED dumper (its serial as text): whether the module taps go into the graph Dynamo
+# traces now. The tap hooks read it while tracing, so Dynamo guards each compiled frame on its
+# dumper's entry: off, the graph is the tap-free one (only the pass edges stay); arming switches
+# to the tapped graph, compiled once and cached beside it, and disarming back, with no recompile
+# after the first of each. Set at every pass edge, arm and disarm (:func:`refresh`). At run time
+# a module tap whose dumper's entry is off returns at once (a graph kept with its taps: vLLM drops
+# Dynamo's guards and keeps its first graph for good).
+LIVE: dict[str, bool] = {}
+
+
+def refresh() -> None:
+    """Set :data:`LIVE` from every open ``COMPILED`` dumper's :meth:`TapTarget.wanted`."""
+    for target in tuple(_TARGETS.values()):
+        try:
+            on = bool(target.wanted())
+        except Exception as e:  # never into the host: the taps stay traced, the safe side
+            on = True
+            target.report("COMPILED live state", e)
+        LIVE[target.owner] = on
+
+
 class TapHooks:
     """The hooks that put taps into a graph Dynamo traces; in an eager call they return at once.
 
     One forward hook per selected module (and a pre-hook per module whose inputs are kept), and on
-    the root a pre-hook that runs first and a post-hook that runs last (the pass edges)."""
+    the root a pre-hook that runs first and a post-hook that runs last (the pass edges). A module
+    with several names (``sites``) is named at trace time after the parent that calls it
+    (:func:`_caller_name`)."""
 
     def __init__(
         self,
@@ -227,41 +299,123 @@ class TapHooks:
         target: TapTarget,
         outputs: Iterable[tuple[str, nn.Module]],
         inputs: Iterable[tuple[str, nn.Module]] = (),
+        sites: CallSites | None = None,
+        eager: Iterable[RemovableHandle] = (),
     ) -> None:
+        """``eager``: the dumper's other hooks; with these, those on the root run uncompiled
+        (:func:`run_root_hooks_eagerly`)."""
         self.target = target
         self.op = register_tap_op()
         self.handles: list[RemovableHandle] = []
         serial = target.serial
         try:
             self.handles.append(
-                model.register_forward_pre_hook(_RootOpen(self.op, serial), prepend=True, with_kwargs=True)
+                model.register_forward_pre_hook(
+                    _RootOpen(self.op, serial, "open"), prepend=True, with_kwargs=True
+                )
             )
             for name, module in inputs:
                 self.handles.append(
-                    module.register_forward_pre_hook(_InputTap(self.op, serial, name), with_kwargs=True)
+                    module.register_forward_pre_hook(
+                        _InputTap(self.op, serial, "in", name, sites), with_kwargs=True
+                    )
                 )
             for name, module in outputs:
-                self.handles.append(module.register_forward_hook(_OutputTap(self.op, serial, name)))
-            self.handles.append(model.register_forward_hook(_RootClose(self.op, serial), always_call=True))
+                self.handles.append(
+                    module.register_forward_hook(_OutputTap(self.op, serial, "out", name, sites))
+                )
+            self.handles.append(model.register_forward_pre_hook(_RootOpened()))
+            self.handles.append(
+                model.register_forward_hook(_RootClose(self.op, serial, "close"), always_call=True)
+            )
         except BaseException:
             self.remove()
             raise
+        run_root_hooks_eagerly(model, {handle.id for handle in [*self.handles, *eager]})
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for prefix in [p for p, shared in _SHARED.items() if shared[0] == self.target.serial]:
+            _SHARED.pop(prefix, None)
+
+
+def run_root_hooks_eagerly(model: nn.Module, ids: Iterable[int]) -> None:
+    """Let tracedump's hooks on the root run as plain Python when Dynamo meets them as frames of
+    their own. ``torch.compile(model)`` runs the root's ``_call_impl`` uncompiled and compiles each
+    hook it calls as a separate frame: one more guard check and compiled call per hook and step,
+    which on a small model cost more than the graph itself. Each of the dumper's root hooks is put
+    inside an :class:`_EagerAtTop`, whose frames Dynamo skips at the top: there the eager pass
+    hooks open and close the pass (as for an engine whose root stays eager) and the tap hooks
+    return at once; traced inline (a compiled function that calls the model) the wrapper is traced
+    through, taps and all. Only the hooks of ``ids`` (this ``COMPILED`` dumper's handles) are
+    wrapped: another dumper's stay as they are. Private Dynamo API: a torch without it keeps the
+    frames."""
+    if _SKIP_AT_TOP is None:
+        return
+    wanted = set(ids)
+    for hooks in (forward_pre_hooks(model), forward_hooks(model)):
+        for key, hook in list(hooks.items()):
+            if key in wanted and not isinstance(hook, _EagerAtTop):
+                hooks[key] = _EagerAtTop(hook)
+
+
+class _EagerAtTop:
+    """A root hook whose frame, met by Dynamo at the top, runs uncompiled with all it calls.
+    During a CUDA graph's capture it calls the tap hooks' :meth:`emit` only (the op called eagerly
+    keeps its buffers in the graph) and the eager pass hooks not at all."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not stream_is_capturing():
+            return self.hook(*args, **kwargs)
+        # A CUDA graph captures the compiled model: the root's taps go into the graph, replayed
+        # with it (pass edges and the root's own output, :class:`GraphTaps`), as they would from
+        # compiled frames; the eager pass hooks do nothing during a capture.
+        emit = getattr(self.hook, "emit", None)
+        return emit(*args, **kwargs) if emit is not None else None
+
+
+_SKIP_AT_TOP = dynamo_skipper()
+if _SKIP_AT_TOP is not None:
+    try:
+        _SKIP_AT_TOP(_EagerAtTop.__call__.__code__)
+    except Exception:
+        _SKIP_AT_TOP = None
+
+
+# A shared module's tap prefix -> (serial, the dumper's call sites, the module's hooked name).
+_SHARED: dict[str, tuple[int, str, CallSites, str]] = {}
 
 
 class _Tap:
-    """A hook that, while Dynamo traces, calls the tap op; eager calls return at once."""
+    """A hook that, while Dynamo traces, calls the tap op; eager calls return at once.
 
-    __slots__ = ("name", "op", "serial")
+    ``prefix`` is the key without its paths, a string made here, once: everything the trace reads
+    to build a key is a constant of the trace (no int, which ``dynamic=True`` would make symbolic)."""
 
-    def __init__(self, op: Any, serial: int, name: str = "") -> None:
+    __slots__ = ("name", "op", "owner", "prefix", "shared")
+
+    def __init__(
+        self, op: Any, serial: int, kind: str, name: str = "", sites: CallSites | None = None
+    ) -> None:
         self.op = op
-        self.serial = serial
         self.name = name
+        self.owner = str(serial)
+        self.prefix = _key(serial, kind, name, ())
+        self.shared = sites is not None and sites.shared(name)
+        if self.shared:
+            _SHARED[self.prefix] = (serial, kind, sites, name)  # type: ignore[assignment]
+
+    def key(self, paths: list[str]) -> str | None:
+        """The tap's key; None for a shared module's call under a name the filter leaves out."""
+        prefix = _caller_name(self.prefix) if self.shared else self.prefix
+        return prefix + PATH.join(paths) if prefix else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -271,42 +425,83 @@ class _OutputTap(_Tap):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling():
-            return
+        if torch.compiler.is_compiling() and LIVE.get(self.owner, True):
+            self.emit(module, args, output)
+
+    def emit(self, module: nn.Module, args: Any, output: Any) -> None:
         leaves = list(flatten_tensors(output))
-        if leaves:
-            self.op([t for _, t in leaves], _key(self.serial, "out", self.name, [p for p, _ in leaves]))
+        key = self.key([p for p, _ in leaves]) if leaves else None
+        if key is not None:
+            self.op([t for _, t in leaves], key)
 
 
 class _InputTap(_Tap):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.compiler.is_compiling():
-            return
+        if torch.compiler.is_compiling() and LIVE.get(self.owner, True):
+            self.emit(module, args, kwargs)
+
+    def emit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         leaves = flatten_inputs(args, kwargs)
-        if leaves:
-            self.op([t for _, t in leaves], _key(self.serial, "in", self.name, [p for p, _ in leaves]))
+        key = self.key([p for p, _ in leaves]) if leaves else None
+        if key is not None:
+            self.op([t for _, t in leaves], key)
 
 
 class _RootOpen(_Tap):
+    """The pass's opening edge, traced whatever :data:`LIVE` says: it is what opens (and, with
+    ``CONTROL``, arms) a step."""
+
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.compiler.is_compiling():
-            return
+        if torch.compiler.is_compiling():
+            self.emit(module, args, kwargs)
+
+    def emit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
         tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
-        self.op([t for _, t in tensors], _key(self.serial, "open", "", [n for n, _ in tensors]))
+        self.op([t for _, t in tensors], self.prefix + PATH.join([n for n, _ in tensors]))
+
+
+class _RootOpened:
+    """In an eager root call, after the pass opened (the engine's root stays eager while its inner
+    model runs compiled, as vLLM's does): :func:`refresh`, so the compiled model's guard sees
+    this step's state."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            refresh()
 
 
 class _RootClose(_Tap):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling():
-            return
-        self.op([], _key(self.serial, "close", "", []))
+        if torch.compiler.is_compiling():  # eager: the next step's state is set when it opens
+            self.emit(module, args, output)
+
+    def emit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.op([], self.prefix)
+
+
+@mark_constant_result
+def _caller_name(prefix: str) -> str:
+    """While Dynamo traces a shared module's tap: the key prefix under the name of the parent that
+    calls it, as :class:`~.hooks.CallSites` names an eager call from the Python stack. Dynamo runs
+    this function for real (its result a constant of the graph) with its own translators as the
+    stack: each inlined frame's first argument is the module whose method it runs. Falls back to
+    the module's first name when the walk fails (a Dynamo whose internals differ); ``""`` when
+    the filter keeps no call under the caller's name."""
+    serial, kind, sites, hooked = _SHARED[prefix]
+    try:
+        name = sites.name_among(hooked, dynamo_inlined_modules())
+    except Exception:
+        return prefix
+    return _key(serial, kind, name, ()) if name is not None else ""
 
 
 GRAPH_TAP_WARN_BYTES = 1 << 30  # the CUDA graphs' tap buffers above this: one warning

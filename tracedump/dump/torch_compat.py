@@ -283,3 +283,53 @@ def safetensors_writable_dtypes() -> frozenset[torch.dtype]:
     dtype -> byte size table); empty when a release drops the table (the caller then trusts its own
     list)."""
     return frozenset(getattr(safetensors.torch, "_SIZE", None) or ())
+
+
+# ------------------------------------------------------------------ COMPILED: the tap op and Dynamo
+
+
+def register_ordered_effect(qualname: str) -> None:
+    """Mark the custom op ``qualname`` as having an ordered side effect, so that neither Dynamo,
+    AOTAutograd nor inductor drops or reorders it (``torch.library._register_effectful_op`` with
+    ``torch._library.effects.EffectType.ORDERED``; checked: torch 2.13)."""
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op(qualname, EffectType.ORDERED)
+
+
+def dynamo_skipper() -> Callable[[CodeType], None] | None:
+    """A function that makes Dynamo run a code object (and all it calls) as plain Python, never
+    traced: ``set_code_exec_strategy`` with ``FrameAction.SKIP`` (torch 2.13's
+    ``torch._C._dynamo.eval_frame``); None where this torch has no such switch."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return None
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # the frame and all it calls
+    return lambda code: set_code_exec_strategy(code, strategy)
+
+
+def dynamo_inlined_modules() -> Iterator[nn.Module]:
+    """While Dynamo traces: the modules whose methods it is inlining now, innermost first (each
+    inlined frame's first argument, from its translator's symbolic locals; torch 2.13's
+    ``InstructionTranslator.current_tx()`` and each translator's ``parent``). Raises where this
+    torch's translators differ: the caller falls back."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx: Any = InstructionTranslator.current_tx().output.current_tx
+    while tx is not None:
+        code = tx.f_code
+        if code.co_argcount:
+            module = _traced_module(tx, tx.symbolic_locals.get(code.co_varnames[0]))
+            if module is not None:
+                yield module
+        tx = getattr(tx, "parent", None)
+
+
+def _traced_module(tx: Any, variable: Any) -> nn.Module | None:
+    value = getattr(variable, "value", None)
+    if isinstance(value, nn.Module):
+        return value
+    key = getattr(variable, "module_key", None)
+    return tx.output.get_submodule(key) if isinstance(key, str) else None

@@ -343,7 +343,7 @@ class Manifest(TypedDict, total=False):
     end_time: str
     records_file: str | None
     control: dict[str, Any]
-    compiled: dict[str, int]  # only with COMPILED=1: {"taps", "cuda_graphs", "graph_tap_bytes"}
+    compiled: dict[str, int]  # only with COMPILED=1: taps, cuda_graphs, graph_tap_bytes, idle_graph_steps
     manifest_error: str
 
 

@@ -109,11 +109,12 @@ class ControlRecord(_Record):
 
 class CompiledRecord(_Record):
     """``compiled``: a run with ``COMPILED=1`` (``dump/taps.py``): taps run, the CUDA graphs holding
-    taps, and the bytes of their buffers."""
+    taps, the bytes of their buffers, and the dumped steps that ran the graph without taps."""
 
     taps: Count | None = None
     cuda_graphs: Count | None = None
     graph_tap_bytes: Count | None = None
+    idle_graph_steps: Count | None = None
 
 
 class Precision(_Record):
