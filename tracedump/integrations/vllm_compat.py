@@ -291,7 +291,7 @@ def v1_plain_positions(runner: Any) -> Any:
 def v2_batch_rows(batch: Any) -> tuple[list[str], list[int], list[int], Any] | None:
     """A V2 ``InputBatch``'s requests, their scheduled token counts, their first positions
     (``num_computed_tokens_np``) and its input ids; None for an object that is no such batch.
-    Checked against vLLM's V2 runner source (vllm/v1/worker/gpu/input_batch.py)."""
+    Checked against the V2 runner of vLLM 0.32.0 (module ``vllm.v1.worker.gpu.input_batch``)."""
     if not hasattr(batch, "req_ids"):
         return None
     n = batch.num_reqs
