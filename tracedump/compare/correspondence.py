@@ -41,7 +41,18 @@ from ..store.correspondence import (
     routing_name,
     shared_tail,
 )
+from ..store.format import Key
 from .bridge_rules import Bridge, parse_bridge
+from .conventions import (
+    FIRST,
+    SUM,
+    SideValues,
+    Told,
+    copies_previous,
+    returns_last_child,
+    same,
+    tuple_output,
+)
 from .options import UnshardRule
 
 DERIVED_NAME = "derived from the weight load"
@@ -81,6 +92,27 @@ EXTRA_REASON = (
     "an extra output of this module (attention probabilities, a router's top-k weights and ids) "
     "that the engine's counterpart does not return (its fused kernel computes them inside)"
 )
+
+EXPERTS_DIFFER_REASON = (
+    "not comparable: {whole}'s experts module returns its MoE block's whole output (the shared "
+    "experts added inside), {part}'s the routed experts only (its block adds the rest): measured "
+    "in the run; compared as the MoE block's output"
+)
+UNTOLD_REASON = (
+    "which of (hidden, residual) is this layer's output is not told by the run: {why}; listed, "
+    "never compared by a guess (dump with --inputs so the next layer's inputs tell)"
+)
+RESIDUAL_PASSED = "the residual handed on beside the layer's output ({why}): not an output of its own"
+ADDS_REASON = (
+    "not comparable: {adds}'s block adds something (the residual) to its last child's output, "
+    "{plain}'s returns that output as it is (A's {child_a}, B's {child_b}): measured in the run; "
+    "compared at its children and at the decoder layer"
+)
+NOT_A_COPY_REASON = (
+    "an identity-class module (dropout) whose output is not the tensor recorded before it: its "
+    "input (attention probabilities) was computed in a function and not dumped"
+)
+IDENTITY = re.compile(r"Dropout\d?d?|Identity")
 
 # Weightless modules, engine-wide (never per family): class name regexes (searched in the bare
 # class name) and what they are compared with.
@@ -217,9 +249,13 @@ def tensor_parallel_joins(
     loads each rank recorded (no ``--unshard`` rule): a column-parallel output (its weight rows a
     slice of their sources) gathered along its last dim in the checkpoint's order, the attention
     op's and an ``*AndMul``'s per-rank slices concatenated by rank, the logits taken from rank 0
-    (gathered there); everything else (row-parallel outputs, reduced; norms) is replicated."""
-    if len(records) < 2:
+    (gathered there); everything else (row-parallel outputs, reduced; norms) is replicated.
+    One rank: only the outputs whose rows a model's ``load_weights`` reordered (a fused
+    ``query_key_value`` interleaved per head) are gathered, back in the checkpoint's row order."""
+    if not records:
         return ()
+    if len(records) < 2:
+        return _reordered(records[0], classes)
     per_rank = [engine_holdings(r) for r in records]
     rules: list[UnshardRule] = []
     for module, pieces0 in per_rank[0].pieces.items():
@@ -250,6 +286,37 @@ def tensor_parallel_joins(
             rules.append(
                 UnshardRule(re.compile(rf"^{re.escape(module)}({re.escape(RAW_LOGITS)})?$"), "first")
             )
+    return tuple(rules)
+
+
+def _reordered(record: Correspondence, classes: Mapping[str, str]) -> tuple[UnshardRule, ...]:
+    """The one-rank outputs to put back in the checkpoint's row order: a module whose weight rows
+    from one source were written in another order than the source's (the load record's ``rows``
+    runs, matched against the tensor as read), gathered source by source in source-row order."""
+    held = engine_holdings(record)
+    rules: list[UnshardRule] = []
+    for module, pieces in held.pieces.items():
+        if module in held.experts or _is("embedding", classes.get(module)):
+            continue
+        by_source: dict[str, list[Piece]] = {}
+        for piece in pieces:
+            by_source.setdefault(piece.source, []).append(piece)
+        in_order = all(
+            [p.source_row for p in sorted(group, key=lambda p: p.start)]
+            == sorted(p.source_row for p in group)
+            for group in by_source.values()
+        )
+        if in_order:
+            continue
+        gathered = tuple(
+            (0, p.start, p.start + p.count)
+            for group in by_source.values()
+            for p in sorted(group, key=lambda p: p.source_row)
+        )
+        # the engine's linear layers return (out, bias): only its [0] is reordered, never the other
+        # side's tensor of the same module name (an unshard rule knows no side)
+        pattern = re.compile(rf"^{re.escape(module)}\[0\]$")
+        rules.append(UnshardRule(pattern, "gather", -1, gathered))
     return tuple(rules)
 
 
@@ -397,12 +464,15 @@ def synthesise_rules(
     classes_other: Mapping[str, str],
     *,
     weightless: bool = True,
+    observed: Observed | None = None,
 ) -> list[dict[str, Any]]:
     """The rules of the derived bridge (engine side "a"), in the order they are tried; the
     engine-wide rules for weightless parts only when side "a" is an engine that recorded its load
-    (two plain runs pair by their weights alone, the rest by name)."""
+    (two plain runs pair by their weights alone, the rest by name). ``observed``: the two runs'
+    values, where the conventions are measured (:mod:`.conventions`); without them (a bridge
+    built from the records alone) a ``(hidden, residual)`` container compares their sum."""
     rules: list[dict[str, Any]] = []
-    leaf_id, split_id, box_id = "same weights", "fused, split at the load's offsets", "same weights below"
+    leaf_id, split_id = "same weights", "fused, split at the load's offsets"
     for module, counterpart in pairing.leaves.items():
         m, c = _esc(module), counterpart
         if _is("scaled", classes_engine.get(module)) != _is("scaled", classes_other.get(counterpart)):
@@ -422,17 +492,117 @@ def synthesise_rules(
         rules.append(_rule("split", m + r"\[0\]", b=pieces, dim=-1, id=split_id))
         rules.append(_rule("split", m, b=pieces, dim=-1, id=split_id))
     for module, counterpart in pairing.containers.items():
-        m, c = _esc(module), counterpart
+        rules.extend(_container(module, counterpart, pairing, observed))
+    if observed is not None:
+        rules.extend(_not_copies(observed, classes_engine, classes_other))
+    if weightless:
+        rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other, observed))
+    return rules
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Both runs' values (their first pass), read to measure what the records cannot say
+    (:mod:`.conventions`); a side is None when its dump holds no values (stats)."""
+
+    a: SideValues | None
+    b: SideValues | None
+
+    def output_of(self, module: str) -> Told:
+        """Which of the engine container's ``(hidden, residual)`` is its output, from the run."""
+        if self.a is None:
+            return Told(SUM, "no values to read")
+        return tuple_output(self.a, module)
+
+
+def _container(
+    module: str, counterpart: str, pairing: Pairing, observed: Observed | None
+) -> list[dict[str, Any]]:
+    """The rules of one container pair: its output read as the run says (``hidden + residual``
+    or ``hidden``), listed with the reason where the run does not tell, or where the two return
+    different quantities (one adds the residual to its last child's output, the other not)."""
+    m, c = _esc(module), counterpart
+    box_id = "same weights below"
+    rules: list[dict[str, Any]] = []
+    told = observed.output_of(module) if observed is not None else Told(SUM, "no values to read")
+    differs = _adds_differently(module, counterpart, pairing, observed, told)
+    if differs is not None:
+        rules.append(_rule("skip", m + r"(\[\d+\])?", reason=differs, id="not comparable"))
+        rules.append(_rule("skip", _esc(c) + r"(\[\w+\])?", side="b", reason=differs, id="not comparable"))
+        return rules
+    if told.what == SUM:
         tuple_a = ["{0}", module + "[1]"]
         rules.append(_rule("sum", m + r"\[0\]", a=tuple_a, b=c, id="(hidden, residual)"))
         rules.append(_rule("sum", m + r"\[0\]", a=tuple_a, b=c + "[0]", id="(hidden, residual)"))
+    elif told.what == FIRST:
         for target in (c, c + "[0]", c + "[last_hidden_state]"):
-            rules.append(_rule("rename", m, b=target, id=box_id))
-        rules.append(
-            _rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output")
-        )
-    if weightless:
-        rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other))
+            rules.append(_rule("rename", m + r"\[0\]", b=target, id="hidden, as the run consumes it"))
+        rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_PASSED.format(why=told.why), id="residual"))
+    else:
+        reason = UNTOLD_REASON.format(why=told.why)
+        rules.append(_rule("skip", m + r"\[[01]\]", a=["{0}", module + "[1]"], reason=reason, id="not told"))
+        for target in (c, c + "[0]"):
+            rules.append(
+                _rule("skip", _esc(target), side="b", a=[module + "[1]"], reason=reason, id="not told")
+            )
+    for target in (c, c + "[0]", c + "[last_hidden_state]"):
+        rules.append(_rule("rename", m, b=target, id=box_id))
+    rules.append(_rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output"))
+    return rules
+
+
+def _adds_differently(
+    module: str, counterpart: str, pairing: Pairing, observed: Observed | None, told: Told
+) -> str | None:
+    """Why the pair computes different quantities, measured: both containers end with a pair of
+    children, and one returns that child's output as it is while the other adds something (the
+    residual, inside HF's Bloom attention and MLP); None when they agree or the run does not show."""
+    if observed is None or observed.a is None or observed.b is None:
+        return None
+    a, b = observed.a, observed.b
+    output = None
+    if told.what == SUM and module + "[1]" in a.index:
+        hidden, residual = a.value(module + "[0]"), a.value(module + "[1]")
+        output = hidden + residual if hidden is not None and residual is not None else None
+    mine, theirs = returns_last_child(a, module, output), returns_last_child(b, counterpart)
+    if mine.what is None or theirs.what is None or mine.what == theirs.what:
+        return None
+    child_a, child_b = (_module_of(mine.why), _module_of(theirs.why))
+    paired = {**pairing.leaves, **pairing.containers}
+    split_first = {m: pieces[0] for m, pieces in pairing.splits.items()}
+    if paired.get(child_a, split_first.get(child_a)) != child_b:
+        return None
+    adds, plain = ("B", "A") if mine.what else ("A", "B")
+    return ADDS_REASON.format(adds=adds, plain=plain, child_a=child_a, child_b=child_b)
+
+
+def _module_of(name: str) -> str:
+    key = _key(name)
+    return key.module if key is not None else name
+
+
+def _key(name: str) -> Key | None:
+    try:
+        return Key.parse(name)
+    except ValueError:
+        return None
+
+
+def _not_copies(
+    observed: Observed, classes_engine: Mapping[str, str], classes_other: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """Identity-class modules (``Dropout``) whose output is not the tensor recorded before them
+    (the attention probabilities' dropout, after a projection whose output they are not): listed
+    with the reason, never taken for a copy of that tensor."""
+    rules: list[dict[str, Any]] = []
+    for side, values, classes in (("a", observed.a, classes_engine), ("b", observed.b, classes_other)):
+        if values is None:
+            continue
+        for module, qualname in classes.items():
+            if IDENTITY.fullmatch(_bare(qualname)) and copies_previous(values, module) is False:
+                rules.append(
+                    _rule("skip", _esc(module), side=side, reason=NOT_A_COPY_REASON, id="not a copy")
+                )
     return rules
 
 
@@ -442,10 +612,18 @@ def _weightless(
     other: Holdings,
     classes_engine: Mapping[str, str],
     classes_other: Mapping[str, str],
+    observed: Observed | None = None,
 ) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     fused = _fused_experts(engine, other, pairing)
     for top, counterpart in fused.items():  # the routed experts' weighted sum, on both sides
+        differs = _experts_differ(top, counterpart, observed)
+        if differs is not None:
+            rules.append(_rule("skip", _esc(top) + r"(\[\d+\])?", reason=differs, id="fused experts"))
+            rules.append(
+                _rule("skip", _esc(counterpart) + r"(\[\w+\])?", side="b", reason=differs, id="fused experts")
+            )
+            continue
         rules.append(_rule("rename", _esc(top), b=counterpart, id="fused experts"))
         rules.append(_rule("unwrap", _esc(top), b=counterpart, index=0, id="fused experts"))
     homes = _homes(engine, pairing)
@@ -542,6 +720,25 @@ def _fused_experts(engine: Holdings, other: Holdings, pairing: Pairing) -> dict[
         if len(candidates) == 1:
             out[top] = candidates[0]
     return out
+
+
+def _experts_differ(top: str, counterpart: str, observed: Observed | None) -> str | None:
+    """Why two fused experts modules return different quantities, measured: one is its block's
+    whole output (vLLM's MoE runner, which adds the shared experts inside), the other is not (HF's
+    ``experts``, the routed ones only, its block adding the shared expert after); None when the
+    run does not show it or both agree."""
+    if observed is None or observed.a is None or observed.b is None:
+        return None
+    told = []
+    for values, module in ((observed.a, top), (observed.b, counterpart)):
+        block, own = values.output(_parent(module)), values.output(module)
+        if block is None or own is None:
+            return None
+        told.append(same(values, values.value(own), values.value(block), own))
+    if told[0] == told[1]:
+        return None
+    whole, part = ("A", "B") if told[0] else ("B", "A")
+    return EXPERTS_DIFFER_REASON.format(whole=whole, part=part)
 
 
 def _other_experts(pairing: Pairing, engine: Holdings, other: Holdings) -> list[str]:
@@ -694,6 +891,8 @@ def derive_bridge(
     classes_b: Mapping[str, str],
     ranks_a: list[Correspondence] | None = None,
     ranks_b: list[Correspondence] | None = None,
+    values_a: SideValues | None = None,
+    values_b: SideValues | None = None,
 ) -> Bridge | None:
     """The bridge of two runs' records, or None when nothing pairs, or when both name their
     parameters alike (two runs of one engine, two HF runs: paired by name, as always).
@@ -722,8 +921,15 @@ def derive_bridge(
     pairing = pair_modules(held_engine, held_other)
     if not (pairing.leaves or pairing.splits):
         return None
+    observed = Observed(values_b, values_a) if swap else Observed(values_a, values_b)
     rules = synthesise_rules(
-        pairing, held_engine, held_other, classes_e, classes_o, weightless=bool(engine.loads)
+        pairing,
+        held_engine,
+        held_other,
+        classes_e,
+        classes_o,
+        weightless=bool(engine.loads),
+        observed=observed if (observed.a or observed.b) else None,
     )
     fw_e, fw_o = (framework_b, framework_a) if swap else (framework_a, framework_b)
     data = {
