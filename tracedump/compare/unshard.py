@@ -55,6 +55,8 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
     metas = [view.entries.get(name) for view in views]
     present = [m for m in metas if m is not None]
     first = present[0]
+    if len(views) == 1 and rule is not None and rule.op == "gather":  # rows a load reordered
+        return _plan_gather(name, first, [(m.shape or ()) if m is not None else () for m in metas], rule)
     if len(views) == 1:
         return SideEntry(name=name, meta=first)
     if rule is not None and rule.op == "first" and metas[0] is not None:
