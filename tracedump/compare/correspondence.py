@@ -491,8 +491,9 @@ def synthesise_rules(
         m = _esc(module)
         rules.append(_rule("split", m + r"\[0\]", b=pieces, dim=-1, id=split_id))
         rules.append(_rule("split", m, b=pieces, dim=-1, id=split_id))
+    differ = _differences(pairing, observed)
     for module, counterpart in pairing.containers.items():
-        rules.extend(_container(module, counterpart, pairing, observed))
+        rules.extend(_container(module, counterpart, observed, differ.get(module)))
     if observed is not None:
         rules.extend(_not_copies(observed, classes_engine, classes_other))
     if weightless:
@@ -515,8 +516,21 @@ class Observed:
         return tuple_output(self.a, module)
 
 
+def _differences(pairing: Pairing, observed: Observed | None) -> dict[str, str]:
+    """Engine container -> why it and its counterpart compute different quantities (measured:
+    :func:`_adds_differently`), innermost first: a container whose last children differ so tells
+    nothing of its own output (Bloom's decoder layer, whose MLP pair differs, adds the residual
+    on both sides)."""
+    found: dict[str, str] = {}
+    for module in sorted(pairing.containers, key=lambda m: -m.count(".")):
+        why = _adds_differently(module, pairing.containers[module], pairing, observed, found)
+        if why is not None:
+            found[module] = why
+    return found
+
+
 def _container(
-    module: str, counterpart: str, pairing: Pairing, observed: Observed | None
+    module: str, counterpart: str, observed: Observed | None, differs: str | None
 ) -> list[dict[str, Any]]:
     """The rules of one container pair: its output read as the run says (``hidden + residual``
     or ``hidden``), listed with the reason where the run does not tell, or where the two return
@@ -525,7 +539,6 @@ def _container(
     box_id = "same weights below"
     rules: list[dict[str, Any]] = []
     told = observed.output_of(module) if observed is not None else Told(SUM, "no values to read")
-    differs = _adds_differently(module, counterpart, pairing, observed, told)
     if differs is not None:
         rules.append(_rule("skip", m + r"(\[\d+\])?", reason=differs, id="not comparable"))
         rules.append(_rule("skip", _esc(c) + r"(\[\w+\])?", side="b", reason=differs, id="not comparable"))
@@ -552,14 +565,16 @@ def _container(
 
 
 def _adds_differently(
-    module: str, counterpart: str, pairing: Pairing, observed: Observed | None, told: Told
+    module: str, counterpart: str, pairing: Pairing, observed: Observed | None, differ: Mapping[str, str]
 ) -> str | None:
     """Why the pair computes different quantities, measured: both containers end with a pair of
-    children, and one returns that child's output as it is while the other adds something (the
-    residual, inside HF's Bloom attention and MLP); None when they agree or the run does not show."""
+    children computing the same thing, and one returns that child's output as it is while the
+    other adds something (the residual, inside HF's Bloom attention and MLP); None when they agree
+    or the run does not show."""
     if observed is None or observed.a is None or observed.b is None:
         return None
     a, b = observed.a, observed.b
+    told = observed.output_of(module)
     output = None
     if told.what == SUM and module + "[1]" in a.index:
         hidden, residual = a.value(module + "[0]"), a.value(module + "[1]")
@@ -570,7 +585,7 @@ def _adds_differently(
     child_a, child_b = (_module_of(mine.why), _module_of(theirs.why))
     paired = {**pairing.leaves, **pairing.containers}
     split_first = {m: pieces[0] for m, pieces in pairing.splits.items()}
-    if paired.get(child_a, split_first.get(child_a)) != child_b:
+    if paired.get(child_a, split_first.get(child_a)) != child_b or child_a in differ:
         return None
     adds, plain = ("B", "A") if mine.what else ("A", "B")
     return ADDS_REASON.format(adds=adds, plain=plain, child_a=child_a, child_b=child_b)
