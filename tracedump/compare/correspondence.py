@@ -94,7 +94,7 @@ EXTRA_REASON = (
 )
 
 EXPERTS_DIFFER_REASON = (
-    "not comparable: {whole}'s experts module returns its MoE block's whole output (the shared "
+    "{whole}'s experts module returns its MoE block's whole output (the shared "
     "experts added inside), {part}'s the routed experts only (its block adds the rest): measured "
     "in the run; compared as the MoE block's output"
 )
@@ -104,7 +104,7 @@ UNTOLD_REASON = (
 )
 RESIDUAL_PASSED = "the residual handed on beside the layer's output ({why}): not an output of its own"
 ADDS_REASON = (
-    "not comparable: {adds}'s block adds something (the residual) to its last child's output, "
+    "{adds}'s block adds something (the residual) to its last child's output, "
     "{plain}'s returns that output as it is (A's {child_a}, B's {child_b}): measured in the run; "
     "compared at its children and at the decoder layer"
 )
@@ -551,13 +551,11 @@ def _container(
         for target in (c, c + "[0]", c + "[last_hidden_state]"):
             rules.append(_rule("rename", m + r"\[0\]", b=target, id="hidden, as the run consumes it"))
         rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_PASSED.format(why=told.why), id="residual"))
-    else:
+    elif observed is not None and observed.a is not None and module + "[0]" in observed.a.index:
         reason = UNTOLD_REASON.format(why=told.why)
         rules.append(_rule("skip", m + r"\[[01]\]", a=["{0}", module + "[1]"], reason=reason, id="not told"))
         for target in (c, c + "[0]"):
-            rules.append(
-                _rule("skip", _esc(target), side="b", a=[module + "[1]"], reason=reason, id="not told")
-            )
+            rules.append(_rule("skip", _esc(target), side="b", reason=reason, id="not told"))
     for target in (c, c + "[0]", c + "[last_hidden_state]"):
         rules.append(_rule("rename", m, b=target, id=box_id))
     rules.append(_rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output"))
