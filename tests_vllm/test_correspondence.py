@@ -409,4 +409,12 @@ def test_a_shared_expert_runner_is_not_compared_with_routed_experts(
     rows = {(t["name"], t["name_b"]): t for t in report["tensors"]}
     assert ("model.layers.0.mlp", "model.layers.0.mlp") in rows
     assert "shared experts added inside" in _listed(report)["model.layers.0.mlp.experts"]
-    assert all(not a.startswith("model.layers.0.mlp.experts") for a, _ in rows)
+    assert "shared experts added inside" in _listed(report, "b")["model.layers.0.mlp.experts"]
+    assert not any(b == "model.layers.0.mlp.experts" for _, b in rows)
+    # the shared expert the runner calls as a module: its leaves against HF's shared_expert, and
+    # HF's shared_expert (which returns its down_proj's output as it is, measured) as that output
+    shared = {b: t for (_a, b), t in rows.items() if b.startswith("model.layers.0.mlp.shared_expert")}
+    for name in ("gate_proj", "up_proj", "down_proj", "act_fn * model.layers.0.mlp.shared_expert.up_proj"):
+        assert shared[f"model.layers.0.mlp.shared_expert.{name}"]["status"] == "ok", name
+    assert shared["model.layers.0.mlp.shared_expert"]["name"].endswith("down_proj[0]")
+    assert shared["model.layers.0.mlp.shared_expert_gate"]["status"] == "ok"

@@ -58,6 +58,7 @@ class SideValues:
     names: list[str]
     read: Callable[[str], np.ndarray | None]
     dtypes: Mapping[str, str]
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     keys: list[Key | None] = field(init=False)
     index: dict[str, int] = field(init=False)
     _cache: dict[str, np.ndarray | None] = field(default_factory=dict, init=False)
@@ -106,7 +107,9 @@ def side_values(run_dir: Path | None) -> SideValues | None:
             return None
         pass_file = open_pass(files[0])  # the lowest pass, its parts reassembled
         names = list(pass_file.names)
-        dtypes = {n: pass_file.info(n).dtype for n in names}
+        infos = {n: pass_file.info(n) for n in names}
+        dtypes = {n: info.dtype for n, info in infos.items()}
+        shapes = {n: tuple(info.shape) for n, info in infos.items()}
         maps: dict[str, SafetensorsMap] = {}
 
         def read(name: str) -> np.ndarray | None:
@@ -119,7 +122,7 @@ def side_values(run_dir: Path | None) -> SideValues | None:
                 return None
             return np.asarray(widen(stored.array, stored.dtype, np.float64), dtype=np.float64)
 
-        return SideValues(names, read, dtypes)
+        return SideValues(names, read, dtypes, shapes)
     except Exception:
         return None
 
@@ -242,3 +245,21 @@ def copies_previous(values: SideValues, module: str) -> bool | None:
             continue
         return same(values, values.value(own), values.value(values.names[j]), own)
     return None
+
+
+def tuple_roles(values: SideValues, module: str, wanted: Mapping[str, tuple[bool, int]]) -> dict[str, str]:
+    """Which output leaf of ``module`` is which, by what it holds, never by its position:
+    ``wanted`` maps a role to (integer dtype, last dim); a role is named only where exactly one
+    leaf fits it (a router's ``(logits, weights, ids)`` in whatever order it returns them)."""
+    found: dict[str, str] = {}
+    leaves = values.outputs(module)
+    for role, (integer, width) in wanted.items():
+        fits = [
+            name
+            for name in leaves
+            if values.dtypes.get(name, "").startswith(("int", "uint")) == integer
+            and (values.shapes.get(name) or (0,))[-1:] == (width,)
+        ]
+        if len(fits) == 1:
+            found[role] = fits[0]
+    return found

@@ -52,6 +52,7 @@ from .conventions import (
     returns_last_child,
     same,
     tuple_output,
+    tuple_roles,
 )
 from .options import UnshardRule
 
@@ -97,6 +98,11 @@ EXPERTS_DIFFER_REASON = (
     "{whole}'s experts module returns its MoE block's whole output (the shared "
     "experts added inside), {part}'s the routed experts only (its block adds the rest): measured "
     "in the run; compared as the MoE block's output"
+)
+RETURNS_REASON = "its output is its last child's ({child}) as it is, measured in the run"
+ROLE_REASON = (
+    "which output of {router} holds the {what} is not told by the two runs (no single output of "
+    "its dtype and last dim): listed, never paired by position"
 )
 UNTOLD_REASON = (
     "which of (hidden, residual) is this layer's output is not told by the run: {why}; listed, "
@@ -496,6 +502,7 @@ def synthesise_rules(
         rules.extend(_container(module, counterpart, observed, differ.get(module)))
     if observed is not None:
         rules.extend(_not_copies(observed, classes_engine, classes_other))
+        rules.extend(_returned_children(pairing, observed))
     if weightless:
         rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other, observed))
     return rules
@@ -601,6 +608,39 @@ def _key(name: str) -> Key | None:
         return None
 
 
+def _returned_children(pairing: Pairing, observed: Observed) -> list[dict[str, Any]]:
+    """A container of the other side paired with nothing that returns its last child's output as
+    it is (measured: HF's shared expert returns its ``down_proj``'s output, where the engine's
+    counterpart also applies the expert's gate): compared as that child, against the child's
+    counterpart."""
+    if observed.a is None or observed.b is None:
+        return []
+    a, b = observed.a, observed.b
+    counterpart_of = {theirs: mine for mine, theirs in pairing.leaves.items()}
+    paired = set(pairing.containers.values()) | set(pairing.leaves.values())
+    rules: list[dict[str, Any]] = []
+    containers = {k.module for k in b.keys if k is not None and not k.input}
+    for module in sorted(containers - paired):
+        own = b.output(module)
+        told = returns_last_child(b, module)
+        child = _module_of(told.why) if told.what is True else None
+        mine = counterpart_of.get(child) if child is not None else None
+        theirs_child = b.output(child) if child is not None else None
+        if own is None or mine is None or theirs_child is None or a.output(mine) is None:
+            continue
+        rules.append(
+            _rule(
+                "rename",
+                _esc(own),
+                side="b",
+                a=[a.output(mine)],
+                reason=RETURNS_REASON.format(child=child),
+                id="returns its last child",
+            )
+        )
+    return rules
+
+
 def _not_copies(
     observed: Observed, classes_engine: Mapping[str, str], classes_other: Mapping[str, str]
 ) -> list[dict[str, Any]]:
@@ -641,12 +681,16 @@ def _weightless(
         rules.append(_rule("unwrap", _esc(top), b=counterpart, index=0, id="fused experts"))
     homes = _homes(engine, pairing)
     inside = {top for _, top in homes.values()}
-    rules.extend(_routing(pairing, inside))
+    paired_parents = {_parent(m) for m in [*pairing.leaves, *pairing.splits]}
+    rules.extend(_routing(pairing, inside, observed))
     for module, qualname in classes_engine.items():
         m = _esc(module)
         if module in pairing.leaves:
             continue  # a module the experts runner holds but that has weights of its own (the router)
-        if module in engine.experts or any(module.startswith(t + ".") or module == t for t in inside):
+        runs_alone = _parent(module) in paired_parents  # a shared expert the runner calls as a module
+        if module in engine.experts or (
+            not runs_alone and any(module.startswith(t + ".") or module == t for t in inside)
+        ):
             rules.append(_rule("skip", m + r"(\[\d+\])?", reason=EXPERTS_REASON, id="fused experts"))
         elif _is("rotary", qualname):
             rules.append(
@@ -690,7 +734,26 @@ def _homes(engine: Holdings, pairing: Pairing) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
+def _router_roles(block: str, router: str, observed: Observed | None) -> dict[str, str] | None:
+    """Which of the other side's router outputs holds the logits, the top-k weights, the top-k
+    ids, read from the two runs (the engine's recorded routing tensors' dtypes and last dims
+    against each router output's), never from their position; None without values to read (a
+    bridge built from the records alone: HF 5's order ``(logits, weights, ids)``)."""
+    if observed is None or observed.a is None or observed.b is None:
+        return None
+    wanted: dict[str, tuple[bool, int]] = {}
+    for what in ROUTING_PATHS:
+        name = routing_name(block, what)
+        shape = observed.a.shapes.get(name)
+        if shape:
+            wanted[what] = (observed.a.dtypes.get(name, "").startswith(("int", "uint")), shape[-1])
+    if wanted.get("logits") == wanted.get("topk_weights"):  # top-k of all experts: not told apart
+        wanted.pop("logits", None)
+        wanted.pop("topk_weights", None)
+    return tuple_roles(observed.b, router, wanted)
+
+
+def _routing(pairing: Pairing, tops: set[str], observed: Observed | None = None) -> list[dict[str, Any]]:
     """The routing an engine records beside its fused experts (``<block>.routing[logits |
     topk_weights | topk_ids]``, the vLLM plugin: :mod:`tracedump.integrations.vllm_records`)
     against the other side's router outputs ``(logits, top-k weights, top-k ids)`` (HF 5's
@@ -711,14 +774,20 @@ def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
             continue
         (router,) = counterparts
         gates = [m for m, c in pairing.leaves.items() if c == router and m.startswith(block + ".")]
+        roles = _router_roles(block, router, observed)
         for index, what in enumerate(ROUTING_PATHS):
+            target = f"{router}[{index}]" if roles is None else roles.get(what)
+            if target is None:
+                reason = ROLE_REASON.format(router=router, what=what)
+                rules.append(_rule("skip", _esc(routing_name(block, what)), reason=reason, id="routing"))
+                continue
             match = _esc(routing_name(block, what))
             if what == "logits":  # the gate module's output is these logits: compared once, as it
                 for gate in gates:
                     for output in (gate + "[0]", gate):
                         reason = ROUTER_LOGITS_REASON.format(gate=output, router=router)
                         rules.append(_rule("skip", match, a=["{0}", output], reason=reason, id="routing"))
-            rules.append(_rule("rename", match, b=f"{router}[{index}]", id="routing (top-k)"))
+            rules.append(_rule("rename", match, b=target, id="routing (top-k)"))
     return rules
 
 
