@@ -15,6 +15,7 @@ from tracedump.compare.conventions import (
     copies_previous,
     returns_last_child,
     tuple_output,
+    tuple_roles,
 )
 
 
@@ -102,3 +103,23 @@ def test_bf16_roundings_of_a_fused_add_still_match() -> None:
         dtype="bfloat16",
     )
     assert tuple_output(side, "layers.0").what == SUM
+
+
+def test_a_routers_outputs_are_told_apart_by_what_they_hold_not_their_position() -> None:
+    """A router returning ``(ids, weights, logits)``: each role found by dtype and last dim."""
+    ids = np.zeros((5, 2), dtype=np.int64)
+    side = SideValues(
+        ["gate[0]", "gate[1]", "gate[2]"],
+        lambda n: None,
+        {"gate[0]": "int64", "gate[1]": "float32", "gate[2]": "float32"},
+        {"gate[0]": ids.shape, "gate[1]": (5, 2), "gate[2]": (5, 8)},
+    )
+    wanted = {"logits": (False, 8), "topk_weights": (False, 2), "topk_ids": (True, 2)}
+    assert tuple_roles(side, "gate", wanted) == {
+        "logits": "gate[2]",
+        "topk_weights": "gate[1]",
+        "topk_ids": "gate[0]",
+    }
+    # two float outputs of one width (top-k of every expert): neither is named
+    side.shapes = {"gate[0]": (5, 8), "gate[1]": (5, 8), "gate[2]": (5, 8)}
+    assert "logits" not in tuple_roles(side, "gate", wanted)

@@ -487,6 +487,9 @@ def synthesise_rules(
         if _is("norm", classes_engine.get(module)):  # a fused add + norm: (normed, input + residual)
             rules.append(_rule("rename", m + r"\[1\]", b=c + "@in[0]", id="add + norm residual"))
             rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_REASON, id="add + norm residual"))
+        role = _leaf_role(module, counterpart, observed)
+        if role is not None:  # a tuple whose element holding A's output is not the first
+            rules.append(_rule("rename", m + r"\[0\]", b=role, id="same weights, output by its role"))
         rules.append(_rule("unwrap", m, b=c, index=0, id=leaf_id))
         rules.append(_rule("rename", m, b=c, id=leaf_id))
         rules.append(_rule("rename", m + r"\[0\]", b=c + "[0]", id=leaf_id))
@@ -606,6 +609,21 @@ def _key(name: str) -> Key | None:
         return Key.parse(name)
     except ValueError:
         return None
+
+
+def _leaf_role(module: str, counterpart: str, observed: Observed | None) -> str | None:
+    """The other side's output element that holds what the engine leaf's ``[0]`` holds, where it
+    is not the first: the one element of its dtype kind and last dim (a router returning
+    ``(ids, weights, logits)``); None when it is the first, or the runs do not tell."""
+    if observed is None or observed.a is None or observed.b is None or module + "[0]" not in observed.a.index:
+        return None
+    name = module + "[0]"
+    shape = observed.a.shapes.get(name)
+    if not shape or len(observed.b.outputs(counterpart)) < 2:
+        return None
+    integer = observed.a.dtypes.get(name, "").startswith(("int", "uint"))
+    found = tuple_roles(observed.b, counterpart, {"out": (integer, shape[-1])}).get("out")
+    return found if found is not None and found != counterpart + "[0]" else None
 
 
 def _returned_children(pairing: Pairing, observed: Observed) -> list[dict[str, Any]]:
