@@ -72,6 +72,8 @@ def build(out: Path, arch: str, dtype: str, seed: int) -> None:
     settings = {**common, **extra}
     if arch in ("falcon", "bloom"):  # their head_dim is hidden / heads, a property
         settings.pop("head_dim")
+    if arch == "cohere":  # vLLM's Cohere takes an rms_norm_eps in the config for RMSNorm: LayerNorm
+        settings.pop("rms_norm_eps")
     config = getattr(transformers, config_name)(**settings)
     cls = getattr(transformers, class_name)
     torch.manual_seed(seed)
