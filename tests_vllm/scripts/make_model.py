@@ -47,7 +47,7 @@ def build(out: Path, arch: str, dtype: str, seed: int) -> None:
     cohere = dict(two, pad_token_id=0, tie_word_embeddings=True, layer_norm_eps=1e-5)
     bloom = dict(two, n_head=4, pad_token_id=0, tie_word_embeddings=True)
     falcon = dict(two, num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True, bias=False,
-                  alibi=False, ffn_hidden_size=512, pad_token_id=0, tie_word_embeddings=True)  # fmt: skip
+                  alibi=False, pad_token_id=0, tie_word_embeddings=True)  # fmt: skip
     qwen2_moe = dict(two, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                      shared_expert_intermediate_size=256)  # fmt: skip
     families = {
