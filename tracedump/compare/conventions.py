@@ -18,7 +18,8 @@ pair of modules that hold the same weights can still return different quantities
 - a module of an identity class (``Dropout``) whose output is not the tensor recorded before it
   (attention probabilities computed in a function): :func:`copies_previous`.
 
-Only the first pass of one run per side is read (a few tensors per decoder layer, memory-mapped).
+Only the first pass of one run per side is read (a few tensors per decoder layer, memory-mapped,
+their first :data:`ROWS` rows).
 Two values are "the same" within a couple of roundings of their dtype: a fused add in the run's
 dtype against the float64 sum of its two stored operands.
 """
@@ -35,6 +36,7 @@ from ..store.dtypes import UNIT_ROUNDOFF
 from ..store.format import Key
 
 SCAN = 48  # records after a layer's outputs searched for the consumer that tells its convention
+ROWS = 16  # rows (tokens) of each tensor read: evidence enough, and cheap for a large model
 
 SUM, FIRST = "sum", "first"
 
@@ -120,7 +122,8 @@ def side_values(run_dir: Path | None) -> SideValues | None:
             stored = maps[key].array(name)
             if stored.dtype not in UNIT_ROUNDOFF:
                 return None
-            return np.asarray(widen(stored.array, stored.dtype, np.float64), dtype=np.float64)
+            head = stored.array[:ROWS] if stored.array.ndim > 1 else stored.array
+            return np.asarray(widen(head, stored.dtype, np.float64), dtype=np.float64)
 
         return SideValues(names, read, dtypes, shapes)
     except Exception:
@@ -169,6 +172,8 @@ def tuple_output(values: SideValues, module: str) -> Told:
         if checked > SCAN:
             break
         name = values.names[position]
+        if values.shapes and values.shapes.get(name) != values.shapes.get(first):
+            continue  # another shape: not read
         x = values.value(name)
         if x is None or x.shape != hidden.shape:
             continue

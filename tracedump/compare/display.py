@@ -203,6 +203,11 @@ def _where(result: TensorResult) -> str:
     )
 
 
+def _share(relative: float) -> str:
+    """A relative error as a person reads it: ``12%``, ``0.3%``, ``2e-06``."""
+    return f"{relative:.2g}" if relative < 1e-3 else f"{100 * relative:.2g}%"
+
+
 def reach_lines(report: DiffReport) -> list[str]:
     """What a clean verdict could see: the relative error each layer's allowances would have
     flagged (the worst layer), and where a layer could miss more than a few percent, the layers
@@ -212,12 +217,12 @@ def reach_lines(report: DiffReport) -> list[str]:
         return []
     worst = reach.worst
     lines = [
-        f"reach: a relative error above {worst.relative:.2%} in any tensor would have been flagged "
+        f"reach: a relative error above {_share(worst.relative)} in any tensor would have been flagged "
         f"(the largest allowance: {worst.tensor}, {worst.basis}; per layer in the JSON's summary.reach)"
     ]
     short = sorted((x for x in reach.layers if x.relative > reach.warn), key=lambda x: -x.relative)
     if short:
-        listed = ", ".join(f"{x.layer} ({x.relative:.1%})" for x in short[:4]) + (
+        listed = ", ".join(f"{x.layer} ({_share(x.relative)})" for x in short[:4]) + (
             ", ..." if len(short) > 4 else ""
         )
         lines.append(
