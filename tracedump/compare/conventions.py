@@ -122,12 +122,22 @@ def side_values(run_dir: Path | None) -> SideValues | None:
             stored = maps[key].array(name)
             if stored.dtype not in UNIT_ROUNDOFF:
                 return None
-            head = stored.array[:ROWS] if stored.array.ndim > 1 else stored.array
+            array = stored.array.reshape(core(stored.array.shape))  # [1, tokens, h] as [tokens, h]
+            head = array[:ROWS] if array.ndim > 1 else array
             return np.asarray(widen(head, stored.dtype, np.float64), dtype=np.float64)
 
         return SideValues(names, read, dtypes, shapes)
     except Exception:
         return None
+
+
+def core(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape without its leading size-1 dims: a batch of one (HF's ``[1, tokens, hidden]``)
+    holds what a flat ``[tokens, hidden]`` holds."""
+    dims = list(shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    return tuple(dims)
 
 
 def same(values: SideValues, x: np.ndarray | None, y: np.ndarray | None, name: str) -> bool:
@@ -172,7 +182,7 @@ def tuple_output(values: SideValues, module: str) -> Told:
         if checked > SCAN:
             break
         name = values.names[position]
-        if values.shapes and values.shapes.get(name) != values.shapes.get(first):
+        if values.shapes and core(values.shapes.get(name) or ()) != core(values.shapes.get(first) or ()):
             continue  # another shape: not read
         x = values.value(name)
         if x is None or x.shape != hidden.shape:
