@@ -723,6 +723,7 @@ def _weightless(
             rules.append(_rule("skip", m, reason=ATTENTION_REASON, id="attention op"))
         elif _is("act_and_mul", qualname):
             rules.extend(_act_and_mul(module, pairing, classes_engine, classes_other))
+    rules.extend(_same_place(pairing, engine, classes_engine, classes_other))
     experts_other = _other_experts(pairing, engine, other)
     for module, qualname in classes_other.items():
         m = _esc(module)
@@ -736,6 +737,28 @@ def _weightless(
             rules.append(
                 _rule("skip", m + r"(\[\w+\])?", side="b", reason=EXPERTS_REASON, id="fused experts")
             )
+    return rules
+
+
+def _same_place(
+    pairing: Pairing, engine: Holdings, classes_engine: Mapping[str, str], classes_other: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """A weightless module (an activation) of one name on both sides, inside a container paired
+    with the same-named container: compared whatever the two classes (vLLM's ``GELU`` against HF's
+    ``GELUActivation``): its place between paired neighbours is the evidence. Tried after the
+    engine-wide rules (rotary, ``*AndMul``, the attention op), which know better."""
+    rules: list[dict[str, Any]] = []
+    for module in classes_engine:
+        parent = _parent(module)
+        if (
+            module in engine.direct
+            or module not in classes_other
+            or not parent
+            or pairing.containers.get(parent) != parent
+            or any(_parent(m) == module for m in classes_engine)  # a container: paired by weights
+        ):
+            continue
+        rules.append(_rule("rename", _esc(module), b=module, id="no weights, same place"))
     return rules
 
 
