@@ -220,7 +220,10 @@ def reach_lines(report: DiffReport) -> list[str]:
         f"reach: a relative error above {_share(worst.relative)} in any tensor would have been flagged "
         f"(the largest allowance: {worst.tensor}, {worst.basis}; per layer in the JSON's summary.reach)"
     ]
-    short = sorted((x for x in reach.layers if x.relative > reach.warn), key=lambda x: -x.relative)
+    short = sorted(
+        (x for x in reach.layers if x.relative > reach.warn),
+        key=lambda x: (-x.relative, not x.layer[-1:].isdigit()),  # the layers before "outside"
+    )
     if short:
         listed = ", ".join(f"{x.layer} ({_share(x.relative)})" for x in short[:4]) + (
             ", ..." if len(short) > 4 else ""
