@@ -277,3 +277,28 @@ def test_pass_is_honoured_by_sequence_and_coverage_is_said_first(
         assert {seq.rows[p][0] for p in t["per_token"]["positions"]} == {1}, t["name"]
     code, out = _diff_code(clean_dump.dir, hf_dump("generate"), "--pass", "99")
     assert code == 2 and "--pass 99: A has no such step" in out
+
+
+def test_a_clean_bf16_verdict_says_what_it_could_not_see_and_the_rerun_it_suggests_names_it(
+    offline_dump: Callable[..., OfflineRun], hf_dump: Callable[..., Path], tmp_path: Path
+) -> None:
+    """bf16 vLLM against the fp32 reference, no flag, a x1.05 bug in layer 1's MLP: the bf16
+    allowances there are above 5%, so the verdict is clean, and its reach says so (per layer, the
+    relative error it could have told) with the rerun that sees more; that rerun names layer 1."""
+    reference, baseline = hf_dump("generate"), hf_dump("generate-bf16", "--dtype", "bfloat16")
+    bug = offline_dump(
+        "bug1-bf16",
+        args=["--dtype", "bfloat16"],
+        env={"TRACEDUMP_TEST_BUG": "model.layers.1.mlp.down_proj.weight*1.05"},
+    )
+    code, out, report = diff(tmp_path, bug.dir, reference)
+    assert code == 0, out[-2000:]  # the premise: bf16 against fp32 does not see a 5% bug in layer 1
+    reach = report["summary"]["reach"]
+    layer1 = next(x for x in reach["layers"] if x["layer"] == "model.layers.1")
+    assert layer1["relative"] > 0.05  # a bug of that size was below what the run could see
+    assert "--baseline" in reach["rerun"] and "could have passed unseen in" in out
+    assert "model.layers.1 (" in out
+    code, out, report = diff(tmp_path, bug.dir, reference, "--baseline", baseline)  # the rerun it says
+    assert code == 1
+    first = report["summary"]["alignment"][0]["first"]
+    assert first["name"].startswith("model.layers.1.mlp"), first

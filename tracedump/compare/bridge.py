@@ -40,12 +40,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
 from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
+from .conventions import side_values
 from .correspondence import derive_bridge, tensor_parallel_joins, weight_findings, weight_pairs
 from .input_roles import Role, input_role, is_input, pair_inputs
 from .options import DiffOptions, UnshardRule
@@ -71,6 +73,7 @@ class SideInfo:
     record: Correspondence | None = None  # its correspondence.json (rank 0's), if it wrote one
     ranks: tuple[Correspondence, ...] = ()  # every rank's, in rank order (tensor parallelism)
     ran: Mapping[str, int] = field(default_factory=dict)  # module -> place of its first output
+    run_dir: Path | None = None  # the run dir the record is from: its values measure conventions
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -88,12 +91,14 @@ def _framework(manifest: Mapping[str, Any]) -> str:
 def side_info(side: Side) -> SideInfo:
     manifest: Mapping[str, Any] = {}
     record = None
+    run_dir = None
     ranks: list[Correspondence] = []
     ran: dict[str, int] = {}
     for group in side.groups:
         for run in group.runs:
             if run.run is not None:
                 manifest = run.run.manifest
+                run_dir = run.run.path
                 record = read_correspondence(run.run.path)
                 ranks = _rank_records(side, run.run.root)
                 ran = _run_order(run) if record is not None else {}
@@ -118,6 +123,7 @@ def side_info(side: Side) -> SideInfo:
         record=record,
         ranks=tuple(ranks),
         ran=ran,
+        run_dir=run_dir,
     )
 
 
@@ -216,6 +222,8 @@ def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None
         ranks_a=list(a.ranks) or None,
         ranks_b=list(b.ranks) or None,
         ran=(a.ran, b.ran),
+        values_a=side_values(a.run_dir),
+        values_b=side_values(b.run_dir),
     )
 
 

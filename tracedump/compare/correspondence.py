@@ -41,7 +41,19 @@ from ..store.correspondence import (
     routing_name,
     shared_tail,
 )
+from ..store.format import Key
 from .bridge_rules import Bridge, parse_bridge
+from .conventions import (
+    FIRST,
+    SUM,
+    SideValues,
+    Told,
+    copies_previous,
+    returns_last_child,
+    same,
+    tuple_output,
+    tuple_roles,
+)
 from .options import UnshardRule
 
 DERIVED_NAME = "derived from the weight load"
@@ -81,6 +93,32 @@ EXTRA_REASON = (
     "an extra output of this module (attention probabilities, a router's top-k weights and ids) "
     "that the engine's counterpart does not return (its fused kernel computes them inside)"
 )
+
+EXPERTS_DIFFER_REASON = (
+    "{whole}'s experts module returns its MoE block's whole output (the shared "
+    "experts added inside), {part}'s the routed experts only (its block adds the rest): measured "
+    "in the run; compared as the MoE block's output"
+)
+RETURNS_REASON = "its output is its last child's ({child}) as it is, measured in the run"
+ROLE_REASON = (
+    "which output of {router} holds the {what} is not told by the two runs (no single output of "
+    "its dtype and last dim): listed, never paired by position"
+)
+UNTOLD_REASON = (
+    "which of (hidden, residual) is this layer's output is not told by the run: {why}; listed, "
+    "never compared by a guess (dump with --inputs so the next layer's inputs tell)"
+)
+RESIDUAL_PASSED = "the residual handed on beside the layer's output ({why}): not an output of its own"
+ADDS_REASON = (
+    "{adds}'s block adds something (the residual) to its last child's output, "
+    "{plain}'s returns that output as it is (A's {child_a}, B's {child_b}): measured in the run; "
+    "compared at its children and at the decoder layer"
+)
+NOT_A_COPY_REASON = (
+    "an identity-class module (dropout) whose output is not the tensor recorded before it: its "
+    "input (attention probabilities) was computed in a function and not dumped"
+)
+IDENTITY = re.compile(r"Dropout\d?d?|Identity")
 
 # Weightless modules, engine-wide (never per family): class name regexes (searched in the bare
 # class name) and what they are compared with.
@@ -220,9 +258,13 @@ def tensor_parallel_joins(
     loads each rank recorded (no ``--unshard`` rule): a column-parallel output (its weight rows a
     slice of their sources) gathered along its last dim in the checkpoint's order, the attention
     op's and an ``*AndMul``'s per-rank slices concatenated by rank, the logits taken from rank 0
-    (gathered there); everything else (row-parallel outputs, reduced; norms) is replicated."""
-    if len(records) < 2:
+    (gathered there); everything else (row-parallel outputs, reduced; norms) is replicated.
+    One rank: only the outputs whose rows a model's ``load_weights`` reordered (a fused
+    ``query_key_value`` interleaved per head) are gathered, back in the checkpoint's row order."""
+    if not records:
         return ()
+    if len(records) < 2:
+        return _reordered(records[0], classes)
     per_rank = [engine_holdings(r) for r in records]
     rules: list[UnshardRule] = []
     for module, pieces0 in per_rank[0].pieces.items():
@@ -253,6 +295,37 @@ def tensor_parallel_joins(
             rules.append(
                 UnshardRule(re.compile(rf"^{re.escape(module)}({re.escape(RAW_LOGITS)})?$"), "first")
             )
+    return tuple(rules)
+
+
+def _reordered(record: Correspondence, classes: Mapping[str, str]) -> tuple[UnshardRule, ...]:
+    """The one-rank outputs to put back in the checkpoint's row order: a module whose weight rows
+    from one source were written in another order than the source's (the load record's ``rows``
+    runs, matched against the tensor as read), gathered source by source in source-row order."""
+    held = engine_holdings(record)
+    rules: list[UnshardRule] = []
+    for module, pieces in held.pieces.items():
+        if module in held.experts or _is("embedding", classes.get(module)):
+            continue
+        by_source: dict[str, list[Piece]] = {}
+        for piece in pieces:
+            by_source.setdefault(piece.source, []).append(piece)
+        in_order = all(
+            [p.source_row for p in sorted(group, key=lambda p: p.start)]
+            == sorted(p.source_row for p in group)
+            for group in by_source.values()
+        )
+        if in_order:
+            continue
+        gathered = tuple(
+            (0, p.start, p.start + p.count)
+            for group in by_source.values()
+            for p in sorted(group, key=lambda p: p.source_row)
+        )
+        # the engine's linear layers return (out, bias): only its [0] is reordered, never the other
+        # side's tensor of the same module name (an unshard rule knows no side)
+        pattern = re.compile(rf"^{re.escape(module)}\[0\]$")
+        rules.append(UnshardRule(pattern, "gather", -1, gathered))
     return tuple(rules)
 
 
@@ -537,12 +610,15 @@ def synthesise_rules(
     classes_other: Mapping[str, str],
     *,
     weightless: bool = True,
+    observed: Observed | None = None,
 ) -> list[dict[str, Any]]:
     """The rules of the derived bridge (engine side "a"), in the order they are tried; the
     engine-wide rules for weightless parts only when side "a" is an engine that recorded its load
-    (two plain runs pair by their weights alone, the rest by name)."""
+    (two plain runs pair by their weights alone, the rest by name). ``observed``: the two runs'
+    values, where the conventions are measured (:mod:`.conventions`); without them (a bridge
+    built from the records alone) a ``(hidden, residual)`` container compares their sum."""
     rules: list[dict[str, Any]] = []
-    split_id, box_id = "fused, split at the load's offsets", "same weights below"
+    split_id = "fused, split at the load's offsets"
     for module, counterpart in pairing.leaves.items():
         m, c = _esc(module), counterpart
         leaf_id = PLACED_ID if module in pairing.placed else SAME_WEIGHTS_ID
@@ -552,6 +628,9 @@ def synthesise_rules(
         if _is("norm", classes_engine.get(module)):  # a fused add + norm: (normed, input + residual)
             rules.append(_rule("rename", m + r"\[1\]", b=c + "@in[0]", id="add + norm residual"))
             rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_REASON, id="add + norm residual"))
+        role = _leaf_role(module, counterpart, observed)
+        if role is not None:  # a tuple whose element holding A's output is not the first
+            rules.append(_rule("rename", m + r"\[0\]", b=role, id="same weights, output by its role"))
         rules.append(_rule("unwrap", m, b=c, index=0, id=leaf_id))
         rules.append(_rule("rename", m, b=c, id=leaf_id))
         rules.append(_rule("rename", m + r"\[0\]", b=c + "[0]", id=leaf_id))
@@ -562,19 +641,181 @@ def synthesise_rules(
         m = _esc(module)
         rules.append(_rule("split", m + r"\[0\]", b=pieces, dim=-1, id=split_id))
         rules.append(_rule("split", m, b=pieces, dim=-1, id=split_id))
+    differ = _differences(pairing, observed)
     for module, counterpart in pairing.containers.items():
-        m, c = _esc(module), counterpart
+        rules.extend(_container(module, counterpart, observed, differ.get(module)))
+    if observed is not None:
+        rules.extend(_not_copies(observed, classes_engine, classes_other))
+        rules.extend(_returned_children(pairing, observed))
+    if weightless:
+        rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other, observed))
+    rules.extend(_structure_rules(pairing))
+    return rules
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Both runs' values (their first pass), read to measure what the records cannot say
+    (:mod:`.conventions`); a side is None when its dump holds no values (stats)."""
+
+    a: SideValues | None
+    b: SideValues | None
+
+    def output_of(self, module: str) -> Told:
+        """Which of the engine container's ``(hidden, residual)`` is its output, from the run."""
+        if self.a is None:
+            return Told(SUM, "no values to read")
+        return tuple_output(self.a, module)
+
+
+def _differences(pairing: Pairing, observed: Observed | None) -> dict[str, str]:
+    """Engine container -> why it and its counterpart compute different quantities (measured:
+    :func:`_adds_differently`), innermost first: a container whose last children differ so tells
+    nothing of its own output (Bloom's decoder layer, whose MLP pair differs, adds the residual
+    on both sides)."""
+    found: dict[str, str] = {}
+    for module in sorted(pairing.containers, key=lambda m: -m.count(".")):
+        why = _adds_differently(module, pairing.containers[module], pairing, observed, found)
+        if why is not None:
+            found[module] = why
+    return found
+
+
+def _container(
+    module: str, counterpart: str, observed: Observed | None, differs: str | None
+) -> list[dict[str, Any]]:
+    """The rules of one container pair: its output read as the run says (``hidden + residual``
+    or ``hidden``), listed with the reason where the run does not tell, or where the two return
+    different quantities (one adds the residual to its last child's output, the other not)."""
+    m, c = _esc(module), counterpart
+    box_id = "same weights below"
+    rules: list[dict[str, Any]] = []
+    told = observed.output_of(module) if observed is not None else Told(SUM, "no values to read")
+    if differs is not None:
+        rules.append(_rule("skip", m + r"(\[\d+\])?", reason=differs, id="not comparable"))
+        rules.append(_rule("skip", _esc(c) + r"(\[\w+\])?", side="b", reason=differs, id="not comparable"))
+        return rules
+    if told.what == SUM:
         tuple_a = ["{0}", module + "[1]"]
         rules.append(_rule("sum", m + r"\[0\]", a=tuple_a, b=c, id="(hidden, residual)"))
         rules.append(_rule("sum", m + r"\[0\]", a=tuple_a, b=c + "[0]", id="(hidden, residual)"))
+    elif told.what == FIRST:
         for target in (c, c + "[0]", c + "[last_hidden_state]"):
-            rules.append(_rule("rename", m, b=target, id=box_id))
+            rules.append(_rule("rename", m + r"\[0\]", b=target, id="hidden, as the run consumes it"))
+        rules.append(_rule("skip", m + r"\[1\]", reason=RESIDUAL_PASSED.format(why=told.why), id="residual"))
+    elif observed is not None and observed.a is not None and module + "[0]" in observed.a.index:
+        reason = UNTOLD_REASON.format(why=told.why)
+        rules.append(_rule("skip", m + r"\[[01]\]", a=["{0}", module + "[1]"], reason=reason, id="not told"))
+        for target in (c, c + "[0]"):
+            rules.append(_rule("skip", _esc(target), side="b", reason=reason, id="not told"))
+    for target in (c, c + "[0]", c + "[last_hidden_state]"):
+        rules.append(_rule("rename", m, b=target, id=box_id))
+    rules.append(_rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output"))
+    return rules
+
+
+def _adds_differently(
+    module: str, counterpart: str, pairing: Pairing, observed: Observed | None, differ: Mapping[str, str]
+) -> str | None:
+    """Why the pair computes different quantities, measured: both containers end with a pair of
+    children computing the same thing, and one returns that child's output as it is while the
+    other adds something (the residual, inside HF's Bloom attention and MLP); None when they agree
+    or the run does not show."""
+    if observed is None or observed.a is None or observed.b is None:
+        return None
+    a, b = observed.a, observed.b
+    told = observed.output_of(module)
+    output = None
+    if told.what == SUM and module + "[1]" in a.index:
+        hidden, residual = a.value(module + "[0]"), a.value(module + "[1]")
+        output = hidden + residual if hidden is not None and residual is not None else None
+    mine, theirs = returns_last_child(a, module, output), returns_last_child(b, counterpart)
+    if mine.what is None or theirs.what is None or mine.what == theirs.what:
+        return None
+    child_a, child_b = (_module_of(mine.why), _module_of(theirs.why))
+    paired = {**pairing.leaves, **pairing.containers}
+    split_first = {m: pieces[0] for m, pieces in pairing.splits.items()}
+    if paired.get(child_a, split_first.get(child_a)) != child_b or child_a in differ:
+        return None
+    adds, plain = ("B", "A") if mine.what else ("A", "B")
+    return ADDS_REASON.format(adds=adds, plain=plain, child_a=child_a, child_b=child_b)
+
+
+def _module_of(name: str) -> str:
+    key = _key(name)
+    return key.module if key is not None else name
+
+
+def _key(name: str) -> Key | None:
+    try:
+        return Key.parse(name)
+    except ValueError:
+        return None
+
+
+def _leaf_role(module: str, counterpart: str, observed: Observed | None) -> str | None:
+    """The other side's output element that holds what the engine leaf's ``[0]`` holds, where it
+    is not the first: the one element of its dtype kind and last dim (a router returning
+    ``(ids, weights, logits)``); None when it is the first, or the runs do not tell."""
+    if observed is None or observed.a is None or observed.b is None or module + "[0]" not in observed.a.index:
+        return None
+    name = module + "[0]"
+    shape = observed.a.shapes.get(name)
+    if not shape or len(observed.b.outputs(counterpart)) < 2:
+        return None
+    integer = observed.a.dtypes.get(name, "").startswith(("int", "uint"))
+    found = tuple_roles(observed.b, counterpart, {"out": (integer, shape[-1])}).get("out")
+    return found if found is not None and found != counterpart + "[0]" else None
+
+
+def _returned_children(pairing: Pairing, observed: Observed) -> list[dict[str, Any]]:
+    """A container of the other side paired with nothing that returns its last child's output as
+    it is (measured: HF's shared expert returns its ``down_proj``'s output, where the engine's
+    counterpart also applies the expert's gate): compared as that child, against the child's
+    counterpart."""
+    if observed.a is None or observed.b is None:
+        return []
+    a, b = observed.a, observed.b
+    counterpart_of = {theirs: mine for mine, theirs in pairing.leaves.items()}
+    paired = set(pairing.containers.values()) | set(pairing.leaves.values())
+    rules: list[dict[str, Any]] = []
+    containers = {k.module for k in b.keys if k is not None and not k.input}
+    for module in sorted(containers - paired):
+        own = b.output(module)
+        told = returns_last_child(b, module)
+        child = _module_of(told.why) if told.what is True else None
+        mine = counterpart_of.get(child) if child is not None else None
+        theirs_child = b.output(child) if child is not None else None
+        if own is None or mine is None or theirs_child is None or a.output(mine) is None:
+            continue
         rules.append(
-            _rule("skip", _esc(c) + r"\[[1-9]\d*\]", side="b", reason=EXTRA_REASON, id="extra output")
+            _rule(
+                "rename",
+                _esc(own),
+                side="b",
+                a=[a.output(mine)],
+                reason=RETURNS_REASON.format(child=child),
+                id="returns its last child",
+            )
         )
-    if weightless:
-        rules.extend(_weightless(pairing, engine, other, classes_engine, classes_other))
-    rules.extend(_structure_rules(pairing))
+    return rules
+
+
+def _not_copies(
+    observed: Observed, classes_engine: Mapping[str, str], classes_other: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """Identity-class modules (``Dropout``) whose output is not the tensor recorded before them
+    (the attention probabilities' dropout, after a projection whose output they are not): listed
+    with the reason, never taken for a copy of that tensor."""
+    rules: list[dict[str, Any]] = []
+    for side, values, classes in (("a", observed.a, classes_engine), ("b", observed.b, classes_other)):
+        if values is None:
+            continue
+        for module, qualname in classes.items():
+            if IDENTITY.fullmatch(_bare(qualname)) and copies_previous(values, module) is False:
+                rules.append(
+                    _rule("skip", _esc(module), side=side, reason=NOT_A_COPY_REASON, id="not a copy")
+                )
     return rules
 
 
@@ -691,20 +932,32 @@ def _weightless(
     other: Holdings,
     classes_engine: Mapping[str, str],
     classes_other: Mapping[str, str],
+    observed: Observed | None = None,
 ) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     fused = _fused_experts(engine, other, pairing)
     for top, counterpart in fused.items():  # the routed experts' weighted sum, on both sides
+        differs = _experts_differ(top, counterpart, observed)
+        if differs is not None:
+            rules.append(_rule("skip", _esc(top) + r"(\[\d+\])?", reason=differs, id="fused experts"))
+            rules.append(
+                _rule("skip", _esc(counterpart) + r"(\[\w+\])?", side="b", reason=differs, id="fused experts")
+            )
+            continue
         rules.append(_rule("rename", _esc(top), b=counterpart, id="fused experts"))
         rules.append(_rule("unwrap", _esc(top), b=counterpart, index=0, id="fused experts"))
     homes = _homes(engine, pairing)
     inside = {top for _, top in homes.values()}
-    rules.extend(_routing(pairing, inside))
+    paired_parents = {_parent(m) for m in [*pairing.leaves, *pairing.splits]}
+    rules.extend(_routing(pairing, inside, observed))
     for module, qualname in classes_engine.items():
         m = _esc(module)
         if module in pairing.leaves:
             continue  # a module the experts runner holds but that has weights of its own (the router)
-        if module in engine.experts or any(module.startswith(t + ".") or module == t for t in inside):
+        runs_alone = _parent(module) in paired_parents  # a shared expert the runner calls as a module
+        if module in engine.experts or (
+            not runs_alone and any(module.startswith(t + ".") or module == t for t in inside)
+        ):
             rules.append(_rule("skip", m + r"(\[\d+\])?", reason=EXPERTS_REASON, id="fused experts"))
         elif _is("rotary", qualname):
             rules.append(
@@ -719,6 +972,7 @@ def _weightless(
             rules.append(_rule("skip", m, reason=ATTENTION_REASON, id="attention op"))
         elif _is("act_and_mul", qualname):
             rules.extend(_act_and_mul(module, pairing, classes_engine, classes_other))
+    rules.extend(_same_place(pairing, engine, classes_engine, classes_other))
     experts_other = _other_experts(pairing, engine, other)
     for module, qualname in classes_other.items():
         m = _esc(module)
@@ -735,6 +989,28 @@ def _weightless(
     return rules
 
 
+def _same_place(
+    pairing: Pairing, engine: Holdings, classes_engine: Mapping[str, str], classes_other: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """A weightless module (an activation) of one name on both sides, inside a container paired
+    with the same-named container: compared whatever the two classes (vLLM's ``GELU`` against HF's
+    ``GELUActivation``): its place between paired neighbours is the evidence. Tried after the
+    engine-wide rules (rotary, ``*AndMul``, the attention op), which know better."""
+    rules: list[dict[str, Any]] = []
+    for module in classes_engine:
+        parent = _parent(module)
+        if (
+            module in engine.direct
+            or module not in classes_other
+            or not parent
+            or pairing.containers.get(parent) != parent
+            or any(_parent(m) == module for m in classes_engine)  # a container: paired by weights
+        ):
+            continue
+        rules.append(_rule("rename", _esc(module), b=module, id="no weights, same place"))
+    return rules
+
+
 def _homes(engine: Holdings, pairing: Pairing) -> dict[str, tuple[str, str]]:
     """Each engine module loaded per expert -> (its nearest paired ancestor, that ancestor's child
     on the way down: the fused experts module whose output is the routed experts' sum)."""
@@ -748,7 +1024,26 @@ def _homes(engine: Holdings, pairing: Pairing) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
+def _router_roles(block: str, router: str, observed: Observed | None) -> dict[str, str] | None:
+    """Which of the other side's router outputs holds the logits, the top-k weights, the top-k
+    ids, read from the two runs (the engine's recorded routing tensors' dtypes and last dims
+    against each router output's), never from their position; None without values to read (a
+    bridge built from the records alone: HF 5's order ``(logits, weights, ids)``)."""
+    if observed is None or observed.a is None or observed.b is None:
+        return None
+    wanted: dict[str, tuple[bool, int]] = {}
+    for what in ROUTING_PATHS:
+        name = routing_name(block, what)
+        shape = observed.a.shapes.get(name)
+        if shape:
+            wanted[what] = (observed.a.dtypes.get(name, "").startswith(("int", "uint")), shape[-1])
+    if wanted.get("logits") == wanted.get("topk_weights"):  # top-k of all experts: not told apart
+        wanted.pop("logits", None)
+        wanted.pop("topk_weights", None)
+    return tuple_roles(observed.b, router, wanted)
+
+
+def _routing(pairing: Pairing, tops: set[str], observed: Observed | None = None) -> list[dict[str, Any]]:
     """The routing an engine records beside its fused experts (``<block>.routing[logits |
     topk_weights | topk_ids]``, the vLLM plugin: :mod:`tracedump.integrations.vllm_records`)
     against the other side's router outputs ``(logits, top-k weights, top-k ids)`` (HF 5's
@@ -769,14 +1064,20 @@ def _routing(pairing: Pairing, tops: set[str]) -> list[dict[str, Any]]:
             continue
         (router,) = counterparts
         gates = [m for m, c in pairing.leaves.items() if c == router and m.startswith(block + ".")]
+        roles = _router_roles(block, router, observed)
         for index, what in enumerate(ROUTING_PATHS):
+            target = f"{router}[{index}]" if roles is None else roles.get(what)
+            if target is None:
+                reason = ROLE_REASON.format(router=router, what=what)
+                rules.append(_rule("skip", _esc(routing_name(block, what)), reason=reason, id="routing"))
+                continue
             match = _esc(routing_name(block, what))
             if what == "logits":  # the gate module's output is these logits: compared once, as it
                 for gate in gates:
                     for output in (gate + "[0]", gate):
                         reason = ROUTER_LOGITS_REASON.format(gate=output, router=router)
                         rules.append(_rule("skip", match, a=["{0}", output], reason=reason, id="routing"))
-            rules.append(_rule("rename", match, b=f"{router}[{index}]", id="routing (top-k)"))
+            rules.append(_rule("rename", match, b=target, id="routing (top-k)"))
     return rules
 
 
@@ -791,6 +1092,25 @@ def _fused_experts(engine: Holdings, other: Holdings, pairing: Pairing) -> dict[
         if len(candidates) == 1:
             out[top] = candidates[0]
     return out
+
+
+def _experts_differ(top: str, counterpart: str, observed: Observed | None) -> str | None:
+    """Why two fused experts modules return different quantities, measured: one is its block's
+    whole output (vLLM's MoE runner, which adds the shared experts inside), the other is not (HF's
+    ``experts``, the routed ones only, its block adding the shared expert after); None when the
+    run does not show it or both agree."""
+    if observed is None or observed.a is None or observed.b is None:
+        return None
+    told = []
+    for values, module in ((observed.a, top), (observed.b, counterpart)):
+        block, own = values.output(_parent(module)), values.output(module)
+        if block is None or own is None:
+            return None
+        told.append(same(values, values.value(own), values.value(block), own))
+    if told[0] == told[1]:
+        return None
+    whole, part = ("A", "B") if told[0] else ("B", "A")
+    return EXPERTS_DIFFER_REASON.format(whole=whole, part=part)
 
 
 def _other_experts(pairing: Pairing, engine: Holdings, other: Holdings) -> list[str]:
@@ -944,6 +1264,8 @@ def derive_bridge(
     ranks_a: list[Correspondence] | None = None,
     ranks_b: list[Correspondence] | None = None,
     ran: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {}),
+    values_a: SideValues | None = None,
+    values_b: SideValues | None = None,
 ) -> Bridge | None:
     """The bridge of two runs' records, or None when nothing pairs, or when both name their
     parameters alike (two runs of one engine, two HF runs: paired by name, as always).
@@ -978,8 +1300,15 @@ def derive_bridge(
     if not engine.loads:  # two plain runs: the rest by its place (an engine's weightless: its rules)
         shapes = (_shapes(engine), _shapes(other))
         pair_by_place(pairing, held_engine, held_other, classes_e, classes_o, shapes)
+    observed = Observed(values_b, values_a) if swap else Observed(values_a, values_b)
     rules = synthesise_rules(
-        pairing, held_engine, held_other, classes_e, classes_o, weightless=bool(engine.loads)
+        pairing,
+        held_engine,
+        held_other,
+        classes_e,
+        classes_o,
+        weightless=bool(engine.loads),
+        observed=observed if (observed.a or observed.b) else None,
     )
     kinds = [_paired_by(str(rule.get("id", "")), loaded=bool(engine.loads)) for rule in rules]
     fw_e, fw_o = (framework_b, framework_a) if swap else (framework_a, framework_b)
@@ -1019,7 +1348,12 @@ def _shapes(record: Correspondence) -> dict[str, list[Any]]:
 # the rules that pair by the tensors each side holds: proven by the load where one was recorded,
 # else by the parameters' values
 _HELD_IDS = frozenset({SAME_WEIGHTS_ID, "fused, split at the load's offsets", "same weights below",
-                       "(hidden, residual)", "extra output"})  # fmt: skip
+                       "(hidden, residual)", "hidden, as the run consumes it",
+                       "same weights, output by its role", "extra output"})  # fmt: skip
+# Pairs proven by a place the run shows: among proven pairs, or measured (a container returning
+# its last child's output as it is).
+_PLACE_IDS = frozenset({PLACED_ID, STRUCTURE_ID, UNHELD_ID, "ambiguous", "no weights, same place",
+                        "returns its last child"})  # fmt: skip
 
 
 def _paired_by(rule_id: str, *, loaded: bool) -> str:
@@ -1028,7 +1362,7 @@ def _paired_by(rule_id: str, *, loaded: bool) -> str:
     ``rule`` for the engine-wide rules of weightless parts."""
     if rule_id in _HELD_IDS:
         return "load" if loaded else "weights"
-    if rule_id in (PLACED_ID, STRUCTURE_ID, UNHELD_ID, "ambiguous"):
+    if rule_id in _PLACE_IDS:
         return "structure"
     return "rule"
 

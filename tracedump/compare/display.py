@@ -252,6 +252,38 @@ def pairing_lines(report: DiffReport) -> list[str]:
     return lines
 
 
+def _share(relative: float) -> str:
+    """A relative error as a person reads it: ``12%``, ``0.3%``, ``2e-06``."""
+    return f"{relative:.2g}" if relative < 1e-3 else f"{100 * relative:.2g}%"
+
+
+def reach_lines(report: DiffReport) -> list[str]:
+    """What a clean verdict could see: the relative error each layer's allowances would have
+    flagged (the worst layer), and where a layer could miss more than a few percent, the layers
+    and the rerun that would see more."""
+    reach = report.findings.reach if report.findings is not None else None
+    if reach is None:
+        return []
+    worst = reach.worst
+    lines = [
+        f"reach: a relative error above {_share(worst.relative)} in any tensor would have been flagged "
+        f"(the largest allowance: {worst.tensor}, {worst.basis}; per layer in the JSON's summary.reach)"
+    ]
+    short = sorted(
+        (x for x in reach.layers if x.relative > reach.warn),
+        key=lambda x: (-x.relative, not x.layer[-1:].isdigit()),  # the layers before "outside"
+    )
+    if short:
+        listed = ", ".join(f"{x.layer} ({_share(x.relative)})" for x in short[:4]) + (
+            ", ..." if len(short) > 4 else ""
+        )
+        lines.append(
+            f"reach: a bug smaller than this could have passed unseen in {listed} (above "
+            f"{reach.warn:.0%}); to see more: {reach.rerun}"
+        )
+    return lines
+
+
 def summary_lines(report: DiffReport) -> list[str]:
     """The verdict in a few plain lines (the last thing printed, also what logs keep)."""
     s = report.summary()
@@ -289,6 +321,7 @@ def summary_lines(report: DiffReport) -> list[str]:
             f"no divergence: every judged tensor ({s['judged']}) is within tolerance "
             f"({report.settings['tolerance']})" + (f"; {unjudged} not judged (below)" if unjudged else "")
         )
+        lines.extend(reach_lines(report))
     lines.extend(describe_output_change(change) for change in report.output_changed)
     if report.coverage is not None:
         lines.extend(coverage_warnings(report.coverage))

@@ -232,12 +232,10 @@ def _apply_cut(
 
 
 def side_entries(views: list[PassView], options: DiffOptions) -> dict[str, SideEntry]:
-    """Entries of one side for one pass, in rank 0's capture order, unsharded when several ranks."""
+    """Entries of one side for one pass, in rank 0's capture order, unsharded when several ranks
+    (one rank: only a recorded row order is put back, :func:`.unshard.plan_entry`)."""
     order = dict.fromkeys(name for view in views for name in view.entries)
-    return {
-        name: plan_entry(name, views, options.unshard_rule(name) if len(views) > 1 else None)
-        for name in order
-    }
+    return {name: plan_entry(name, views, options.unshard_rule(name)) for name in order}
 
 
 def pair_tolerance(

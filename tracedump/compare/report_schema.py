@@ -174,6 +174,24 @@ class UnmatchedRecord(_Record):
     reason: str | None = Field(None, description="absent: no tensor of that name on the other side")
 
 
+class ReachLayerRecord(_Record):
+    """One layer's reach: the largest relative error one of its allowances let pass."""
+
+    layer: str = Field(description="the name up to its first index (model.layers.1), or 'outside the layers'")
+    relative: JsonNumber = Field(description="RMS relative error a bug there may reach unseen")
+    tensor: str = Field(description="the tensor whose allowance it is")
+    basis: str = Field(description="how that allowance was set: upstream, baseline, fixed")
+
+
+class ReachRecord(_Record):
+    """What a clean verdict could see: per layer, the smallest relative error it would have flagged."""
+
+    layers: list[ReachLayerRecord]
+    worst: JsonNumber = Field(description="the largest of the layers' figures")
+    warn: float = Field(description="above this, a layer's reach is short and a rerun is suggested")
+    rerun: str | None = Field(description="the rerun that would see more, where a layer's reach is short")
+
+
 class Summary(_Record):
     """``summary``: the counts and the verdict. Helpers that add a count add it here."""
 
@@ -219,6 +237,9 @@ class Summary(_Record):
     largest_growth: GrowthRecord | None
     exit_code: Literal[0, 1, 2]
     verdict: str = Field(description="what the exit code says, about the judged tensors only")
+    reach: ReachRecord | None = Field(
+        None, description="what the verdict could see (null when no tensor was judged by an allowance)"
+    )
 
 
 class SideRoot(_Record):

@@ -309,6 +309,45 @@ class FirstInTime:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReachLayer:
+    """One layer's reach: the largest relative error one of its allowances let pass."""
+
+    layer: str
+    relative: float  # RMS relative error (of the tensor's norm) below which a bug passes unseen
+    tensor: str  # the tensor whose allowance it is
+    basis: str  # upstream, baseline, fixed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "relative": _number(self.relative),
+            "tensor": self.tensor,
+            "basis": self.basis,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reach:
+    """What a clean verdict could see (:func:`.verdict.reach`)."""
+
+    layers: tuple[ReachLayer, ...]
+    warn: float  # above this relative error a layer's reach is said to be short, with a rerun
+    rerun: str | None  # the rerun that would see more, where a layer's reach is short
+
+    @property
+    def worst(self) -> ReachLayer:
+        return max(self.layers, key=lambda x: x.relative)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layers": [x.to_json() for x in self.layers],
+            "worst": _number(self.worst.relative),
+            "warn": self.warn,
+            "rerun": self.rerun,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class Findings:
     """What :func:`.verdict.conclude` decided of a report's judged results."""
 
@@ -316,6 +355,7 @@ class Findings:
     largest_growth: Growth | None
     exit_code: ExitCode
     first_in_time: FirstInTime | None = None  # --align tokens: the earliest diverged row
+    reach: Reach | None = None  # what a clean verdict could see, per layer
 
 
 @dataclass(kw_only=True)
@@ -451,6 +491,7 @@ class DiffReport:
             "largest_growth": growth.to_json() if growth else None,
             "exit_code": self.exit_code,
             "verdict": self.verdict_line(),
+            "reach": self.findings.reach.to_json() if self.findings and self.findings.reach else None,
         }
 
     def verdict_line(self) -> str:

@@ -55,6 +55,9 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
     metas = [view.entries.get(name) for view in views]
     present = [m for m in metas if m is not None]
     first = present[0]
+    one_rank = rule is not None and rule.op == "gather" and all(r == 0 for r, _, _ in rule.pieces)
+    if len(views) == 1 and one_rank and rule is not None:  # rows a single rank's load reordered
+        return _plan_gather(name, first, [(m.shape or ()) if m is not None else () for m in metas], rule)
     if len(views) == 1:
         return SideEntry(name=name, meta=first)
     if rule is not None and rule.op == "first" and metas[0] is not None:

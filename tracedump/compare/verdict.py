@@ -8,7 +8,9 @@ Every decision the comparator makes on the numbers it measured is here, in this 
 - a grafted dump's local error (:func:`local_allowance_of`, :func:`judge_locally`; :mod:`.local`
   says which tensors are local);
 - the report's findings (:func:`conclude`): the first divergence (in execution order, or with
-  ``--align tokens`` the diverged row computed earliest), the largest growth, the exit code.
+  ``--align tokens`` the diverged row computed earliest), the largest growth, the exit code, and
+  the verdict's reach (:func:`reach`: per layer, the smallest relative error its allowances would
+  have flagged, and the rerun that would see more where that is above a few percent).
 
 Whether a router's flip is a near-tie is measured in :mod:`.routing` (its margins against its
 scores' noise, ``TIE_FACTOR``); what that flip then means for the pair is decided here.
@@ -54,6 +56,7 @@ A near-tie MoE routing flip's effect joins the running level.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -62,7 +65,7 @@ from ..errors import ExitCode
 from ..store.dtypes import UNIT_ROUNDOFF
 from .containers import anchors
 from .metrics import TensorMetrics
-from .results import DiffReport, Findings, FirstInTime, Growth, TensorResult
+from .results import DiffReport, Findings, FirstInTime, Growth, Reach, ReachLayer, TensorResult
 from .status import Status
 from .tolerance import Tolerance
 
@@ -394,8 +397,63 @@ def conclude(report: DiffReport, steps_of: dict[int, tuple[int, ...]] | None = N
         largest_growth=largest_growth(report.results),
         exit_code=exit_code(report.results, report.inputs_differ),
         first_in_time=in_time,
+        reach=reach(report.results),
     )
     return report.findings
+
+
+# ------------------------------------------------------------------------- what a verdict could see
+# A clean verdict covers errors above the allowances it used, and no smaller one: a 5% bug under a
+# bf16-against-fp32 allowance of 10% passes. Its reach is said with every exit 0.
+
+REACH_WARN = 0.03  # a layer that could miss a relative error above this gets a rerun suggested
+_LAYER = re.compile(r"^(.*?\.\d+)(?=[.\[@:]|$)")
+OUTSIDE = "outside the layers"
+
+
+def _relative(result: TensorResult) -> float | None:
+    """The smallest relative error (RMS, of the tensor's norm) ``result``'s threshold would have
+    flagged: rel_diff and 1 - cosine are squared relative errors (the latter halved)."""
+    if result.threshold is None or result.metric not in NOISE_MODEL or result.status not in ("ok",):
+        return None
+    squared = 2 * result.threshold if result.metric == "cosine" else result.threshold
+    return math.sqrt(max(squared, 0.0))
+
+
+def reach(results: Sequence[TensorResult]) -> Reach | None:
+    """Per layer (the name up to its first index: ``model.layers.1``), the largest relative error
+    an allowance of that layer let pass, and the tensor whose allowance it is: a bug of a smaller
+    relative size in that tensor could not have been told from the run's noise. The rerun that
+    would see more: the reference in A's precision (``--baseline``), both in float32, or A grafted
+    onto B (each module judged on B's inputs). None when nothing was judged by an allowance."""
+    worst: dict[str, tuple[float, str, str]] = {}
+    mixed = False
+    for result in results:
+        relative = _relative(result)
+        if relative is None:
+            continue
+        mixed = mixed or result.tolerance.mixed
+        found = _LAYER.match(result.name)
+        layer = found.group(1) if found else OUTSIDE
+        if layer not in worst or relative > worst[layer][0]:
+            worst[layer] = (relative, result.label, result.basis or "")
+    if not worst:
+        return None
+    layers = tuple(ReachLayer(layer=k, relative=v[0], tensor=v[1], basis=v[2]) for k, v in worst.items())
+    blind = [x for x in layers if x.relative > REACH_WARN]
+    rerun = None
+    if blind:
+        bases = {x.basis for x in blind}
+        if "baseline" in bases and not mixed:
+            rerun = "graft A onto B (TRACEDUMP_DUMP_GRAFT_FROM=B's dump): each module judged on B's inputs"
+        elif mixed:
+            rerun = (
+                "rerun the reference in A's precision and pass it as --baseline (each tensor judged "
+                "against its own measured noise), or both runs in float32, or A grafted onto B"
+            )
+        else:
+            rerun = "--baseline (the reference rerun under the difference you accept), or A grafted onto B"
+    return Reach(layers=layers, warn=REACH_WARN, rerun=rerun)
 
 
 # ------------------------------------------------------------------------- grafted dumps: local error

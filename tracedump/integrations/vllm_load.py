@@ -8,7 +8,9 @@ For the length of one ``model.load_weights(weights)`` call (:func:`recording`):
 - each parameter's ``weight_loader`` is wrapped: before the call the parameter's values are saved
   and it is filled with NaN; after it, the elements no longer NaN are the region the call wrote,
   the saved values are put back everywhere else, and the written block is matched row by row
-  against the checkpoint tensor (:func:`tracedump.dump.weights.source_slices`). The loaded numbers
+  against the checkpoint tensor as the iterator yielded it (:func:`tracedump.dump.weights.source_slices`):
+  a fused tensor that the model's ``load_weights`` reorders before the loader sees it is recorded
+  with the rows it was written in, which the comparator puts back in order. The loaded numbers
   are never changed (a checkpoint tensor holding NaN is loaded untouched and not located);
 - a parameter without a ``weight_loader`` (vLLM's ``default_weight_loader``, a whole copy) is
   found after the load by its values: the checkpoint tensor of its shape and fingerprint.
@@ -41,6 +43,7 @@ class LoadRecord:
         self.sources: dict[str, dict[str, Any]] = {}
         self.loads: list[Load] = []
         self.current: str | None = None  # the checkpoint tensor being loaded
+        self.tensor: torch.Tensor | None = None  # its values as read, before load_weights reorders them
         self.failures: list[str] = []  # loads whose record failed (the load itself went through)
         self.tp_rank, self.tp_size = vllm_compat.tensor_parallel()
 
@@ -48,6 +51,7 @@ class LoadRecord:
         """The weights iterator, each tensor's name noted before the model loads it."""
         for name, tensor in weights:
             self.current = name
+            self.tensor = tensor if isinstance(tensor, torch.Tensor) else None
             if isinstance(tensor, torch.Tensor):
                 self.sources[name] = {
                     "shape": list(tensor.shape),
@@ -55,7 +59,7 @@ class LoadRecord:
                     "fingerprint": fingerprint(tensor) if tensor.is_floating_point() else [],
                 }
             yield name, tensor
-        self.current = None
+        self.current, self.tensor = None, None
 
     def wrap(self, name: str, param: nn.Parameter, loader: Callable[..., Any]) -> Callable[..., Any]:
         """``loader`` with the region it writes recorded (see the module docstring)."""
@@ -106,7 +110,7 @@ class LoadRecord:
             region = written_region(written)
             if region is None:
                 return  # nothing written (an expert another rank holds), or not a box
-            slices = source_slices(block_of(param.data, region), loaded)
+            slices = self._slices(block_of(param.data, region), loaded)
             rest = args[2:] if len(args) >= 2 else ()
             shard, expert = vllm_compat.loader_call_ids((param, loaded, *rest), kwargs)
             self.loads.append(
@@ -122,6 +126,20 @@ class LoadRecord:
             )
         except Exception as e:  # the load itself went through: only its record is missing
             self.failures.append(f"{name} from {source}: {type(e).__name__}: {e}")
+
+    def _slices(self, block: torch.Tensor, loaded: torch.Tensor) -> dict[str, Any] | None:
+        """Where the written block came from in the checkpoint tensor as read: a model's own
+        ``load_weights`` may reorder a fused tensor's rows before its ``weight_loader`` sees them
+        (Bloom's and Falcon's ``query_key_value``, interleaved per head or grouped per KV head),
+        so the rows are matched against the tensor the weights iterator yielded, and recorded in
+        the order they were written; against the loader's own argument only when they are not in
+        it (a tensor the model computed from several, or changed)."""
+        read = self.tensor
+        if read is not None and read is not loaded and read.is_floating_point():
+            found = source_slices(block, read)
+            if found is not None:
+                return found
+        return source_slices(block, loaded)
 
     def find_plain_copies(self) -> None:
         """Parameters loaded by ``default_weight_loader`` (no ``weight_loader`` to wrap): the

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from ..errors import DumpReadError
 from . import fsio
-from .jsonio import LimitError, loads, read_limited, validated
+from .jsonio import read_json_file, validated
 
 CORRESPONDENCE_FILE = "correspondence.json"
 CORRESPONDENCE_VERSION = 1
@@ -249,15 +249,7 @@ def read_correspondence(run_dir: Path) -> Correspondence | None:
     path = Path(run_dir) / CORRESPONDENCE_FILE
     if not (path.exists() or path.is_symlink()):
         return None
-    try:
-        data = loads(read_limited(path, MAX_CORRESPONDENCE_BYTES))
-    except OSError as e:
-        raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
-    except LimitError as e:
-        raise DumpReadError(f"{path}: {e}") from e
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
-    return parse_correspondence(data, path)
+    return parse_correspondence(read_json_file(path, MAX_CORRESPONDENCE_BYTES), path)
 
 
 # ------------------------------------------------------------------ counterparts (grafting)

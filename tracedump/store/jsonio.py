@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LimitError
+from ..errors import DumpReadError, LimitError
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -59,6 +59,19 @@ def read_limited(path: Path, limit: int) -> bytes:
     if total > limit:
         raise LimitError(f"larger than {limit} bytes")
     return b"".join(chunks)
+
+
+def read_json_file(path: Path, limit: int) -> Any:
+    """A JSON file of a run (a manifest, ``correspondence.json``): :func:`read_limited` and
+    :func:`loads`, every failure one :class:`DumpReadError` naming the file."""
+    try:
+        return loads(read_limited(path, limit))
+    except OSError as e:
+        raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
+    except LimitError as e:
+        raise DumpReadError(f"{path}: {e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
 
 
 def _constant(name: str) -> str:

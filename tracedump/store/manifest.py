@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
 from ..errors import DumpReadError
 from .format import MANIFEST, check_format
-from .jsonio import LimitError, loads, read_limited, validated
+from .jsonio import read_json_file, validated
 
 MAX_MANIFEST_BYTES = 1 << 28  # 256 MiB: a manifest of 100k modules is a few MB
 MAX_RANK = 2**31 - 1
@@ -191,14 +191,7 @@ def parse_manifest(data: Any, path: Path | str) -> ManifestModel:
 
 def read_manifest_file(path: Path) -> tuple[dict[str, Any], ManifestModel]:
     """``path`` (a ``manifest.json``) read, bounded and validated: the dict as written, and its model."""
-    try:
-        data = loads(read_limited(path, MAX_MANIFEST_BYTES))
-    except OSError as e:
-        raise DumpReadError(f"{path}: cannot read ({e.strerror or e})") from e
-    except LimitError as e:
-        raise DumpReadError(f"{path}: {e}") from e
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise DumpReadError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
+    data = read_json_file(path, MAX_MANIFEST_BYTES)
     return data, parse_manifest(data, path)
 
 

@@ -1,0 +1,125 @@
+"""Conventions read off the run (compare/conventions.py): which of a decoder layer's
+``(hidden, residual)`` is its output, whether a block adds something to its last child's output,
+whether a dropout is a copy of the tensor before it: from what the same run's values say, never
+from a family's name. The tensors are built here as each convention computes them (the vLLM
+families of tests_vllm/ exercise the real engines)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracedump.compare.conventions import (
+    FIRST,
+    SUM,
+    SideValues,
+    copies_previous,
+    returns_last_child,
+    tuple_output,
+    tuple_roles,
+)
+
+
+def _side(tensors: dict[str, np.ndarray], dtype: str = "float32") -> SideValues:
+    return SideValues(list(tensors), lambda n: tensors[n].astype(np.float64), dict.fromkeys(tensors, dtype))
+
+
+def _rand(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((5, 16)).astype(np.float32)
+
+
+def test_a_deferred_residual_is_told_by_the_next_fused_add_norm() -> None:
+    """Llama in vLLM: the next layer's fused add + norm returns ``hidden + residual``."""
+    hidden, residual = _rand(0), _rand(1)
+    side = _side({
+        "layers.0.mlp": hidden,
+        "layers.0[0]": hidden,
+        "layers.0[1]": residual,
+        "layers.1.input_layernorm[0]": _rand(2),
+        "layers.1.input_layernorm[1]": (hidden + residual).astype(np.float32),
+    })  # fmt: skip
+    told = tuple_output(side, "layers.0")
+    assert told.what == SUM and "layers.1.input_layernorm[1]" in told.why
+
+
+def test_a_summed_hidden_is_told_by_a_consumer_taking_it_alone() -> None:
+    """Cohere in vLLM: ``hidden`` already holds the residual; the next norm hands it on as is."""
+    hidden, residual = _rand(0), _rand(1)
+    side = _side({
+        "layers.0[0]": hidden,
+        "layers.0[1]": residual,
+        "layers.1.input_layernorm[0]": _rand(2),
+        "layers.1.input_layernorm[1]": hidden,
+    })  # fmt: skip
+    assert tuple_output(side, "layers.0").what == FIRST
+
+
+def test_inputs_that_hand_the_pair_on_tell_nothing_the_consumer_inside_does() -> None:
+    """With --inputs, the next layer takes hidden and residual apart: its fused norm adds them."""
+    hidden, residual = _rand(0), _rand(1)
+    side = _side({
+        "layers.0[0]": hidden,
+        "layers.0[1]": residual,
+        "layers.1@in[1]": hidden,
+        "layers.1@in[2]": residual,
+        "layers.1.input_layernorm[1]": (hidden + residual).astype(np.float32),
+    })  # fmt: skip
+    assert tuple_output(side, "layers.0").what == SUM
+
+
+def test_nothing_downstream_that_tells_is_unknown_with_the_reason() -> None:
+    hidden, residual = _rand(0), _rand(1)
+    side = _side({"layers.1[0]": hidden, "layers.1[1]": residual, "norm[0]": _rand(3), "norm[1]": residual})
+    told = tuple_output(side, "layers.1")
+    assert told.what is None and "nothing recorded after it" in told.why
+
+
+def test_out_none_is_its_first_element() -> None:
+    side = _side({"layers.0[0]": _rand(0), "layers.1[0]": _rand(1)})
+    assert tuple_output(side, "layers.0").what == FIRST
+
+
+def test_a_block_adding_the_residual_inside_is_measured() -> None:
+    dense, residual = _rand(0), _rand(1)
+    plain = _side({"attn.dense": dense, "attn": dense})
+    adds = _side({"attn.dense": dense, "attn[0]": (dense + residual).astype(np.float32), "attn[1]": _rand(4)})
+    assert returns_last_child(plain, "attn").what is True
+    assert returns_last_child(adds, "attn").what is False
+
+
+def test_a_dropout_after_a_tensor_of_another_shape_is_no_copy() -> None:
+    qkv = _rand(0)
+    probs = np.random.default_rng(5).random((4, 5, 5)).astype(np.float32)
+    side = _side({"attn.qkv": qkv, "attn.attention_dropout": probs, "attn.dense": _rand(1), "drop": _rand(1)})
+    assert copies_previous(side, "attn.attention_dropout") is False
+    assert copies_previous(side, "drop") is True
+
+
+def test_bf16_roundings_of_a_fused_add_still_match() -> None:
+    """A fused add rounds its sum to the run's dtype: within a rounding of bf16, not exact."""
+    hidden, residual = _rand(0), _rand(1)
+    rounded = (hidden.astype(np.float64) + residual) * (1 + 2**-9)  # half a bf16 rounding off
+    side = _side(
+        {"layers.0[0]": hidden, "layers.0[1]": residual, "layers.1.norm[1]": rounded.astype(np.float32)},
+        dtype="bfloat16",
+    )
+    assert tuple_output(side, "layers.0").what == SUM
+
+
+def test_a_routers_outputs_are_told_apart_by_what_they_hold_not_their_position() -> None:
+    """A router returning ``(ids, weights, logits)``: each role found by dtype and last dim."""
+    ids = np.zeros((5, 2), dtype=np.int64)
+    side = SideValues(
+        ["gate[0]", "gate[1]", "gate[2]"],
+        lambda n: None,
+        {"gate[0]": "int64", "gate[1]": "float32", "gate[2]": "float32"},
+        {"gate[0]": ids.shape, "gate[1]": (5, 2), "gate[2]": (5, 8)},
+    )
+    wanted = {"logits": (False, 8), "topk_weights": (False, 2), "topk_ids": (True, 2)}
+    assert tuple_roles(side, "gate", wanted) == {
+        "logits": "gate[2]",
+        "topk_weights": "gate[1]",
+        "topk_ids": "gate[0]",
+    }
+    # two float outputs of one width (top-k of every expert): neither is named
+    side.shapes = {"gate[0]": (5, 8), "gate[1]": (5, 8), "gate[2]": (5, 8)}
+    assert "logits" not in tuple_roles(side, "gate", wanted)
