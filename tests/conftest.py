@@ -117,6 +117,22 @@ def fresh_warn_once() -> Iterator[None]:
         yield
 
 
+def graft_bf16_onto_fp32(
+    model: torch.nn.Module, x: torch.Tensor, tmp_path: Path, level: str
+) -> tuple[Path, Path]:
+    """``model`` dumped in fp32 with its inputs (``tmp_path/ref``), then run in bf16 grafted onto
+    that reference at ``level`` (``tmp_path/g``): the grafted dump and its reference."""
+    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
+    assert dumper is not None
+    with torch.no_grad():
+        model(x)
+    dumper.close()
+    model = model.to(torch.bfloat16)
+    with torch.no_grad(), tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level=level) as g:
+        g.run(x.to(torch.bfloat16))
+    return tmp_path / "g", tmp_path / "ref"
+
+
 def read_passes(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
     """Every pass of the run in ``run_dir``, loaded: pass index -> {key: tensor}."""
     run = tracedump.open_dump(run_dir).run()

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import graft_bf16_onto_fp32
 from torch import nn
 
 import tracedump
@@ -339,15 +340,7 @@ def _rewrite_pass(path: Path, edit: Any) -> None:
 def test_a_shadow_of_another_shape_or_dtype_is_not_used(tmp_path: Path, unfit: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48), nn.GELU()).eval()
-    x = torch.randn(16, 64)
-    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
-    assert dumper is not None
-    with torch.no_grad():
-        model(x)
-    dumper.close()
-    model = model.to(torch.bfloat16)
-    with torch.no_grad(), tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level="^0$") as g:
-        g.run(x.to(torch.bfloat16))
+    graft_bf16_onto_fp32(model, torch.randn(16, 64), tmp_path, level="^0$")
     (path,) = (tmp_path / "g").glob("*/pass00000.safetensors")
     assert "shadow~0" in tracedump.load_pass(path)  # the premise: the grafted call has its shadow
 

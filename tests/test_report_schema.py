@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import graft_bf16_onto_fp32
 from test_compare_unshard import write_run
 
-import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare import page as html_report
@@ -88,16 +88,7 @@ def _grafted(tmp_path: Path) -> tuple[Path, Path]:
     """A bf16 model grafted from its fp32 reference: its report carries local, grafted_at."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).eval()
-    x = torch.randn(4, 16)
-    dumper = tracedump.attach(model, {"dir": str(tmp_path / "ref"), "modules": "all", "inputs": True})
-    assert dumper is not None
-    with torch.no_grad():
-        model(x)
-    dumper.close()
-    model = model.to(torch.bfloat16)
-    with torch.no_grad(), tracedump.graft(model, tmp_path / "ref", dir=tmp_path / "g", level="^0$") as g:
-        g.run(x.to(torch.bfloat16))
-    return tmp_path / "g", tmp_path / "ref"
+    return graft_bf16_onto_fp32(model, torch.randn(4, 16), tmp_path, level="^0$")
 
 
 def test_a_grafted_report_is_written_and_validates(tmp_path: Path) -> None:
