@@ -6,6 +6,8 @@ families of tests_vllm/ exercise the real engines)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from tracedump.compare.conventions import (
@@ -123,3 +125,25 @@ def test_a_routers_outputs_are_told_apart_by_what_they_hold_not_their_position()
     # two float outputs of one width (top-k of every expert): neither is named
     side.shapes = {"gate[0]": (5, 8), "gate[1]": (5, 8), "gate[2]": (5, 8)}
     assert "logits" not in tuple_roles(side, "gate", wanted)
+
+
+def test_a_grafted_run_is_never_read_for_conventions(tmp_path: Path) -> None:
+    """A grafted run's layers each took the reference's inputs: no layer consumes the one before
+    it, so its values would leave every ``(hidden, residual)`` untold. Its conventions come from
+    the records alone (the sum), as for a stats dump; the same run dir ungrafted is read."""
+    import torch
+
+    import tracedump
+    from tracedump.compare.bridge import SideInfo, _convention_values
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    dumper = tracedump.attach(model, {"dir": str(tmp_path), "modules": "all"})
+    assert dumper is not None
+    with torch.no_grad():
+        model(torch.ones(1, 4))
+    dumper.close()
+    (run_dir,) = tmp_path.glob("rank0_pid*")
+    plain = SideInfo(framework="torch", root="Sequential", classes={}, run_dir=run_dir)
+    assert isinstance(_convention_values(plain), SideValues)  # the premise: the run is read
+    grafted = SideInfo(framework="torch", root="Sequential", classes={}, run_dir=run_dir, grafted=True)
+    assert _convention_values(grafted) is None

@@ -47,7 +47,7 @@ from ..errors import UsageError
 from ..store.correspondence import Correspondence, read_correspondence
 from ..store.format import Key
 from .bridge_rules import Bridge, Rule, builtin_bridges
-from .conventions import side_values
+from .conventions import SideValues, side_values
 from .correspondence import derive_bridge, tensor_parallel_joins, weight_findings, weight_pairs
 from .input_roles import Role, input_role, is_input, pair_inputs
 from .options import DiffOptions, UnshardRule
@@ -74,6 +74,7 @@ class SideInfo:
     ranks: tuple[Correspondence, ...] = ()  # every rank's, in rank order (tensor parallelism)
     ran: Mapping[str, int] = field(default_factory=dict)  # module -> place of its first output
     run_dir: Path | None = None  # the run dir the record is from: its values measure conventions
+    grafted: bool = False  # its modules ran on the reference's inputs: no run of its own to read
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -124,7 +125,16 @@ def side_info(side: Side) -> SideInfo:
         ranks=tuple(ranks),
         ran=ran,
         run_dir=run_dir,
+        grafted=isinstance(manifest.get("graft"), dict),
     )
+
+
+def _convention_values(side: SideInfo) -> SideValues | None:
+    """The values a side's conventions are measured on (:mod:`.conventions`): none for a grafted
+    run, whose layers each took the reference's inputs, so no layer consumes the one before it
+    and what a layer's next consumer holds tells nothing of its output (the records alone decide,
+    as for a stats dump)."""
+    return None if side.grafted else side_values(side.run_dir)
 
 
 def _run_order(run: RunSource) -> dict[str, int]:
@@ -222,8 +232,8 @@ def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None
         ranks_a=list(a.ranks) or None,
         ranks_b=list(b.ranks) or None,
         ran=(a.ran, b.ran),
-        values_a=side_values(a.run_dir),
-        values_b=side_values(b.run_dir),
+        values_a=_convention_values(a),
+        values_b=_convention_values(b),
     )
 
 
