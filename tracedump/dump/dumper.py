@@ -39,7 +39,7 @@ from ..store.sequences import batch_metadata
 from .control import Controller
 from .cuda import SyncEscape
 from .graft_feed import InputFeed
-from .grafter import Grafter, check_not_into_reference, refuse_unsafe
+from .grafter import Grafter, refuse_unsafe
 from .hf_layout import batch_layout_for
 from .hooks import CallSites, HookSet
 from .ops import OpTaps, PausingTarget
@@ -520,7 +520,6 @@ class Dumper:
             where=settings.describe("graft_from"),
             shadow=self._shadow(settings),
         )
-        check_not_into_reference(settings.dir, grafter.reference, settings.graft_from)  # type: ignore[arg-type]
         return grafter
 
     def _shadow(self, settings: DumpSettings) -> Shadow | None:

@@ -34,7 +34,7 @@ from .selection import display_name
 from .shadow import Shadow, fp32_inputs, shadow_applies, upcast
 from .torch_compat import compiled_in_place, compiled_original
 
-__all__ = ["LEAVES", "Grafter", "check_not_into_reference", "is_compiled", "parse_graft_map", "refuse_unsafe"]
+__all__ = ["LEAVES", "Grafter", "is_compiled", "parse_graft_map", "refuse_unsafe"]
 
 LEAVES = "leaves"  # the default level: every captured leaf
 MAX_CALLS_LISTED = 20  # not-grafted calls listed per module in the manifest (all are counted)
@@ -160,18 +160,6 @@ class _Reference:
         if self._pass is not None:
             self._pass.close()
         self._index, self._pass = None, None
-
-
-def check_not_into_reference(out_dir: Path, reference: _Reference, given: Path) -> None:
-    """A grafted run writes a run dir of its own, never into the reference's dump."""
-    target = Path(out_dir).resolve()
-    for forbidden in {p.resolve() for p in (given, reference.path, reference.dump_path)}:
-        if target == forbidden or forbidden in target.parents:
-            raise ConfigError(
-                f"tracedump: bad setting\n  the grafted run's dump dir {out_dir} is the reference's "
-                f"dump ({forbidden}) or inside it: a grafted run never writes into its reference. "
-                "Give it a dump dir of its own."
-            )
 
 
 # ------------------------------------------------------------------------------------ replacing
