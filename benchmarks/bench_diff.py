@@ -115,7 +115,7 @@ class _AnonPeak:
 @contextlib.contextmanager
 def _numpy_path() -> Iterator[None]:
     """The comparator without its C kernel, as where the extension was not built."""
-    from tracedump.compare import metrics
+    from tracedump.compare.measure import metrics
 
     kernel, metrics.kernel = metrics.kernel, None
     try:
@@ -239,7 +239,7 @@ def _first_name(report: Any) -> str | None:
 
 
 def _kernel_built() -> bool:
-    from tracedump.compare import metrics
+    from tracedump.compare.measure import metrics
 
     return metrics.kernel is not None
 

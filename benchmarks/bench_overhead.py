@@ -36,7 +36,7 @@ from torch import nn
 
 import tracedump
 import tracedump.dump.dumper as tracedump_dumper
-from tracedump.dump.reduce import SweepKernel, compiled_kernel, last_row
+from tracedump.store.reduce import SweepKernel, compiled_kernel, last_row
 from tracedump.store.stformat import write_file
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable

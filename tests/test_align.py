@@ -206,8 +206,13 @@ def test_the_batching_demo_names_the_decode_bug(tmp_path: Path) -> None:
 def test_a_sequences_rows_are_measured_per_token_in_the_metrics_pass(shape: tuple[int, ...]) -> None:
     """Gathered rows (tokens along dim 0) get the per-token figures a separate pass gives: the
     executor measures them with ``compare_by_row``, then ``per_token_of`` from its row sums."""
-    from tracedump.compare.metrics import compare_arrays, compare_by_row, per_token_of, per_token_rel_diff
-    from tracedump.compare.reader import stored_from_torch
+    from tracedump.compare.load.reader import stored_from_torch
+    from tracedump.compare.measure.metrics import (
+        compare_arrays,
+        compare_by_row,
+        per_token_of,
+        per_token_rel_diff,
+    )
 
     def _measure_rows(rows_a, rows_b, tokens):  # type: ignore[no-untyped-def]
         metrics, sums = compare_by_row(rows_a, rows_b)

@@ -211,7 +211,7 @@ ALLOWED = {
     "store": {"util"},
     "config": {"store", "util"},
     "dump": {"config", "store", "util"},
-    "compare": {"store", "util", "dump.reduce"},
+    "compare": {"store", "util"},
     "integrations": {"dump", "config", "store", "util", "tracedump"},
     "launch": {"dump", "config", "store", "util", "tracedump"},
 }

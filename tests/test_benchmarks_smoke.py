@@ -84,7 +84,7 @@ def test_the_stats_floor_sweeps_what_a_stats_dump_records(
     import json
     import struct
 
-    from tracedump.dump.reduce import compiled_kernel
+    from tracedump.store.reduce import compiled_kernel
 
     kernel = compiled_kernel()
     if kernel is None:

@@ -1,4 +1,4 @@
-"""The structural bridge (compare/bridge.py) on hand-built dumps: every rule operation, captured
+"""The structural bridge (compare/pair/bridge.py) on hand-built dumps: every rule operation, captured
 layer indices, no eval, bad rule files, not comparable by class, leftovers counted by reason, the
 composition with --map, --bridge none, and the built-in vLLM/HF rules selected by the manifests."""
 
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.bridge_rules import Template, builtin_bridges, load_bridge
+from tracedump.compare.pair.bridge_rules import Template, builtin_bridges, load_bridge
 from tracedump.errors import UsageError
 from tracedump.store.format import ORDER_KEY, pass_file_name, pass_metadata
 

@@ -1,4 +1,4 @@
-"""Module inputs across two module trees (compare/input_roles.py): an engine's decoder layer is
+"""Module inputs across two module trees (compare/pair/input_roles.py): an engine's decoder layer is
 called ``layer(positions, hidden_states, residual)`` and its norms ``norm(x, residual)``, HF's
 ``layer(hidden_states, position_ids=...)`` and ``norm(stream)``. Dumped with ``INPUTS=1`` on both
 sides, the inputs pair by what they hold, never by their place in the call.
@@ -18,7 +18,8 @@ from torch import nn
 
 import tracedump
 from tracedump.cli import main
-from tracedump.compare.input_roles import (
+from tracedump.compare.load.sources import EntryMeta
+from tracedump.compare.pair.input_roles import (
     INPUT_ALONE,
     INPUT_AMBIGUOUS,
     INPUT_OTHER_KIND,
@@ -26,7 +27,6 @@ from tracedump.compare.input_roles import (
     input_role,
     pair_inputs,
 )
-from tracedump.compare.sources import EntryMeta
 from tracedump.store.correspondence import Correspondence, Load, read_correspondence, write_correspondence
 
 H, VOCAB, LAYERS = 8, 16, 2

@@ -419,7 +419,7 @@ def test_the_diff_benchmark_runs_quick_and_cleans_up(monkeypatch: pytest.MonkeyP
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     from benchmarks import bench_diff
-    from tracedump.compare import metrics
+    from tracedump.compare.measure import metrics
 
     before = set(Path(tempfile.gettempdir()).glob("tracedump-bench-diff-*"))
     result = bench_diff.run(quick=True)

@@ -26,7 +26,7 @@ from torch import nn
 import tracedump
 from tests.conftest import MODEL_SEED
 from tracedump.compare import compare
-from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, STATS_DEFAULTS
+from tracedump.compare.judge.tolerance import REL_DIFF_DEFAULTS, STATS_DEFAULTS
 
 pytestmark = pytest.mark.numerics  # rerun under capped ISAs and other seeds: make test-numerics
 

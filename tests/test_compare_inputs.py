@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.display import summary_lines
+from tracedump.compare.report.display import summary_lines
 from tracedump.errors import DumpReadError, UsageError
 from tracedump.store.format import MANIFEST, ORDER_KEY, STATS_FILE, pass_file_name
 from tracedump.store.loader import SEQ_KEY

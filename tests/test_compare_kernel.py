@@ -16,8 +16,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from tracedump.compare import metrics
-from tracedump.compare.reader import Stored
+from tracedump.compare.load.reader import Stored
+from tracedump.compare.measure import metrics
 
 kernel = metrics.kernel
 

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from tracedump.compare import metrics
-from tracedump.compare.metrics import CHUNK, compare_arrays
+from tracedump.compare.judge.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
+from tracedump.compare.judge.verdict import GROWTH_FLOOR, conclude, largest_growth
+from tracedump.compare.load.reader import stored_from_torch
+from tracedump.compare.measure import metrics
+from tracedump.compare.measure.metrics import CHUNK, compare_arrays
+from tracedump.compare.measure.stats import compare_stats, infer_dtype
 from tracedump.compare.options import NameMap, UnshardRule, parse_passes
-from tracedump.compare.plan import Plan
-from tracedump.compare.reader import stored_from_torch
+from tracedump.compare.pair.plan import Plan
 from tracedump.compare.results import DiffReport, TensorResult
-from tracedump.compare.stats import compare_stats, infer_dtype
-from tracedump.compare.tolerance import REL_DIFF_DEFAULTS, Tolerance, less_precise, resolve
-from tracedump.compare.verdict import GROWTH_FLOOR, conclude, largest_growth
 from tracedump.errors import ExitCode, UsageError
 
 
@@ -480,7 +480,7 @@ def test_stats_dtype_is_guessed_from_element_values() -> None:
 def test_stats_dtype_test_is_torchs_own_round_trip_without_torch() -> None:
     """The numpy exactness test behind the guess agrees with torch's float64 -> dtype -> float64
     round trip at the edges: subnormals, the largest finite values, overflow, halfway cases."""
-    from tracedump.compare.stats import _representable
+    from tracedump.compare.measure.stats import _representable
 
     edges = [0.0, -0.0, 1.0, 1 + 2**-7, 1 + 2**-8, 1 + 2**-10, 1 + 2**-11, 1 + 2**-23, 1 + 2**-24, 0.1]
     edges += [2.0**-133, 2.0**-149, 2.0**-150, 2.0**-24, 2.0**-25, 65504.0, 65520.0, 3.3895313892515355e38]
@@ -499,7 +499,7 @@ def test_an_fp8_dtype_this_torch_lacks_is_an_error_not_bytes_as_numbers(
 ) -> None:
     """A dump from a newer torch may hold an fp8 dtype this one does not have: its bytes are no
     numbers here, and comparing them as such would report a bogus error."""
-    from tracedump.compare.reader import Stored
+    from tracedump.compare.load.reader import Stored
 
     monkeypatch.delattr(torch, "float8_e5m2")
     raw = np.arange(16, dtype=np.uint8)

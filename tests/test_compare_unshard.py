@@ -204,6 +204,6 @@ def test_unshard_without_a_multi_rank_side_says_it_did_nothing(
 ) -> None:
     report = compare(tp1(tmp_path / "a", values), tp1(tmp_path / "b", values), unshard=UNSHARD)
     assert report.exit_code == 0 and report.settings["unshard_applied"] is False
-    from tracedump.compare.display import summary_lines
+    from tracedump.compare.report.display import summary_lines
 
     assert "note: --unshard had no effect: neither side has several ranks" in summary_lines(report)

@@ -23,7 +23,7 @@ from torch import nn
 from benchmarks.calibrate import FAMILIES, Case, Family, cases, dump_variant, judge_case, variants_needed
 from tests.conftest import MODEL_SEED, read_passes, seeded_build
 from tracedump.compare import compare
-from tracedump.compare.verdict import GROWTH, rounding_floor
+from tracedump.compare.judge.verdict import GROWTH, rounding_floor
 
 pytestmark = pytest.mark.numerics  # rerun under capped ISAs and other seeds: make test-numerics
 
@@ -199,10 +199,10 @@ def test_per_token_error_names_the_position_a_bug_starts(tmp_path: Path) -> None
         dumper.close()
         return out
 
-    import tracedump.compare.metrics
+    import tracedump.compare.measure.metrics
 
     separate: list[tuple[int, ...]] = []  # tensors measured per token in a pass of their own
-    original = tracedump.compare.metrics.per_token_rel_diff
+    original = tracedump.compare.measure.metrics.per_token_rel_diff
 
     def spy(a, b, dim, rows=None):  # type: ignore[no-untyped-def]
         if rows is None:
@@ -210,7 +210,7 @@ def test_per_token_error_names_the_position_a_bug_starts(tmp_path: Path) -> None
         return original(a, b, dim, rows)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tracedump.compare.metrics, "per_token_rel_diff", spy)
+        patch.setattr(tracedump.compare.measure.metrics, "per_token_rel_diff", spy)
         report = compare(dump(tmp_path / "bug", True), dump(tmp_path / "ref", False))
     assert all(shape[-1] < 32 for shape in separate)  # the hidden-size ones came with the metrics
     first = report.first_divergence

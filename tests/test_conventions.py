@@ -1,4 +1,4 @@
-"""Conventions read off the run (compare/conventions.py): which of a decoder layer's
+"""Conventions read off the run (compare/pair/conventions.py): which of a decoder layer's
 ``(hidden, residual)`` is its output, whether a block adds something to its last child's output,
 whether a dropout is a copy of the tensor before it: from what the same run's values say, never
 from a family's name. The tensors are built here as each convention computes them (the vLLM
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tracedump.compare.conventions import (
+from tracedump.compare.pair.conventions import (
     FIRST,
     SUM,
     SideValues,
@@ -134,7 +134,7 @@ def test_a_grafted_run_is_never_read_for_conventions(tmp_path: Path) -> None:
     import torch
 
     import tracedump
-    from tracedump.compare.bridge import SideInfo, _convention_values
+    from tracedump.compare.pair.bridge import SideInfo, _convention_values
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
     dumper = tracedump.attach(model, {"dir": str(tmp_path), "modules": "all"})

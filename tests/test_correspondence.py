@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracedump.compare.bridge import Matcher
-from tracedump.compare.correspondence import derive_bridge, engine_holdings, pair_modules, plain_holdings
 from tracedump.compare.options import parse_options
+from tracedump.compare.pair.bridge import Matcher
+from tracedump.compare.pair.correspondence import derive_bridge, engine_holdings, pair_modules, plain_holdings
 from tracedump.dump.weights import fingerprint, module_parameters, source_slices, written_region
 from tracedump.store.correspondence import Correspondence, Load, read_correspondence, write_correspondence
 
@@ -574,7 +574,7 @@ def _tp_records() -> list[Correspondence]:
 
 
 def test_tensor_parallel_outputs_are_gathered_in_the_checkpoint_order() -> None:
-    from tracedump.compare.correspondence import merged_holdings, tensor_parallel_joins
+    from tracedump.compare.pair.correspondence import merged_holdings, tensor_parallel_joins
 
     records = _tp_records()
     classes = {
@@ -597,10 +597,10 @@ def test_tensor_parallel_outputs_are_gathered_in_the_checkpoint_order() -> None:
 def test_a_gathered_entry_joins_the_ranks_pieces() -> None:
     import numpy as np
 
+    from tracedump.compare.load.reader import Stored
+    from tracedump.compare.load.sources import EntryMeta
     from tracedump.compare.options import UnshardRule
-    from tracedump.compare.reader import Stored
-    from tracedump.compare.sources import EntryMeta
-    from tracedump.compare.unshard import assemble, plan_entry
+    from tracedump.compare.pair.unshard import assemble, plan_entry
 
     class View:  # the two methods plan_entry and assemble use
         def __init__(self, rank: int, array: np.ndarray) -> None:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tracedump.compare.coverage import CoverageCount, enforce, line, warnings
+from tracedump.compare.judge.coverage import CoverageCount, enforce, line, warnings
 from tracedump.compare.results import Findings
 from tracedump.errors import ExitCode
 

@@ -15,7 +15,7 @@ import torch
 from test_compare_unshard import write_run
 
 from tracedump.compare import compare
-from tracedump.compare import execute as execute_module
+from tracedump.compare.measure import execute as execute_module
 from tracedump.store.loader import Run
 
 

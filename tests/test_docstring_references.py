@@ -210,7 +210,7 @@ def test_every_source_path_named_in_the_package_exists() -> None:
     "reference",
     [
         ":func:`tracedump.store.loader.no_such_function`",
-        ":class:`~tracedump.compare.verdict.NoSuchClass`",
+        ":class:`~tracedump.compare.judge.verdict.NoSuchClass`",
         ":mod:`tracedump.no_such_module`",
         ":mod:`.no_such_sibling`",
         ":meth:`Dumper.no_such_method`",
@@ -230,7 +230,7 @@ def test_real_references_of_each_form_resolve() -> None:
 
     path = Path(dumper.__file__)
     text = (
-        ":func:`tracedump.store.loader.open_dump` :func:`~tracedump.compare.verdict.conclude` "
+        ":func:`tracedump.store.loader.open_dump` :func:`~tracedump.compare.judge.verdict.conclude` "
         ":mod:`.passes` :mod:`tracedump.store` :meth:`Dumper.step` :func:`attach` "
         ":func:`is_enabled` :class:`ValueError` :attr:`Dumper.recorder`"
     )
@@ -238,7 +238,7 @@ def test_real_references_of_each_form_resolve() -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["dump/nope.py", "compare/kernel.c", "tracedump/reduce.py", "torch/no_such.py"]
+    "path", ["dump/nope.py", "compare/kernel.c", "tracestore/reduce.py", "torch/no_such.py"]
 )
 def test_a_path_that_moved_or_never_was_is_flagged(path: str) -> None:
     assert missing_paths(f"see ``{path}``") == [f"1: {path}"]

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from tracedump.compare import metrics, reader, tolerance, verdict
-from tracedump.compare.reader import Stored, stored_from_torch, widen
+from tracedump.compare.judge import tolerance, verdict
+from tracedump.compare.load import reader
+from tracedump.compare.load.reader import Stored, stored_from_torch, widen
+from tracedump.compare.measure import metrics
 from tracedump.store import dtypes, header, stformat
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

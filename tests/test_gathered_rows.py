@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from tracedump.compare import metrics
-from tracedump.compare.metrics import compare_arrays, compare_by_row
-from tracedump.compare.reader import GatheredRows, Stored
+from tracedump.compare.load.reader import GatheredRows, Stored
+from tracedump.compare.measure import metrics
+from tracedump.compare.measure.metrics import compare_arrays, compare_by_row
 
 
 def _rows(seed: int, count: int, width: int = 40) -> np.ndarray:

@@ -20,8 +20,8 @@ import torch
 import tracedump
 from benchmarks.calibrate_graft import LEVELS, dump, family, planted
 from tracedump.compare import compare
-from tracedump.compare.local import LocalResult
-from tracedump.compare.verdict import K_LEAF, ROUNDING_HEADROOM, level_roundings, local_allowance
+from tracedump.compare.judge.local import LocalResult
+from tracedump.compare.judge.verdict import K_LEAF, ROUNDING_HEADROOM, level_roundings, local_allowance
 
 pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ from benchmarks.calibrate import INIT, _random_norms
 from benchmarks.calibrate_graft import LEVELS
 from tests.conftest import MODEL_SEED
 from tracedump.compare import compare
-from tracedump.compare.verdict import N_CALIBRATED, tail_factor
+from tracedump.compare.judge.verdict import N_CALIBRATED, tail_factor
 
 pytest.importorskip("transformers")
 

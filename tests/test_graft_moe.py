@@ -19,7 +19,7 @@ import torch
 import tracedump
 from benchmarks.calibrate_graft import LEVELS, dump, family, planted
 from tracedump.compare import compare
-from tracedump.compare.local import LocalResult
+from tracedump.compare.judge.local import LocalResult
 
 pytest.importorskip("transformers")
 

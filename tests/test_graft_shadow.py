@@ -35,7 +35,7 @@ import tracedump
 from benchmarks.calibrate import INIT, Family, _random_norms
 from benchmarks.calibrate_graft import LEVELS, dump, family
 from tracedump.compare import compare
-from tracedump.compare.local import LocalResult
+from tracedump.compare.judge.local import LocalResult
 
 pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from test_compare_unshard import write_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.page import limits, render
+from tracedump.compare.report.page import limits, render
 
 LONG = 50_000  # characters of each name
 

@@ -34,9 +34,9 @@ from conftest import make_tiny_llama
 import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare.page import charts, limits, render
-from tracedump.compare.page.limits import MAX_LINES, esc
-from tracedump.compare.page.rows import Row
+from tracedump.compare.report.page import charts, limits, render
+from tracedump.compare.report.page.limits import MAX_LINES, esc
+from tracedump.compare.report.page.rows import Row
 
 PROMPTS = [torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8, 2, 11]]), torch.tensor([[8, 9, 7, 9, 3, 4]])]
 PERTURBED = "model.layers.1.mlp.up_proj"
@@ -577,10 +577,10 @@ def test_many_passes_are_drawn_as_at_most_max_lines(tmp_path: Path) -> None:
 def test_only_diff_with_html_imports_the_page_module(dumps: dict[str, Path], tmp_path: Path) -> None:
     probe = (
         "import sys, tracedump; from tracedump.cli import main\n"
-        "assert 'tracedump.compare.page' not in sys.modules, 'import tracedump'\n"
+        "assert 'tracedump.compare.report.page' not in sys.modules, 'import tracedump'\n"
         "assert 'jinja2' not in sys.modules, 'import tracedump imports jinja2'\n"
         "code = main(sys.argv[1:])\n"
-        "print('IMPORTED' if 'tracedump.compare.page' in sys.modules else 'NOT IMPORTED', code)\n"
+        "print('IMPORTED' if 'tracedump.compare.report.page' in sys.modules else 'NOT IMPORTED', code)\n"
     )
     args = [str(dumps["a"]), str(dumps["b"]), "--pass", "0"]
     plain = subprocess.run(

@@ -2,8 +2,8 @@
 ``weight_loader`` sees it (Bloom's ``query_key_value``, interleaved per head, turned into
 ``[q | k | v]``): the load record matches what the loader wrote against the tensor as the
 checkpoint holds it (integrations/vllm_load.py), so the rows are recorded in the order written,
-and the comparator gathers that output back into the checkpoint's order (compare/correspondence.py
-``tensor_parallel_joins`` for one rank, compare/unshard.py). A plain torch model stands for the
+and the comparator gathers that output back into the checkpoint's order (compare/pair/correspondence.py
+``tensor_parallel_joins`` for one rank, compare/pair/unshard.py). A plain torch model stands for the
 engine's: the record relies on ``load_weights`` and each parameter's ``weight_loader`` only."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tracedump.compare.correspondence import tensor_parallel_joins
-from tracedump.compare.sources import PassView
-from tracedump.compare.unshard import assemble, plan_entry
+from tracedump.compare.load.sources import PassView
+from tracedump.compare.pair.correspondence import tensor_parallel_joins
+from tracedump.compare.pair.unshard import assemble, plan_entry
 from tracedump.integrations.vllm_load import recording
 from tracedump.store.correspondence import Correspondence
 

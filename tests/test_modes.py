@@ -456,7 +456,7 @@ def test_stats_mode_plain_sweep_path_writes_what_the_general_path_writes(
     bfloat16. With grad enabled the outputs require grad, which the sweep reads detached. Where
     the C kernel was not built, a numpy stand-in sweeps: the paths are the same either way."""
     from tracedump.dump import recorder as recorder_module
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     class NumpySums:
         def stats(self, a: np.ndarray) -> tuple[float, ...]:
@@ -502,7 +502,7 @@ class _TwoIdentities(nn.Module):
 
 
 def _stats_run(dump_dir: Path, kernel: Any, batches: list[torch.Tensor]) -> tuple[list[dict[str, Any]], Any]:
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     model = _TwoIdentities()
     dumper = tracedump.attach(model, {"dir": str(dump_dir), "mode": "stats", "stats": "sum,max"})
@@ -558,7 +558,7 @@ def test_stats_mode_reports_a_malformed_kernel_result_at_its_capture_and_goes_on
 def test_stats_mode_sweeps_a_tensor_with_a_nan_once(dump_dir: Path) -> None:
     """A tensor the sweep refuses after reading it (a NaN, an Inf) gets torch's reductions, not a
     second sweep: NaN hunts are where stats dumps run."""
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     kernel = reduce.compiled_kernel()
     if kernel is None:

@@ -11,7 +11,7 @@ from torch import nn
 
 import tracedump
 from tracedump.compare import compare
-from tracedump.compare.ops_align import parse_op_key, suggest_ops
+from tracedump.compare.pair.ops_align import parse_op_key, suggest_ops
 
 
 class _Blocks(nn.Module):

@@ -14,10 +14,10 @@ from conftest import make_tiny_llama, read_passes
 
 import tracedump
 from tracedump.cli import main
-from tracedump.compare.ops_align import align_ops, parse_op_key, suggest_ops
+from tracedump.compare.load.sources import EntryMeta
 from tracedump.compare.options import parse_options
-from tracedump.compare.sources import EntryMeta
-from tracedump.compare.unshard import SideEntry
+from tracedump.compare.pair.ops_align import align_ops, parse_op_key, suggest_ops
+from tracedump.compare.pair.unshard import SideEntry
 from tracedump.store.format import Key
 
 pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ from torch import nn
 
 import tracedump
 from tracedump.cli import main
-from tracedump.compare.ops_align import unwritten_reason
+from tracedump.compare.pair.ops_align import unwritten_reason
 
 
 class _Scratch(nn.Module):

@@ -1,5 +1,5 @@
 """A clean verdict states its reach: the smallest relative error per layer it could have told from
-the run's noise (compare/verdict.py ``reach``), and the rerun that would see more where that is
+the run's noise (compare/judge/verdict.py ``reach``), and the rerun that would see more where that is
 above a few percent (the summary lines and the JSON's ``summary.reach``).
 
 The calibration family ``llama`` (tiny, random weights, seeded) dumped in fp32 and bf16: bf16
@@ -18,7 +18,7 @@ import pytest
 from benchmarks.calibrate import FAMILIES, dump_variant
 from tests.conftest import seeded_build
 from tracedump.compare import compare
-from tracedump.compare.verdict import REACH_WARN
+from tracedump.compare.judge.verdict import REACH_WARN
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracedump.dump.reduce import NUMERIC_STATS, compute_stats
+from tracedump.store.reduce import NUMERIC_STATS, compute_stats
 
 _SETS = [
     ["abs_mean", "sum", "max", "shape"],  # the default
@@ -130,7 +130,7 @@ _DEFAULT = ["abs_mean", "sum", "max", "shape"]
 
 def _torch_stats(x: torch.Tensor, names: list[str]) -> list[float]:
     """What torch's own kernels give: the path taken without the kernel (or for a NaN or Inf)."""
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     with reduce.use_kernel(False):
         return compute_stats(x, names)[1].tolist()
@@ -143,7 +143,7 @@ def test_cpu_stats_come_from_one_sweep_with_the_numbers_torch_gives(
 ) -> None:
     """Sums, min and max of a CPU tensor from one pass of C (bf16 widened first): min and max
     exactly torch's, the sums torch's float32 sums to float32 rounding, every value numpy's."""
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     kernel = reduce.compiled_kernel()
     if kernel is None:
@@ -177,7 +177,7 @@ def test_a_nan_or_inf_gets_torch_s_answer_not_the_sweep_s(poison: float) -> None
 
 
 def test_stats_the_sweep_cannot_give_still_come_from_torch() -> None:
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     refuse = types.SimpleNamespace(
         stats=lambda a: pytest.fail("std, l2, counts and float64 take torch's path")
@@ -192,7 +192,7 @@ def test_stats_the_sweep_cannot_give_still_come_from_torch() -> None:
 def test_the_sweep_s_numbers_are_the_bits_torch_s_ops_made_of_them(names: list[str]) -> None:
     """The sweep's sums are rounded, widened and scaled in Python floats: the same IEEE steps as
     ``torch.tensor(values, float32)[picks].to(float64) * scale``, which they replaced."""
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     kernel = reduce.compiled_kernel()
     if kernel is None:
@@ -216,7 +216,7 @@ def test_sums_past_float32_s_range_get_torch_s_answer() -> None:
 def test_the_recorder_s_stats_are_floats_from_the_sweep_and_tensors_from_torch() -> None:
     """stats_values (the recorder's) keeps the sweep's numbers as Python floats, no torch op after
     the sweep; they are compute_stats' values bit for bit. What torch computes stays its tensor."""
-    from tracedump.dump import reduce
+    from tracedump.store import reduce
 
     names = ["abs_mean", "sum", "max", "shape"]
     x = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))

@@ -15,12 +15,12 @@ from test_compare_unshard import write_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.compare import page as html_report
-from tracedump.compare.display import STATUS_TEXT
-from tracedump.compare.page import rows as page_rows
-from tracedump.compare.report_schema import Report, Summary, TensorRecord, schema_markdown
-from tracedump.compare.status import Status
-from tracedump.compare.verdict import FAILING
+from tracedump.compare.judge.status import Status
+from tracedump.compare.judge.verdict import FAILING
+from tracedump.compare.report import page as html_report
+from tracedump.compare.report.display import STATUS_TEXT
+from tracedump.compare.report.page import rows as page_rows
+from tracedump.compare.report.schema import Report, Summary, TensorRecord, schema_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -109,7 +109,7 @@ def test_a_pass_truncated_after_it_was_mapped_is_exit_2_not_a_crash(
 ) -> None:
     """The file is cut after the map was made and before the second tensor's view is taken: its
     pages past the new end would be a SIGBUS, so the file's size is asked again per tensor."""
-    from tracedump.compare import reader
+    from tracedump.compare.load import reader
 
     path = _run(tmp_path / "a", {"x": F32, "y": F32})
     b = _run(tmp_path / "b", {"x": F32, "y": F32}).parent

@@ -31,8 +31,8 @@ import benchmarks.calibrate as calibrate
 import benchmarks.calibrate_graft as calibrate_graft
 import tracedump
 from tracedump.compare import compare
-from tracedump.compare.display import summary_lines
-from tracedump.compare.routing import Flip, unaffected_tokens
+from tracedump.compare.measure.routing import Flip, unaffected_tokens
+from tracedump.compare.report.display import summary_lines
 
 SEED = int(os.environ.get("TRACEDUMP_TEST_SEED", "0") or 0)
 numerics = pytest.mark.numerics

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 import benchmarks.calibrate as calibrate
 import tracedump
 from tracedump.compare import compare
+from tracedump.compare.judge.verdict import GROWTH, rounding_floor
 from tracedump.compare.results import TensorResult
-from tracedump.compare.verdict import GROWTH, rounding_floor
 
 SEED = int(os.environ.get("TRACEDUMP_TEST_SEED", "0") or 0)
 numerics = pytest.mark.numerics  # rerun under capped ISAs and other seeds: make test-numerics

@@ -1,6 +1,6 @@
 """Generate the docs pages that are data: ``docs/settings.md`` from the fields of
 :class:`~tracedump.config.settings.DumpSettings`, ``docs/report-schema.md`` from the model that
-writes every ``--json`` report (:mod:`tracedump.compare.report_schema`), and ``docs/calibration.md``
+writes every ``--json`` report (:mod:`tracedump.compare.report.schema`), and ``docs/calibration.md``
 from the calibration results (``benchmarks/calibration.json``, ``benchmarks/calibration_graft.json``).
 
 The settings reference is the page people read most and the one that drifts first when it is
@@ -264,7 +264,7 @@ def check(path: Path = SETTINGS_DOC, render: Any = render_settings_doc) -> bool:
 
 def render_report_schema_doc() -> str:
     """The whole of ``docs/report-schema.md``: the schema of the model that writes ``--json``."""
-    from tracedump.compare.report_schema import schema_markdown
+    from tracedump.compare.report.schema import schema_markdown
 
     return schema_markdown()
 

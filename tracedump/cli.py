@@ -127,7 +127,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from .compare.reader import SafetensorsMap, Stored, stored_from_torch
+    from .compare.load.reader import SafetensorsMap, Stored, stored_from_torch
     from .store.format import dtype_name
     from .store.loader import load_pass, open_pass
 
@@ -164,7 +164,7 @@ def _summary_cells(read: Callable[[], Any]) -> list[str]:
     """min, max, mean, abs_mean as text (in float64); ``-`` for a dtype numpy cannot widen (float4)."""
     import numpy as np
 
-    from .compare.reader import widen
+    from .compare.load.reader import widen
 
     try:
         stored = read()

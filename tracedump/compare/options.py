@@ -15,7 +15,7 @@ from typing import Literal
 from ..errors import UsageError
 from ..util import rules
 from ..util.ranges import IndexRanges
-from .bridge_rules import Bridge, load_bridge
+from .pair.bridge_rules import Bridge, load_bridge
 
 Metric = Literal["rel_diff", "max_abs", "cosine"]
 METRICS: tuple[Metric, ...] = ("rel_diff", "max_abs", "cosine")
@@ -165,7 +165,7 @@ class DiffOptions:
     atol_rules: tuple[ToleranceRule, ...] = ()
     baseline: Path | None = None
     align: Literal["passes", "tokens"] = "passes"
-    align_given: bool = True  # False: --align was not given, a bridge may choose (compare/bridge.py)
+    align_given: bool = True  # False: --align was not given, a bridge may choose (compare/pair/bridge.py)
     bridge: Bridge | Literal["none"] | None = None  # --bridge: None chooses by the manifests
     json_path: str | None = None
     plot_path: Path | None = None

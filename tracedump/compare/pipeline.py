@@ -18,22 +18,22 @@ from typing import Any
 from ..errors import UsageError
 from ..store.fsio import write_output
 from ..util.console import printable
-from .align import SequenceWorkspace, TokenFindings, baseline_plan, plan_tokens
-from .bridge import ambiguous_modules, matcher_for
-from .coverage import CoverageCount, enforce, nothing_comparable
-from .display import print_report, progress_bar
-from .execute import Executor
-from .inputs import inputs_differ_by_pass
-from .local import graft_infos, judge_local, refuse_grafted_alignment, with_grafted_inputs
-from .notes import side_notes, truncated_passes
+from .judge.coverage import CoverageCount, enforce, nothing_comparable
+from .judge.local import graft_infos, judge_local, refuse_grafted_alignment, with_grafted_inputs
+from .judge.verdict import conclude, judge_all
+from .load.notes import side_notes, truncated_passes
+from .load.sources import Side, open_side
+from .measure.execute import Executor
+from .measure.shadow import measure_shadow
 from .options import DiffOptions
-from .plan import Plan, Unmatched, Workspace, build_plan, short_list
-from .plot import check_available, write_plot
-from .report import bridge_summary, report_settings
+from .pair.align import SequenceWorkspace, TokenFindings, baseline_plan, plan_tokens
+from .pair.bridge import ambiguous_modules, matcher_for
+from .pair.inputs import inputs_differ_by_pass
+from .pair.plan import Plan, Unmatched, Workspace, build_plan, short_list
+from .report.display import print_report, progress_bar
+from .report.plot import check_available, write_plot
+from .report.settings import bridge_summary, report_settings
 from .results import DiffReport, TensorResult
-from .shadow import measure_shadow
-from .sources import Side, open_side
-from .verdict import conclude, judge_all
 
 
 def _why_nothing(plan: Plan, options: DiffOptions) -> str:
@@ -162,7 +162,7 @@ def _plan_coverage(plan: Plan, workspace: Workspace, options: DiffOptions) -> Co
 
 
 def _covered(report: DiffReport, options: DiffOptions) -> DiffReport:
-    """Coverage enforced: nothing compared is exit 2; ``--min-coverage`` (compare/coverage.py)."""
+    """Coverage enforced: nothing compared is exit 2; ``--min-coverage`` (compare/judge/coverage.py)."""
     nothing_comparable(report)
     enforce(report, options.min_coverage)
     return report
@@ -288,7 +288,7 @@ def run(options: DiffOptions) -> int:
         if options.plot_path is not None:
             write_plot(report, options.plot_path)
         if options.html_path is not None:
-            from .page import write_html  # only here: a diff without --html never imports it
+            from .report.page import write_html  # only here: a diff without --html never imports it
 
             write_html(report, options.html_path, doc)
     except OSError as e:

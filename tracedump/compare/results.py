@@ -47,12 +47,12 @@ from typing import Any
 
 from ..errors import ExitCode
 from ..store.format import json_number
-from .bridge import PAIRED_BY
-from .metrics import TensorMetrics
-from .ops_align import suggest_ops
-from .plan import Plan
-from .stats import StatDelta
-from .tolerance import Tolerance
+from .judge.tolerance import Tolerance
+from .measure.metrics import TensorMetrics
+from .measure.stats import StatDelta
+from .pair.bridge import PAIRED_BY
+from .pair.ops_align import suggest_ops
+from .pair.plan import Plan
 
 
 def _number(value: float | None) -> float | str | None:
@@ -372,12 +372,14 @@ class DiffReport:
     alignment: list[dict[str, Any]] | None = None  # --align tokens: how sequences were paired
     alignment_lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the summary should say besides findings
-    bridge: dict[str, Any] | None = None  # the bridge in use: name, source (compare/bridge.py)
+    bridge: dict[str, Any] | None = None  # the bridge in use: name, source (compare/pair/bridge.py)
     inputs_differ: list[dict[str, Any]] = field(default_factory=list)  # aligned sequences fed other tokens
-    # --align tokens: a generated token that differs (a consequence, compare/align.py), with the
+    # --align tokens: a generated token that differs (a consequence, compare/pair/align.py), with the
     # first divergence before it once concluded
     output_changed: list[dict[str, Any]] = field(default_factory=list)
-    coverage: dict[str, Any] | None = None  # compared / reference tensors per step (compare/coverage.py)
+    coverage: dict[str, Any] | None = (
+        None  # compared / reference tensors per step (compare/judge/coverage.py)
+    )
     # modules whose weights several modules of the other side hold, no structure telling which
     ambiguous: list[dict[str, Any]] = field(default_factory=list)
     findings: Findings | None = None  # set by verdict.conclude once the results are final
@@ -508,7 +510,7 @@ class DiffReport:
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document, written by its typed model (:func:`.report_schema.written`)."""
-        from .report_schema import written
+        from .report.schema import written
 
         return written(self.records())
 

@@ -5,7 +5,7 @@ went wrong upstream. A grafted run instead feeds each grafted module, at each ca
 reference dump captured for that module, pass and call (``INPUTS=1``: ``name@in[0]``,
 ``name@in[kw]``, ``::callN``), cast to the dtype and device the module under test was about to
 receive. Its output then differs from the reference's by what that module alone adds: its *local*
-error, judged by :mod:`tracedump.compare.local` without a growth allowance or a baseline::
+error, judged by :mod:`tracedump.compare.judge.local` without a growth allowance or a baseline::
 
     with tracedump.graft(model, "/tmp/ref_fp32", dir="/tmp/grafted") as g:   # every captured leaf
         g.run(input_ids=ids)

@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..store.reduce import StatsValues
 from . import suspend
 from .control import Controller
 from .hooks import BatchLayout
-from .reduce import StatsValues
 from .runtime import COMPILED_WARNING
 from .sinks import Sink
 from .torch_compat import frame_on_stack, outermost_frame_of

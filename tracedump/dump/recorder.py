@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from ..store.format import INPUT_MARK, RECORDS_FILE, key_text
+from ..store.reduce import SweepPlan, last_row, stats_values, sweep, sweep_plan
 from . import gates
 from .cuda import stream_is_capturing
 from .hooks import flat_leaves, flatten_inputs, output_leaves
 from .passes import KeepPolicy, Pass, PassMachine, RunLog
-from .reduce import SweepPlan, last_row, stats_values, sweep, sweep_plan
 from .suspend import SUSPENSION
 from .torch_compat import frame_on_stack
 from .writer import RESERVED_NAMES, PassJob
@@ -286,7 +286,7 @@ class Recorder(PassMachine):
         self, current: Pass, name: str, call: int, leaves: list[tuple[str, torch.Tensor]], plan: SweepPlan
     ) -> None:
         """:meth:`_capture_module` for a module's output in stats mode when the C sweep makes every
-        statistic asked for (:func:`~tracedump.dump.reduce.sweep_plan`). In the forward, only what
+        statistic asked for (:func:`~tracedump.store.reduce.sweep_plan`). In the forward, only what
         needs the live tensor: the sweep, the call counted once, the capture's order; its record
         and the sums' rounding are made by the writer thread (``StatsJob``), since in the forward
         each Python step costs ~10x its tight-loop time (docs/performance.md, unit costs).

@@ -59,7 +59,7 @@ __all__ = ["Shadow", "fp32_inputs", "shadow_applies", "upcast"]
 MAX_STATES = 4  # objects (KV caches) whose shadow copies are kept: a new generate() makes a new one
 MAX_REASONS = 20  # distinct reasons kept in the manifest (all calls are counted)
 # Weight-rounding draws per shadowed call: with the largest of 6 draws, a one-degree-of-freedom
-# error exceeds K_WEIGHTS (compare/verdict.py) times it about once in a thousand tensors.
+# error exceeds K_WEIGHTS (compare/judge/verdict.py) times it about once in a thousand tensors.
 NOISE_DRAWS = 6
 
 
@@ -239,7 +239,7 @@ def _perturb(original: nn.Module, shadow: nn.Module, seed: int) -> None:
 
 
 def _metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(rel_diff, 1 - cosine) as the comparator measures them (compare/metrics.py), in float64."""
+    """(rel_diff, 1 - cosine) as the comparator measures them (compare/measure/metrics.py), in float64."""
     a64, b64 = a.detach().double().flatten(), b.detach().double().flatten()
     norm = float((a64 * a64).sum() + (b64 * b64).sum())
     dd = float(((a64 - b64) ** 2).sum())

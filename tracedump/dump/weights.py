@@ -6,7 +6,7 @@ Two runs that load one checkpoint under other names (vLLM's fused ``qkv_proj`` a
 module holding it, its shape, dtype and a cheap fingerprint (:func:`fingerprint`); an engine that
 loads the checkpoint itself (the vLLM plugin) adds, per parameter, which checkpoint tensors and
 which slices of them filled it (:func:`written_region`, :func:`source_slices`). The comparator
-pairs modules from those records (:mod:`tracedump.compare.correspondence`), with no rule per family.
+pairs modules from those records (:mod:`tracedump.compare.pair.correspondence`), with no rule per family.
 
 Runs only when dumping is on: at ``attach()`` and during an engine's weight load.
 """

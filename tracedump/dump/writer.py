@@ -43,10 +43,10 @@ from ..store.fsio import (
     open_for_append,
     write_text_atomic,
 )
+from ..store.reduce import StatsValues, stats_numbers
 from ..store.stformat import write_file as save_file  # safetensors' bytes, written from the buffers
 from .buffers import HostBufferPool
 from .cuda import POOLED_FROM_BYTES, wait_for
-from .reduce import StatsValues, stats_numbers
 from .torch_compat import safetensors_writable_dtypes
 
 _MANIFEST_INTERVAL_S = 1.0
@@ -139,7 +139,7 @@ class StatsJob:
     """Statistics of one pass: scalars only, appended to ``stats.jsonl`` as one JSON line per tensor.
 
     Each capture arrives as its record's fields, the names of its numeric statistics and their
-    values (:data:`~tracedump.dump.reduce.StatsValues`: Python floats, the C sweep's raw sums, or a
+    values (:data:`~tracedump.store.reduce.StatsValues`: Python floats, the C sweep's raw sums, or a
     float64 tensor still on its way to the host), and the event of that copy."""
 
     index: int

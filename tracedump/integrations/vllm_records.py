@@ -17,7 +17,7 @@ wraps each router's ``select_experts`` on the instance and records, with the pub
   other orders, and the kernel does not depend on it. The engine's own tensors are untouched.
 
 A kernel that routes inside itself (a monolithic one) never calls ``select_experts``: nothing is
-recorded and HF's top-k stays listed with the reason (``compare/correspondence.py``).
+recorded and HF's top-k stays listed with the reason (``compare/pair/correspondence.py``).
 
 **Logits.** vLLM's ``LogitsProcessor`` output is the head's output after its soft cap (Gemma2's
 ``final_logit_softcapping``) and scale (Granite's ``logits_scaling``), which HF applies in its

@@ -2,7 +2,7 @@
 
 Written once per run dir, at ``attach()`` (every dumped model: its parameters) and, for an engine
 that loads the checkpoint itself (the vLLM plugin), again after the load with what each parameter
-was filled from. Read by the comparator (:mod:`tracedump.compare.correspondence`) to pair two
+was filled from. Read by the comparator (:mod:`tracedump.compare.pair.correspondence`) to pair two
 module trees with no rule file. Plain JSON, no torch.
 
 A reader cannot trust the file (a dump may come from another machine, a damaged disk or a hand):

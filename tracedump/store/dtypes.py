@@ -1,9 +1,9 @@
 """Every fact tracedump knows about a dtype, in one table; the per-dtype tables are derived from it.
 
 Why one table: the safetensors codes and their on-disk order (:mod:`.stformat`), the bytes per
-element (:mod:`.loader`), numpy's storage of each dtype (:mod:`tracedump.compare.reader`), which
-dtypes fp32 cannot hold (:mod:`tracedump.compare.metrics`), the unit roundoffs of the noise model
-(:mod:`tracedump.compare.verdict`) and the default tolerances (:mod:`tracedump.compare.tolerance`)
+element (:mod:`.loader`), numpy's storage of each dtype (:mod:`tracedump.compare.load.reader`), which
+dtypes fp32 cannot hold (:mod:`tracedump.compare.measure.metrics`), the unit roundoffs of the noise model
+(:mod:`tracedump.compare.judge.verdict`) and the default tolerances (:mod:`tracedump.compare.judge.tolerance`)
 were seven tables that had to agree. Orders are stated as ranks, never taken from the order of a
 literal: ``precision_rank`` says which dtype is less precise (0: the most precise), ``disk_rank``
 where safetensors lays a tensor out. Imports nothing (no numpy, no torch): ``tracedump ls`` reads

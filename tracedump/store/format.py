@@ -351,7 +351,7 @@ def last_row_dim(shape: tuple[int, ...], token_dim: int) -> int | None:
     """The dim ``last_row`` mode cuts to its last index in a tensor of ``shape``; None when it keeps
     the tensor whole (under 2 dims, or an empty token dim). The comparator cuts full dumps with it,
     so they line up with ``last_row`` dumps exactly as the dumper cut them; here, not in
-    :mod:`tracedump.dump.reduce`, because the comparator reads dumps without torch."""
+    :mod:`tracedump.store.reduce`, because the comparator reads dumps without torch."""
     if len(shape) < 2:
         return None
     dim = token_dim if len(shape) > token_dim else 0

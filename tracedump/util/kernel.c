@@ -200,7 +200,7 @@ done:
     return result;
 }
 
-/* The dump side's stats of one float32 array in the pass that reads it (tracedump/dump/reduce.py):
+/* The dump side's stats of one float32 array in the pass that reads it (tracedump/store/reduce.py):
  * Σx and Σ|x| in fp32 lanes flushed to float64 every block, min and max exact. torch's CPU path
  * takes four passes for the default stats (|x| written out, then Σ|x|, Σx, max): 5x the memory
  * traffic of this one. A NaN never wins min or max but shows in Σ|x|, as an Inf does: the caller
