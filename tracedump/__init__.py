@@ -45,7 +45,7 @@ _EXPORTS = {
 }
 
 # Modules that lived at the top of the package before it was split into sub-packages
-# (docs/architecture.md lists every move). ``tracedump.loader`` still names the module it was;
+# (docs/architecture.md says where each lives now). ``tracedump.loader`` still names the module it was;
 # ``from tracedump.loader import ...`` does not (the import system looks for a file).
 _MOVED = {
     "settings": "config.settings",
@@ -57,7 +57,6 @@ _MOVED = {
             "hooks",
             "recorder",
             "gates",
-            "reduce",
             "cuda",
             "runtime",
             "control",
@@ -67,7 +66,7 @@ _MOVED = {
             "rundir",
         )
     },
-    **{m: f"store.{m}" for m in ("format", "fsio", "stformat", "loader", "sequences")},
+    **{m: f"store.{m}" for m in ("format", "fsio", "stformat", "loader", "sequences", "reduce")},
     **{m: f"util.{m}" for m in ("console", "units", "cpus")},
 }
 
