@@ -132,6 +132,9 @@ def resolves(target: str, module: ModuleType, path: Path) -> bool:
     if target.startswith("."):
         rest = target.lstrip(".")
         package = module.__name__ if path.name == "__init__.py" else module.__name__.rpartition(".")[0]
+        up = len(target) - len(rest) - 1  # ``..x`` is x in the parent package, as in an import
+        if up:
+            return _absolute(".".join([*package.split(".")[: len(package.split(".")) - up], rest]))
         places = [module.__name__, package]
         return any(place and _absolute(f"{place}.{rest}") for place in dict.fromkeys(places))
     head, _, rest = target.partition(".")

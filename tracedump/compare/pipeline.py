@@ -3,9 +3,9 @@ plot, html).
 
 :func:`run` is what ``tracedump diff`` calls and returns the exit code; :func:`build_report` is the
 whole comparison without printing, which :func:`tracedump.compare.compare` calls for Python callers.
-Two planners make one kind of plan: passes (:func:`.plan.build_plan`) or, with ``--align
-tokens``, sequences (:func:`.align.plan_tokens`); from there both go through the same executor
-(routing flips), ``--baseline``, :func:`.verdict.judge_all` and :func:`.verdict.conclude`.
+Two planners make one kind of plan: passes (:func:`.pair.plan.build_plan`) or, with ``--align
+tokens``, sequences (:func:`.pair.align.plan_tokens`); from there both go through the same executor
+(routing flips), ``--baseline``, :func:`.judge.verdict.judge_all` and :func:`.judge.verdict.conclude`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build_report(options: DiffOptions) -> DiffReport:
 
     The bridge is chosen first (``--bridge``, else by the two manifests): when the user gave no
     ``--align``, the bridge's own alignment applies (tokens for vLLM against HF), or tokens when
-    a side comes from an engine integration (:func:`.bridge.matcher_for`)."""
+    a side comes from an engine integration (:func:`.pair.bridge.matcher_for`)."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     matcher = with_grafted_inputs(matcher_for(options, side_a, side_b), side_a)
@@ -214,7 +214,7 @@ def _baseline_noise_by_sequence(
     report: DiffReport,
 ) -> dict[int, float]:
     """``--baseline C`` under ``--align tokens``: ``err(C, B)`` of each measured pair, on the rows
-    of the same positions of the sequence C's run pairs with B's (:func:`.align.baseline_plan`),
+    of the same positions of the sequence C's run pairs with B's (:func:`.pair.align.baseline_plan`),
     measured by the same executor as A against B (a near-tie flip of C's routers included)."""
     assert options.baseline is not None
     side_c = open_side("baseline", options.baseline, options)

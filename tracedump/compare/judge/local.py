@@ -229,7 +229,7 @@ def judge_local(
 ) -> list[TensorResult]:
     """The report's results with every grafted tensor of A judged by its local error; unchanged
     when A was not grafted. Adds the graft to the report's settings and notes. ``shadow``: measures
-    A's fp32 shadow (:func:`.shadow.measure_shadow`), called only when A was grafted."""
+    A's fp32 shadow (:func:`..measure.shadow.measure_shadow`), called only when A was grafted."""
     infos = graft_infos(side_a)
     if graft_infos(side_b):
         report.notes.append(

@@ -13,7 +13,7 @@ from enum import Enum
 
 
 class Status(str, Enum):
-    """A tensor pair's verdict (docs/comparator.md; :mod:`.results` says what each means)."""
+    """A tensor pair's verdict (docs/comparator.md; :mod:`..results` says what each means)."""
 
     OK = "ok"
     DIVERGED = "diverged"

@@ -12,7 +12,7 @@ Every decision the comparator makes on the numbers it measured is here, in this 
   the verdict's reach (:func:`reach`: per layer, the smallest relative error its allowances would
   have flagged, and the rerun that would see more where that is above a few percent).
 
-Whether a router's flip is a near-tie is measured in :mod:`.routing` (its margins against its
+Whether a router's flip is a near-tie is measured in :mod:`..measure.routing` (its margins against its
 scores' noise, ``TIE_FACTOR``); what that flip then means for the pair is decided here.
 
 A fixed threshold per dtype cannot be right. Two bf16 runs of the same code agree *exactly* up to
@@ -228,7 +228,7 @@ def judge_after_flip(
     Every token that attended to a flipped one in a later layer carries the flip's consequence,
     which no rounding model bounds (another expert's answer, mixed in by attention): judging it
     names a layer that is fine. So only the tokens that provably received nothing of it are judged
-    (:attr:`.results.AfterFlip.error`: under a causal mask, the positions before the first flipped
+    (:attr:`..results.AfterFlip.error`: under a causal mask, the positions before the first flipped
     one), by the upstream rule; when none can be shown, the tensor is ``not_judged``, with the
     reason, never a divergence. ``--baseline`` (a rerun that flips the same tokens) and a grafted
     run (each module fed the reference's inputs) judge it instead."""
@@ -292,7 +292,7 @@ def stats_rule(error: float, tolerance: Tolerance) -> tuple[str, float]:
 
 def router_rule(near_tie: bool, flipped: int, metrics: TensorMetrics) -> tuple[str, float, float | None]:
     """(status, error, threshold) of a router's top-k indices that differ: a flip at a near-tie of
-    its top-k (within the run's noise, :func:`.routing.detect`) is reported, not a divergence, its
+    its top-k (within the run's noise, :func:`..measure.routing.detect`) is reported, not a divergence, its
     error the count of tokens flipped; any other flip is a divergence of the indices."""
     if near_tie:
         return "routing_flip", float(flipped), None

@@ -1,11 +1,11 @@
 """Zero-copy access to the tensors of pass files, as numpy arrays over a memory map.
 
-The comparator computes with numpy on cache-sized chunks (see :mod:`.metrics`), so it wants numpy
+The comparator computes with numpy on cache-sized chunks (see :mod:`..measure.metrics`), so it wants numpy
 views of the file's bytes, not torch tensors: numpy has no bf16 or fp8, and torch refuses to hand
 those to numpy. Here a safetensors file is mapped once and each tensor is a read-only numpy view of
 its bytes (the page cache, read once, never copied into anonymous memory); bf16 and fp8 arrays hold
 the raw bits (``uint16``/``uint8``) with the real dtype name beside them (:class:`Stored`), and
-:func:`widen` makes them numbers (:mod:`.metrics` chunk by chunk). Each dtype's storage comes from
+:func:`widen` makes them numbers (:mod:`..measure.metrics` chunk by chunk). Each dtype's storage comes from
 the one dtype table, :mod:`tracedump.store.dtypes`. The header (names, shapes, offsets) is the loader's
 (:func:`tracedump.store.loader.read_header`): this module only maps the data it describes.
 """

@@ -1,8 +1,8 @@
 """Execute stage: read each planned pair (one pair at a time), measure it, judge it.
 
-Both planners' plans run here: a pair of one pass reads its entries (:func:`.unshard.assemble`);
+Both planners' plans run here: a pair of one pass reads its entries (:func:`..pair.unshard.assemble`);
 a pair of a sequence (``--align tokens``) gathers its rows over the steps that computed them
-(:meth:`.plan.Workspace.gather`), tokens along dim 0. From there the two are measured alike:
+(:meth:`..pair.plan.Workspace.gather`), tokens along dim 0. From there the two are measured alike:
 metrics, per-token errors, MoE routing flips and what they explain.
 
 Peak memory is a few chunks plus whatever a pair needs materialised: nothing for plain pass files
@@ -221,7 +221,7 @@ class Executor:
     def _with_unaffected(
         self, result: TensorResult, flip: Flip, stored: tuple[Stored, Stored]
     ) -> TensorResult:
-        """``result`` with its :class:`.results.AfterFlip`: the error on the tokens ``flip``'s
+        """``result`` with its :class:`..results.AfterFlip`: the error on the tokens ``flip``'s
         consequence provably did not reach (none, when that cannot be shown)."""
         keep, why = unaffected_tokens(flip, self._sequence_length(flip.tokens), self._causal)
         error = None

@@ -279,7 +279,7 @@ def _compare(a: Stored, b: Stored, want_max_b: bool, *, by_row: bool) -> tuple[T
 
 def _flat_parts(stored: Stored) -> list[np.ndarray]:
     """``stored``'s values as flat arrays in order, none empty: one, or each part of rows gathered
-    from several places and not joined (:class:`~.reader.GatheredRows`: read where they lie)."""
+    from several places and not joined (:class:`~..load.reader.GatheredRows`: read where they lie)."""
     unjoined = stored.unjoined() if isinstance(stored, GatheredRows) else None
     flats = (np.ascontiguousarray(p).reshape(-1) for p in ([stored.array] if unjoined is None else unjoined))
     return [flat for flat in flats if flat.shape[0]]

@@ -18,7 +18,7 @@ measures, with the pair's own pairing (bridge splits, unsharding, last-row cuts)
   ``shadow~KEY``) is not used, never compared element by element: the tensor is judged as if it
   had no shadow, by the counting rule, with this reason.
 
-The judging itself is :func:`.verdict.judge_with_shadow`, called from :mod:`.local`.
+The judging itself is :func:`..judge.verdict.judge_with_shadow`, called from :mod:`..judge.local`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 :class:`Template` s (the format is in :mod:`.bridge`'s docstring and docs/engines.md).
 
 Apart from :mod:`.bridge`, which applies the rules to two sides' names, because ``--bridge FILE``
-is read while the options are parsed (:func:`.options.parse_options`: a bad rule file fails before
+is read while the options are parsed (:func:`..options.parse_options`: a bad rule file fails before
 any dump is read), and the options must not import the sides the bridge matches.
 """
 

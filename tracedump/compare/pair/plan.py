@@ -3,7 +3,7 @@
 Two planners make the one kind of :class:`Plan`: :func:`build_plan` here pairs passes (``--align
 passes``), :func:`.align.plan_tokens` pairs sequences (``--align tokens``: a unit is a sequence
 pair, and each pair's :class:`Rows` say which positions to gather over A's and B's steps). The one
-executor (:mod:`.execute`) measures either, and the one verdict judges it.
+executor (:mod:`..measure.execute`) measures either, and the one verdict judges it.
 
 Alignment is by (pass, name including ``::callN``) in A's capture order; A's names go through
 ``--map`` first. Roots pair by their manifest "root" label (a side with a single root pairs with the

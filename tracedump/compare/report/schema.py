@@ -1,6 +1,6 @@
 """The ``--json`` report as one typed model: it writes the JSON, and the schema comes from it.
 
-:meth:`.results.DiffReport.to_json` gathers the report's records as plain dicts and hands them to
+:meth:`..results.DiffReport.to_json` gathers the report's records as plain dicts and hands them to
 :func:`written`, which validates them through :class:`Report` (unknown keys refused) and dumps the
 model: a key the model does not list can never reach a report, and the schema in
 docs/report-schema.md (generated from the same model by ``tools/docs_gen.py``; ``make lint`` and
@@ -8,7 +8,7 @@ docs/report-schema.md (generated from the same model by ``tools/docs_gen.py``; `
 grafted run's ``local``, ``grafted_at`` and ``not_grafted`` included.
 
 To add a field (a summary count, a tensor record's key): add it to the record's dict in
-:mod:`.results` and to its class here, with a description, and regenerate the doc. Optional keys
+:mod:`..results` and to its class here, with a description, and regenerate the doc. Optional keys
 (written only when they apply) default to ``None`` here and are marked "absent when ..." in their
 description; what was not given is not written (``exclude_unset``), so a report keeps exactly the
 keys its records hold, in the model's order.
