@@ -2,6 +2,11 @@
 
 Reductions run on the tensor's own device, so ``last_row`` and ``stats`` move almost nothing across
 the bus: ``stats`` sends one small float64 vector per tensor to the host, never the tensor itself.
+
+It lives with the on-disk contract because both halves use it: the dump side reduces with it, and the
+comparator recomputes a full dump's statistics with the same :func:`compute_stats`, so a stats dump
+and a full dump are compared on the same numbers. Nothing else in ``store/`` imports it (reading a
+dump never imports torch for it).
 """
 
 from __future__ import annotations
