@@ -47,7 +47,9 @@ from typing import Any
 
 from ..errors import ExitCode
 from ..store.format import json_number
+from .judge.status import Status
 from .judge.tolerance import Tolerance
+from .measure.evidence import MEASURED, Evidence
 from .measure.metrics import TensorMetrics
 from .measure.stats import StatDelta
 from .pair.bridge import PAIRED_BY
@@ -105,8 +107,9 @@ class AfterFlip:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorResult:
-    """The verdict on one pair, with every measurement behind it."""
+class Measured:
+    """One pair as the measure stage leaves it: what was planned, what was measured, and the
+    :class:`.measure.evidence.Evidence` found beside the numbers; no status (the judge gives it)."""
 
     index: int
     pass_index: int  # A's pass
@@ -118,30 +121,23 @@ class TensorResult:
     shape_b: tuple[int, ...] | None
     dtype_a: str | None
     dtype_b: str | None
-    status: str
     tolerance: Tolerance
     metric: str  # the number judged: rel_diff | cosine (1 - cosine) | max_abs | exact | stats
-    error: float | None = None  # that number
-    threshold: float | None = None  # what it had to stay under
     metrics: TensorMetrics | None = None
     stats: dict[str, StatDelta] | None = None
     unshard_a: str | None = None
     unshard_b: str | None = None
-    message: str | None = None
-    noise: float | None = None  # err(C, B) of the --baseline run, when one was given
-    basis: str | None = None  # how the threshold was set: upstream | baseline | fixed
-    absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
     token_dim: int | None = None  # the dim per_token runs along
     per_token: tuple[float, ...] | None = None  # rel_diff of each token position
     positions: tuple[int, ...] | None = None  # --align tokens: the sequence position of each row
     pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
-    level_before: str | None = None  # a container's own output: explained by the level before this tensor
     bridge: str | None = None  # how the bridge paired it ("split -1 (rule 4: qkv)"); None: by name
     paired_by: str | None = None  # what proves the pair (bridge.PAIRED_BY); None: an op pair (OPS)
     pairing: str | None = None  # what the pairing saw beside it: two classes, a weights finding
     after_flip: AfterFlip | None = None  # downstream of a near-tie flip, outside its MoE block
     # --align tokens: the sequence pair whose rows were compared (``seq 0``, ``seq 0 (B: 3)``)
     sequence: str | None = None
+    evidence: Evidence = field(default=MEASURED, compare=False, repr=False)  # for the judge only
 
     @property
     def label(self) -> str:
@@ -160,6 +156,31 @@ class TensorResult:
         """Stored dtypes differ (stats records' dtypes may be guesses, so they do not count)."""
         known = self.kind == "tensor" and self.dtype_a is not None and self.dtype_b is not None
         return known and self.dtype_a != self.dtype_b
+
+    @property
+    def worst_token(self) -> tuple[int, float] | None:
+        """(position, rel_diff) of the token with the largest error, if measured per token (with
+        ``--align tokens``, the sequence position; else the index along ``token_dim``)."""
+        if not self.per_token:
+            return None
+        row = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
+        return (self.positions[row] if self.positions else row), self.per_token[row]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorResult(Measured):
+    """The verdict on one pair (set by :func:`.judge.judge.judge` alone), with every measurement
+    behind it."""
+
+    status: Status
+    error: float | None = None  # the number judged
+    threshold: float | None = None  # what it had to stay under
+    message: str | None = None  # why it has its status (the judge's words), when there is more to say
+    noise: float | None = None  # err(C, B) of the --baseline run, when one was given
+    basis: str | None = None  # how the threshold was set: upstream | baseline | fixed | routing | local
+    absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
+    level_before: str | None = None  # a container's own output: explained by the level before this tensor
+    rule: str | None = None  # which rule of the judge decided (judge.judge.RULES); not in the JSON
 
     def to_json(self) -> dict[str, Any]:
         m = self.metrics
@@ -242,15 +263,6 @@ class TensorResult:
         if self.noise == 0:
             return 0.0 if self.error == 0 else math.inf
         return self.error / self.noise
-
-    @property
-    def worst_token(self) -> tuple[int, float] | None:
-        """(position, rel_diff) of the token with the largest error, if measured per token (with
-        ``--align tokens``, the sequence position; else the index along ``token_dim``)."""
-        if not self.per_token:
-            return None
-        row = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
-        return (self.positions[row] if self.positions else row), self.per_token[row]
 
 
 @dataclass(frozen=True)
@@ -409,7 +421,7 @@ class DiffReport:
             return None
         return suggest_ops(first.name, {r.name: None for r in self.results})
 
-    def count(self, status: str) -> int:
+    def count(self, status: Status) -> int:
         return sum(1 for r in self.results if r.status == status)
 
     @property
@@ -425,7 +437,7 @@ class DiffReport:
         """Tensors measured but not judged (``not_judged``), counted by why."""
         counts: dict[str, int] = {}
         for r in self.results:
-            if r.status == "not_judged":
+            if r.status is Status.NOT_JUDGED:
                 reason = r.after_flip.reason() if r.after_flip is not None else (r.message or "not judged")
                 counts[reason] = counts.get(reason, 0) + 1
         return counts
@@ -433,7 +445,7 @@ class DiffReport:
     @property
     def judged(self) -> int:
         """Pairs the verdict judged (a number against a threshold): compared, less not judged."""
-        return sum(1 for r in self.results if r.error is not None and r.status != "not_judged")
+        return sum(1 for r in self.results if r.error is not None and r.status is not Status.NOT_JUDGED)
 
     def paired_by_counts(self) -> dict[str, int]:
         """Pairs counted by what proves them (``name``, ``weights``, ...), strongest first."""
@@ -459,17 +471,19 @@ class DiffReport:
             "compared": self.compared,
             "judged": self.judged,
             "not_judged": self.not_judged_by_reason(),
-            "not_compared": sum(1 for r in self.results if r.error is None and r.status != "not_judged"),
-            "ok": self.count("ok"),
-            "diverged": self.count("diverged"),
-            "shape_mismatch": self.count("shape_mismatch"),
-            "rank_mismatch": self.count("rank_mismatch"),
-            "errors": self.count("error"),
-            "extra_ops": self.count("extra_op"),
+            "not_compared": sum(
+                1 for r in self.results if r.error is None and r.status is not Status.NOT_JUDGED
+            ),
+            "ok": self.count(Status.OK),
+            "diverged": self.count(Status.DIVERGED),
+            "shape_mismatch": self.count(Status.SHAPE_MISMATCH),
+            "rank_mismatch": self.count(Status.RANK_MISMATCH),
+            "errors": self.count(Status.ERROR),
+            "extra_ops": self.count(Status.EXTRA_OP),
             "routing_flips": [flip.to_json() for flip in self.flips],
-            "not_compared_routing": self.count("routing"),
-            "not_aligned": self.count("not_aligned"),
-            "not_comparable": self.count("not_comparable"),
+            "not_compared_routing": self.count(Status.ROUTING),
+            "not_aligned": self.count(Status.NOT_ALIGNED),
+            "not_comparable": self.count(Status.NOT_COMPARABLE),
             "bridged": sum(1 for r in self.results if r.bridge is not None),
             "bridge": self.bridge,
             "paired_by": self.paired_by_counts(),
@@ -502,7 +516,7 @@ class DiffReport:
         if self.first_divergence is not None:
             return f"first divergence: {self.first_divergence.label}"
         if self.exit_code != 0:
-            return "diverged"
+            return "diverged"  # the verdict line's word, not a status
         unjudged = sum(self.not_judged_by_reason().values())
         return f"no divergence among the {self.judged} judged tensors" + (
             f"; {unjudged} not judged" if unjudged else ""
