@@ -3,13 +3,15 @@
 Each stage is a function taking and returning typed objects:
 
 - :func:`load`: both sides opened, the bridge chosen (:class:`Loaded`);
-- :func:`pair`: the frozen plan, by one of two planners: passes (:func:`.plan.build_plan`) or,
-  with ``--align tokens``, sequences (:func:`.align.plan_tokens`) (:class:`Paired`);
+- :func:`pair`: the frozen plan, by one of two planners: passes
+(:func:`~tracedump.compare.pair.plan.build_plan`) or,
+  with ``--align tokens``, sequences (:func:`~tracedump.compare.pair.align.plan_tokens`) (:class:`Paired`);
 - :func:`measure`: every planned pair read and measured by one executor, a grafted A's fp32 shadow
   and the ``--baseline`` noise included (:class:`Measurements`);
-- :func:`judge`: every pair's status from its evidence (:func:`.verdict.judge_all`, calling
+- :func:`judge`: every pair's status from its evidence (:func:`~tracedump.compare.judge.verdict.judge_all`,
+calling
   :func:`.judge.judge.judge`), the report's findings and its outcome, coverage included
-  (:func:`.verdict.conclude`);
+  (:func:`~tracedump.compare.judge.verdict.conclude`);
 - the report: :func:`run` writes the JSON, the plot and the page, and prints the table.
 
 :func:`build_report` is the whole comparison without printing, which
@@ -88,7 +90,8 @@ class Measurements:
 def load(options: DiffOptions) -> Loaded:
     """Open both sides and choose the bridge (``--bridge``, else by the two manifests): when the
     user gave no ``--align``, the bridge's own alignment applies (tokens for vLLM against HF), or
-    tokens when a side comes from an engine integration (:func:`.bridge.matcher_for`)."""
+    tokens when a side comes from an engine integration
+    (:func:`~tracedump.compare.pair.bridge.matcher_for`)."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     matcher = with_grafted_inputs(matcher_for(options, side_a, side_b), side_a)

@@ -1,5 +1,5 @@
 """Typed output records of a diff, each with its JSON record (the ``--json`` model that writes them
-and its schema: :mod:`.report_schema`).
+and its schema: :mod:`tracedump.compare.report.schema`).
 
 Statuses of a tensor pair:
 
@@ -12,7 +12,7 @@ Statuses of a tensor pair:
   numeric statistic on both sides, a tensor whose data cannot be read);
 - ``routing_flip``: a MoE router sent some tokens to other experts at a near-tie of its top-k
   (within the run's noise): reported, not a divergence; tensors of that MoE block are then compared
-  on the tokens that kept their experts (:mod:`.routing`);
+  on the tokens that kept their experts (:mod:`tracedump.compare.measure.routing`);
 - ``routing``: a tensor inside that MoE block that cannot line up once routing differs (the
   per-expert calls): not compared;
 - ``not_aligned``: with ``--align tokens``, a tensor whose rows of a sequence cannot be found on
@@ -21,20 +21,21 @@ Statuses of a tensor pair:
 - ``not_judged``: downstream of a near-tie routing flip, a tensor whose tokens may all have
   received a flipped token's value (through attention in a later layer), with no ``--baseline``
   and no graft to measure what that flip moves: measured, listed with the reason, never judged
-  (:attr:`TensorResult.after_flip`; :mod:`.verdict`);
+  (:attr:`TensorResult.after_flip`; :mod:`tracedump.compare.judge.verdict`);
 - ``extra_op``: an op that one run ran and the other did not, inside a module both tapped with
-  ``OPS`` (:mod:`.ops_align`): a divergence of its own, never measured;
+  ``OPS`` (:mod:`tracedump.compare.pair.ops_align`): a divergence of its own, never measured;
 - ``not_comparable``: one name, two module classes known to compute different quantities (the
   manifests' ``module_classes``: vLLM's ``SiluAndMul`` against HF's ``SiLUActivation``), and no
   bridge rule relates them: never measured, listed with both class names and the reason
-  (:func:`.bridge.known_different`). A class difference alone is compared.
+  (:func:`~tracedump.compare.pair.bridge.known_different`). A class difference alone is compared.
 
 Each pair says how it was paired (``paired_by``: ``load``, ``name``, ``weights``, ``structure``,
 ``rule`` or ``map``; docs/comparator.md, "How two runs are paired").
 
 Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned``, ``not_judged`` and ``not_comparable``
 makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`). Those rules, the
-first divergence and the largest growth are decided in :mod:`.verdict` (:func:`.verdict.conclude`);
+first divergence and the largest growth are decided in :mod:`tracedump.compare.judge.verdict`
+(:func:`~tracedump.compare.judge.verdict.conclude`);
 this module holds what they decide, as :class:`Findings`.
 """
 
@@ -303,7 +304,8 @@ def _finding(result: TensorResult) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class FirstInTime:
-    """``--align tokens``: the diverged row computed earliest (:func:`.verdict.first_in_time`)."""
+    """``--align tokens``: the diverged row computed earliest
+    (:func:`~tracedump.compare.judge.verdict.first_in_time`)."""
 
     result: TensorResult
     row: int  # the row of ``result``'s gathered rows
@@ -340,7 +342,7 @@ class ReachLayer:
 
 @dataclass(frozen=True, kw_only=True)
 class Reach:
-    """What a clean verdict could see (:func:`.verdict.reach`)."""
+    """What a clean verdict could see (:func:`~tracedump.compare.judge.verdict.reach`)."""
 
     layers: tuple[ReachLayer, ...]
     warn: float  # above this relative error a layer's reach is said to be short, with a rerun
@@ -361,7 +363,7 @@ class Reach:
 
 @dataclass(frozen=True, kw_only=True)
 class Findings:
-    """What :func:`.verdict.conclude` decided of a report's judged results."""
+    """What :func:`~tracedump.compare.judge.verdict.conclude` decided of a report's judged results."""
 
     first_divergence: TensorResult | None  # None when the inputs differ: no module is to blame
     largest_growth: Growth | None
@@ -398,7 +400,8 @@ class DiffReport:
 
     @property
     def concluded(self) -> Findings:
-        """The verdict's findings; a report is read only after :func:`.verdict.conclude`."""
+        """The verdict's findings; a report is read only after
+        :func:`~tracedump.compare.judge.verdict.conclude`."""
         if self.findings is None:
             raise RuntimeError("the report has no findings yet: verdict.conclude(report) decides them")
         return self.findings
@@ -414,7 +417,8 @@ class DiffReport:
     @property
     def look_inside(self) -> str | None:
         """The rerun that shows the ops inside a module-level first divergence
-        (``TRACEDUMP_DUMP_OPS='^model\\.layers\\.2\\.mlp$'``, :func:`.ops_align.suggest_ops`); None
+        (``TRACEDUMP_DUMP_OPS='^model\\.layers\\.2\\.mlp$'``,
+        :func:`~tracedump.compare.pair.ops_align.suggest_ops`); None
         when there is none, or it is an op already."""
         first = self.first_divergence
         if first is None:
@@ -523,7 +527,8 @@ class DiffReport:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` document, written by its typed model (:func:`.report_schema.written`)."""
+        """The ``--json`` document, written by its typed model
+        (:func:`~tracedump.compare.report.schema.written`)."""
         from .report.schema import written
 
         return written(self.records())

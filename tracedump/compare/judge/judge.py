@@ -1,6 +1,7 @@
 """The judge: the one function that sets a tensor pair's status, from typed evidence.
 
-:func:`judge` reads what the measure stage recorded of a pair (:class:`.measure.evidence.Evidence`:
+:func:`judge` reads what the measure stage recorded of a pair
+(:class:`~tracedump.compare.measure.evidence.Evidence`:
 the plan's kind of a pair never read, a read failure, a routing flip, a stats pair's error, a rank
 that disagrees, the tokens a near-tie flip left alike, the fp32 shadow), what the error upstream
 explains (:class:`.noise.Upstream`), the baseline's measured noise and, for a grafted A, the
@@ -287,7 +288,8 @@ def _after_flip(m: Measured, upstream: Upstream, kept: object) -> Verdict:
     Every token that attended to a flipped one in a later layer carries the flip's consequence,
     which no rounding model bounds (another expert's answer, mixed in by attention): judging it
     names a layer that is fine. So only the tokens that provably received nothing of it are judged
-    (:attr:`.results.AfterFlip.error`: under a causal mask, the positions before the first flipped
+    (:attr:`~tracedump.compare.results.AfterFlip.error`: under a causal mask, the positions before the first
+    flipped
     one), by the upstream rule; when none can be shown, the tensor is ``not_judged``, with the
     reason, never a divergence. ``--baseline`` (a rerun that flips the same tokens) and a grafted
     run (each module fed the reference's inputs) judge it instead."""
@@ -327,7 +329,7 @@ def _after_flip(m: Measured, upstream: Upstream, kept: object) -> Verdict:
 def fixed_rule(metrics: TensorMetrics, tolerance: Tolerance) -> tuple[float, float, bool]:
     """(the number judged, its threshold, whether it stays under) by a fixed rule: integers exact,
     ``max_abs`` allclose, a user's rtol (or the ceiling) as a plain threshold on rel_diff/cosine.
-    Also what a replicated tensor's ranks must agree within (:mod:`..measure.execute`)."""
+    Also what a replicated tensor's ranks must agree within (:mod:`tracedump.compare.measure.execute`)."""
     if tolerance.metric == "exact":
         error, threshold = metrics.max_abs, 0.0
         ok = error == 0

@@ -1,6 +1,7 @@
 """The noise model: what error upstream explains, judged by the numerical physics of the run.
 
-Whether a router's flip is a near-tie is measured in :mod:`.routing` (its margins against its
+Whether a router's flip is a near-tie is measured in :mod:`~tracedump.compare.measure.routing` (its margins
+against its
 scores' noise, ``TIE_FACTOR``); what that flip then means for the pair is decided here.
 
 A fixed threshold per dtype cannot be right. Two bf16 runs of the same code agree *exactly* up to

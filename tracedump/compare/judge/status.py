@@ -15,7 +15,7 @@ from enum import Enum
 
 
 class Status(str, Enum):
-    """A tensor pair's verdict (docs/comparator.md; :mod:`.results` says what each means)."""
+    """A tensor pair's verdict (what each means: docs/comparator.md, :mod:`tracedump.compare.results`)."""
 
     OK = "ok"
     DIVERGED = "diverged"

@@ -64,7 +64,8 @@ def baseline_noise_by_sequence(
     report: DiffReport,
 ) -> dict[int, float]:
     """``--baseline C`` under ``--align tokens``: ``err(C, B)`` of each measured pair, on the rows
-    of the same positions of the sequence C's run pairs with B's (:func:`.align.baseline_plan`),
+    of the same positions of the sequence C's run pairs with B's
+    (:func:`~tracedump.compare.pair.align.baseline_plan`),
     measured by the same executor as A against B (a near-tie flip of C's routers included)."""
     assert options.baseline is not None
     side_c = open_side("baseline", options.baseline, options)

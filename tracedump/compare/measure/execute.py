@@ -1,8 +1,10 @@
 """Execute stage: read each planned pair (one pair at a time) and measure it; never judge it.
 
-Both planners' plans run here: a pair of one pass reads its entries (:func:`.unshard.assemble`);
+Both planners' plans run here: a pair of one pass reads its entries
+(:func:`~tracedump.compare.pair.unshard.assemble`);
 a pair of a sequence (``--align tokens``) gathers its rows over the steps that computed them
-(:meth:`.plan.Workspace.gather`), tokens along dim 0. From there the two are measured alike:
+(:meth:`~tracedump.compare.pair.plan.Workspace.gather`), tokens along dim 0. From there the two are measured
+alike:
 metrics, per-token errors, MoE routing flips and the tokens they leave alike, a grafted A's fp32
 shadow. What a pair showed beside its numbers is recorded as :class:`.evidence.Evidence`; the
 status is the judge's (:func:`tracedump.compare.judge.judge.judge`).
@@ -241,7 +243,8 @@ class Executor:
         return self._with_unaffected(result, flip, stored)
 
     def _with_unaffected(self, result: Measured, flip: Flip, stored: tuple[Stored, Stored]) -> Measured:
-        """``result`` with its :class:`.results.AfterFlip`: the error on the tokens ``flip``'s
+        """``result`` with its :class:`~tracedump.compare.results.AfterFlip`: the error on the tokens
+        ``flip``'s
         consequence provably did not reach (none, when that cannot be shown)."""
         keep, why = unaffected_tokens(flip, self._sequence_length(flip.tokens), self._causal)
         error = None

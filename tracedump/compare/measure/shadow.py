@@ -20,7 +20,8 @@ measures, with the pair's own pairing (bridge splits, unsharding, last-row cuts)
 
 Measured by the one executor (:mod:`.execute`), pair by pair, with the pair's own reading; a shadow
 that cannot be read is reported on its row and in the report's notes. The judging itself is
-:func:`tracedump.compare.judge.judge.judge` (the shadow's allowances: :mod:`..judge.allowance`).
+:func:`tracedump.compare.judge.judge.judge` (the shadow's allowances:
+:mod:`tracedump.compare.judge.allowance`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from ..load.sources import PassView
 from ..pair.plan import PairPlan
 from ..pair.unshard import SideEntry, assemble
 from .metrics import compare_arrays
-
-ShadowKey = tuple[int, str | None, str]  # (A's pass, root label, A's name)
 
 
 @dataclass(frozen=True, kw_only=True)
