@@ -1,62 +1,97 @@
-"""The pipeline: load -> bridge -> plan (metadata) -> execute (data) -> judge -> report (text, JSON,
-plot, html).
+"""The pipeline, as the list of its stages: load -> pair -> measure -> judge -> report.
 
-:func:`run` is what ``tracedump diff`` calls and returns the exit code; :func:`build_report` is the
-whole comparison without printing, which :func:`tracedump.compare.compare` calls for Python callers.
-Two planners make one kind of plan: passes (:func:`.pair.plan.build_plan`) or, with ``--align
-tokens``, sequences (:func:`.pair.align.plan_tokens`); from there both go through the same executor
-(routing flips), ``--baseline``, :func:`.judge.verdict.judge_all` and :func:`.judge.verdict.conclude`.
+Each stage is a function taking and returning typed objects:
+
+- :func:`load`: both sides opened, the bridge chosen (:class:`Loaded`);
+- :func:`pair`: the frozen plan, by one of two planners: passes
+(:func:`~tracedump.compare.pair.plan.build_plan`) or,
+  with ``--align tokens``, sequences (:func:`~tracedump.compare.pair.align.plan_tokens`) (:class:`Paired`);
+- :func:`measure`: every planned pair read and measured by one executor, a grafted A's fp32 shadow
+  and the ``--baseline`` noise included (:class:`Measurements`);
+- :func:`judge`: every pair's status from its evidence (:func:`~tracedump.compare.judge.verdict.judge_all`,
+calling
+  :func:`.judge.judge.judge`), the report's findings and its outcome, coverage included
+  (:func:`~tracedump.compare.judge.verdict.conclude`);
+- the report: :func:`run` writes the JSON, the plot and the page, and prints the table.
+
+:func:`build_report` is the whole comparison without printing, which
+:func:`tracedump.compare.compare` calls for Python callers; :func:`run` is what ``tracedump diff``
+calls, and returns the exit code.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import UsageError
 from ..store.fsio import write_output
 from ..util.console import printable
-from .judge.coverage import CoverageCount, enforce, nothing_comparable
-from .judge.local import graft_infos, judge_local, refuse_grafted_alignment, with_grafted_inputs
+from .judge.coverage import CoverageCount
+from .judge.local import graft_infos, judge_grafted, refuse_grafted_alignment, with_grafted_inputs
 from .judge.verdict import conclude, judge_all
 from .load.notes import side_notes, truncated_passes
 from .load.sources import Side, open_side
+from .measure.baseline import noise_of_baseline
 from .measure.execute import Executor
-from .measure.shadow import measure_shadow
+from .measure.routing import Flip
 from .options import DiffOptions
-from .pair.align import SequenceWorkspace, TokenFindings, baseline_plan, plan_tokens
-from .pair.bridge import ambiguous_modules, matcher_for
+from .pair.align import TokenFindings, plan_tokens
+from .pair.bridge import Matcher, ambiguous_modules, matcher_for
 from .pair.inputs import inputs_differ_by_pass
 from .pair.plan import Plan, Unmatched, Workspace, build_plan, short_list
 from .report.display import print_report, progress_bar
 from .report.plot import check_available, write_plot
 from .report.settings import bridge_summary, report_settings
-from .results import DiffReport, TensorResult
-
-
-def _why_nothing(plan: Plan, options: DiffOptions) -> str:
-    """Why a plan has no pair: no pass in common, or no name in common (and what may fix that)."""
-    if not plan.units:
-        return (
-            f"no pass is in both dumps (A: {short_list(plan.passes_only_in_a)}; "
-            f"B: {short_list(plan.passes_only_in_b)}); to compare passes of different indices, "
-            "give one pass file per side"
-        )
-    hint = " (--filter matched nothing?)" if options.filter else " (names differ: does A need --map?)"
-    return (
-        f"no tensor name of A is in B{hint}; "
-        f"{len(plan.only_in_a)} names only in A, {len(plan.only_in_b)} only in B"
-    )
+from .results import DiffReport, Measured
 
 
 def build_report(options: DiffOptions) -> DiffReport:
-    """Load both sides, plan, execute, judge: the whole comparison, without printing anything.
+    """Load both sides, pair, measure, judge: the whole comparison, without printing anything."""
+    loaded = load(options)
+    paired = pair(loaded)
+    report = begin_report(loaded, paired)
+    measured = measure(loaded, paired, report)
+    return judge(loaded, paired, measured, report)
 
-    The bridge is chosen first (``--bridge``, else by the two manifests): when the user gave no
-    ``--align``, the bridge's own alignment applies (tokens for vLLM against HF), or tokens when
-    a side comes from an engine integration (:func:`.pair.bridge.matcher_for`)."""
+
+@dataclass(frozen=True, kw_only=True)
+class Loaded:
+    """Stage 1: both sides opened, the bridge chosen, and the options as the bridge settled them."""
+
+    options: DiffOptions
+    side_a: Side
+    side_b: Side
+    matcher: Matcher
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paired:
+    """Stage 2: the frozen plan, its open files, the settings and how much of B it covers."""
+
+    plan: Plan
+    workspace: Workspace
+    settings: dict[str, Any]
+    coverage: CoverageCount
+    tokens: TokenFindings | None  # --align tokens: the sequences' findings
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """Stage 3: every pair measured (no status yet), the routers that flipped, the baseline noise."""
+
+    results: list[Measured]
+    flips: list[Flip]
+    noise: dict[int, float] | None
+
+
+def load(options: DiffOptions) -> Loaded:
+    """Open both sides and choose the bridge (``--bridge``, else by the two manifests): when the
+    user gave no ``--align``, the bridge's own alignment applies (tokens for vLLM against HF), or
+    tokens when a side comes from an engine integration
+    (:func:`~tracedump.compare.pair.bridge.matcher_for`)."""
     side_a = open_side("A", options.a, options)
     side_b = open_side("B", options.b, options)
     matcher = with_grafted_inputs(matcher_for(options, side_a, side_b), side_a)
@@ -72,57 +107,93 @@ def build_report(options: DiffOptions) -> DiffReport:
     ):
         # a grafted A was fed the reference's inputs pass by pass: compared pass by pass
         options = replace(options, align=matcher.align)  # raises UsageError with --baseline and tokens
-    tokens: TokenFindings | None = None
+    return Loaded(options=options, side_a=side_a, side_b=side_b, matcher=matcher)
+
+
+def pair(loaded: Loaded) -> Paired:
+    """Plan every comparison from metadata alone: a unit per pass, or per sequence pair."""
+    options, side_a, side_b = loaded.options, loaded.side_a, loaded.side_b
     if options.align == "tokens":
         refuse_grafted_alignment(options)
-        plan, workspace, tokens = plan_tokens(options, side_a, side_b, matcher)
+        plan, workspace, tokens = plan_tokens(options, side_a, side_b, loaded.matcher)
         settings = report_settings(options)
-        coverage = tokens.coverage
-    else:
-        plan, workspace = build_plan(side_a, side_b, options, matcher)
-        plan = _cut_short_leftovers(plan, side_a, side_b)
-        if not plan.pairs:
-            workspace.close()
-            raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
-        settings = report_settings(options)
-        if options.unshard:
-            settings["unshard_applied"] = any(
-                len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups
-            )
-        coverage = _plan_coverage(plan, workspace, options)
+        return Paired(
+            plan=plan, workspace=workspace, settings=settings, coverage=tokens.coverage, tokens=tokens
+        )
+    plan, workspace = build_plan(side_a, side_b, options, loaded.matcher)
+    plan = _cut_short_leftovers(plan, side_a, side_b)
+    if not plan.pairs:
+        workspace.close()
+        raise UsageError(f"nothing to compare: {_why_nothing(plan, options)}")
+    settings = report_settings(options)
+    if options.unshard:
+        settings["unshard_applied"] = any(len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups)
+    coverage = _plan_coverage(plan, workspace, options)
+    return Paired(plan=plan, workspace=workspace, settings=settings, coverage=coverage, tokens=None)
+
+
+def begin_report(loaded: Loaded, paired: Paired) -> DiffReport:
+    """The report as pairing leaves it: the sides, the settings, the bridge, inputs that differ."""
+    side_a, side_b, plan, tokens = loaded.side_a, loaded.side_b, paired.plan, paired.tokens
+    settings = paired.settings
     settings["notes"] = side_notes(side_a) + side_notes(side_b)
     report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
-    report.bridge = bridge_summary(matcher)
-    report.ambiguous = ambiguous_modules(matcher)
+    report.bridge = bridge_summary(loaded.matcher)
+    report.ambiguous = ambiguous_modules(loaded.matcher)
     if tokens is None:
         report.inputs_differ = inputs_differ_by_pass(side_a, side_b, plan)
     else:
         report.inputs_differ, report.output_changed = tokens.inputs_differ, tokens.output_changed
+    return report
+
+
+def measure(loaded: Loaded, paired: Paired, report: DiffReport) -> Measurements:
+    """Read and measure every planned pair (a grafted A's shadow with it), then the baseline's
+    noise; what the baseline cannot line up is said in the report's notes."""
+    options, plan, workspace = loaded.options, paired.plan, paired.workspace
+    shadow = paired.tokens is None and bool(graft_infos(loaded.side_a))
     with progress_bar(plan, options.progress) as advance:
-        executor = Executor(plan, workspace, advance)
-        measured = executor.run()
-    report.flips = executor.flips
-    noise = None
-    if options.baseline is not None:
-        if isinstance(workspace, SequenceWorkspace):
-            noise = _baseline_noise_by_sequence(options, plan, workspace, measured, report)
-        else:
-            noise = _baseline_noise(options, side_b, measured, report)
-    report.results = judge_all(measured, noise)
-    if tokens is None:
-        report.results = judge_local(  # a grafted A: each module's own error, split by its fp32 shadow
-            report, side_a, side_b, lambda: measure_shadow(side_a, side_b, options, matcher)
-        )
+        executor = Executor(plan, workspace, advance, shadow=shadow)
+        results = executor.run()
+    noise = noise_of_baseline(options, plan, workspace, loaded.side_b, results, report)
+    return Measurements(results=results, flips=executor.flips, noise=noise)
+
+
+def judge(loaded: Loaded, paired: Paired, measured: Measurements, report: DiffReport) -> DiffReport:
+    """Every pair's status from its evidence, then the findings and the outcome (the exit code,
+    coverage and ``--min-coverage`` included)."""
+    options, tokens = loaded.options, paired.tokens
+    report.flips = measured.flips
+    if tokens is None:  # a grafted A: each module's own error, split by its fp32 shadow
+        report.results = judge_grafted(report, loaded.side_a, loaded.side_b, measured.results, measured.noise)
+    else:
+        report.results = judge_all(measured.results, measured.noise)
     report.unused_rules = [
         str(rule)
         for rule in (*options.rtol_rules, *options.atol_rules)
         if not any(rule.matches(r.name, r.name_b) for r in report.results)
     ]
-    report.coverage = coverage.finish(report.results)
-    findings = conclude(report, tokens.steps_of(plan) if tokens is not None else None)
+    report.coverage = paired.coverage.finish(report.results)
+    steps_of = tokens.steps_of(paired.plan) if tokens is not None else None
+    findings = conclude(report, steps_of, options.min_coverage)
     if tokens is not None:
         tokens.finish(report, findings)
-    return _covered(report, options)
+    return report
+
+
+def _why_nothing(plan: Plan, options: DiffOptions) -> str:
+    """Why a plan has no pair: no pass in common, or no name in common (and what may fix that)."""
+    if not plan.units:
+        return (
+            f"no pass is in both dumps (A: {short_list(plan.passes_only_in_a)}; "
+            f"B: {short_list(plan.passes_only_in_b)}); to compare passes of different indices, "
+            "give one pass file per side"
+        )
+    hint = " (--filter matched nothing?)" if options.filter else " (names differ: does A need --map?)"
+    return (
+        f"no tensor name of A is in B{hint}; "
+        f"{len(plan.only_in_a)} names only in A, {len(plan.only_in_b)} only in B"
+    )
 
 
 def _cut_short_leftovers(plan: Plan, side_a: Side, side_b: Side) -> Plan:
@@ -159,109 +230,6 @@ def _plan_coverage(plan: Plan, workspace: Workspace, options: DiffOptions) -> Co
     for index, pair in enumerate(plan.pairs):
         coverage.add_pair(index, plan.units[pair.unit].root or "", pair.b)
     return coverage
-
-
-def _covered(report: DiffReport, options: DiffOptions) -> DiffReport:
-    """Coverage enforced: nothing compared is exit 2; ``--min-coverage`` (compare/judge/coverage.py)."""
-    nothing_comparable(report)
-    enforce(report, options.min_coverage)
-    return report
-
-
-def _baseline_noise(
-    options: DiffOptions, side_b: Side, measured: list[TensorResult], report: DiffReport
-) -> dict[int, float] | None:
-    """``err(C, B)`` for each measured tensor pair of A and B, keyed by B's pass and name: the
-    baseline C is a rerun of the reference, so it pairs with B by B's names; names of C that are
-    not B's go through ``--map``, like A's."""
-    assert options.baseline is not None
-    tensor_pairs = [r for r in measured if r.metrics is not None and r.kind == "tensor"]
-    if not tensor_pairs:
-        report.notes.append("--baseline applies to tensor pairs; stats pairs keep their fixed rule")
-        return None
-    plain = replace(options, a=options.baseline, maps=(), filter=None, bridge="none")  # C reruns B: same tree
-    side_c = open_side("baseline", options.baseline, plain)
-    found = _noise_by_key(side_c, side_b, plain)
-    if options.maps:  # C's names that are not B's: as A's, through --map
-        mapped = replace(plain, maps=options.maps)
-        for key, value in _noise_by_key(side_c, side_b, mapped).items():
-            found.setdefault(key, value)
-    noise: dict[int, float] = {}
-    for result in tensor_pairs:
-        pass_b = result.pass_b if result.pass_b is not None else result.pass_index
-        value = found.get((pass_b, result.root, result.name_b), found.get((pass_b, None, result.name_b)))
-        if value is not None:
-            noise[result.index] = value[1] if result.tolerance.metric == "cosine" else value[0]
-    if not noise:
-        raise UsageError(
-            f"--baseline {options.baseline}: no tensor of it lines up with B "
-            "(is it a rerun of the reference? same passes, B's names or names --map turns into B's)"
-        )
-    missing = len(tensor_pairs) - len(noise)
-    if missing:
-        report.notes.append(
-            f"--baseline: {missing} of {len(tensor_pairs)} tensor pairs have no counterpart in "
-            f"{options.baseline}: judged by the error upstream instead"
-        )
-    return noise
-
-
-def _baseline_noise_by_sequence(
-    options: DiffOptions,
-    plan: Plan,
-    workspace: SequenceWorkspace,
-    measured: list[TensorResult],
-    report: DiffReport,
-) -> dict[int, float]:
-    """``--baseline C`` under ``--align tokens``: ``err(C, B)`` of each measured pair, on the rows
-    of the same positions of the sequence C's run pairs with B's (:func:`.pair.align.baseline_plan`),
-    measured by the same executor as A against B (a near-tie flip of C's routers included)."""
-    assert options.baseline is not None
-    side_c = open_side("baseline", options.baseline, options)
-    plan_c, workspace_c, origin = baseline_plan(plan, workspace, side_c)
-    try:
-        results_c = Executor(plan_c, workspace_c, per_token=False).run()
-    finally:
-        workspace_c.close()
-    with_metrics = {r.index for r in measured if r.metrics is not None}
-    noise: dict[int, float] = {}
-    for index, result in zip(origin, results_c, strict=True):
-        if result.metrics is None or index not in with_metrics:
-            continue
-        rel_diff, one_minus_cosine = _noise_of(result)
-        noise[index] = one_minus_cosine if measured[index].tolerance.metric == "cosine" else rel_diff
-    if with_metrics and not noise:
-        raise UsageError(
-            f"--baseline {options.baseline}: no tensor of it lines up with B by sequence "
-            "(is it a rerun of the reference? the same prompts, B's names)"
-        )
-    if len(noise) < len(with_metrics):
-        report.notes.append(
-            f"--baseline: {len(with_metrics) - len(noise)} of {len(with_metrics)} tensor pairs have no "
-            f"counterpart in {options.baseline}: judged by the error upstream instead"
-        )
-    return noise
-
-
-def _noise_by_key(
-    side_c: Side, side_b: Side, options: DiffOptions
-) -> dict[tuple[int, str | None, str], tuple[float, float]]:
-    """(rel_diff, 1 - cosine) of C against B, by (B's pass, root, B's name)."""
-    plan, workspace = build_plan(side_c, side_b, options)
-    return {
-        (r.pass_b if r.pass_b is not None else r.pass_index, r.root, r.name_b): _noise_of(r)
-        for r in Executor(plan, workspace, per_token=False).run()
-        if r.metrics is not None
-    }
-
-
-def _noise_of(result: TensorResult) -> tuple[float, float]:
-    """(rel_diff, 1 - cosine) of C against B; on the tokens C's routers routed alike where C flipped
-    at a near-tie (as A's error is measured where A flipped: the same tie flips the same tokens)."""
-    assert result.metrics is not None
-    if result.status == "routing_flip" and result.error is not None and result.absorbed is not None:
-        return result.error, result.error
-    return result.metrics.rel_diff, result.metrics.one_minus_cosine
 
 
 def write_json(report: DiffReport, target: str, doc: dict[str, Any] | None = None) -> None:

@@ -1,5 +1,5 @@
 """Typed output records of a diff, each with its JSON record (the ``--json`` model that writes them
-and its schema: :mod:`.report.schema`).
+and its schema: :mod:`tracedump.compare.report.schema`).
 
 Statuses of a tensor pair:
 
@@ -12,7 +12,7 @@ Statuses of a tensor pair:
   numeric statistic on both sides, a tensor whose data cannot be read);
 - ``routing_flip``: a MoE router sent some tokens to other experts at a near-tie of its top-k
   (within the run's noise): reported, not a divergence; tensors of that MoE block are then compared
-  on the tokens that kept their experts (:mod:`.measure.routing`);
+  on the tokens that kept their experts (:mod:`tracedump.compare.measure.routing`);
 - ``routing``: a tensor inside that MoE block that cannot line up once routing differs (the
   per-expert calls): not compared;
 - ``not_aligned``: with ``--align tokens``, a tensor whose rows of a sequence cannot be found on
@@ -21,20 +21,21 @@ Statuses of a tensor pair:
 - ``not_judged``: downstream of a near-tie routing flip, a tensor whose tokens may all have
   received a flipped token's value (through attention in a later layer), with no ``--baseline``
   and no graft to measure what that flip moves: measured, listed with the reason, never judged
-  (:attr:`TensorResult.after_flip`; :mod:`.judge.verdict`);
+  (:attr:`TensorResult.after_flip`; :mod:`tracedump.compare.judge.verdict`);
 - ``extra_op``: an op that one run ran and the other did not, inside a module both tapped with
-  ``OPS`` (:mod:`.pair.ops_align`): a divergence of its own, never measured;
+  ``OPS`` (:mod:`tracedump.compare.pair.ops_align`): a divergence of its own, never measured;
 - ``not_comparable``: one name, two module classes known to compute different quantities (the
   manifests' ``module_classes``: vLLM's ``SiluAndMul`` against HF's ``SiLUActivation``), and no
   bridge rule relates them: never measured, listed with both class names and the reason
-  (:func:`.pair.bridge.known_different`). A class difference alone is compared.
+  (:func:`~tracedump.compare.pair.bridge.known_different`). A class difference alone is compared.
 
 Each pair says how it was paired (``paired_by``: ``load``, ``name``, ``weights``, ``structure``,
 ``rule`` or ``map``; docs/comparator.md, "How two runs are paired").
 
 Every status but ``ok``, ``routing_flip``, ``routing``, ``not_aligned``, ``not_judged`` and ``not_comparable``
 makes the exit code 1; so do inputs that differ (:attr:`DiffReport.inputs_differ`). Those rules, the
-first divergence and the largest growth are decided in :func:`.judge.verdict.conclude`;
+first divergence and the largest growth are decided in :mod:`tracedump.compare.judge.verdict`
+(:func:`~tracedump.compare.judge.verdict.conclude`);
 this module holds what they decide, as :class:`Findings`.
 """
 
@@ -47,7 +48,9 @@ from typing import Any
 
 from ..errors import ExitCode
 from ..store.format import json_number
+from .judge.status import Status
 from .judge.tolerance import Tolerance
+from .measure.evidence import MEASURED, Evidence
 from .measure.metrics import TensorMetrics
 from .measure.stats import StatDelta
 from .pair.bridge import PAIRED_BY
@@ -105,8 +108,9 @@ class AfterFlip:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorResult:
-    """The verdict on one pair, with every measurement behind it."""
+class Measured:
+    """One pair as the measure stage leaves it: what was planned, what was measured, and the
+    :class:`.measure.evidence.Evidence` found beside the numbers; no status (the judge gives it)."""
 
     index: int
     pass_index: int  # A's pass
@@ -118,30 +122,23 @@ class TensorResult:
     shape_b: tuple[int, ...] | None
     dtype_a: str | None
     dtype_b: str | None
-    status: str
     tolerance: Tolerance
     metric: str  # the number judged: rel_diff | cosine (1 - cosine) | max_abs | exact | stats
-    error: float | None = None  # that number
-    threshold: float | None = None  # what it had to stay under
     metrics: TensorMetrics | None = None
     stats: dict[str, StatDelta] | None = None
     unshard_a: str | None = None
     unshard_b: str | None = None
-    message: str | None = None
-    noise: float | None = None  # err(C, B) of the --baseline run, when one was given
-    basis: str | None = None  # how the threshold was set: upstream | baseline | fixed
-    absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
     token_dim: int | None = None  # the dim per_token runs along
     per_token: tuple[float, ...] | None = None  # rel_diff of each token position
     positions: tuple[int, ...] | None = None  # --align tokens: the sequence position of each row
     pass_b: int | None = None  # B's pass (differs from A's when pass files are given)
-    level_before: str | None = None  # a container's own output: explained by the level before this tensor
     bridge: str | None = None  # how the bridge paired it ("split -1 (rule 4: qkv)"); None: by name
     paired_by: str | None = None  # what proves the pair (bridge.PAIRED_BY); None: an op pair (OPS)
     pairing: str | None = None  # what the pairing saw beside it: two classes, a weights finding
     after_flip: AfterFlip | None = None  # downstream of a near-tie flip, outside its MoE block
     # --align tokens: the sequence pair whose rows were compared (``seq 0``, ``seq 0 (B: 3)``)
     sequence: str | None = None
+    evidence: Evidence = field(default=MEASURED, compare=False, repr=False)  # for the judge only
 
     @property
     def label(self) -> str:
@@ -160,6 +157,31 @@ class TensorResult:
         """Stored dtypes differ (stats records' dtypes may be guesses, so they do not count)."""
         known = self.kind == "tensor" and self.dtype_a is not None and self.dtype_b is not None
         return known and self.dtype_a != self.dtype_b
+
+    @property
+    def worst_token(self) -> tuple[int, float] | None:
+        """(position, rel_diff) of the token with the largest error, if measured per token (with
+        ``--align tokens``, the sequence position; else the index along ``token_dim``)."""
+        if not self.per_token:
+            return None
+        row = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
+        return (self.positions[row] if self.positions else row), self.per_token[row]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorResult(Measured):
+    """The verdict on one pair (set by :func:`.judge.judge.judge` alone), with every measurement
+    behind it."""
+
+    status: Status
+    error: float | None = None  # the number judged
+    threshold: float | None = None  # what it had to stay under
+    message: str | None = None  # why it has its status (the judge's words), when there is more to say
+    noise: float | None = None  # err(C, B) of the --baseline run, when one was given
+    basis: str | None = None  # how the threshold was set: upstream | baseline | fixed | routing | local
+    absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
+    level_before: str | None = None  # a container's own output: explained by the level before this tensor
+    rule: str | None = None  # which rule of the judge decided (judge.judge.RULES); not in the JSON
 
     def to_json(self) -> dict[str, Any]:
         m = self.metrics
@@ -243,15 +265,6 @@ class TensorResult:
             return 0.0 if self.error == 0 else math.inf
         return self.error / self.noise
 
-    @property
-    def worst_token(self) -> tuple[int, float] | None:
-        """(position, rel_diff) of the token with the largest error, if measured per token (with
-        ``--align tokens``, the sequence position; else the index along ``token_dim``)."""
-        if not self.per_token:
-            return None
-        row = max(range(len(self.per_token)), key=lambda i: self.per_token[i])  # type: ignore[index]
-        return (self.positions[row] if self.positions else row), self.per_token[row]
-
 
 @dataclass(frozen=True)
 class Growth:
@@ -291,7 +304,8 @@ def _finding(result: TensorResult) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class FirstInTime:
-    """``--align tokens``: the diverged row computed earliest (:func:`.judge.verdict.first_in_time`)."""
+    """``--align tokens``: the diverged row computed earliest
+    (:func:`~tracedump.compare.judge.verdict.first_in_time`)."""
 
     result: TensorResult
     row: int  # the row of ``result``'s gathered rows
@@ -328,7 +342,7 @@ class ReachLayer:
 
 @dataclass(frozen=True, kw_only=True)
 class Reach:
-    """What a clean verdict could see (:func:`.judge.verdict.reach`)."""
+    """What a clean verdict could see (:func:`~tracedump.compare.judge.verdict.reach`)."""
 
     layers: tuple[ReachLayer, ...]
     warn: float  # above this relative error a layer's reach is said to be short, with a rerun
@@ -349,7 +363,7 @@ class Reach:
 
 @dataclass(frozen=True, kw_only=True)
 class Findings:
-    """What :func:`.judge.verdict.conclude` decided of a report's judged results."""
+    """What :func:`~tracedump.compare.judge.verdict.conclude` decided of a report's judged results."""
 
     first_divergence: TensorResult | None  # None when the inputs differ: no module is to blame
     largest_growth: Growth | None
@@ -386,7 +400,8 @@ class DiffReport:
 
     @property
     def concluded(self) -> Findings:
-        """The verdict's findings; a report is read only after :func:`.judge.verdict.conclude`."""
+        """The verdict's findings; a report is read only after
+        :func:`~tracedump.compare.judge.verdict.conclude`."""
         if self.findings is None:
             raise RuntimeError("the report has no findings yet: verdict.conclude(report) decides them")
         return self.findings
@@ -402,14 +417,15 @@ class DiffReport:
     @property
     def look_inside(self) -> str | None:
         """The rerun that shows the ops inside a module-level first divergence
-        (``TRACEDUMP_DUMP_OPS='^model\\.layers\\.2\\.mlp$'``, :func:`.pair.ops_align.suggest_ops`); None
+        (``TRACEDUMP_DUMP_OPS='^model\\.layers\\.2\\.mlp$'``,
+        :func:`~tracedump.compare.pair.ops_align.suggest_ops`); None
         when there is none, or it is an op already."""
         first = self.first_divergence
         if first is None:
             return None
         return suggest_ops(first.name, {r.name: None for r in self.results})
 
-    def count(self, status: str) -> int:
+    def count(self, status: Status) -> int:
         return sum(1 for r in self.results if r.status == status)
 
     @property
@@ -425,7 +441,7 @@ class DiffReport:
         """Tensors measured but not judged (``not_judged``), counted by why."""
         counts: dict[str, int] = {}
         for r in self.results:
-            if r.status == "not_judged":
+            if r.status is Status.NOT_JUDGED:
                 reason = r.after_flip.reason() if r.after_flip is not None else (r.message or "not judged")
                 counts[reason] = counts.get(reason, 0) + 1
         return counts
@@ -433,7 +449,7 @@ class DiffReport:
     @property
     def judged(self) -> int:
         """Pairs the verdict judged (a number against a threshold): compared, less not judged."""
-        return sum(1 for r in self.results if r.error is not None and r.status != "not_judged")
+        return sum(1 for r in self.results if r.error is not None and r.status is not Status.NOT_JUDGED)
 
     def paired_by_counts(self) -> dict[str, int]:
         """Pairs counted by what proves them (``name``, ``weights``, ...), strongest first."""
@@ -459,17 +475,19 @@ class DiffReport:
             "compared": self.compared,
             "judged": self.judged,
             "not_judged": self.not_judged_by_reason(),
-            "not_compared": sum(1 for r in self.results if r.error is None and r.status != "not_judged"),
-            "ok": self.count("ok"),
-            "diverged": self.count("diverged"),
-            "shape_mismatch": self.count("shape_mismatch"),
-            "rank_mismatch": self.count("rank_mismatch"),
-            "errors": self.count("error"),
-            "extra_ops": self.count("extra_op"),
+            "not_compared": sum(
+                1 for r in self.results if r.error is None and r.status is not Status.NOT_JUDGED
+            ),
+            "ok": self.count(Status.OK),
+            "diverged": self.count(Status.DIVERGED),
+            "shape_mismatch": self.count(Status.SHAPE_MISMATCH),
+            "rank_mismatch": self.count(Status.RANK_MISMATCH),
+            "errors": self.count(Status.ERROR),
+            "extra_ops": self.count(Status.EXTRA_OP),
             "routing_flips": [flip.to_json() for flip in self.flips],
-            "not_compared_routing": self.count("routing"),
-            "not_aligned": self.count("not_aligned"),
-            "not_comparable": self.count("not_comparable"),
+            "not_compared_routing": self.count(Status.ROUTING),
+            "not_aligned": self.count(Status.NOT_ALIGNED),
+            "not_comparable": self.count(Status.NOT_COMPARABLE),
             "bridged": sum(1 for r in self.results if r.bridge is not None),
             "bridge": self.bridge,
             "paired_by": self.paired_by_counts(),
@@ -502,14 +520,15 @@ class DiffReport:
         if self.first_divergence is not None:
             return f"first divergence: {self.first_divergence.label}"
         if self.exit_code != 0:
-            return "diverged"
+            return "diverged"  # the verdict line's word, not a status
         unjudged = sum(self.not_judged_by_reason().values())
         return f"no divergence among the {self.judged} judged tensors" + (
             f"; {unjudged} not judged" if unjudged else ""
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` document, written by its typed model (:func:`.report.schema.written`)."""
+        """The ``--json`` document, written by its typed model
+        (:func:`~tracedump.compare.report.schema.written`)."""
         from .report.schema import written
 
         return written(self.records())

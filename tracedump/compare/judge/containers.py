@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...store.format import Key
-from ..results import TensorResult
+from ..results import Measured
 
 
 def _key(name: str) -> Key | None:
@@ -46,11 +46,11 @@ def _key(name: str) -> Key | None:
         return None
 
 
-def _fingerprint(result: TensorResult) -> tuple[object, ...] | None:
+def _fingerprint(result: Measured) -> tuple[object, ...] | None:
     """Identical for a tensor and its copy: shape and every measured figure (None if unmeasured or
     exactly equal, where a fingerprint would match every exact tensor of that shape)."""
     m = result.metrics
-    if m is None or result.status != "measured" or m.max_abs == 0:
+    if m is None or not result.evidence.plain or m.max_abs == 0:
         return None
     return (result.shape_a, result.dtype_a, m.rel_diff, m.max_abs, m.mean_abs, m.argmax, m.numel)
 
@@ -88,7 +88,7 @@ def _call_start(keys: Sequence[Key | None], at: int) -> tuple[int, int | None, i
     return first_output, last_child, start
 
 
-def anchors(results: Sequence[TensorResult]) -> list[int]:
+def anchors(results: Sequence[Measured]) -> list[int]:
     """For each result, the position (in ``results``) whose running level explains it; see the
     module doc. Positions are within the same root and pass (a walk stops at their edges)."""
     out = list(range(len(results)))
@@ -122,11 +122,11 @@ def anchors(results: Sequence[TensorResult]) -> list[int]:
 
 
 def _copied_child(
-    results: Sequence[TensorResult],
+    results: Sequence[Measured],
     segment: Sequence[int],
     keys: Sequence[Key | None],
     candidates: range,
-    result: TensorResult,
+    result: Measured,
 ) -> int | None:
     """The latest child output in ``candidates`` (segment positions) that ``result`` is a copy of."""
     mark = _fingerprint(result)

@@ -17,20 +17,21 @@ held to) and how many of them took part in a comparison whose values were measur
 
 Nothing compared (and no failure, no input difference to report) is exit 2, "nothing comparable",
 with the reason (:func:`nothing_comparable`). Below :data:`LOW` of the reference the summary says
-so; ``--min-coverage FRACTION`` makes a lower coverage exit 2 (:func:`enforce`) where the diff would
-otherwise pass.
+so; ``--min-coverage FRACTION`` makes a lower coverage exit 2 (:func:`below_minimum`) where the diff
+would otherwise pass. Both are inputs of the outcome (:func:`.verdict.outcome`), not a rewrite of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from ...errors import ExitCode, UsageError
+from ...errors import UsageError
 from ..pair.unshard import SideEntry
 from ..results import DiffReport, TensorResult
+from .status import Status
 
 LOW = Fraction(1, 2)  # below this fraction of the reference compared, the summary says so
 
@@ -112,16 +113,17 @@ def warnings(coverage: Mapping[str, Any]) -> list[str]:
 
 
 def nothing_comparable(report: DiffReport) -> None:
-    """Exit 2 when nothing was measured and there is no failure or input difference to report:
-    "no divergence" over zero tensors is not a verdict."""
-    if report.compared or report.inputs_differ or report.exit_code != ExitCode.OK:
+    """Exit 2 when nothing was measured and there is no input difference to report: "no
+    divergence" over zero tensors is not a verdict (called by :func:`.verdict.outcome` for a diff
+    that found no failure)."""
+    if report.compared or report.inputs_differ:
         return
     reasons: list[str] = []
-    for status, what in (("not_comparable", "not comparable"), ("not_aligned", "without token rows")):
-        found = [r for r in report.results if r.status == status]
+    for status in (Status.NOT_COMPARABLE, Status.NOT_ALIGNED):
+        found = [r for r in report.results if r.status is status]
         if found:
             example = f"{found[0].label}: {(found[0].message or '').split(':', 1)[0]}"
-            reasons.append(f"{len(found)} pairs {what} (e.g. {example})")
+            reasons.append(f"{len(found)} pairs {_NOT_MEASURED[status]} (e.g. {example})")
     for which, items in (("A", report.plan.only_in_a), ("B", report.plan.only_in_b)):
         if items:
             reasons.append(f"{len(items)} tensors only in {which}")
@@ -129,15 +131,15 @@ def nothing_comparable(report: DiffReport) -> None:
     raise UsageError(f"nothing comparable: no tensor's values were compared ({why})")
 
 
-def enforce(report: DiffReport, min_coverage: float | None) -> None:
-    """``--min-coverage``: a diff that would pass but compared less than the fraction exits 2 (a
-    divergence found in what was compared keeps exit 1: it is the more specific answer)."""
-    coverage = report.coverage
-    if min_coverage is None or coverage is None or report.exit_code != ExitCode.OK:
-        return
-    if _fraction_of(coverage) < Fraction(repr(min_coverage)):  # the decimal as typed, exactly
-        report.notes.append(
-            f"coverage {percent(coverage)} % ({coverage['compared']} of {coverage['reference']}) "
-            f"is below --min-coverage {min_coverage!r}: exit 2"
-        )
-        report.findings = replace(report.concluded, exit_code=ExitCode.USAGE)
+_NOT_MEASURED = {Status.NOT_COMPARABLE: "not comparable", Status.NOT_ALIGNED: "without token rows"}
+
+
+def below_minimum(coverage: Mapping[str, Any], min_coverage: float | None) -> str | None:
+    """``--min-coverage``: the note that makes a diff that would pass exit 2, when it compared less
+    than the fraction (None when it did not, or none was asked for)."""
+    if min_coverage is None or _fraction_of(coverage) >= Fraction(repr(min_coverage)):  # the decimal as typed
+        return None
+    return (
+        f"coverage {percent(coverage)} % ({coverage['compared']} of {coverage['reference']}) "
+        f"is below --min-coverage {min_coverage!r}: exit 2"
+    )

@@ -14,21 +14,21 @@ dtype, the weights held at that dtype, its output's own rounding. Inside a graft
 decoder layer, its leaves running on the layer's own values) each tensor may carry what the
 ``ops`` leaves of the level that ran before it (its own included, counted in execution order) each
 added, up to the level's most; the level's own grafted inputs are one cast. The constants are
-calibrated by ``benchmarks/calibrate_graft.py`` (docs/comparator.md); they, the allowance and the
-status it gives live in :mod:`.verdict` (:func:`.verdict.local_allowance_of`,
-:func:`.verdict.judge_locally`). Here: which tensors are local (the manifest's graft record, the
-leaves run so far in each grafted level), and what the report says of the graft.
+calibrated by ``benchmarks/calibrate_graft.py`` (docs/comparator.md); they live in
+:mod:`.allowance`, and the status they give is set by :func:`.judge.judge` like every other. Here:
+which tensors are local (the manifest's graft record, the leaves run so far in each grafted level),
+the local evidence handed to the judge (:class:`GraftJudging`), and what the report says of the
+graft.
 
 Tensors *inside* a grafted module are local to it: they depend on nothing but its grafted input.
 Everything else (modules outside every graft, calls that were not grafted, with the reason from
-the manifest) keeps the propagated verdict of :mod:`.verdict`, unchanged. This module only adds
-to a report that :mod:`.verdict` judged; it changes nothing for a dump that was not grafted.
+the manifest) keeps the propagated verdict, unchanged; nothing changes for a dump that was not
+grafted.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -36,23 +36,14 @@ from typing import Any
 from ...errors import UsageError
 from ...store.format import Key
 from ..load.sources import Side, open_side
-from ..measure.shadow import ShadowKey, ShadowMeasure
+from ..measure.shadow import ShadowMeasure
 from ..options import DiffOptions
 from ..pair.bridge import Matcher
 from ..pair.bridge_rules import parse_bridge
-from ..results import DiffReport, TensorResult
-from .verdict import (
-    K_LEAF,
-    K_LEVEL,
-    K_OP,
-    K_WEIGHTS,
-    ROUNDING_HEADROOM,
-    judge_locally,
-    judge_with_shadow,
-    local_allowance_of,
-    local_judgeable,
-    shadow_parts,
-)
+from ..results import DiffReport, Measured, TensorResult
+from .allowance import K_LEAF, K_LEVEL, K_OP, K_WEIGHTS, ROUNDING_HEADROOM, local_allowance_of, shadow_parts
+from .judge import LocalEvidence, usable_shadow
+from .verdict import judge_all
 
 LEAVES = "leaves"
 ZERO_FED, KEPT_OWN = "0", "own"  # graft.fed_inputs: zeros, the run's own value (dump/graft_feed.py)
@@ -221,42 +212,43 @@ def refuse_grafted_alignment(options: DiffOptions) -> None:
 # ------------------------------------------------------------------------------------ judging
 
 
-def judge_local(
+def judge_grafted(
     report: DiffReport,
     side_a: Side,
     side_b: Side,
-    shadow: Callable[[], dict[ShadowKey, ShadowMeasure]] | None = None,
+    measured: list[Measured],
+    noise: dict[int, float] | None = None,
 ) -> list[TensorResult]:
-    """The report's results with every grafted tensor of A judged by its local error; unchanged
-    when A was not grafted. Adds the graft to the report's settings and notes. ``shadow``: measures
-    A's fp32 shadow (:func:`..measure.shadow.measure_shadow`), called only when A was grafted."""
+    """Every pair judged (:func:`.verdict.judge_all`), each grafted tensor of A with its local
+    evidence; as any diff when A was not grafted. Adds the graft to the report's settings and
+    notes, and says which shadows could not be read."""
     infos = graft_infos(side_a)
     if graft_infos(side_b):
         report.notes.append(
             "B is a grafted dump: a grafted run is judged as A, against the dump it was grafted from"
         )
     if not infos:
-        return report.results
-    single = next(iter(infos.values())) if len(infos) == 1 else None
+        return judge_all(measured, noise)
     report.settings["graft"] = {label: _describe(info) for label, info in infos.items()}
     for info in infos.values():
         _check_source(report, info, side_b)
-    judged = []
-    depth = _Depth()
-    flipped_in = _flipped_in(report.results, infos, single)
-    shadows = _Shadows(shadow() if shadow is not None else {})
-    for result in report.results:
-        info = infos.get(result.root or "", single) if result.root is not None else single
-        judged.append(
-            _judge(result, info, depth, flipped_in, shadows) if info is not None else _as_local(result, False)
-        )
+    graft = GraftJudging(infos, measured)
+    judged = judge_all(measured, noise, graft)
     _summarise(report, judged, infos)
-    if shadows.measures:
+    if graft.shadows_present:
+        used = sum(1 for r in judged if r.rule == "shadow")
+        counted = sum(1 for r in judged if r.rule == "local")
         report.notes.append(
-            f"fp32 shadow: {shadows.used} tensors judged by their shadow (logic: the shadow against the "
+            f"fp32 shadow: {used} tensors judged by their shadow (logic: the shadow against the "
             f"reference, within {K_WEIGHTS:g}x the weights' measured rounding; rounding: the run against "
-            f"its shadow, within {ROUNDING_HEADROOM:g}x the counting rule), {shadows.counted} by the "
+            f"its shadow, within {ROUNDING_HEADROOM:g}x the counting rule), {counted} by the "
             "counting rule (no shadow, or a near-tie routing flip)"
+        )
+    unread = [m for m in measured if m.evidence.shadow_failure is not None]
+    if unread:
+        report.notes.append(
+            f"fp32 shadow: {len(unread)} tensors' shadows could not be read, judged by the counting rule "
+            f"(first: {unread[0].label}: {unread[0].evidence.shadow_failure})"
         )
     return judged
 
@@ -291,11 +283,6 @@ def _same(a: Path, b: Path) -> bool:
         return False
 
 
-def _as_local(result: TensorResult, local: bool, **extra: Any) -> LocalResult:
-    values = {f.name: getattr(result, f.name) for f in fields(TensorResult)}
-    return LocalResult(**values, local=local, **extra)
-
-
 class _Depth:
     """How many leaves of each grafted level have run by each tensor, counted in execution order
     (A's capture order) over the leaf outputs dumped; unknown (None) when the run did not dump every
@@ -304,7 +291,7 @@ class _Depth:
     def __init__(self) -> None:
         self.ran: dict[tuple[int, str | None, str], set[str]] = {}
 
-    def after(self, result: TensorResult, key: Key, owner: str, info: GraftInfo) -> int | None:
+    def after(self, result: Measured, key: Key, owner: str, info: GraftInfo) -> int | None:
         if not key.input:  # a leaf's output: one more op run in every grafted level it lies in
             for container, leaves in info.inner.items():
                 if key.module in leaves:
@@ -314,22 +301,6 @@ class _Depth:
         if not leaves or not leaves <= info.dumped:
             return None
         return len(self.ran.get((result.pass_index, result.root, owner), ()))
-
-
-def _flipped_in(
-    results: list[TensorResult], infos: dict[str, GraftInfo], single: GraftInfo | None
-) -> dict[tuple[int, str | None, str | None], int]:
-    """(pass, root, grafted module) -> the index of its first near-tie routing flip (the router's
-    indices' own result: ``routing_flip``, basis ``routing``); None as the module: outside every
-    graft. A flip's consequence reaches only what runs after it on its values: inside that grafted
-    module, after the router; every other grafted module ran on the reference's inputs."""
-    found: dict[tuple[int, str | None, str | None], int] = {}
-    for r in results:
-        if r.status == "routing_flip" and r.basis == "routing":
-            info = infos.get(r.root or "", single) if r.root is not None else single
-            owner = info.owner(Key.parse(r.name).module) if info is not None else None
-            found.setdefault((r.pass_index, r.root, owner), r.index)
-    return found
 
 
 _COMBINED = re.compile(r"^cat\((.*), dim=-?\d+\)$")
@@ -345,95 +316,134 @@ def a_key(name: str) -> Key | None:
     return keys[0] if all(k.module == keys[0].module and k.input == keys[0].input for k in keys) else None
 
 
-class _Shadows:
-    """The shadow's measures, and where the shadow routed otherwise than the reference (a
+@dataclass(frozen=True)
+class _Place:
+    """Where a result of A lies in the graft: the grafted module, and why its call was not grafted."""
+
+    local: bool
+    grafted_at: str | None = None
+    not_grafted: str | None = None
+
+
+_OUTSIDE = _Place(local=False)
+
+
+class GraftJudging:
+    """A grafted A's local evidence, pair by pair in execution order (:class:`.judge.LocalJudging`),
+    and each result labelled with where it lies in the graft (:class:`LocalResult`).
+
+    Walked in execution order because two facts build up along it: how many leaves of each grafted
+    level have run (:class:`_Depth`), and where the shadow routed otherwise than the reference (a
     near-tie: from there on in that grafted module the shadow is not the reference's computation)."""
 
-    def __init__(self, measures: dict[ShadowKey, ShadowMeasure]) -> None:
-        self.measures = measures
+    def __init__(self, infos: dict[str, GraftInfo], measured: list[Measured]) -> None:
+        self.infos = infos
+        self.single = next(iter(infos.values())) if len(infos) == 1 else None
+        self.depth = _Depth()
+        self.flipped_in = self._flipped_in(measured)
         self.routed_otherwise: set[tuple[int, str | None, str]] = set()
-        self.used = 0
-        self.counted = 0
+        self.shadows_present = any(
+            m.evidence.shadow is not None or m.evidence.shadow_failure is not None for m in measured
+        )
+        self.places: dict[int, _Place] = {}
 
-    def see(self, result: TensorResult, owner: str) -> None:
-        """Every result of a grafted module, in execution order, judged locally or not (a router's
-        integer top-k is judged exactly, by its own rule): where the shadow's top-k differs from
-        the reference's, the rest of that grafted module is not the reference's computation."""
-        measure = self.measures.get((result.pass_index, result.root, result.name))
-        if measure is not None and measure.routed_otherwise:
+    def _info(self, result: Measured) -> GraftInfo | None:
+        return self.infos.get(result.root or "", self.single) if result.root is not None else self.single
+
+    def _flipped_in(self, measured: list[Measured]) -> dict[tuple[int, str | None, str | None], int]:
+        """(pass, root, grafted module) -> the index of its first near-tie routing flip (a router's
+        own indices); None as the module: outside every graft. A flip's consequence reaches only
+        what runs after it on its values: inside that grafted module, after the router; every
+        other grafted module ran on the reference's inputs."""
+        found: dict[tuple[int, str | None, str | None], int] = {}
+        for m in measured:
+            router = m.evidence.router
+            if router is not None and router.near_tie:
+                info = self._info(m)
+                owner = info.owner(Key.parse(m.name).module) if info is not None else None
+                found.setdefault((m.pass_index, m.root, owner), m.index)
+        return found
+
+    def labelled(self, result: TensorResult) -> LocalResult:
+        place = self.places.get(result.index, _OUTSIDE)
+        values = {f.name: getattr(result, f.name) for f in fields(TensorResult)}
+        return LocalResult(
+            **values, local=place.local, grafted_at=place.grafted_at, not_grafted=place.not_grafted
+        )
+
+    def evidence(self, result: Measured) -> LocalEvidence | None:
+        info = self._info(result)
+        if info is None:
+            return None
+        key = a_key(result.name)
+        owner = info.owner(key.module) if key is not None else None
+        if key is None or owner is None:
+            return None
+        shadow = result.evidence.shadow
+        if shadow is not None and shadow.routed_otherwise:
             self.routed_otherwise.add((result.pass_index, result.root, owner))
+        ops = self.depth.after(result, key, owner, info)
+        call = key.call if key.module == owner else None
+        why = info.why_not(owner, result.pass_index, call)
+        if why is not None:
+            self.places[result.index] = _Place(local=False, grafted_at=owner, not_grafted=why)
+            return None
+        self.places[result.index] = _Place(local=True, grafted_at=owner)
+        leaf = info.is_leaf_level and key.module == owner and owner not in info.containers
+        allowance = local_allowance_of(
+            result, leaf=leaf, own_input=key.module == owner and key.input, ops=ops
+        )
+        what = owner if key.module == owner else f"{owner} (which {key.module} is inside)"
+        how = (
+            "a grafted leaf"
+            if leaf
+            else f"a grafted level, {ops if ops is not None else '?'} of its leaves run"
+        )
+        tail = allowance.tail
+        source = (
+            f"local error: what {what} alone may add at {result.tolerance.precision} run precision "
+            f"({allowance.roundings * tail:.3g} u^2, {how}"
+            + (f", x{tail:.3g} for {allowance.elements} elements" if tail > 1 else "")
+            + ")"
+        )
+        first_flip = self.flipped_in.get((result.pass_index, result.root, owner))
+        usable, unused = self._shadow_of(result, owner)
+        parts = shadow_source = None
+        if usable is not None:
+            assert usable.logic is not None and usable.rounding is not None and usable.weights is not None
+            parts = shadow_parts(result, allowance, usable.logic, usable.rounding, usable.weights)
+            shadow_source = (
+                f"local error: what {what} alone may add, split by its fp32 shadow: logic (the shadow vs "
+                "the reference) "
+                f"{parts.logic[0]:.3g} within {parts.logic[1]:.3g} ({K_WEIGHTS:g} x {parts.weights:.3g}, "
+                f"the weights' rounding measured on the shadow, + fp32's floor); rounding (the run vs its "
+                f"shadow) {parts.rounding[0]:.3g} within {parts.rounding[1]:.3g} ({ROUNDING_HEADROOM:g} x "
+                f"{allowance.roundings * tail:.3g} u^2 at {result.tolerance.precision}, {how})"
+            )
+        return LocalEvidence(
+            allowance=allowance,
+            source=source,
+            flip_inside=first_flip is not None and first_flip < result.index,
+            shadow=parts,
+            shadow_source=shadow_source,
+            shadow_unused=unused,
+            shadows_present=self.shadows_present,
+        )
 
-    def of(self, result: TensorResult, owner: str) -> tuple[ShadowMeasure | None, str | None]:
-        """(the measure to judge ``result`` by, or None; why not, when it has one it cannot use)."""
-        measure = self.measures.get((result.pass_index, result.root, result.name))
-        scope = (result.pass_index, result.root, owner)
+    def _shadow_of(self, result: Measured, owner: str) -> tuple[ShadowMeasure | None, str | None]:
+        """(the shadow measure that may judge ``result``, or None; why not, when it has one that
+        cannot): the judge still sets it aside where a near-tie flip reaches the tensor."""
+        found = result.evidence
+        if found.shadow_failure is not None:
+            return None, f"its shadow could not be read: {found.shadow_failure}"
+        measure = found.shadow
         if measure is not None and measure.unfit is not None:
             return None, measure.unfit
-        if measure is None or measure.logic is None or measure.rounding is None or measure.weights is None:
+        if not usable_shadow(measure):
             return None, None
-        if scope in self.routed_otherwise:
+        if (result.pass_index, result.root, owner) in self.routed_otherwise:
             return None, "its shadow routed otherwise at a near-tie earlier in the grafted module"
-        if result.status in ("routing_flip", "not_judged") or result.after_flip is not None:
-            return None, "a near-tie routing flip reaches it: the shadow's routing is its own"
         return measure, None
-
-
-def _judge(
-    result: TensorResult,
-    info: GraftInfo,
-    depth: _Depth,
-    flipped_in: dict[tuple[int, str | None, str | None], int] | None = None,
-    shadows: _Shadows | None = None,
-) -> LocalResult:
-    key = a_key(result.name)
-    owner = info.owner(key.module) if key is not None else None
-    if key is None or owner is None:
-        return _as_local(result, False)
-    if shadows is not None:
-        shadows.see(result, owner)
-    ops = depth.after(result, key, owner, info)
-    call = key.call if key.module == owner else None
-    why = info.why_not(owner, result.pass_index, call)
-    if why is not None:
-        return _as_local(result, False, grafted_at=owner, not_grafted=why)
-    if not local_judgeable(result):  # integers (exact), max_abs, a user's --rtol: their own rules stand
-        return _as_local(result, True, grafted_at=owner)
-    leaf = info.is_leaf_level and key.module == owner and owner not in info.containers
-    allowance = local_allowance_of(result, leaf=leaf, own_input=key.module == owner and key.input, ops=ops)
-    what = owner if key.module == owner else f"{owner} (which {key.module} is inside)"
-    how = (
-        "a grafted leaf" if leaf else f"a grafted level, {ops if ops is not None else '?'} of its leaves run"
-    )
-    tail = allowance.tail
-    source = (
-        f"local error: what {what} alone may add at {result.tolerance.precision} run precision "
-        f"({allowance.roundings * tail:.3g} u^2, {how}"
-        + (f", x{tail:.3g} for {allowance.elements} elements" if tail > 1 else "")
-        + ")"
-    )
-    first_flip = (flipped_in or {}).get((result.pass_index, result.root, owner))
-    flip_inside = first_flip is not None and first_flip < result.index
-    measure, why_not = shadows.of(result, owner) if shadows is not None else (None, None)
-    if measure is not None and not flip_inside:
-        assert measure.logic is not None and measure.rounding is not None and measure.weights is not None
-        assert shadows is not None
-        shadows.used += 1
-        parts = shadow_parts(result, allowance, measure.logic, measure.rounding, measure.weights)
-        shadow_source = (
-            f"local error: what {what} alone may add, split by its fp32 shadow: logic (the shadow vs "
-            "the reference) "
-            f"{parts.logic[0]:.3g} within {parts.logic[1]:.3g} ({K_WEIGHTS:g} x {parts.weights:.3g}, "
-            f"the weights' rounding measured on the shadow, + fp32's floor); rounding (the run vs its "
-            f"shadow) {parts.rounding[0]:.3g} within {parts.rounding[1]:.3g} ({ROUNDING_HEADROOM:g} x "
-            f"{allowance.roundings * tail:.3g} u^2 at {result.tolerance.precision}, {how})"
-        )
-        return _as_local(judge_with_shadow(result, parts, shadow_source), True, grafted_at=owner)
-    if shadows is not None and shadows.measures:
-        shadows.counted += 1
-        reason = why_not or "no shadow of this tensor"
-        source = f"{source[:-1]}; counting rule: {reason})"
-    judged = judge_locally(result, allowance, source, flip_inside=flip_inside)
-    return _as_local(judged, True, grafted_at=owner)
 
 
 def _summarise(report: DiffReport, judged: list[TensorResult], infos: dict[str, GraftInfo]) -> None:

@@ -4,7 +4,9 @@ Each status once, with what the terminal and the page print for it and whether i
 code 1. Kept once because copies of these lists in the table, the page and the JSON had
 drifted apart. A ``str`` enum: ``Status.OK == "ok"`` and
 ``json.dumps`` writes ``"ok"``, so the JSON's values stay exactly the strings they always were.
-Imports nothing (the comparator's hot path and ``tracedump ls`` never pay for it).
+The only module that holds a status's string: :func:`.judge.judge` is the only function that
+sets one (tests/test_status_literals.py checks both). Imports nothing (the comparator's hot path
+and ``tracedump ls`` never pay for it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from enum import Enum
 
 
 class Status(str, Enum):
-    """A tensor pair's verdict (docs/comparator.md; :mod:`..results` says what each means)."""
+    """A tensor pair's verdict (what each means: docs/comparator.md, :mod:`tracedump.compare.results`)."""
 
     OK = "ok"
     DIVERGED = "diverged"
@@ -37,8 +39,14 @@ class Status(str, Enum):
 
     @property
     def fails(self) -> bool:
-        """Whether a pair of this status makes the exit code 1 (decided in :mod:`.verdict`)."""
+        """Whether a pair of this status makes the exit code 1 (:func:`.verdict.exit_code`)."""
         return self in _FAILS
+
+    @property
+    def names_a_divergence(self) -> bool:
+        """Whether a pair of this status may be the first divergence: its values (or its ranks, or
+        its op) differ, as against a pair that could not be compared."""
+        return self in _DIVERGENCE
 
     @property
     def not_compared(self) -> bool:
@@ -62,6 +70,7 @@ _TEXT = {
 _FAILS = frozenset(
     {Status.DIVERGED, Status.SHAPE_MISMATCH, Status.RANK_MISMATCH, Status.ERROR, Status.EXTRA_OP}
 )
+_DIVERGENCE = frozenset({Status.DIVERGED, Status.RANK_MISMATCH, Status.EXTRA_OP})
 _NOT_COMPARED = (Status.SHAPE_MISMATCH, Status.ERROR, Status.ROUTING, Status.NOT_ALIGNED)
 
 

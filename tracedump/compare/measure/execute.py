@@ -1,9 +1,13 @@
-"""Execute stage: read each planned pair (one pair at a time), measure it, judge it.
+"""Execute stage: read each planned pair (one pair at a time) and measure it; never judge it.
 
-Both planners' plans run here: a pair of one pass reads its entries (:func:`..pair.unshard.assemble`);
+Both planners' plans run here: a pair of one pass reads its entries
+(:func:`~tracedump.compare.pair.unshard.assemble`);
 a pair of a sequence (``--align tokens``) gathers its rows over the steps that computed them
-(:meth:`..pair.plan.Workspace.gather`), tokens along dim 0. From there the two are measured alike:
-metrics, per-token errors, MoE routing flips and what they explain.
+(:meth:`~tracedump.compare.pair.plan.Workspace.gather`), tokens along dim 0. From there the two are measured
+alike:
+metrics, per-token errors, MoE routing flips and the tokens they leave alike, a grafted A's fp32
+shadow. What a pair showed beside its numbers is recorded as :class:`.evidence.Evidence`; the
+status is the judge's (:func:`tracedump.compare.judge.judge.judge`).
 
 Peak memory is a few chunks plus whatever a pair needs materialised: nothing for plain pass files
 (the arrays are views of the page cache), one joined tensor for ``--unshard cat``, a float64 sum
@@ -21,13 +25,14 @@ from ...errors import DumpReadError
 from ...store.dtypes import BY_NAME
 from ...store.format import Key
 from ...store.sequences import token_dim
+from ..judge.judge import fixed_rule
 from ..judge.tolerance import Tolerance, is_integer
-from ..judge.verdict import fixed_rule, flipped_block_rule, router_rule, stats_rule
 from ..load.reader import Stored
 from ..load.sources import PassView
 from ..pair.plan import PairPlan, Plan, Workspace
 from ..pair.unshard import SideEntry, assemble
-from ..results import AfterFlip, TensorResult
+from ..results import AfterFlip, Measured
+from .evidence import Evidence, KeptTokens, RouterFlip, StatsFound
 from .metrics import TensorMetrics, compare_arrays, compare_by_row, per_token_of
 from .routing import (
     Flip,
@@ -40,6 +45,7 @@ from .routing import (
     module_of,
     unaffected_tokens,
 )
+from .shadow import measure_shadow
 from .stats import compare_stats, numeric_stats, stats_of
 
 Progress = Callable[[int], None]  # called with the bytes just compared
@@ -53,9 +59,18 @@ class Executor:
     """Runs a plan pair by pair and returns the results in execution order."""
 
     def __init__(
-        self, plan: Plan, workspace: Workspace, progress: Progress | None = None, *, per_token: bool = True
+        self,
+        plan: Plan,
+        workspace: Workspace,
+        progress: Progress | None = None,
+        *,
+        per_token: bool = True,
+        shadow: bool = False,
     ) -> None:
+        """``shadow``: A is a grafted run; each of its tensors with a fp32 shadow (``shadow~KEY``)
+        has that shadow measured with it (:func:`.shadow.measure_shadow`)."""
         self.plan = plan
+        self.shadow = shadow
         self.workspace = workspace
         self.progress = progress
         self.per_token = per_token
@@ -72,8 +87,8 @@ class Executor:
         self._causal: bool | None = None
         self._one_sequence = False  # the unit is a sequence pair: its rows are one sequence's tokens
 
-    def run(self) -> list[TensorResult]:
-        results: list[TensorResult] = []
+    def run(self) -> list[Measured]:
+        results: list[Measured] = []
         current_unit = -1
         try:
             for pair in self.plan.pairs:
@@ -95,25 +110,41 @@ class Executor:
         self._causal = self.plan.units[unit].causal
         self._one_sequence = self.plan.units[unit].sequence is not None
 
-    def _one(self, index: int, pair: PairPlan) -> TensorResult:
+    def _one(self, index: int, pair: PairPlan) -> Measured:
         unit = self.plan.units[pair.unit]
         views_a, views_b = self.workspace.views[pair.unit]
         base = replace(_planned(index, unit.pass_a, unit.pass_b, unit.root, pair), sequence=unit.sequence)
         if pair.kind not in ("tensor", "stats"):
-            return replace(base, status=pair.kind, message=pair.message)
+            return _found(base, Evidence(unmeasured=pair.kind, note=pair.message))
         try:
             if pair.kind == "stats":
                 return self._stats_pair(base, pair, views_a, views_b)
             if pair.rows is not None:
                 return self._rows_pair(base, pair)
             stored = assemble(pair.a, views_a), assemble(pair.b, views_b)
-            return self._tensor_pair(base, pair, stored, views_a, views_b)
+            measured = self._tensor_pair(base, pair, stored, views_a, views_b)
         except DumpReadError:
             raise  # a tensor the diff cannot read: damaged input (exit 2), never a row
         except (ValueError, OSError, RuntimeError) as e:
-            return replace(base, status="error", message=f"{type(e).__name__}: {e}")
+            return _found(base, Evidence(failure=f"{type(e).__name__}: {e}", note=f"{type(e).__name__}: {e}"))
+        if self.shadow and any(view.shadow for view in views_a):
+            measured = self._with_shadow(measured, pair, views_a, views_b)
+        return measured
 
-    def _rows_pair(self, base: TensorResult, pair: PairPlan) -> TensorResult:
+    def _with_shadow(
+        self, measured: Measured, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
+    ) -> Measured:
+        """``measured`` with A's fp32 shadow of it, read as the pair was; a shadow that cannot be
+        read is said on the row (the tensor is then judged without it) and in the report's notes."""
+        try:
+            shadow = measure_shadow(pair, views_a, views_b)
+        except (ValueError, OSError, KeyError, RuntimeError) as e:  # DumpReadError too: not the tensor's
+            return _found(measured, replace(measured.evidence, shadow_failure=f"{type(e).__name__}: {e}"))
+        if shadow is None:
+            return measured
+        return _found(measured, replace(measured.evidence, shadow=shadow))
+
+    def _rows_pair(self, base: Measured, pair: PairPlan) -> Measured:
         """``--align tokens``: one sequence's rows of the pair, gathered over the steps that
         computed them, then measured as any tensor pair is (token rows along dim 0)."""
         (rows_a, dtype_a, why_a), (rows_b, dtype_b, why_b) = self.workspace.gather(pair)
@@ -127,20 +158,20 @@ class Executor:
         )
         if rows_a is None or rows_b is None:
             why = "; ".join(f"{side}: {text}" for side, text in (("A", why_a), ("B", why_b)) if text)
-            return replace(base, status="not_aligned", message=f"rows not compared: {why}")
+            return _found(base, Evidence(unaligned=True, note=f"rows not compared: {why}"))
         if rows_a.shape != rows_b.shape:
             message = f"per-token shapes {list(rows_a.shape[1:])} vs {list(rows_b.shape[1:])}"
-            return replace(base, status="shape_mismatch", message=message)
+            return _found(base, Evidence(shapes_differ=True, note=message))
         return self._tensor_pair(base, pair, (rows_a, rows_b), [], [])
 
     def _tensor_pair(
         self,
-        base: TensorResult,
+        base: Measured,
         pair: PairPlan,
         stored: tuple[Stored, Stored],
         views_a: list[PassView],
         views_b: list[PassView],
-    ) -> TensorResult:
+    ) -> Measured:
         stored_a, stored_b = stored
         want_max_b = pair.tolerance.metric == "max_abs"
         dim = 0 if pair.rows is not None else self._token_dim(stored_a.shape, stored_b.shape)
@@ -152,15 +183,8 @@ class Executor:
         for side, entry, views in (("A", pair.a, views_a), ("B", pair.b, views_b)):
             disagreement = _rank_disagreement(entry, views, pair.tolerance)
             if disagreement is not None:
-                error, threshold, _ = fixed_rule(metrics, pair.tolerance)
-                return replace(
-                    base,
-                    status="rank_mismatch",
-                    error=error,
-                    threshold=threshold,
-                    metrics=metrics,
-                    message=f"{side}: {disagreement}",
-                )
+                found = Evidence(rank_disagreement=disagreement, note=f"{side}: {disagreement}")
+                return _found(replace(base, metrics=metrics), found)
         if pair.tolerance.metric == "exact" and metrics.max_abs > 0:
             flipped = self._router_flip(base, pair, (stored_a, stored_b), metrics, views_a, views_b)
             if flipped is not None:
@@ -170,7 +194,7 @@ class Executor:
             flip = merged(covering, self._unit_flips)  # and the tokens earlier routers flipped
             inside = self._inside_flipped_block(base, flip, (stored_a, stored_b), metrics)
             earlier = [f for f in self._unit_flips[: self._unit_flips.index(covering)] if f.flipped]
-            if earlier and inside.status == "routing_flip":  # also downstream of an earlier router's flip
+            if earlier and inside.evidence.kept is not None:  # also downstream of an earlier router's flip
                 return self._with_unaffected(inside, flip, (stored_a, stored_b))
             return inside
         if self.per_token and self._tokens is None and not is_integer(pair.a.meta.dtype):
@@ -203,13 +227,13 @@ class Executor:
 
     def _after_flip(
         self,
-        base: TensorResult,
+        base: Measured,
         flip: Flip,
         stored: tuple[Stored, Stored],
         metrics: TensorMetrics,
         dim: int | None,
         per_token: tuple[float, ...] | None,
-    ) -> TensorResult:
+    ) -> Measured:
         """A tensor downstream of a near-tie flip in this pass, whose rows are the router's tokens:
         judged on the tokens that kept their experts (the flipped ones carry another expert's
         answer from there on), its whole error joining the level as the block's does."""
@@ -218,10 +242,9 @@ class Executor:
         result = _on_kept_tokens(base, flip, (kept_a, kept_b), metrics, token_dim=dim, per_token=per_token)
         return self._with_unaffected(result, flip, stored)
 
-    def _with_unaffected(
-        self, result: TensorResult, flip: Flip, stored: tuple[Stored, Stored]
-    ) -> TensorResult:
-        """``result`` with its :class:`..results.AfterFlip`: the error on the tokens ``flip``'s
+    def _with_unaffected(self, result: Measured, flip: Flip, stored: tuple[Stored, Stored]) -> Measured:
+        """``result`` with its :class:`~tracedump.compare.results.AfterFlip`: the error on the tokens
+        ``flip``'s
         consequence provably did not reach (none, when that cannot be shown)."""
         keep, why = unaffected_tokens(flip, self._sequence_length(flip.tokens), self._causal)
         error = None
@@ -274,13 +297,13 @@ class Executor:
 
     def _router_flip(
         self,
-        base: TensorResult,
+        base: Measured,
         pair: PairPlan,
         indices: tuple[Stored, Stored],
         metrics: TensorMetrics,
         views_a: list[PassView],
         views_b: list[PassView],
-    ) -> TensorResult | None:
+    ) -> Measured | None:
         shape = indices[0].shape if pair.rows is not None else pair.a.meta.shape  # gathered rows: theirs
         if not is_router_indices(shape, pair.a.meta.dtype, pair.b.meta.dtype):
             return None
@@ -295,16 +318,10 @@ class Executor:
         self.flips.append(flip)
         if flip.near_tie:  # not a divergence: the block's tensors are compared on the kept tokens
             self._unit_flips.append(flip)
-        status, error, threshold = router_rule(flip.near_tie, len(flip.flipped), metrics)
-        return replace(
-            base,
-            status=status,
-            error=error,
-            threshold=threshold,
-            metrics=metrics,
-            message=flip.message(),
-            basis="routing",
+        found = Evidence(
+            router=RouterFlip(near_tie=flip.near_tie, flipped=len(flip.flipped)), note=flip.message()
         )
+        return _found(replace(base, metrics=metrics), found)
 
     def _router_scores(
         self,
@@ -339,42 +356,32 @@ class Executor:
         return None
 
     def _inside_flipped_block(
-        self, base: TensorResult, flip: Flip, stored: tuple[Stored, Stored], metrics: TensorMetrics
-    ) -> TensorResult:
+        self, base: Measured, flip: Flip, stored: tuple[Stored, Stored], metrics: TensorMetrics
+    ) -> Measured:
         """A tensor of a MoE block whose router flipped at a near-tie: compared on the kept tokens."""
         kept_a, kept_b = kept_rows(stored[0], flip), kept_rows(stored[1], flip)
         if kept_a is None or kept_b is None:
-            return replace(
-                base,
-                status=flipped_block_rule(kept_tokens_readable=False),
-                metrics=metrics,
-                message=f"not compared: {flip.router} routed {len(flip.flipped)} tokens differently",
-            )
+            why = f"not compared: {flip.router} routed {len(flip.flipped)} tokens differently"
+            return _found(replace(base, metrics=metrics), Evidence(flipped_block=True, note=why))
         return _on_kept_tokens(base, flip, (kept_a, kept_b), metrics)
 
     def _stats_pair(
-        self, base: TensorResult, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
-    ) -> TensorResult:
+        self, base: Measured, pair: PairPlan, views_a: list[PassView], views_b: list[PassView]
+    ) -> Measured:
         stats_b_raw = _stats_or_none(pair.b, views_b)
         stats_a_raw = _stats_or_none(pair.a, views_a)
         recorded = [stats for stats in (stats_a_raw, stats_b_raw) if stats is not None]
         names = [name for name in recorded[0] if all(name in stats for stats in recorded)]
         if not names:
-            return replace(base, status="error", message=_no_common_stats(stats_a_raw, stats_b_raw))
+            why = _no_common_stats(stats_a_raw, stats_b_raw)
+            return _found(base, Evidence(failure=why, note=why))
         stats_a = stats_a_raw if stats_a_raw is not None else stats_of(assemble(pair.a, views_a), names)
         stats_b = stats_b_raw if stats_b_raw is not None else stats_of(assemble(pair.b, views_b), names)
         numel = _numel(pair.b.meta.shape) or _numel(pair.a.meta.shape)
         error, deltas = compare_stats(stats_a, stats_b, numel, pair.tolerance.atol)  # fixed rule
-        status, threshold = stats_rule(error, pair.tolerance)
-        worst = max(deltas, key=lambda n: deltas[n].rel_err) if deltas and status != "ok" else None
-        return replace(
-            base,
-            status=status,
-            error=error,
-            threshold=threshold,
-            stats=deltas,
-            message=f"{worst}: {deltas[worst].a:.6g} vs {deltas[worst].b:.6g}" if worst else None,
-        )
+        worst = max(deltas, key=lambda n: deltas[n].rel_err) if deltas else None
+        words = f"{worst}: {deltas[worst].a:.6g} vs {deltas[worst].b:.6g}" if worst else None
+        return _found(replace(base, stats=deltas), Evidence(stats=StatsFound(error=error, worst=words)))
 
 
 def _scores_shape(shape: tuple[int, ...] | None, tokens: int, k: int) -> bool:
@@ -428,32 +435,31 @@ def _element_bytes(dtype: str | None) -> int:
 
 
 def _on_kept_tokens(
-    base: TensorResult,
+    base: Measured,
     flip: Flip,
     kept: tuple[Any, Any],
     metrics: TensorMetrics,
     token_dim: int | None = None,
     per_token: tuple[float, ...] | None = None,
-) -> TensorResult:
-    """A tensor judged on the tokens ``flip``'s router routed alike: that error is the verdict's,
-    the whole tensor's (``metrics``) joins the level as absorbed."""
+) -> Measured:
+    """A tensor measured on the tokens ``flip``'s router routed alike: that error is the one to
+    judge, the whole tensor's (``metrics``) the flip's effect, which joins the level."""
     on_kept = compare_arrays(*kept)
-    return replace(
-        base,
-        status=flipped_block_rule(kept_tokens_readable=True),
-        error=on_kept.rel_diff,
-        metrics=metrics,
-        absorbed=metrics.rel_diff,
-        message=f"compared on the {kept[0].shape[0]} tokens {flip.router} routed alike",
-        token_dim=token_dim,
-        per_token=per_token,
+    found = Evidence(
+        kept=KeptTokens(error=on_kept.rel_diff, whole=metrics.rel_diff),
+        note=f"compared on the {kept[0].shape[0]} tokens {flip.router} routed alike",
     )
+    return _found(replace(base, metrics=metrics, token_dim=token_dim, per_token=per_token), found)
 
 
-def _planned(index: int, pass_a: int, pass_b: int | None, root: str | None, pair: PairPlan) -> TensorResult:
-    """The pair as planned, before anything is read: its names, shapes, dtypes and tolerance, with
-    the status ``measured`` that reading it then keeps or replaces (``dataclasses.replace``)."""
-    return TensorResult(
+def _found(measured: Measured, evidence: Evidence) -> Measured:
+    return replace(measured, evidence=evidence)
+
+
+def _planned(index: int, pass_a: int, pass_b: int | None, root: str | None, pair: PairPlan) -> Measured:
+    """The pair as planned, before anything is read: its names, shapes, dtypes and tolerance, which
+    reading it then completes (``dataclasses.replace``)."""
+    return Measured(
         index=index,
         pass_index=pass_a,
         pass_b=pass_b,
@@ -465,7 +471,6 @@ def _planned(index: int, pass_a: int, pass_b: int | None, root: str | None, pair
         shape_b=pair.b.meta.shape,
         dtype_a=pair.a.meta.dtype,
         dtype_b=pair.b.meta.dtype,
-        status="measured",
         tolerance=pair.tolerance,
         metric=pair.tolerance.metric,
         unshard_a=pair.a.how,

@@ -35,6 +35,7 @@ import numpy as np
 from ...store.dtypes import WIDER_THAN_FLOAT32
 from ...util.cpus import usable_cpus
 from ..load.reader import GatheredRows, Stored, widen
+from .rows import RowSums, finite_rows, per_token_from_rows, token_rel_diff
 
 try:  # the one-pass C sums (kernel.c); optional at install, the numpy path is the fallback
     from ...util import kernel
@@ -186,14 +187,6 @@ class _Claims:
         """No more chunks for anyone: the other threads finish the chunk they have, then return."""
         with self._lock:
             self._next = self._count
-
-
-@dataclass(frozen=True)
-class RowSums:
-    """Per row of the last dim: Σd² and Σ(a² + b²) over the positions finite on both sides."""
-
-    dd: np.ndarray  # float64, one per row
-    norm: np.ndarray
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -509,7 +502,7 @@ def _careful_rows(x64: np.ndarray, y64: np.ndarray, both: np.ndarray, start: int
     assert rows is not None
     shape = (x64.shape[0] // length, length)
     first = start // length
-    rows.dd[first : first + shape[0]], rows.norm[first : first + shape[0]] = _finite_rows(
+    rows.dd[first : first + shape[0]], rows.norm[first : first + shape[0]] = finite_rows(
         x64.reshape(shape), y64.reshape(shape), both.reshape(shape)
     )
 
@@ -575,7 +568,7 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = No
     reading, not judging, so fp32's 1e-7 relative error on it is immaterial; rows holding NaN/Inf
     are redone over their finite positions in float64."""
     if rows is not None:
-        return _per_token_from_rows(rows, a.shape, dim)
+        return per_token_from_rows(rows, a.shape, dim)
     tokens = a.shape[dim]
     moved_a, moved_b = np.moveaxis(a.array, dim, 0), np.moveaxis(b.array, dim, 0)
     per_row = max(1, math.prod(a.shape) // max(tokens, 1))
@@ -591,37 +584,7 @@ def per_token_rel_diff(a: Stored, b: Stored, dim: int, rows: RowSums | None = No
             rows_norm = (np.einsum("ij,ij->i", x, x) + np.einsum("ij,ij->i", y, y)).astype(np.float64)
             bad = ~(np.isfinite(rows_dd) & np.isfinite(rows_norm))
             if bad.any():
-                rows_dd[bad], rows_norm[bad] = _finite_rows(x[bad], y[bad])
+                rows_dd[bad], rows_norm[bad] = finite_rows(x[bad], y[bad])
             dd[start : start + len(rows_dd)] = rows_dd
             norm[start : start + len(rows_dd)] = rows_norm
     return token_rel_diff(dd, norm)
-
-
-def _per_token_from_rows(rows: RowSums, shape: tuple[int, ...], dim: int) -> tuple[float, ...]:
-    """Each token's rows added up, over every other dim (``dim`` is not the last dim)."""
-    per_row = shape[:-1]
-    others = tuple(axis for axis in range(len(per_row)) if axis != dim)
-    return token_rel_diff(
-        rows.dd.reshape(per_row).sum(axis=others), rows.norm.reshape(per_row).sum(axis=others)
-    )
-
-
-def token_rel_diff(dd: np.ndarray, norm: np.ndarray) -> tuple[float, ...]:
-    """rel_diff of each token from its Σd² and Σ(a² + b²): 1 where only the error is nonzero."""
-    empty = np.where(dd > 0, 1.0, 0.0)
-    with np.errstate(all="ignore"):  # an infinite sum gives inf or NaN for its token, not a warning
-        rel = np.divide(dd, norm, out=empty, where=norm > 0)
-    return tuple(rel.tolist())
-
-
-def _finite_rows(
-    x: np.ndarray, y: np.ndarray, both: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's Σd² and Σ(a² + b²) in float64 over its positions finite on both sides (``both``,
-    when the caller has it): NaN/Inf rows, and rows whose fp32 sums overflowed or underflowed."""
-    if both is None:
-        both = np.isfinite(x) & np.isfinite(y)
-    xz = np.where(both, np.asarray(x, dtype=np.float64), 0.0)
-    yz = np.where(both, np.asarray(y, dtype=np.float64), 0.0)
-    dz = xz - yz
-    return np.einsum("ij,ij->i", dz, dz), np.einsum("ij,ij->i", xz, xz) + np.einsum("ij,ij->i", yz, yz)

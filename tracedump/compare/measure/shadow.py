@@ -18,7 +18,10 @@ measures, with the pair's own pairing (bridge splits, unsharding, last-row cuts)
   ``shadow~KEY``) is not used, never compared element by element: the tensor is judged as if it
   had no shadow, by the counting rule, with this reason.
 
-The judging itself is :func:`..judge.verdict.judge_with_shadow`, called from :mod:`..judge.local`.
+Measured by the one executor (:mod:`.execute`), pair by pair, with the pair's own reading; a shadow
+that cannot be read is reported on its row and in the report's notes. The judging itself is
+:func:`tracedump.compare.judge.judge.judge` (the shadow's allowances:
+:mod:`tracedump.compare.judge.allowance`).
 """
 
 from __future__ import annotations
@@ -30,14 +33,10 @@ import numpy as np
 from ...store.dtypes import BY_NAME
 from ...store.format import SHADOW_NOISE_PREFIX, SHADOW_PREFIX
 from ..load.reader import Stored
-from ..load.sources import PassView, Side
-from ..options import DiffOptions
-from ..pair.bridge import Matcher
-from ..pair.plan import PairPlan, build_plan
+from ..load.sources import PassView
+from ..pair.plan import PairPlan
 from ..pair.unshard import SideEntry, assemble
 from .metrics import compare_arrays
-
-ShadowKey = tuple[int, str | None, str]  # (A's pass, root label, A's name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +96,9 @@ def _unfit(run: Stored, shadow: Stored) -> str | None:
     return None
 
 
-def _measure(pair: PairPlan, views_a: list[PassView], views_b: list[PassView]) -> ShadowMeasure | None:
+def measure_shadow(pair: PairPlan, views_a: list[PassView], views_b: list[PassView]) -> ShadowMeasure | None:
+    """The pair's A tensor against its shadow and the shadow against B; None when A holds no
+    shadow of it. Raises what reading raises: the executor reports it, never drops it."""
     if pair.kind != "tensor" or not _has(pair.a, SHADOW_PREFIX, views_a):
         return None
     shadow = assemble(_renamed(pair.a, SHADOW_PREFIX), views_a)
@@ -114,30 +115,3 @@ def _measure(pair: PairPlan, views_a: list[PassView], views_b: list[PassView]) -
         logic=_pair_of(compare_arrays(shadow, reference)),
         weights=_weights(pair.a, views_a),
     )
-
-
-def measure_shadow(
-    side_a: Side, side_b: Side, options: DiffOptions, matcher: Matcher | None
-) -> dict[ShadowKey, ShadowMeasure]:
-    """Every planned pair of A and B whose A tensor has a shadow, measured (an empty dict when A
-    holds none: a run grafted with ``GRAFT_SHADOW=0``, or before the shadow existed)."""
-    plan, workspace = build_plan(side_a, side_b, options, matcher)
-    found: dict[ShadowKey, ShadowMeasure] = {}
-    try:
-        by_unit: dict[int, list[PairPlan]] = {}
-        for pair in plan.pairs:
-            by_unit.setdefault(pair.unit, []).append(pair)
-        for index, unit in enumerate(plan.units):
-            views_a, views_b = workspace.views[index]
-            if any(view.shadow for view in views_a):
-                for pair in by_unit.get(index, []):
-                    try:
-                        measure = _measure(pair, views_a, views_b)
-                    except (ValueError, OSError, KeyError, RuntimeError):
-                        measure = None  # unreadable or mis-shaped shadow: the counting rule judges
-                    if measure is not None:
-                        found[(unit.pass_a, unit.root, pair.a.name)] = measure
-            workspace.close_unit(index)
-    finally:
-        workspace.close()
-    return found

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from ...store.format import Key
 from ..options import DiffOptions
+from .kinds import PairKind
 from .unshard import SideEntry
 
-EXTRA_OP = "extra_op"  # the status of an op present in one run only
+EXTRA_OP = PairKind.EXTRA_OP  # the kind of pair of an op present in one run only
 
 # Ops whose output holds memory they never wrote (uninitialised: whatever the allocator handed out,
 # or a resize's new elements): two identical runs differ there, so they are never compared.

@@ -22,15 +22,15 @@ from ..results import DiffReport, Growth, TensorResult
 
 STATUS_TEXT = {status.value: status.text for status in Status}  # the table's and the page's words
 _STATUS_STYLE = {  # ok rows keep the table's style
-    "diverged": "red",
-    "shape_mismatch": "yellow",
-    "rank_mismatch": "magenta",
-    "error": "yellow",
-    "routing_flip": "cyan",
-    "routing": "dim",
-    "not_aligned": "dim",
-    "not_comparable": "dim",
-    "extra_op": "red",
+    Status.DIVERGED: "red",
+    Status.SHAPE_MISMATCH: "yellow",
+    Status.RANK_MISMATCH: "magenta",
+    Status.ERROR: "yellow",
+    Status.ROUTING_FLIP: "cyan",
+    Status.ROUTING: "dim",
+    Status.NOT_ALIGNED: "dim",
+    Status.NOT_COMPARABLE: "dim",
+    Status.EXTRA_OP: "red",
 }
 _LISTED = 10  # names shown per "only in" line
 
@@ -68,7 +68,7 @@ def _worst_token(result: TensorResult) -> str:
 
 def _shape(result: TensorResult) -> str:
     a = list(result.shape_a) if result.shape_a is not None else "?"
-    if result.status == "shape_mismatch":
+    if result.status is Status.SHAPE_MISMATCH:
         b = list(result.shape_b) if result.shape_b is not None else "?"
         return f"{a} vs {b}"
     return str(a)
@@ -108,7 +108,7 @@ def _rows_to_show(report: DiffReport, max_rows: int) -> list[int]:
         wanted.extend(range(max(first.index - 2, 0), min(first.index + 2, len(results))))
     if growth is not None:
         wanted.append(growth.result.index)
-    wanted.extend(r.index for r in results if r.status != "ok")
+    wanted.extend(r.index for r in results if r.status is not Status.OK)
     by_error = sorted((r for r in results if r.error is not None), key=lambda r: -(r.error or 0.0))
     wanted.extend(r.index for r in by_error)
     return sorted(list(dict.fromkeys(wanted))[:max_rows])
@@ -334,7 +334,7 @@ def summary_lines(report: DiffReport) -> list[str]:
         )
     lines.extend(part for text in report.alignment_lines for part in text.split("\n"))
     lines.extend(f"note: {note}" for note in report.notes)
-    unaligned = [r for r in report.results if r.status == "not_aligned"]
+    unaligned = [r for r in report.results if r.status is Status.NOT_ALIGNED]
     if unaligned:
         lines.append(f"not aligned ({len(unaligned)}): {unaligned[0].label}: {unaligned[0].message}")
     for flip in report.flips:
@@ -348,11 +348,11 @@ def summary_lines(report: DiffReport) -> list[str]:
             f"{growth.ratio:.3g}x the largest error before it ({_num(growth.previous_max)})"
         )
     for result in report.results:
-        if result.status in ("shape_mismatch", "error") and result.message:
+        if result.status in (Status.SHAPE_MISMATCH, Status.ERROR) and result.message:
             lines.append(f"{STATUS_TEXT[result.status]}: {_where(result)}: {result.message}")
             break
     plan: Plan = report.plan
-    not_comparable = [r for r in report.results if r.status == "not_comparable"]
+    not_comparable = [r for r in report.results if r.status is Status.NOT_COMPARABLE]
     if not_comparable:
         lines.append(
             f"not comparable ({len(not_comparable)}): "
@@ -394,7 +394,7 @@ def _not_judged_lines(report: DiffReport) -> list[str]:
     """Tensors measured but not judged, by reason, with their first names."""
     by_reason: dict[str, list[TensorResult]] = {}
     for r in report.results:
-        if r.status == "not_judged":
+        if r.status is Status.NOT_JUDGED:
             reason = r.after_flip.reason() if r.after_flip is not None else (r.message or "not judged")
             by_reason.setdefault(reason, []).append(r)
     return [
@@ -417,7 +417,7 @@ def _basis(result: TensorResult) -> str:
 
 def _describe_error(result: TensorResult) -> str:
     metric = "1-cosine" if result.metric == "cosine" else result.metric
-    if result.error is None or result.status != "diverged":
+    if result.error is None or result.status is not Status.DIVERGED:
         return STATUS_TEXT.get(result.status, result.status)
     m = result.metrics
     if m is not None and m.nonfinite_mismatch and not result.error > (result.threshold or 0.0):

@@ -15,10 +15,11 @@ from pathlib import Path
 from ...errors import UsageError
 from ...store.fsio import write_output
 from ...util.console import printable
+from ..judge.status import Status
 from ..results import DiffReport
 
 MISSING_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install 'tracedump[plot]'"
-_COLOURS = {"ok": "tab:blue", "diverged": "tab:red", "rank_mismatch": "tab:purple"}
+_COLOURS = {Status.OK: "tab:blue", Status.DIVERGED: "tab:red", Status.RANK_MISMATCH: "tab:purple"}
 
 
 def check_available(path: Path | None = None) -> None:

@@ -1,6 +1,7 @@
 """What a report says of how it was made: its ``settings`` block and the bridge in use.
 
-Both ways of building a report, pass by pass (:mod:`..pipeline`) and by sequence (:mod:`..pair.align`,
+Both ways of building a report, pass by pass (:mod:`~tracedump.compare.pipeline`) and by sequence
+(:mod:`~tracedump.compare.pair.align`,
 ``--align tokens``), write the same header; it lives here so that neither imports the other.
 """
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...judge.status import status_text
+from ...judge.status import Status, status_text
 from . import limits
 from .limits import clip, clip_end, current, fmt, num, visible
 from .rows import Page, Row
@@ -32,7 +32,7 @@ LINE_COLOURS = (
     "#bcbd22",
     "#393b79",
 )
-_STATUS_FILL = {"diverged": "#d62728", "rank_mismatch": "#9467bd", "routing_flip": "#17becf"}
+_STATUS_FILL = {Status.DIVERGED: "#d62728", Status.RANK_MISMATCH: "#9467bd", Status.ROUTING_FLIP: "#17becf"}
 _W, _H = 1100, 380
 _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 28, 44
 
@@ -86,7 +86,7 @@ def _pick_units(page: Page, plotted: dict[int, list[Row]]) -> list[int]:
     if len(units) <= most:
         return units
     chosen = {page.row(page.first_index).unit} if page.first_index is not None else set()
-    failing = [u for u in units if u not in chosen and any(r.status != "ok" for r in plotted[u])]
+    failing = [u for u in units if u not in chosen and any(r.status != Status.OK for r in plotted[u])]
     chosen |= set(_spread(failing, most - len(chosen)))
     others = [u for u in units if u not in chosen]
     chosen |= set(_spread(others, most - len(chosen)))
@@ -111,7 +111,7 @@ def _decimate(rows: list[Row], budget: int, keep: set[int]) -> list[Row]:
         if chunk_errors:
             chosen.add(min(chunk_errors, key=lambda r: r.error or 0.0).position)
             chosen.add(max(chunk_errors, key=lambda r: r.error or 0.0).position)
-    chosen |= {r.position for r in rows if r.index in keep or r.status != "ok"}
+    chosen |= {r.position for r in rows if r.index in keep or r.status != Status.OK}
     return [r for r in rows if r.position in chosen]
 
 
@@ -190,7 +190,7 @@ def _line(page: Page, axis: _Axis, unit: int, rows: list[Row]) -> dict[str, Any]
                 "status": visible(r.status),
                 "x": axis.x(r.position),
                 "y": axis.y(r.error),
-                "r": 4 if r.status != "ok" else 2.2,
+                "r": 4 if r.status != Status.OK else 2.2,
                 "fill": _STATUS_FILL.get(r.status, colour),
                 "title": visible(_point_title(label, r)),
             }
@@ -290,7 +290,7 @@ def _heat_rows(page: Page) -> list[Row]:
     keep = {i for i in (page.first_index, page.growth_index) if i is not None}
     first_unit = page.row(page.first_index).unit if page.first_index is not None else None
     ranked = sorted(
-        rows, key=lambda r: (r.index not in keep, r.unit != first_unit, r.status == "ok", -worst(r))
+        rows, key=lambda r: (r.index not in keep, r.unit != first_unit, r.status == Status.OK, -worst(r))
     )
     chosen = {r.index for r in ranked[:heat_rows]}
     page.left_out.append(

@@ -8,7 +8,7 @@ from typing import Any
 
 from markupsafe import Markup
 
-from ...judge.status import status_text
+from ...judge.status import Status, status_text
 from ..display import dtype_text
 from .limits import current, fmt, num, visible
 from .rows import NOT_COMPARED, Page, html, link
@@ -78,7 +78,12 @@ def why(row: dict[str, Any], factor: object) -> list[tuple[str, str | Markup]]:
     error, threshold = num(row.get("error")), num(row.get("tolerance"))
     facts: list[tuple[str, str | Markup]] = []
     nonfinite = any(row.get(k) for k in ("nan_a", "nan_b", "inf_a", "inf_b"))
-    if row["status"] == "diverged" and error is not None and nonfinite and not error > (threshold or 0.0):
+    if (
+        row["status"] == Status.DIVERGED
+        and error is not None
+        and nonfinite
+        and not error > (threshold or 0.0)
+    ):
         # only the NaN/Inf pattern differs (as the terminal says): "rel_diff 0 > threshold" would be false
         facts.append(
             (
@@ -88,7 +93,7 @@ def why(row: dict[str, Any], factor: object) -> list[tuple[str, str | Markup]]:
             )
         )
         facts.append(("threshold from", visible(_basis(row, factor))))
-    elif row["status"] == "diverged" and error is not None:
+    elif row["status"] == Status.DIVERGED and error is not None:
         ratio = error / threshold if threshold else math.inf
         facts.append(("why", f"{metric} {fmt(error)} > threshold {fmt(threshold)} ({fmt(ratio)}×)"))
         facts.append(("threshold from", visible(_basis(row, factor))))

@@ -8,7 +8,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from ...judge.status import status_text
+from ...judge.status import Status, status_text
 from .limits import clip_end, current, fmt, num, sort_key, visible
 from .rows import NOT_COMPARED, OPTIONAL_KEYS, SHOWN_KEYS, SUMMARY_SHOWN, Page, Row, code, html, link
 from .summary import dtype, reason_text, shape
@@ -25,7 +25,7 @@ def table_indices(page: Page) -> list[int] | None:
         wanted += [i for i in range(page.first_index - 2, page.first_index + 3) if i in page.by_index]
     if page.growth_index is not None:
         wanted.append(page.growth_index)
-    wanted += [r.index for r in page.rows if r.status != "ok"]
+    wanted += [r.index for r in page.rows if r.status != Status.OK]
     wanted += [r.index for r in sorted(page.rows, key=lambda r: -(r.error or 0.0)) if r.error is not None]
     return sorted(list(dict.fromkeys(wanted))[:table_rows])
 
@@ -65,6 +65,7 @@ def table(page: Page) -> dict[str, Any]:
     return {
         "columns": columns,
         "statuses": [(s, status_text(s)) for s in sorted({r.status for r in page.rows})],
+        "ok": Status.OK.value,  # the filter's "all but ok": the page's script decides by this value
         "units": [(u, page.units[u]) for u in sorted({r.unit for r in rows})],
         "rows": [_row(page, r, [key for key, _, _ in columns]) for r in rows],
     }
@@ -158,7 +159,7 @@ def _details(data: dict[str, Any]) -> list[str]:
         parts.append(visible(data["message"]))
     if data.get("reason"):
         parts.append(f"reason: {reason_text(data['reason'])}")
-    if data.get("kind") == "stats" and data.get("error") is not None and data.get("status") != "ok":
+    if data.get("kind") == "stats" and data.get("error") is not None and data.get("status") != Status.OK:
         parts.append(f"stats: largest relative error {fmt(data['error'])}")
     if data.get("stats"):
         parts.append(_stats(data["stats"]))

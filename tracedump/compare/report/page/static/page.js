@@ -42,7 +42,7 @@
       var name = row.cells[2].textContent.toLowerCase();
       var rowStatus = row.getAttribute("data-status");
       var ok = (!text || name.indexOf(text) >= 0) &&
-        (!status || (status === "!ok" ? rowStatus !== "ok" : rowStatus === status)) &&
+        (!status || (status.charAt(0) === "!" ? rowStatus !== status.slice(1) : rowStatus === status)) &&
         (!unit || row.getAttribute("data-unit") === unit);
       row.hidden = !ok;
       if (ok) { shown += 1; }
