@@ -42,7 +42,8 @@ from ..load.reader import GatheredRows
 from ..load.sources import PassView, RootGroup, Side
 from ..options import DiffOptions
 from ..results import DiffReport, Findings
-from .bridge import Expr, Matcher
+from .expr import Expr
+from .matcher import Matcher
 from .inputs import sequence_finding
 from .plan import (
     Gathered,

@@ -25,7 +25,9 @@ from ..judge.tolerance import Tolerance, is_integer, pair_precision, resolve, re
 from ..load.reader import Stored
 from ..load.sources import PassView, RootGroup, Side
 from ..options import DiffOptions
-from .bridge import PLAIN_REASONS, BridgedPair, Expr, Matcher, known_different, matcher_for, size_splits
+from .bridge import matcher_for
+from .expr import BridgedPair, Expr, size_splits
+from .matcher import PLAIN_REASONS, Matcher, known_different
 from .ops_align import EXTRA_OP, ExtraOp, OpAlignment, align_ops, split_ops
 from .unshard import SideEntry, plan_entry
 
