@@ -79,7 +79,7 @@ def _unwrap(rule: Rule, a: str, b: str) -> BridgedPair:
 
 
 def _split_later(rule: Rule, a: list[str], b: list[str]) -> list[tuple[Expr, Expr]]:
-    """Split pairs whose pieces are sized later, from the pieces' shapes (:func:`size_splits`):
+    """Split pairs whose pieces are sized later, from the pieces' shapes (:func:`.expr.size_splits`):
     marked with an open piece ``(-1, k)``, k the piece's ordinal."""
     if len(a) == 1:
         return [

@@ -14,7 +14,7 @@ two records, with nothing written per family:
 - **containers** (decoder layers, attention, MLP / MoE blocks, the model): the modules whose
   subtrees hold the same checkpoint tensors pair; a container returning ``(hidden, residual)``
   compares ``hidden + residual``, a plain or tuple output its first element;
-- **weightless parts, engine-wide** (:data:`ENGINE_CLASSES`): a fused add + norm's running
+- **weightless parts, engine-wide** (:data:`.engine_classes.ENGINE_CLASSES`): a fused add + norm's running
   residual against the other norm's input, every ``*AndMul`` against ``act(gate) * up``, the
   attention op against the output projection's input, rotary embeddings and fused experts listed
   as not comparable with the reason, the logits against the head's counterpart.

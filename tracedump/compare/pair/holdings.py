@@ -129,7 +129,8 @@ def plain_holdings(record: Correspondence, sources: Mapping[str, Mapping[str, An
     of its name, else the one of its shape and fingerprint among ``sources``. A fingerprint several
     tensors share (fresh norms all ones, zero biases) is no identity: such a parameter is kept with
     its candidates, resolved by the module's other parameters where they name one module (a
-    Linear's zero bias beside its unique weight), else left to :func:`pair_modules`' structure."""
+    Linear's zero bias beside its unique weight), else left to the structure
+    (:func:`.module_pairing.pair_modules`)."""
     out = Holdings()
     by_print: dict[tuple[int, ...], list[tuple[str, list[float]]]] = {}
     for name, meta in sources.items():

@@ -107,15 +107,16 @@ PLAIN_REASONS = frozenset({NO_NAME_IN_A, NO_NAME_IN_B})
 @dataclass(frozen=True, kw_only=True)
 class Matcher:
     """Matches two sides' names for one diff: the bridge (if any), then names, with the class
-    check. Built once per diff (:func:`matcher_for`); :meth:`match` runs per pass."""
+    check. Built once per diff (:func:`.bridge.matcher_for`); :meth:`match` runs per pass."""
 
     bridge: Bridge | None
     classes_a: Mapping[str, str]
     classes_b: Mapping[str, str]
     line: str = ""
-    align: str | None = None  # the alignment to use when the user gave none (:func:`matcher_for`)
+    align: str | None = None  # the alignment to use when the user gave none (:func:`.bridge.matcher_for`)
     unshard: tuple[UnshardRule, ...] = ()  # tensor-parallel joins derived from the ranks' loads
-    # module (one name on both sides) -> what its recorded weights say against B's (:func:`weight_findings`)
+    # module (one name on both sides) -> what its recorded weights say against B's
+    # (:func:`.weight_evidence.weight_findings`)
     findings: Mapping[str, str] = field(default_factory=dict)
     # A's module -> B's, by parameters of unique values: what --map renames are checked against
     weight_pairs: Mapping[str, str] = field(default_factory=dict)
