@@ -30,6 +30,7 @@ from .pair.align import SequenceWorkspace, TokenFindings, baseline_plan, plan_to
 from .pair.bridge import ambiguous_modules, matcher_for
 from .pair.inputs import inputs_differ_by_pass
 from .pair.plan import Plan, Unmatched, Workspace, build_plan, short_list
+from .pair.rank_joins import contradiction_notes
 from .report.display import print_report, progress_bar
 from .report.plot import check_available, write_plot
 from .report.settings import bridge_summary, report_settings
@@ -90,7 +91,9 @@ def build_report(options: DiffOptions) -> DiffReport:
                 len(g.runs) > 1 for side in (side_a, side_b) for g in side.groups
             )
         coverage = _plan_coverage(plan, workspace, options)
-    settings["notes"] = side_notes(side_a) + side_notes(side_b)
+    settings["notes"] = (
+        side_notes(side_a) + side_notes(side_b) + contradiction_notes(plan.pairs, options, matcher.unshard)
+    )
     report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
     report.bridge = bridge_summary(matcher)
     report.ambiguous = ambiguous_modules(matcher)

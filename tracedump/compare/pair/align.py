@@ -374,7 +374,7 @@ class _PlanBuilder:
                 b=replace(entry_b, name=names[1]),
                 kind="tensor",
                 tolerance=pair_tolerance(options, names, dtypes, precisions),
-                **provenance(bridged),
+                **provenance(bridged, (entry_a, entry_b), options, self.matcher),
                 rows=rows,
             )
             if bridged.classes is not None:
