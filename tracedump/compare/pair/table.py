@@ -151,14 +151,13 @@ def row(
         return tuple(Template(text) for text in given)
 
     default_other: tuple[str, ...] = ("{0}",) if op == "unwrap" else ()
-    given = {"a": a, "b": b}
     return Rule(
         number=0,
         op=op,
         side=side,
         match=match,
-        a=names(given["a"], ("{0}",) if side == "a" else default_other),
-        b=names(given["b"], ("{0}",) if side == "b" else default_other),
+        a=names(a, ("{0}",) if side == "a" else default_other),
+        b=names(b, ("{0}",) if side == "b" else default_other),
         dim=dim,
         index=index,
         reason=reason,
