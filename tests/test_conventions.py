@@ -134,7 +134,7 @@ def test_a_grafted_run_is_never_read_for_conventions(tmp_path: Path) -> None:
     import torch
 
     import tracedump
-    from tracedump.compare.pair.bridge import SideInfo, _convention_values
+    from tracedump.compare.pair.side_info import SideInfo, convention_values
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
     dumper = tracedump.attach(model, {"dir": str(tmp_path), "modules": "all"})
@@ -144,6 +144,6 @@ def test_a_grafted_run_is_never_read_for_conventions(tmp_path: Path) -> None:
     dumper.close()
     (run_dir,) = tmp_path.glob("rank0_pid*")
     plain = SideInfo(framework="torch", root="Sequential", classes={}, run_dir=run_dir)
-    assert isinstance(_convention_values(plain), SideValues)  # the premise: the run is read
+    assert isinstance(convention_values(plain), SideValues)  # the premise: the run is read
     grafted = SideInfo(framework="torch", root="Sequential", classes={}, run_dir=run_dir, grafted=True)
-    assert _convention_values(grafted) is None
+    assert convention_values(grafted) is None

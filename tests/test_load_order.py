@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tracedump.compare.load.sources import PassView
-from tracedump.compare.pair.correspondence import tensor_parallel_joins
+from tracedump.compare.pair.rank_joins import tensor_parallel_joins
 from tracedump.compare.pair.unshard import assemble, plan_entry
 from tracedump.integrations.vllm_load import recording
 from tracedump.store.correspondence import Correspondence

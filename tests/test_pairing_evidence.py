@@ -380,7 +380,8 @@ def test_a_port_under_its_own_names_with_fresh_norms_pairs_by_structure(
 def test_norms_no_structure_tells_apart_are_listed_as_ambiguous_with_their_candidates() -> None:
     """Two fresh norms in one flat module of each side, and no order known for one side: no
     evidence says which is which. Listed with the candidates, never paired with the first."""
-    from tracedump.compare.pair.correspondence import pair_modules, plain_holdings
+    from tracedump.compare.pair.holdings import plain_holdings
+    from tracedump.compare.pair.module_pairing import pair_modules
     from tracedump.store.correspondence import Correspondence
 
     ones = {"shape": [4], "dtype": "torch.float32", "fingerprint": [1.0] * 4}
@@ -520,7 +521,8 @@ def test_a_tied_head_under_other_names_is_placed_not_paired_with_the_first_holde
     """The embedding and the tied head hold one tensor on both sides: the values name no module.
     Each side's order of definition does: the embedding with the embedding, the head with the head
     (before: both with the first holder)."""
-    from tracedump.compare.pair.correspondence import pair_modules, plain_holdings
+    from tracedump.compare.pair.holdings import plain_holdings
+    from tracedump.compare.pair.module_pairing import pair_modules
     from tracedump.store.correspondence import Correspondence
 
     emb = _param([8, 4], [0.1, -0.2, 0.3, 0.4])
@@ -546,7 +548,7 @@ def test_a_tied_head_under_other_names_is_placed_not_paired_with_the_first_holde
 def test_what_the_weights_say_of_a_pair_of_one_name() -> None:
     """Per module of one name: another module's values, B's scaled, B's transposed, values B holds
     nowhere; nothing where they agree (within a dtype change's rounding)."""
-    from tracedump.compare.pair.correspondence import weight_findings
+    from tracedump.compare.pair.weight_evidence import weight_findings
     from tracedump.store.correspondence import Correspondence
 
     w1, w2, w3 = [0.5, -1.0, 2.0, 0.25], [0.7, 0.1, -0.3, 1.5], [0.9, -0.4, 0.6, -1.1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -71,6 +71,9 @@ class UnshardRule:
     # gather (derived from the ranks' weight loads, never parsed): (rank, start, stop) along dim,
     # in the order the pieces are concatenated; first: rank 0's tensor (the others hold none)
     pieces: tuple[tuple[int, int, int], ...] = ()
+    # a join derived from the ranks' load records: what they say of the layout, in words (a hand
+    # rule that joins the same tensor otherwise is reported with it)
+    recorded: str = field(default="", compare=False)
 
     @classmethod
     def parse(cls, text: str) -> UnshardRule:

@@ -42,6 +42,7 @@ from .pair.align import TokenFindings, plan_tokens
 from .pair.bridge import Matcher, ambiguous_modules, matcher_for
 from .pair.inputs import inputs_differ_by_pass
 from .pair.plan import Plan, Unmatched, Workspace, build_plan, short_list
+from .pair.rank_joins import contradiction_notes
 from .report.display import print_report, progress_bar
 from .report.plot import check_available, write_plot
 from .report.settings import bridge_summary, report_settings
@@ -136,7 +137,11 @@ def begin_report(loaded: Loaded, paired: Paired) -> DiffReport:
     """The report as pairing leaves it: the sides, the settings, the bridge, inputs that differ."""
     side_a, side_b, plan, tokens = loaded.side_a, loaded.side_b, paired.plan, paired.tokens
     settings = paired.settings
-    settings["notes"] = side_notes(side_a) + side_notes(side_b)
+    settings["notes"] = (
+        side_notes(side_a)
+        + side_notes(side_b)
+        + contradiction_notes(plan.pairs, loaded.options, loaded.matcher.unshard)
+    )
     report = DiffReport(a=side_a.describe(), b=side_b.describe(), settings=settings, plan=plan)
     report.bridge = bridge_summary(loaded.matcher)
     report.ambiguous = ambiguous_modules(loaded.matcher)

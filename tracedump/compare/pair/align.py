@@ -34,16 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import SequenceError, UsageError
-from ...store.sequences import Batch, RowCut, SeqId, Sequence, sequence_rows, sequences
+from ...errors import UsageError
+from ...store.sequences import Batch, RowCut, SeqId, Sequence, sequence_rows
 from ..judge.coverage import CoverageCount
-from ..load.notes import truncated_passes
 from ..load.reader import GatheredRows
-from ..load.sources import PassView, RootGroup, Side
+from ..load.sources import RootGroup, Side
 from ..options import DiffOptions
 from ..results import DiffReport, Findings
-from .bridge import Expr, Matcher
+from .expr import Expr
 from .inputs import sequence_finding
+from .matcher import Matcher
 from .plan import (
     Gathered,
     PairPlan,
@@ -59,162 +59,18 @@ from .plan import (
     pair_tolerance,
     provenance,
     run_precision,
-    short_list,
-    side_entries,
+)
+from .sequence_pairing import (
+    Alignment,
+    SideSequences,
+    check_passes,
+    cut_truncated,
+    pair_notes,
+    pair_sequences,
+    read_side,
+    recompute_notes,
 )
 from .unshard import SideEntry, assemble
-
-
-@dataclass(kw_only=True)
-class _SideSequences:
-    """One side's passes, batches and sequences, for one root group."""
-
-    group: RootGroup
-    batches: dict[int, Batch]
-    sequences: dict[SeqId, Sequence]
-    views: dict[int, list[PassView]] = field(default_factory=dict)
-    entries: dict[int, dict[str, SideEntry]] = field(default_factory=dict)
-
-    def view(self, index: int, options: DiffOptions) -> tuple[list[PassView], dict[str, SideEntry]]:
-        if index not in self.views:
-            self.views[index] = [run.open_pass(index) for run in self.group.runs]
-            self.entries[index] = side_entries(self.views[index], options)
-        return self.views[index], self.entries[index]
-
-    def close(self) -> None:
-        """Close every pass opened; a later :meth:`view` opens it again (``--baseline`` reads B's
-        rows once more after the executor closed them)."""
-        for views in self.views.values():
-            for view in views:
-                view.close()
-        self.views, self.entries = {}, {}
-
-    @property
-    def declared(self) -> bool:
-        return any(b.declared for b in self.batches.values())
-
-
-@dataclass(frozen=True, kw_only=True)
-class Alignment:
-    """How the sequences of A and B were paired, and where the first divergence happened."""
-
-    matched_by: str
-    pairs: tuple[tuple[SeqId, SeqId], ...]
-    only_in_a: tuple[SeqId, ...]
-    only_in_b: tuple[SeqId, ...]
-    first: dict[str, Any] | None = None
-    notes: tuple[str, ...] = ()  # pairs that could not be compared, or look suspicious
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "matched_by": self.matched_by,
-            "pairs": [[a, b] for a, b in self.pairs],
-            "only_in_a": list(self.only_in_a),
-            "only_in_b": list(self.only_in_b),
-            "notes": list(self.notes),
-            "first": self.first,
-        }
-
-
-def _read_side(side: Side, group: RootGroup) -> _SideSequences:
-    if group.mode != "full":
-        raise UsageError(
-            f"--align tokens needs full dumps: {side.which} {side.path} is a {group.mode!r} dump "
-            "(its records hold no rows per token)"
-        )
-    if group.is_pass_file:
-        raise UsageError(f"--align tokens reads whole runs: give {side.which} as a dump or run dir")
-    run = group.runs[0].run
-    assert run is not None
-    try:
-        found = run.batches()
-        return _SideSequences(group=group, batches=found, sequences=sequences(found))
-    except SequenceError as e:
-        raise UsageError(f"{side.which} {side.path}: {e}") from e
-
-
-def _pair_sequences(
-    a: _SideSequences, b: _SideSequences
-) -> tuple[str, list[tuple[SeqId, SeqId]], list[SeqId]]:
-    """Pairs of (A's sequence, B's sequence), how they were matched, and A's sequences left
-    without a counterpart on purpose (a second child of a prompt whose B sequence is taken).
-
-    By seq id when both sides name their sequences and share ids. Else by tokens: two sequences
-    whose known tokens agree at every prompt position (either side's) share a prompt; pairs are
-    taken longest shared prefix first, then in order of first appearance (a parallel-sampling
-    child whose request id comes first). A's sequences that share a prompt with a B sequence
-    another child took stay unpaired, never paired by order; the rest (prompts that differ,
-    tokens unknown) are paired in order of first appearance, so that a prompt one token off is
-    reported as an input difference."""
-    if a.declared and b.declared:
-        common = [s for s in a.sequences if s in b.sequences]
-        if common:
-            return "seq id", [(s, s) for s in common], []
-    order_a = {s: i for i, s in enumerate(a.sequences)}
-    order_b = {s: i for i, s in enumerate(b.sequences)}
-    candidates = []  # (shared prefix, A's order, B's order)
-    for seq_a, sequence_a in a.sequences.items():
-        for seq_b, sequence_b in b.sequences.items():
-            shared = _shared_prompt(sequence_a, sequence_b)
-            if shared is not None:
-                candidates.append((-shared, order_a[seq_a], order_b[seq_b], seq_a, seq_b))
-    if not candidates:
-        return "order of first appearance", list(zip(a.sequences, b.sequences, strict=False)), []
-    pairs: dict[SeqId, SeqId] = {}
-    taken: set[SeqId] = set()
-    sharing: set[SeqId] = set()  # A's sequences whose prompt some B sequence shares
-    for _, _, _, seq_a, seq_b in sorted(candidates, key=lambda c: c[:3]):
-        sharing.add(seq_a)
-        if seq_a not in pairs and seq_b not in taken:
-            pairs[seq_a] = seq_b
-            taken.add(seq_b)
-    children = [s for s in a.sequences if s in sharing and s not in pairs]
-    rest_a = [s for s in a.sequences if s not in pairs and s not in sharing]
-    rest_b = [s for s in b.sequences if s not in taken]
-    ordered = sorted(pairs.items(), key=lambda p: order_a[p[0]])
-    return "input_ids", ordered + list(zip(rest_a, rest_b, strict=False)), children
-
-
-def _shared_prompt(a: Sequence, b: Sequence) -> int | None:
-    """How far two sequences' tokens agree (the first position where they differ, or the end of
-    what both know), when they agree at every prompt position both know and share one at least;
-    else None."""
-    known = sorted(set(a.input_ids) & set(b.input_ids))
-    if not known:
-        return None
-    differ = next((p for p in known if a.input_ids[p] != b.input_ids[p]), None)
-    if differ is None:
-        return known[-1] + 1
-    if a.is_prompt(differ) or b.is_prompt(differ) or differ == known[0]:
-        return None
-    return differ
-
-
-def _pair_notes(
-    a: _SideSequences, b: _SideSequences, pairs: list[tuple[SeqId, SeqId]], matched_by: str
-) -> list[str]:
-    """What the summary must say of the pairs: none shares a position, or (paired by order) their
-    lengths differ, which usually means the order is not the same request order."""
-    notes = []
-    for seq_a, seq_b in pairs:
-        held_a, held_b = a.sequences[seq_a].rows, b.sequences[seq_b].rows
-        if not set(held_a) & set(held_b):
-            notes.append(
-                f"sequence {seq_a} (B: {seq_b}) shares no position: A holds {_span(held_a)}, "
-                f"B holds {_span(held_b)}"
-            )
-        elif matched_by.startswith("order") and len(held_a) != len(held_b):
-            notes.append(
-                f"paired by order, sequence {seq_a} ({len(held_a)} positions) and B's {seq_b} "
-                f"({len(held_b)}) differ in length: are the requests in the same order? "
-                "(set_batch with input_ids on both sides pairs them by tokens)"
-            )
-    return notes
-
-
-def _span(rows: dict[int, Any]) -> str:
-    positions = sorted(rows)
-    return f"{positions[0]}-{positions[-1]}" if positions else "nothing"
 
 
 def _last_in_pass(batch: Batch, seq_id: SeqId) -> int:
@@ -224,7 +80,7 @@ def _last_in_pass(batch: Batch, seq_id: SeqId) -> int:
 
 
 def _held(
-    side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
+    side: SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
 ) -> set[int]:
     """The positions an expression has a row for: all of them, or, for a tensor with one row per
     sequence (logits), each pass's last position of the sequence."""
@@ -242,7 +98,7 @@ def _held(
 
 
 def _rows(
-    side: _SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
+    side: SideSequences, sequence: Sequence, expr: Expr, positions: list[int], options: DiffOptions
 ) -> Gathered:
     """The rows of ``expr`` at ``positions`` (token dim first, size-1 dims dropped), its dtype, or
     why they cannot be gathered (:func:`~tracedump.store.sequences.sequence_rows` says which)."""
@@ -284,53 +140,10 @@ def _take_rows(array: np.ndarray, rows: list[int], dim: int) -> np.ndarray:
     return np.take(array, rows, axis=dim)
 
 
-def _entries_in_order(side: _SideSequences, sequence: Sequence, options: DiffOptions) -> dict[str, SideEntry]:
+def _entries_in_order(side: SideSequences, sequence: Sequence, options: DiffOptions) -> dict[str, SideEntry]:
     """The entries of the first pass that holds the sequence, in capture order."""
     first_pass = sequence.rows[sequence.positions[0]][0]
     return side.view(first_pass, options)[1]
-
-
-def _check_passes(options: DiffOptions, side: _SideSequences) -> None:
-    """``--pass`` under ``--align tokens`` names A's steps (engine steps): the rows those steps
-    computed are compared. A step A does not have is exit 2, as a pass not in the dumps is."""
-    if options.passes is None:
-        return
-    absent = options.passes.missing(sorted(side.batches))
-    if absent:
-        raise UsageError(
-            f"--pass {absent}: A has no such step with token rows (steps: "
-            f"{short_list(sorted(side.batches))}); with --align tokens, --pass chooses A's steps "
-            "whose rows are compared"
-        )
-
-
-def _recompute_notes(which: str, side: _SideSequences) -> list[str]:
-    """One note per sequence whose positions a later step computed again (preemption)."""
-    notes = []
-    for sequence in side.sequences.values():
-        for position, index in sequence.recomputed:
-            notes.append(
-                f"{which}: sequence {sequence.seq_id} computed again from position {position} in pass "
-                f"{index} (preemption with recompute): its recomputation is compared"
-            )
-    return notes
-
-
-def _cut_truncated(which: str, side: _SideSequences) -> list[str]:
-    """A pass cut short (its step raised, Ctrl-C) holds part of a forward: no row of it, nor any
-    later row of a sequence it held, is compared (each sequence is cut before its first row there)."""
-    truncated = {i for run in side.group.runs for i in truncated_passes(run)}
-    notes = []
-    for seq, sequence in list(side.sequences.items()):
-        cut = next((p for p in sequence.positions if sequence.rows[p][0] in truncated), None)
-        if cut is None:
-            continue
-        side.sequences[seq] = sequence.before(cut)
-        notes.append(
-            f"{which}: pass {sequence.rows[cut][0]} was cut short (its step raised): sequence {seq} "
-            f"is compared before position {cut} only"
-        )
-    return notes
 
 
 def plan_tokens(
@@ -349,9 +162,9 @@ def plan_tokens(
     builder = _PlanBuilder(options=options, matcher=matcher, workspace=workspace, findings=findings)
     try:
         for group_a, group_b in root_pairs:
-            seq_a, seq_b = _read_side(side_a, group_a), _read_side(side_b, group_b)
+            seq_a, seq_b = read_side(side_a, group_a), read_side(side_b, group_b)
             workspace.opened += [seq_a, seq_b]
-            _check_passes(options, seq_a)
+            check_passes(options, seq_a)
             root = group_a.label if labelled else None
             _plan_root_pair(builder, seq_a, seq_b, root, causal_attention(group_a, group_b))
     except BaseException:
@@ -378,14 +191,14 @@ def plan_tokens(
 
 
 def _plan_root_pair(
-    builder: _PlanBuilder, seq_a: _SideSequences, seq_b: _SideSequences, root: str | None, causal: bool | None
+    builder: _PlanBuilder, seq_a: SideSequences, seq_b: SideSequences, root: str | None, causal: bool | None
 ) -> None:
     """One root pair: its sequences paired (and what the summary must say of them), then each
     pair cut before the first token the two sides were fed differently, and planned."""
     findings = builder.findings
-    notes = _recompute_notes("A", seq_a) + _recompute_notes("B", seq_b)
-    notes += _cut_truncated("A", seq_a) + _cut_truncated("B", seq_b)
-    matched_by, pairs, children = _pair_sequences(seq_a, seq_b)
+    notes = recompute_notes("A", seq_a) + recompute_notes("B", seq_b)
+    notes += cut_truncated("A", seq_a) + cut_truncated("B", seq_b)
+    matched_by, pairs, children = pair_sequences(seq_a, seq_b)
     paired_a = {a for a, _ in pairs}
     paired_b = {b for _, b in pairs}
     if children:
@@ -400,7 +213,7 @@ def _plan_root_pair(
             pairs=tuple(pairs),
             only_in_a=tuple(s for s in seq_a.sequences if s not in paired_a),
             only_in_b=tuple(s for s in seq_b.sequences if s not in paired_b),
-            notes=tuple(_pair_notes(seq_a, seq_b, pairs, matched_by) + notes),
+            notes=tuple(pair_notes(seq_a, seq_b, pairs, matched_by) + notes),
         )
     )
     for name_a, name_b in pairs:
@@ -449,8 +262,8 @@ class TokenFindings:
 class _SequencePair:
     """One unit of a token plan: the two sides' sequences whose rows its pairs gather."""
 
-    side_a: _SideSequences
-    side_b: _SideSequences
+    side_a: SideSequences
+    side_b: SideSequences
     sequence_a: Sequence
     sequence_b: Sequence
 
@@ -462,7 +275,7 @@ class SequenceWorkspace(Workspace):
 
     options: DiffOptions
     units: list[_SequencePair] = field(default_factory=list)
-    opened: list[_SideSequences] = field(default_factory=list)
+    opened: list[SideSequences] = field(default_factory=list)
 
     def close_unit(self, unit: int) -> None:
         """Nothing: a pass holds rows of several sequences, so it stays open until :meth:`close`."""
@@ -497,8 +310,8 @@ class _PlanBuilder:
 
     def plan_sequence(
         self,
-        side_a: _SideSequences,
-        side_b: _SideSequences,
+        side_a: SideSequences,
+        side_b: SideSequences,
         sequence_a: Sequence,
         sequence_b: Sequence,
         root: str | None,
@@ -561,7 +374,7 @@ class _PlanBuilder:
                 b=replace(entry_b, name=names[1]),
                 kind="tensor",
                 tolerance=pair_tolerance(options, names, dtypes, precisions),
-                **provenance(bridged),
+                **provenance(bridged, (entry_a, entry_b), options, self.matcher),
                 rows=rows,
             )
             if bridged.classes is not None:
@@ -580,7 +393,7 @@ def baseline_plan(
     options = workspace.options
     own = SequenceWorkspace(options=options)
     groups = {g.label: g for g in side_c.groups}
-    read: dict[int, tuple[_SideSequences, dict[SeqId, SeqId]]] = {}  # id(B's side) -> C's, B's seq -> C's
+    read: dict[int, tuple[SideSequences, dict[SeqId, SeqId]]] = {}  # id(B's side) -> C's, B's seq -> C's
     units: list[Unit] = []
     pairs: list[PairPlan] = []
     origin: list[int] = []
@@ -627,22 +440,22 @@ def baseline_plan(
 
 
 def _baseline_side(
-    side_c: Side, groups: dict[str | None, RootGroup], seq_b: _SideSequences
-) -> tuple[_SideSequences, dict[SeqId, SeqId]]:
+    side_c: Side, groups: dict[str | None, RootGroup], seq_b: SideSequences
+) -> tuple[SideSequences, dict[SeqId, SeqId]]:
     """C's sequences for B's root group, and B's seq id -> C's."""
     group_b = seq_b.group
     group_c = groups.get(group_b.label) or (side_c.groups[0] if len(side_c.groups) == 1 else None)
     if group_c is None:
         raise UsageError(f"--baseline {side_c.path}: no root {group_b.label!r} (roots: {sorted(groups)})")
-    seq_c = _read_side(side_c, group_c)
-    _, pairs, _ = _pair_sequences(seq_b, seq_c)
+    seq_c = read_side(side_c, group_c)
+    _, pairs, _ = pair_sequences(seq_b, seq_c)
     return seq_c, dict(pairs)
 
 
 def _baseline_unit(
     unit: Unit,
     here: _SequencePair,
-    seq_c: _SideSequences,
+    seq_c: SideSequences,
     by_b: dict[SeqId, SeqId],
     units: list[Unit],
     own: SequenceWorkspace,

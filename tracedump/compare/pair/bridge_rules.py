@@ -1,7 +1,8 @@
-"""A bridge's rule file, read and checked: :class:`Bridge`, its :class:`Rule` s and their name
-:class:`Template` s (the format is in :mod:`.bridge`'s docstring and docs/engines.md).
+"""A bridge's rule file, read and checked into the pairing table (:mod:`.table`: a
+:class:`~.table.Bridge` of :class:`~.table.Rule` rows whose names are :class:`~.table.Template` s;
+the format is in :mod:`.matcher`'s docstring and docs/engines.md).
 
-Apart from :mod:`.bridge`, which applies the rules to two sides' names, because ``--bridge FILE``
+Apart from :mod:`.matcher`, which applies the rows to two sides' names, because ``--bridge FILE``
 is read while the options are parsed (:func:`..options.parse_options`: a bad rule file fails before
 any dump is read), and the options must not import the sides the bridge matches.
 """
@@ -10,116 +11,20 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ...errors import BridgeError
 from ...store.jsonio import LimitError, check_depth, loads, read_limited
+from .table import OPS, Bridge, Rule, Template
 
-OPS = ("rename", "unwrap", "split", "concat", "sum", "product", "skip")
+__all__ = ["OPS", "Bridge", "Rule", "Template", "builtin_bridges", "load_bridge", "parse_bridge"]
+
 MAX_DIM = 64  # split/concat dims and unwrap indices beyond this are refused when the file is read
 _RULE_KEYS = frozenset({"op", "side", "match", "a", "b", "dim", "index", "reason", "id"})
 _HEADER_KEYS = frozenset({"name", "description", "a", "b", "architectures", "align"})
-_PLACEHOLDER = re.compile(r"\{(\d+)(?:([+-])(\d+))?\}")
 BUILTIN_FOLDER = "bridges"  # tracedump/bridges/*.toml, shipped as package data (pyproject.toml)
-
-
-# ------------------------------------------------------------------ templates
-
-
-@dataclass(frozen=True)
-class Template:
-    """A name with ``{N}`` / ``{N+k}`` / ``{N-k}`` placeholders for the match's groups."""
-
-    text: str
-
-    def groups(self) -> list[int]:
-        return [int(m.group(1)) for m in _PLACEHOLDER.finditer(self.text)]
-
-    def fill(self, match: re.Match[str]) -> str | None:
-        """The name for this match; None when ``{N±k}`` meets a group that is not an integer, or
-        the result is a negative index (layer 0 has no layer -1)."""
-        failed = False
-
-        def one(m: re.Match[str]) -> str:
-            nonlocal failed
-            value = match.group(int(m.group(1))) or ""
-            if m.group(2) is None:
-                return value
-            if not value.isdigit():
-                failed = True
-                return ""
-            number = int(value) + (int(m.group(3)) if m.group(2) == "+" else -int(m.group(3)))
-            failed = failed or number < 0
-            return str(number)
-
-        text = _PLACEHOLDER.sub(one, self.text)
-        return None if failed else text
-
-
-# ------------------------------------------------------------------ rules and bridges
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rule:
-    """One rule of a bridge (see the module docstring and docs/engines.md)."""
-
-    number: int  # 1-based, in file order: what messages call it
-    op: str
-    side: str  # "a" or "b": whose names `match` is tried on
-    match: re.Pattern[str]
-    a: tuple[Template, ...]
-    b: tuple[Template, ...]
-    dim: int = -1
-    index: int = 0  # unwrap: the tuple element kept
-    reason: str = ""
-    id: str = ""
-    paired_by: str = "rule"  # what proves its pairs: a rule file's say-so, or a derived rule's evidence
-
-    @property
-    def title(self) -> str:
-        return f"rule {self.number}: {self.id}" if self.id else f"rule {self.number}"
-
-    def templates(self, side: str) -> tuple[Template, ...]:
-        return self.a if side == "a" else self.b
-
-
-@dataclass(frozen=True, kw_only=True)
-class Bridge:
-    """A parsed rule file: which frameworks it joins, for which architectures, and its rules."""
-
-    name: str
-    source: str  # the file it came from, or "built-in NAME"
-    a: str | None
-    b: str | None
-    architectures: tuple[re.Pattern[str], ...]
-    align: str | None
-    rules: tuple[Rule, ...]
-    description: str = ""
-    # (module of a, module of b) that compute the same thing (a derived bridge's, paired by their
-    # weights): whose inputs pair (compare/pair/input_roles.py); a rule file names none
-    modules: tuple[tuple[str, str], ...] = ()
-    # (side "A" or "B" of the diff, module, its candidates on the other side): a derived bridge's
-    # modules whose weights several modules hold, no structure telling which
-    ambiguous: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
-    # (side "A" or "B" of the diff, module, what the pairing saw of it): rows of its pairs carry it
-    notes: tuple[tuple[str, str, str], ...] = ()
-
-    @property
-    def module_pairs(self) -> dict[str, str]:
-        """A's module -> B's, the first pair of each module of A."""
-        out: dict[str, str] = {}
-        for a, b in self.modules:
-            out.setdefault(a, b)
-        return out
-
-    def swapped(self) -> Bridge:
-        """The same bridge for a diff whose A is this bridge's b (``tracedump diff HF VLLM``)."""
-        rules = tuple(replace(r, side="b" if r.side == "a" else "a", a=r.b, b=r.a) for r in self.rules)
-        modules = tuple((b, a) for a, b in self.modules)
-        return replace(self, a=self.b, b=self.a, rules=rules, modules=modules)
 
 
 def _fail(where: str, message: str) -> BridgeError:

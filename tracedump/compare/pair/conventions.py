@@ -278,3 +278,18 @@ def tuple_roles(values: SideValues, module: str, wanted: Mapping[str, tuple[bool
         if len(fits) == 1:
             found[role] = fits[0]
     return found
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Both runs' values (their first pass), read to measure what the records cannot say
+    (this module); a side is None when its dump holds no values (stats)."""
+
+    a: SideValues | None
+    b: SideValues | None
+
+    def output_of(self, module: str) -> Told:
+        """Which of the engine container's ``(hidden, residual)`` is its output, from the run."""
+        if self.a is None:
+            return Told(SUM, "no values to read")
+        return tuple_output(self.a, module)

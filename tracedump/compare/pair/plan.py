@@ -25,8 +25,11 @@ from ..judge.tolerance import Tolerance, is_integer, pair_precision, resolve, re
 from ..load.reader import Stored
 from ..load.sources import PassView, RootGroup, Side
 from ..options import DiffOptions
-from .bridge import PLAIN_REASONS, BridgedPair, Expr, Matcher, known_different, matcher_for, size_splits
+from .bridge import matcher_for
+from .expr import BridgedPair, Expr, size_splits
+from .matcher import PLAIN_REASONS, Matcher, known_different
 from .ops_align import EXTRA_OP, ExtraOp, OpAlignment, align_ops, split_ops
+from .rank_joins import joins_contradicted
 from .unshard import SideEntry, plan_entry
 
 
@@ -324,9 +327,17 @@ def not_comparable_message(pair: BridgedPair) -> str:
     return f"A {pair.classes[0]} vs B {pair.classes[1]}: {why}, and no bridge rule relates them"
 
 
-def provenance(pair: BridgedPair) -> dict[str, str | None]:
-    """The fields of a planned pair that say how the bridge paired it and on what evidence."""
-    return {"bridge": pair.describe(), "paired_by": pair.paired_by, "pairing": pair.note}
+def provenance(
+    pair: BridgedPair, entries: tuple[SideEntry, SideEntry], options: DiffOptions, matcher: Matcher
+) -> dict[str, str | None]:
+    """The fields of a planned pair that say how the bridge paired it and on what evidence, with
+    what the ranks' load records say against a hand ``--unshard`` rule that joined its entries."""
+    notes = [pair.note, *joins_contradicted(entries, options, matcher.unshard)]
+    return {
+        "bridge": pair.describe(),
+        "paired_by": pair.paired_by,
+        "pairing": "; ".join(filter(None, notes)) or None,
+    }
 
 
 def build_plan(
@@ -367,7 +378,8 @@ def build_plan(
         unit_pairs: list[PairPlan] = []
         for bridged, entry_a, entry_b in found:
             entry_a, entry_b = _apply_cut(entry_a, entry_b, group_a, group_b)
-            planned = replace(_pair(unit, entry_a, entry_b, options, precisions), **provenance(bridged))
+            evidence = provenance(bridged, (entry_a, entry_b), options, matcher)
+            planned = replace(_pair(unit, entry_a, entry_b, options, precisions), **evidence)
             if bridged.classes is not None:
                 planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
             unit_pairs.append(planned)
