@@ -39,7 +39,7 @@ from ..load.sources import Side, open_side
 from ..measure.shadow import ShadowMeasure
 from ..options import DiffOptions
 from ..pair.bridge import Matcher
-from ..pair.bridge_rules import parse_bridge
+from ..pair.table import Bridge, Rule, Tensors, numbered, row
 from ..results import DiffReport, Measured, TensorResult
 from .allowance import K_LEAF, K_LEVEL, K_OP, K_WEIGHTS, ROUNDING_HEADROOM, local_allowance_of, shadow_parts
 from .judge import LocalEvidence, usable_shadow
@@ -154,12 +154,13 @@ FED_ZERO_REASON = (
 FED_OWN_REASON = "a grafted input that kept this run's own value (the reference's module takes no such input)"
 
 
-def grafted_input_rules(side_a: Side) -> list[dict[str, Any]]:
-    """Bridge rules pairing each input a grafted A was fed by parameter (the manifest's
-    ``graft.fed_inputs``: an engine's decoder layer took the reference's ``[0]`` as its ``[1]``)
-    with the reference input it took; its zeroed and kept inputs listed with the reason, never
-    compared with the reference input of the same path (another quantity)."""
-    rules: list[dict[str, Any]] = []
+def grafted_input_rules(side_a: Side) -> list[Rule]:
+    """Pairing rows for each input a grafted A was fed by parameter (the manifest's
+    ``graft.fed_inputs``: an engine's decoder layer took the reference's ``[0]`` as its ``[1]``),
+    built as data (:func:`.table.row`): each paired with the reference input it took; its zeroed
+    and kept inputs listed with the reason, never compared with the reference input of the same
+    path (another quantity)."""
+    rules: list[Rule] = []
     for group in side_a.groups:
         for source in group.runs:
             entry = (source.run.manifest if source.run is not None else {}).get("graft")
@@ -167,34 +168,40 @@ def grafted_input_rules(side_a: Side) -> list[dict[str, Any]]:
                 continue
             names = entry.get("reference_names") or {}
             for module, paths in (entry.get("fed_inputs") or {}).items():
+                reference = names.get(module, module)
                 for path, taken in paths.items():
-                    match = re.escape(f"{module}@in{path}")
-                    if taken == ZERO_FED:
-                        rules.append(
-                            {"op": "skip", "match": match, "reason": FED_ZERO_REASON, "id": "fed zeros"}
-                        )
-                    elif taken == KEPT_OWN:
-                        rules.append(
-                            {"op": "skip", "match": match, "reason": FED_OWN_REASON, "id": "kept own"}
-                        )
-                    else:
-                        target = f"{names.get(module, module)}@in{taken}"
-                        rules.append({"op": "rename", "match": match, "b": target, "id": "grafted input"})
+                    rules.append(_fed_input_row(Tensors(f"{module}@in{path}"), taken, reference))
     return rules
+
+
+def _fed_input_row(match: Tensors, taken: str, reference: str) -> Rule:
+    """One fed input's row: skipped with the reason when it was zeroed or kept, else renamed to
+    the reference module's input at the path it took."""
+    if taken == ZERO_FED:
+        return row("skip", match, reason=FED_ZERO_REASON, id="fed zeros")
+    if taken == KEPT_OWN:
+        return row("skip", match, reason=FED_OWN_REASON, id="kept own")
+    return row("rename", match, b=f"{reference}@in{taken}", id="grafted input")
 
 
 def with_grafted_inputs(matcher: Matcher, side_a: Side) -> Matcher:
     """The diff's matcher with :func:`grafted_input_rules` tried first (A unchanged when it was not
     grafted by parameter)."""
-    rules = grafted_input_rules(side_a)
+    rules = numbered(grafted_input_rules(side_a))
     if not rules:
         return matcher
-    fed = parse_bridge(
-        {"bridge": {"name": "grafted inputs"}, "rule": rules}, "manifest.json graft.fed_inputs"
-    )
     if matcher.bridge is None:
+        fed = Bridge(
+            name="grafted inputs",
+            source="manifest.json graft.fed_inputs",
+            a=None,
+            b=None,
+            architectures=(),
+            align=None,
+            rules=rules,
+        )
         return replace(matcher, bridge=fed)
-    return replace(matcher, bridge=replace(matcher.bridge, rules=fed.rules + matcher.bridge.rules))
+    return replace(matcher, bridge=replace(matcher.bridge, rules=rules + matcher.bridge.rules))
 
 
 def refuse_grafted_alignment(options: DiffOptions) -> None:
