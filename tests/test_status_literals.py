@@ -3,9 +3,10 @@
 Copies of the status strings in the table, the page, the plot and the executor drifted apart
 before (a status set in one place and not known to another), and a string literal hides where a
 status is decided. So the package's source is scanned: outside the enum's module no string equal
-to a :class:`Status` value is used as a status (compared with a ``status``, assigned to one, passed
-as ``status=``, or as the key of a lookup table of statuses), and only the judge constructs a
-judged record.
+to a :class:`Status` value is used as a status (compared with anything named for a status or a
+kind, ``status``, ``problem_status``, ``kind``, assigned to one, passed as such a keyword, or as the
+key of a lookup table of statuses: a pair's kind is a :class:`~tracedump.compare.pair.kinds.PairKind`),
+and only the judge constructs a judged record.
 """
 
 from __future__ import annotations
@@ -30,16 +31,25 @@ def _literals(node: ast.AST) -> list[str]:
     ]
 
 
+def _holds_status(name: str | None) -> bool:
+    """A name that holds a status or a pair's kind: ``status``, ``problem_status``, ``kind``,
+    ``pair_kind`` (a kind of pair whose value is a status string is a status in disguise)."""
+    return name is not None and any(word in name.lower() for word in ("status", "kind"))
+
+
 def _is_status(node: ast.AST) -> bool:
-    """``x.status``, ``status``, ``row["status"]``, ``row.get("status")``."""
+    """``x.status``, ``status``, ``row["status"]``, ``row.get("status")``; any name holding *status*
+    or *kind* likewise (``entry.problem_status``, ``kind``, ``row["kind"]``)."""
     if isinstance(node, ast.Attribute):
-        return node.attr == "status"
+        return _holds_status(node.attr)
     if isinstance(node, ast.Name):
-        return node.id == "status"
+        return _holds_status(node.id)
     if isinstance(node, ast.Subscript):
-        return isinstance(node.slice, ast.Constant) and node.slice.value == "status"
+        key = node.slice
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and _holds_status(key.value)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
-        return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == "status"
+        key = node.args[0] if node.args else None
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and _holds_status(key.value)
     return False
 
 
@@ -48,7 +58,7 @@ def offenders(source: str, where: str = "<source>") -> list[str]:
     found: list[str] = []
     for node in ast.walk(ast.parse(source)):
         hits: list[str] = []
-        if isinstance(node, ast.keyword) and node.arg == "status":
+        if isinstance(node, ast.keyword) and _holds_status(node.arg):
             hits = _literals(node.value)
         elif isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
@@ -85,6 +95,16 @@ def test_the_scan_finds_each_kind_of_use() -> None:
     assert offenders('COLOURS = {"ok": "blue", "diverged": "red"}')
     assert offenders('summary = {"ok": count(), "diverged": count()}') == []  # JSON keys, counted
     assert offenders('print("diverged")') == []
+    # a status string passed or kept under any name holding a status or a kind
+    assert offenders('SideEntry(name=n, problem="x", problem_status="rank_mismatch")')
+    assert offenders('replace(planned, kind="not_comparable", message=m)')
+    assert offenders('PairPlan(kind=entry.problem_status or "error")')
+    assert offenders('kind = "stats" if s else "shape_mismatch"')
+    assert offenders('pair_kind = "extra_op"')
+    assert offenders('if entry.problem_status == "error": pass')
+    assert offenders('if row.get("kind") in ("ok", "diverged"): pass')
+    assert offenders('kind = "tensor" if t else "stats"') == []  # kinds that are no status
+    assert offenders('kind = "JSON"') == []
 
 
 def test_only_the_judge_builds_a_judged_record() -> None:

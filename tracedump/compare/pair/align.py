@@ -43,6 +43,7 @@ from ..options import DiffOptions
 from ..results import DiffReport, Findings
 from .expr import Expr
 from .inputs import sequence_finding
+from .kinds import PairKind
 from .matcher import Matcher
 from .plan import (
     Gathered,
@@ -54,6 +55,7 @@ from .plan import (
     Workspace,
     bridged_pairs,
     causal_attention,
+    not_comparable,
     not_comparable_message,
     pair_roots,
     pair_tolerance,
@@ -372,13 +374,13 @@ class _PlanBuilder:
                 unit=unit,
                 a=replace(entry_a, name=names[0]),
                 b=replace(entry_b, name=names[1]),
-                kind="tensor",
+                kind=PairKind.TENSOR,
                 tolerance=pair_tolerance(options, names, dtypes, precisions),
                 **provenance(bridged, (entry_a, entry_b), options, self.matcher),
                 rows=rows,
             )
             if bridged.classes is not None:
-                planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
+                planned = not_comparable(planned, not_comparable_message(bridged))
             self.pairs.append(planned)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from ..judge.tolerance import pair_precision
 from ..load.sources import EntryMeta
+from .kinds import PairKind
 from .unshard import SideEntry
 
 _COMBINE = {"sum": " + ", "product": " * "}
@@ -63,7 +64,7 @@ class Expr:
             meta=meta,
             how=first.how,
             problem=problem or why,
-            problem_status=status or ("error" if why else None),
+            problem_status=status or (PairKind.ERROR if why else None),
             op=self.op,
             parts=tuple(found),
             piece=(self.dim, *self.piece) if self.piece is not None else (self.dim, 0, 0),

@@ -27,6 +27,7 @@ from ..load.sources import PassView, RootGroup, Side
 from ..options import DiffOptions
 from .bridge import matcher_for
 from .expr import BridgedPair, Expr, size_splits
+from .kinds import PairKind
 from .matcher import PLAIN_REASONS, Matcher, known_different
 from .ops_align import EXTRA_OP, ExtraOp, OpAlignment, align_ops, split_ops
 from .rank_joins import joins_contradicted
@@ -68,7 +69,7 @@ class PairPlan:
     unit: int
     a: SideEntry
     b: SideEntry
-    kind: str  # tensor | stats | shape_mismatch | rank_mismatch | error | not_comparable
+    kind: PairKind
     tolerance: Tolerance
     message: str | None = None
     bridge: str | None = None  # how the bridge made this pair (compare/pair/bridge.py), None: by name
@@ -276,15 +277,16 @@ def _pair(
                 unit=unit,
                 a=a,
                 b=b,
-                kind=entry.problem_status or "error",
+                kind=entry.problem_status or PairKind.ERROR,
                 tolerance=tolerance,
                 message=f"{side}: {entry.problem}",
             )
     shape_a, shape_b = squeeze(a.meta.shape), squeeze(b.meta.shape)
     if shape_a is not None and shape_b is not None and shape_a != shape_b:
         message = f"shapes {list(a.meta.shape or ())} vs {list(b.meta.shape or ())}"
-        return PairPlan(unit=unit, a=a, b=b, kind="shape_mismatch", tolerance=tolerance, message=message)
-    kind = "stats" if tolerance.metric == "stats" else "tensor"
+        kind = PairKind.SHAPE_MISMATCH
+        return PairPlan(unit=unit, a=a, b=b, kind=kind, tolerance=tolerance, message=message)
+    kind = PairKind.STATS if tolerance.metric == "stats" else PairKind.TENSOR
     return PairPlan(unit=unit, a=a, b=b, kind=kind, tolerance=tolerance)
 
 
@@ -319,6 +321,12 @@ def bridged_pairs(
         for side in ("A", "B")
     }
     return pairs, only["A"], only["B"]
+
+
+def not_comparable(planned: PairPlan, message: str) -> PairPlan:
+    """The pair listed, never read: its two sides are known to compute different quantities (or
+    one wrote nothing), ``message`` says which."""
+    return replace(planned, kind=PairKind.NOT_COMPARABLE, message=message)
 
 
 def not_comparable_message(pair: BridgedPair) -> str:
@@ -381,7 +389,7 @@ def build_plan(
             evidence = provenance(bridged, (entry_a, entry_b), options, matcher)
             planned = replace(_pair(unit, entry_a, entry_b, options, precisions), **evidence)
             if bridged.classes is not None:
-                planned = replace(planned, kind="not_comparable", message=not_comparable_message(bridged))
+                planned = not_comparable(planned, not_comparable_message(bridged))
             unit_pairs.append(planned)
         if ops_a or ops_b:  # OPS: the ops inside tapped modules, aligned by name (compare/pair/ops_align.py)
             alignment = align_ops(ops_a, ops_b, options)
@@ -437,7 +445,7 @@ def _with_ops(
     for entry_a, entry_b in alignment.pairs:
         planned = _pair(unit, entry_a, entry_b, options, precisions)
         if entry_a.name in alignment.unwritten:  # an allocation op's output: nothing it wrote
-            planned = replace(planned, kind="not_comparable", message=alignment.unwritten[entry_a.name])
+            planned = not_comparable(planned, alignment.unwritten[entry_a.name])
         placed.append((position[entry_a.name], len(placed), planned))
     for extra in alignment.extras:
         if extra.side == "A":

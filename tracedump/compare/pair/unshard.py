@@ -19,6 +19,7 @@ import numpy as np
 from ..load.reader import Stored, last_row_cut, widen
 from ..load.sources import EntryMeta, PassView
 from ..options import UnshardRule
+from .kinds import PairKind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +30,7 @@ class SideEntry:
     meta: EntryMeta
     how: str | None = None  # "cat:1", "sum", "replicated" (several ranks) or None (one rank)
     problem: str | None = None  # why this entry cannot be compared, if it cannot
-    problem_status: str | None = None  # "rank_mismatch" or "error"
+    problem_status: PairKind | None = None  # RANK_MISMATCH or ERROR: the pair's kind
     cut: int | None = None  # cut to the last index along this dim once assembled (vs a last_row dump)
     op: str | None = None  # a bridge's derived entry (compare/pair/bridge.py): sum, product, concat, split
     parts: tuple[SideEntry, ...] = ()  # the entries it is derived from
@@ -69,7 +70,7 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
             meta=first,
             how=None,
             problem=f"missing on rank(s) {missing}",
-            problem_status="rank_mismatch",
+            problem_status=PairKind.RANK_MISMATCH,
         )
     if any(m.kind == "stats" for m in present):
         if rule is not None:
@@ -78,7 +79,7 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
                 meta=first,
                 how=str(rule),
                 problem="--unshard needs whole tensors, not statistics",
-                problem_status="error",
+                problem_status=PairKind.ERROR,
             )
         return SideEntry(name=name, meta=first, how="replicated")
     shapes = [m.shape or () for m in present]
@@ -89,7 +90,7 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
                 meta=first,
                 how="replicated",
                 problem=f"no --unshard rule and shapes differ across ranks: {shapes}",
-                problem_status="rank_mismatch",
+                problem_status=PairKind.RANK_MISMATCH,
             )
         return SideEntry(name=name, meta=first, how="replicated")
     if rule.op == "gather":
@@ -102,12 +103,12 @@ def plan_entry(name: str, views: list[PassView], rule: UnshardRule | None) -> Si
                 meta=first,
                 how=how,
                 problem=f"sum needs equal shapes, got {shapes}",
-                problem_status="error",
+                problem_status=PairKind.ERROR,
             )
         return SideEntry(name=name, meta=EntryMeta("tensor", shapes[0], first.dtype), how=how)
     shape = _cat_shape(shapes, rule.dim or 0)
     if isinstance(shape, str):
-        return SideEntry(name=name, meta=first, how=how, problem=shape, problem_status="error")
+        return SideEntry(name=name, meta=first, how=how, problem=shape, problem_status=PairKind.ERROR)
     return SideEntry(name=name, meta=EntryMeta("tensor", shape, first.dtype), how=how)
 
 
@@ -121,7 +122,7 @@ def _plan_gather(name: str, first: EntryMeta, shapes: list[tuple[int, ...]], rul
         shape = shapes[rank] if rank < len(shapes) else ()
         if not shape or not -len(shape) <= dim < len(shape) or stop > shape[dim]:
             problem = f"gather: rank {rank} has no [{start}:{stop}] along dim {dim} in {list(shape)}"
-            return SideEntry(name=name, meta=first, how=how, problem=problem, problem_status="error")
+            return SideEntry(name=name, meta=first, how=how, problem=problem, problem_status=PairKind.ERROR)
     base = list(shapes[0])
     base[dim] = sum(stop - start for _, start, stop in rule.pieces)
     return SideEntry(
