@@ -157,7 +157,7 @@ FED_OWN_REASON = "a grafted input that kept this run's own value (the reference'
 def grafted_input_rules(side_a: Side) -> list[Rule]:
     """Pairing rows for each input a grafted A was fed by parameter (the manifest's
     ``graft.fed_inputs``: an engine's decoder layer took the reference's ``[0]`` as its ``[1]``),
-    built as data (:func:`.table.row`): each paired with the reference input it took; its zeroed
+    built as data (:func:`..pair.table.row`): each paired with the reference input it took; its zeroed
     and kept inputs listed with the reason, never compared with the reference input of the same
     path (another quantity)."""
     rules: list[Rule] = []

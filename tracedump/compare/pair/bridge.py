@@ -119,10 +119,12 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
         unshard += tensor_parallel_joins(list(info.ranks), info.classes)
     findings: dict[str, str] = {}
     held: dict[str, str] = {}
+    loaded = False
     if info_a.record is not None and info_b.record is not None:
         findings = weight_findings(info_a.record, info_b.record)
-        if options.maps:  # the user's renames, checked against what the weights say
-            held = weight_pairs(info_a.record, info_b.record)
+        loaded = bool(info_a.record.loads or info_b.record.loads)
+        if options.maps:  # the user's renames, checked against what the weights or the load say
+            held = weight_pairs(info_a.record, info_b.record, bridge)
     return Matcher(
         bridge=bridge,
         classes_a=info_a.classes,
@@ -133,6 +135,7 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
         inputs_by_role=bridge is not None,  # two module trees: their calls take other arguments
         findings=findings,
         weight_pairs=held,
+        pairs_from_load=loaded,
     )
 
 

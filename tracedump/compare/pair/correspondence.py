@@ -41,7 +41,7 @@ from ...store.correspondence import Correspondence
 from .conventions import Observed, SideValues
 from .derive_rows import synthesise_rules
 from .holdings import engine_holdings, merged_holdings, plain_holdings
-from .module_pairing import pair_by_place, pair_modules
+from .module_pairing import Pairing, pair_by_place, pair_modules
 from .reasons import DERIVED_NAME, UNHELD_NOTE, proven_by
 from .table import Bridge, numbered
 
@@ -122,8 +122,16 @@ def derive_bridge(
         modules=tuple(modules),
         ambiguous=tuple((side, m, tuple(c)) for m, c in pairing.ambiguous.items()),
         notes=tuple((side, m, UNHELD_NOTE.format(other=other_side)) for m in pairing.unheld),
+        proven=_proven(pairing),
     )
     return bridge.swapped() if swap else bridge
+
+
+def _proven(pairing: Pairing) -> tuple[tuple[str, str], ...]:
+    """The module pairs the held checkpoint tensors alone prove: leaves (not those several modules'
+    shared values left to structure) and containers by their subtrees."""
+    leaves = [(m, o) for m, o in pairing.leaves.items() if m not in pairing.placed]
+    return (*leaves, *pairing.containers.items())
 
 
 def _shapes(record: Correspondence) -> dict[str, list[Any]]:

@@ -50,7 +50,7 @@ from .apply_rules import apply_rule, apply_unwrap
 from .engine_classes import IDENTITY, bare
 from .expr import BridgedPair, Expr
 from .input_roles import Role, input_role, is_input, pair_inputs
-from .table import Bridge
+from .table import Bridge, Rule
 from .unshard import SideEntry
 from .weight_evidence import map_contradiction
 
@@ -120,6 +120,7 @@ class Matcher:
     findings: Mapping[str, str] = field(default_factory=dict)
     # A's module -> B's, by parameters of unique values: what --map renames are checked against
     weight_pairs: Mapping[str, str] = field(default_factory=dict)
+    pairs_from_load: bool = False  # weight_pairs is what a side's load record proves
     # two module trees (a bridge applies): inputs pair by what they hold (:mod:`.input_roles`)
     inputs_by_role: bool = False
     # passes of one run usually hold the same names: matched once (names in order, and the roles
@@ -217,14 +218,14 @@ class Matcher:
         if class_a and class_b and class_a != class_b:
             notes.append(f"classes: A {class_a}, B {class_b}")
         try:
-            module_a, module_b = Key.parse(name).module, Key.parse(mapped).module
+            module_a = Key.parse(name).module
         except ValueError:
-            module_a = module_b = ""
+            module_a = ""
         if mapped == name and module_a in self.findings:
             notes.append(self.findings[module_a])
-        held = self.weight_pairs.get(module_a)
-        if mapped != name and held is not None and held != module_b:
-            notes.append(map_contradiction(module_a, module_b, held))
+        contradiction = self._map_contradiction(name, mapped, mapped)
+        if contradiction is not None:
+            notes.append(contradiction)
         return BridgedPair(
             a=Expr(names=(name,)),
             b=Expr(names=(mapped,)),
@@ -232,6 +233,21 @@ class Matcher:
             paired_by="name" if mapped == name else "map",
             note="; ".join(notes) or None,
         )
+
+    def _map_contradiction(self, name: str, mapped: str, name_b: str) -> str | None:
+        """What the weights or the load record say against ``--map`` turning A's ``name`` into
+        ``mapped``, which was paired with B's ``name_b``: None when the map left the name alone, or
+        the evidence pairs A's module with ``name_b``'s (or with none)."""
+        if mapped == name:
+            return None
+        try:
+            module_a, module_b = Key.parse(name).module, Key.parse(name_b).module
+        except ValueError:
+            return None
+        held = self.weight_pairs.get(module_a)
+        if held is None or held == module_b:
+            return None
+        return map_contradiction(module_a, module_b, held, loaded=self.pairs_from_load)
 
     def _pair_inputs(
         self,
@@ -382,13 +398,25 @@ class Matcher:
                 return
             position = min((state.order[n] for n in names_a if n in state.order), default=len(state.order))
             for pair in pairs:
-                a = replace(pair.a, names=tuple(state.original.get(n, n) for n in pair.a.names))
-                note = self._bridge_note(pair)
-                state.anchored.append((position, replace(pair, a=a, paired_by=rule.paired_by, note=note)))
+                state.anchored.append((position, self._anchored(pair, rule, state.original)))
             return
         if first_reason is not None:
             state.claimed[side].add(name)
             state.out.leftovers.append(_leftover(side, name, first_reason, state.original))
+
+    def _anchored(self, pair: BridgedPair, rule: Rule, original: Mapping[str, str]) -> BridgedPair:
+        """A pair a row made, under A's own names. Where ``--map`` renamed A's names first, the
+        row's evidence is of the mapped names' modules, not A's: a derived row's pair is the map's
+        (a rule file's stays its own), checked against what the weights or the load prove."""
+        a = replace(pair.a, names=tuple(original.get(n, n) for n in pair.a.names))
+        notes = [self._bridge_note(pair)]
+        paired_by = rule.paired_by
+        renamed = [(original[n], n) for n in pair.a.names if original.get(n, n) != n]
+        if renamed and pair.b.names:
+            paired_by = paired_by if paired_by == "rule" else "map"
+            notes += [self._map_contradiction(name, mapped, pair.b.names[0]) for name, mapped in renamed]
+        note = "; ".join(dict.fromkeys(n for n in notes if n)) or None
+        return replace(pair, a=a, paired_by=paired_by, note=note)
 
 
 @dataclass

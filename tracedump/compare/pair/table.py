@@ -192,6 +192,10 @@ class Bridge:
     ambiguous: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
     # (side "A" or "B" of the diff, module, what the pairing saw of it): rows of its pairs carry it
     notes: tuple[tuple[str, str, str], ...] = ()
+    # (module of a, module of b) holding the same checkpoint tensors, each side's only holder (no
+    # pair placed by structure): what the records prove, the evidence a --map rename is checked
+    # against where a side recorded its load
+    proven: tuple[tuple[str, str], ...] = ()
 
     @property
     def module_pairs(self) -> dict[str, str]:
@@ -205,4 +209,10 @@ class Bridge:
         """The same table for a diff whose A is this table's b (``tracedump diff HF VLLM``)."""
         rules = tuple(replace(r, side="b" if r.side == "a" else "a", a=r.b, b=r.a) for r in self.rules)
         modules = tuple((b, a) for a, b in self.modules)
-        return replace(self, a=self.b, b=self.a, rules=rules, modules=modules)
+        proven = tuple((b, a) for a, b in self.proven)
+        return replace(self, a=self.b, b=self.a, rules=rules, modules=modules, proven=proven)
+
+    @property
+    def proven_pairs(self) -> dict[str, str]:
+        """A's module -> B's, for the modules the records prove are one (:attr:`proven`)."""
+        return dict(self.proven)

@@ -1,6 +1,6 @@
 """What the recorded weights say of a pair made by name or by a hand rule: a module of one name
 holding another module's values, B's values scaled or transposed (:func:`weight_findings`, on the
-row), and the pairs the weights prove that a ``--map`` rule is checked against
+row), and the pairs the weights or the load record prove that a ``--map`` rule is checked against
 (:func:`weight_pairs`, :func:`map_contradiction`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from ...store.correspondence import Correspondence, fingerprints_match
 from .holdings import plain_holdings
 from .module_pairing import pair_modules
+from .table import Bridge
 
 
 def _firsts(record: Correspondence) -> dict[str, Mapping[str, Any]]:
@@ -70,18 +71,26 @@ def _weight_finding(
     return f"weights: {leaf} differs from B's (same shape)"
 
 
-def weight_pairs(a: Correspondence, b: Correspondence) -> dict[str, str]:
+def weight_pairs(a: Correspondence, b: Correspondence, derived: Bridge | None = None) -> dict[str, str]:
     """A's module -> B's, for the modules whose parameters (or whose subtree's) hold values one
-    module of B holds (unique fingerprints only): the evidence a ``--map`` rule is checked against."""
+    module of B holds (unique fingerprints only): the evidence a ``--map`` rule is checked against.
+    Where a side recorded its load, the load record is that evidence: the pairs the table derived
+    from it proves (``derived``, :attr:`.table.Bridge.proven`; none from a rule file)."""
     if a.loads or b.loads:
-        return {}
+        return derived.proven_pairs if derived is not None else {}
     sources = {name: meta for name, meta in b.parameters.items() if "same_as" not in meta}
     pairing = pair_modules(plain_holdings(a, sources), plain_holdings(b, sources))
     return {**pairing.leaves, **pairing.containers}
 
 
-def map_contradiction(module_a: str, module_b: str, held: str) -> str:
-    """The note on a pair ``--map`` made against the recorded weights."""
+def map_contradiction(module_a: str, module_b: str, held: str, *, loaded: bool = False) -> str:
+    """The note on a pair ``--map`` made against the recorded weights (``loaded``: against the
+    checkpoint tensors a side's load record says the two modules hold)."""
+    if loaded:
+        return (
+            f"--map pairs {module_a} with {module_b}, but the load record says A's {module_a} holds "
+            f"the checkpoint tensors of B's {held}: the rule contradicts the recorded load"
+        )
     return (
         f"--map pairs {module_a} with {module_b}, but its weights are {held}'s: "
         "the rule contradicts the recorded weights"
