@@ -34,6 +34,7 @@ from conftest import make_tiny_llama
 import tracedump
 from tracedump.cli import main
 from tracedump.compare import compare
+from tracedump.compare.judge.reason import RULES
 from tracedump.compare.report.page import charts, limits, render
 from tracedump.compare.report.page.limits import MAX_LINES, esc
 from tracedump.compare.report.page.rows import Row
@@ -494,23 +495,32 @@ def test_without_matplotlib_the_page_leaves_the_heatmap_out_and_says_so(
 
 def test_a_pairing_and_a_reason_on_the_records_are_shown(dumps: dict[str, Path]) -> None:
     """Records that say how their pair was made get a ``paired by`` column (after the status, so
-    the columns before it keep their places); a reason record is shown in the row and, for the
-    first divergence, in the summary's why."""
+    the columns before it keep their places); the judge's reason record is shown, escaped, in the
+    summary's why of the first divergence and in its point on the curve."""
     report = compare(dumps["hostile_a"], dumps["hostile_b"])
     doc = report.to_json()
     first = doc["summary"]["first_divergence"]["index"]
     for record in doc["tensors"]:
         record["paired_by"] = "name" if record["index"] != first else "<rule> q|k"
-    doc["tensors"][first]["reason"] = {"text": "error above the threshold", "evidence": "<local>"}
+    assert doc["tensors"][first]["reason"]["rule"] in RULES  # the judge wrote one
+    doc["tensors"][first]["reason"] = {
+        "rule": "local",
+        "decided_by": "<decided>",
+        "text": "error above the threshold",
+        "threshold_from": "<local>",
+    }
     text = render(report, doc)
     head = text.split("<thead>")[1].split("</thead>")[0]
     titles = re.findall(r"<button type='button'>([^<]*)</button>", head)
     assert titles[6] == "rel_diff" and titles[-3:] == ["status", "paired by", "details"]
     row = text.split(f"<tr id='t-{first}'")[1].split("</tr>")[0]
     assert "&lt;rule&gt; q|k" in row and "<rule>" not in row
-    assert "reason: error above the threshold; evidence &lt;local&gt;" in row
+    point = text.split(f"<a href='#t-{first}'><circle")[1].split("</circle>")[0]
+    assert "error above the threshold" in point  # the curve's point says the reason's words
     why = text.split("<dl class='why'>")[1].split("</dl>")[0]
-    assert "<dt>reason</dt><dd>error above the threshold; evidence &lt;local&gt;</dd>" in why
+    assert "<dt>why</dt><dd>error above the threshold</dd>" in why
+    assert "<dt>threshold from</dt><dd>&lt;local&gt;</dd>" in why
+    assert "<dt>decided by</dt><dd>&lt;decided&gt;</dd>" in why
     assert "<dt>paired by</dt>" in why
     assert "<dt>paired by</dt><dd>name</dd>" in render(report)  # every pair says how it was paired
     bare = report.to_json()
@@ -644,7 +654,7 @@ def test_a_nan_only_divergence_says_nan_on_the_page(tmp_path: Path) -> None:
     code, page = _cli_html(tmp_path, tmp_path / "a.pt", tmp_path / "b.pt")
     assert code == 1
     text = page.read_text()
-    assert "NaN/Inf only: rel_diff of the finite values 0 ≤ threshold" in text
+    assert "NaN/Inf only: rel_diff of the finite values 0 &lt;= threshold" in text
     assert "rel_diff 0 &gt; threshold" not in text
 
 

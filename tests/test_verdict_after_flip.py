@@ -17,6 +17,8 @@ other seeds, where other tokens flip.
 from __future__ import annotations
 
 import copy
+import html
+import io
 import json
 import os
 import re
@@ -31,6 +33,7 @@ import benchmarks.calibrate as calibrate
 import benchmarks.calibrate_graft as calibrate_graft
 import tracedump
 from tracedump.compare import compare
+from tracedump.compare.judge.reason import RULES
 from tracedump.compare.measure.routing import Flip, unaffected_tokens
 from tracedump.compare.report.display import summary_lines
 
@@ -217,3 +220,63 @@ def test_nothing_is_provably_unaffected_without_a_causal_mask_or_a_known_layout(
         assert keep is None and "every token may have attended" in why
     keep, _ = unaffected_tokens(_flip(8, (0, 4)), sequence=4, causal=True)
     assert keep is not None and not np.any(keep)  # a flip at each sequence's start: nothing left
+
+
+def _said_alike(report, result) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """The judge's reason for ``result`` as the JSON, the terminal and the page say it: each must
+    be the record's words, never a why rebuilt from the numbers."""
+    from rich.console import Console
+
+    from tracedump.compare.report.display import table
+    from tracedump.compare.report.page import render
+    from tracedump.compare.report.page.rows import Row
+    from tracedump.compare.report.page.summary import why
+
+    reason = result.reason
+    assert reason is not None and reason.status == result.status and reason.rule in RULES, result
+    record = report.to_json()["tensors"][result.index]
+    assert record["reason"] == reason.to_json()  # the JSON's words are the judge's
+    assert record["reason"]["decided_by"] == RULES[reason.rule]
+    facts = dict(why(record))  # the page's why of this record
+    assert facts["why"] == reason.text and facts.get("threshold from") == reason.threshold_from
+    assert facts["decided by"] == reason.decided_by
+    assert Row(record, 0, 0).why == reason.text  # the curve's point title
+    out = Console(record=True, width=400, file=io.StringIO())
+    out.print(table(report, 0))
+    (line,) = [x for x in out.export_text().splitlines() if f" {result.label} " in x]
+    assert result.status.text in line  # the table's status cell: the reason's status
+    page = render(report)
+    if report.first_divergence is not None and report.first_divergence.index == result.index:
+        (first,) = [x for x in summary_lines(report) if x.startswith("first divergence: ")]
+        assert f": {reason.text}" in first  # the terminal's why: the same sentence ...
+        assert f"; threshold from {reason.threshold_from}" in first
+        summary = page.split("<dl class='why'>")[1].split("</dl>")[0]  # ... as the page's
+        assert f"<dt>why</dt><dd>{html.escape(reason.text, quote=False)}</dd>" in summary
+    return record["reason"]
+
+
+@numerics
+def test_the_reason_is_the_same_words_in_the_json_the_terminal_and_the_page(tie: dict[str, Path]) -> None:
+    """A diverged pair (judged on the baseline's noise), a routing flip and a grafted pair (its
+    own error): the judge's reason record is what every printer prints."""
+    diverged = compare(tie["bf16+norm_eps"], tie["fp32"], baseline=tie["bf16"])
+    _assert_premise(diverged, tie["bf16+norm_eps"], tie["fp32"])
+    first = diverged.first_divergence
+    assert first is not None and first.name == BUGGY and first.status == "diverged", first
+    said = _said_alike(diverged, first)
+    assert said["rule"] == "baseline" and re.fullmatch(r"rel_diff \S+ > threshold \S+ \(\S+x\)", said["text"])
+    assert said["threshold_from"].startswith("the noise measured in --baseline, err(C, B) = ")
+
+    flipped = compare(tie["bf16"], tie["fp32"])
+    _assert_premise(flipped, tie["bf16"], tie["fp32"])
+    router = next(r for r in flipped.results if r.status == "routing_flip" and r.rule == "router")
+    said = _said_alike(flipped, router)
+    assert said == {"rule": "router", "decided_by": RULES["router"], "text": "routing flip"}
+
+    grafted = compare(tie["bf16-eager+norm_eps@leaf"], tie["ref"])
+    _assert_premise(grafted, tie["bf16-eager+norm_eps@leaf"], tie["ref"])
+    first = grafted.first_divergence
+    assert first is not None and first.name == BUGGY and first.basis == "local", first
+    said = _said_alike(grafted, first)
+    assert said["rule"] in ("local", "shadow") and said["threshold_from"].startswith("local: ")
+    assert said["threshold_from"] == f"local: {first.tolerance.source}"

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..errors import ExitCode
 from ..store.format import json_number
+from .judge.reason import Reason
 from .judge.status import Status
 from .judge.tolerance import Tolerance
 from .measure.evidence import MEASURED, Evidence
@@ -181,7 +182,8 @@ class TensorResult(Measured):
     basis: str | None = None  # how the threshold was set: upstream | baseline | fixed | routing | local
     absorbed: float | None = None  # the whole error of a routing-flip tensor (joins the level)
     level_before: str | None = None  # a container's own output: explained by the level before this tensor
-    rule: str | None = None  # which rule of the judge decided (judge.judge.RULES); not in the JSON
+    rule: str | None = None  # which rule of the judge decided (judge.reason.RULES)
+    reason: Reason | None = None  # why, in the judge's words: what the report prints
 
     def to_json(self) -> dict[str, Any]:
         m = self.metrics
@@ -253,6 +255,8 @@ class TensorResult(Measured):
                 "worst": worst[0] if worst else None,
                 "worst_rel_diff": _number(worst[1]) if worst else None,
             }
+        if self.reason is not None and self.status is not Status.OK:
+            data["reason"] = self.reason.to_json()
         return data
 
     @property

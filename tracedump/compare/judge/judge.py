@@ -47,25 +47,9 @@ from .noise import (
     last_dim,
     rounding_floor,
 )
+from .reason import Judged, Reason, worded
 from .status import Status
 from .tolerance import Tolerance
-
-# The rule that decided a verdict (``Verdict.rule``): a few words, also what the reason record says.
-RULES = {
-    "plan": "the plan found it cannot be compared",
-    "read": "reading or measuring it failed",
-    "rows": "its rows are missing on a side",
-    "ranks": "a replicated tensor differs across ranks",
-    "router": "its router's top-k indices differ",
-    "flipped block": "inside a MoE block whose router flipped, its kept tokens not readable",
-    "stats": "its worst statistic against rtol",
-    "fixed": "a fixed rule",
-    "upstream": "what the error upstream explains",
-    "baseline": "the baseline's measured noise",
-    "after flip": "downstream of a near-tie routing flip: the tokens it cannot have reached",
-    "local": "a grafted module's own error (counting rule)",
-    "shadow": "a grafted module's own error, split by its fp32 shadow",
-}
 
 # The plan's kinds of pairs that are never read, and the status each is reported with.
 _UNMEASURED = {
@@ -114,7 +98,8 @@ class PairEvidence:
 @dataclass(frozen=True, kw_only=True)
 class Verdict:
     """A pair's status and the reason for it: the number judged against its threshold, where the
-    threshold came from (``basis``), the rule that decided (:data:`RULES`) and why, in words."""
+    threshold came from (``basis``), the rule that decided (:data:`.reason.RULES`) and why, in
+    words (:func:`settle` words the :class:`.reason.Reason` the report prints)."""
 
     status: Status
     rule: str
@@ -140,12 +125,13 @@ def judge(evidence: PairEvidence) -> Verdict:
 
 
 def settle(measured: Measured, verdict: Verdict) -> TensorResult:
-    """The pair's record with its verdict: what the report prints."""
+    """The pair's record with its verdict and its reason in words: what the report prints."""
     values = {name: getattr(measured, name) for name in Measured.__dataclass_fields__}
     values["after_flip"] = verdict.after_flip
     if verdict.tolerance_source is not None:
         values["tolerance"] = replace(measured.tolerance, source=verdict.tolerance_source)
     return TensorResult(
+        reason=_reason(measured, verdict, values["tolerance"]),
         **values,
         status=verdict.status,
         error=verdict.error,
@@ -156,6 +142,24 @@ def settle(measured: Measured, verdict: Verdict) -> TensorResult:
         absorbed=verdict.absorbed,
         level_before=verdict.level_before,
         rule=verdict.rule,
+    )
+
+
+def _reason(measured: Measured, verdict: Verdict, tolerance: Tolerance) -> Reason:
+    metrics = measured.metrics
+    return worded(
+        Judged(
+            status=verdict.status,
+            rule=verdict.rule,
+            metric=measured.metric,
+            error=verdict.error,
+            threshold=verdict.threshold,
+            basis=verdict.basis,
+            tolerance=tolerance,
+            noise=verdict.noise,
+            nonfinite=metrics.nonfinite_mismatch if metrics is not None else 0,
+            baseline_factor=BASELINE_FACTOR,
+        )
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ from ...store.dtypes import SHORT_NAMES
 from ...util.console import console, printable
 from ..judge.coverage import line as coverage_line
 from ..judge.coverage import warnings as coverage_warnings
+from ..judge.reason import number
 from ..judge.status import Status
 from ..measure.execute import Progress, pair_bytes
 from ..measure.metrics import WORK_DTYPE_RULE
@@ -35,12 +35,7 @@ _STATUS_STYLE = {  # ok rows keep the table's style
 _LISTED = 10  # names shown per "only in" line
 
 
-def _num(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isinf(value) or math.isnan(value):
-        return str(value)
-    return "0" if value == 0 else f"{value:.3g}"
+_num = number  # the table's numbers as the reason words them
 
 
 def _cosine(result: TensorResult) -> str:
@@ -405,29 +400,17 @@ def _not_judged_lines(report: DiffReport) -> list[str]:
     ]
 
 
-def _basis(result: TensorResult) -> str:
-    """Why the threshold is what it is, in a few words."""
-    precision = result.tolerance.precision or "?"
-    if result.basis == "baseline":
-        return f"{_num(result.times_noise)}x the baseline's noise {_num(result.noise)}, {precision} run"
-    if result.basis == "upstream":
-        return f"what the error upstream explains at {precision} run precision"
-    return result.tolerance.source
-
-
 def _describe_error(result: TensorResult) -> str:
-    metric = "1-cosine" if result.metric == "cosine" else result.metric
-    if result.error is None or result.status is not Status.DIVERGED:
-        return STATUS_TEXT.get(result.status, result.status)
+    """The judge's reason for a result's status (:class:`..judge.reason.Reason`), with where its
+    largest difference lies."""
+    numbers = ""
     m = result.metrics
-    if m is not None and m.nonfinite_mismatch and not result.error > (result.threshold or 0.0):
-        # only the NaN/Inf pattern differs: the finite values' error is within the threshold
-        return f"NaN/Inf only: {metric} of the finite values {_num(result.error)} <= {_num(result.threshold)}"
-    text = f"{metric} {_num(result.error)} > {_num(result.threshold)} ({_basis(result)})"
-    if result.metrics is not None and result.metrics.argmax is not None:
-        m = result.metrics
-        text += f", max_abs {_num(m.max_abs)} (A {_num(m.a_at_argmax)} vs B {_num(m.b_at_argmax)})"
-    return text
+    nonfinite_only = result.reason is not None and result.reason.nonfinite_only
+    if m is not None and m.argmax is not None and result.status is Status.DIVERGED and not nonfinite_only:
+        numbers = f", max_abs {_num(m.max_abs)} (A {_num(m.a_at_argmax)} vs B {_num(m.b_at_argmax)})"
+    if result.reason is None:  # a record the judge never saw
+        return STATUS_TEXT.get(result.status, result.status) + numbers
+    return result.reason.line(numbers)
 
 
 def print_report(report: DiffReport, max_rows: int, *, table_too: bool = True, stderr: bool = False) -> None:

@@ -105,7 +105,8 @@ def _mark_passes(axes: object, report: DiffReport) -> None:
 def _mark_findings(axes: object, report: DiffReport) -> None:
     first = report.first_divergence
     if first is not None:
-        label = printable(f"first divergence: {first.label}")
+        why = f": {first.reason.text}" if first.reason is not None else ""  # the judge's words
+        label = printable(f"first divergence: {first.label}{why}")
         axes.axvline(first.index, color="tab:red", linewidth=1.2, label=label)  # type: ignore[attr-defined]
     growth = report.largest_growth
     if growth is not None and (first is None or growth.result.index != first.index):

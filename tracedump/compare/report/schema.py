@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from ..judge.reason import RULES
 from ..judge.status import Status
 
 JsonNumber = float | Literal["nan", "inf", "-inf"]
@@ -119,6 +120,25 @@ class TensorRecord(_Record):
     )
     not_grafted: str | None = Field(
         None, description="a grafted A: why its call kept its own inputs; absent when it was grafted"
+    )
+    reason: ReasonRecord | None = Field(
+        None,
+        description="why it has its status, in the judge's words (what the terminal, the page and "
+        "the plot print); absent for an ok pair",
+    )
+
+
+class ReasonRecord(_Record):
+    """``reason``: why a pair has its status, as the judge words it (the numbers are the record's)."""
+
+    rule: str = Field(description="the rule that decided: " + " | ".join(RULES))
+    decided_by: str = Field(description="that rule in words")
+    text: str = Field(
+        description="the verdict in a sentence: the number judged against its threshold where it "
+        "passed it, else the status in words"
+    )
+    threshold_from: str | None = Field(
+        None, description="where the threshold came from; absent unless the number passed it"
     )
 
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...judge.status import Status, status_text
+from ...judge.status import Status
 from . import limits
 from .limits import clip, clip_end, current, fmt, num, visible
 from .rows import Page, Row
@@ -203,7 +203,7 @@ def _point_title(label: str, row: Row) -> str:
     data = row.data
     text = f"{row.name}\n{label}, #{row.position}: {data['metric']} {fmt(row.error)}"
     text += f", threshold {fmt(row.threshold)}" if row.threshold is not None else ""
-    text += f"\n{status_text(row.status)}"
+    text += f"\n{row.why}"
     if data.get("name_b") != data.get("name"):
         text += f"\nB: {data.get('name_b')}"
     return text

@@ -14,7 +14,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from ...judge.status import Status
+from ...judge.status import Status, status_text
 from .limits import num, visible
 
 NOT_COMPARED = tuple(s.value for s in Status if s.not_compared)  # the order the summary looks in
@@ -53,6 +53,14 @@ class Row:
     @property
     def status(self) -> str:
         return str(self.data["status"])
+
+    @property
+    def why(self) -> str:
+        """The judge's reason in a sentence (the record's ``reason``), else its status in words."""
+        reason = self.data.get("reason")
+        if isinstance(reason, dict) and reason.get("text"):
+            return str(reason["text"])
+        return status_text(self.status)
 
     @cached_property
     def error(self) -> float | None:

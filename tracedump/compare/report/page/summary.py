@@ -3,12 +3,11 @@ the counts, the largest growth and the terminal's verdict lines."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from markupsafe import Markup
 
-from ...judge.status import Status, status_text
+from ...judge.status import status_text
 from ..display import dtype_text
 from .limits import current, fmt, num, visible
 from .rows import NOT_COMPARED, Page, html, link
@@ -61,46 +60,23 @@ def _first_divergence(page: Page, first: dict[str, Any]) -> dict[str, Any]:
         where = html("pass <b>{}</b>", first["pass"]) + (
             html(", root {}", row["root"]) if row.get("root") else Markup("")
         )
-    factor = (page.doc["settings"].get("verdict") or {}).get("baseline_factor")
     return {
         "index": first["index"],
         "name": visible(first["name"]),
         "name_b": visible(first["name_b"]) if first["name_b"] != first["name"] else None,
         "where": where,
-        "facts": why(row, factor),
+        "facts": why(row),
     }
 
 
-def why(row: dict[str, Any], factor: object) -> list[tuple[str, str | Markup]]:
-    """Why a record has its status, as (term, text) pairs: the comparison against its threshold
-    and where the threshold came from, the record's reason when it carries one, and its numbers."""
-    metric = "1 − cosine" if row["metric"] == "cosine" else row["metric"]
-    error, threshold = num(row.get("error")), num(row.get("tolerance"))
-    facts: list[tuple[str, str | Markup]] = []
-    nonfinite = any(row.get(k) for k in ("nan_a", "nan_b", "inf_a", "inf_b"))
-    if (
-        row["status"] == Status.DIVERGED
-        and error is not None
-        and nonfinite
-        and not error > (threshold or 0.0)
-    ):
-        # only the NaN/Inf pattern differs (as the terminal says): "rel_diff 0 > threshold" would be false
-        facts.append(
-            (
-                "why",
-                f"NaN/Inf only: {metric} of the finite values {fmt(error)} ≤ threshold "
-                f"{fmt(threshold)}; the NaN/Inf positions differ",
-            )
-        )
-        facts.append(("threshold from", visible(_basis(row, factor))))
-    elif row["status"] == Status.DIVERGED and error is not None:
-        ratio = error / threshold if threshold else math.inf
-        facts.append(("why", f"{metric} {fmt(error)} > threshold {fmt(threshold)} ({fmt(ratio)}×)"))
-        facts.append(("threshold from", visible(_basis(row, factor))))
-    else:
-        facts.append(("why", status_text(row["status"])))
-    if row.get("reason"):
-        facts.append(("reason", reason_text(row["reason"])))
+def why(row: dict[str, Any]) -> list[tuple[str, str | Markup]]:
+    """Why a record has its status, as (term, text) pairs: the judge's reason (the comparison
+    against its threshold, where the threshold came from, the rule that decided), then how the pair
+    was made, the judge's detail and the numbers."""
+    reason = row.get("reason")
+    facts: list[tuple[str, str | Markup]] = (
+        reason_facts(reason) if isinstance(reason, dict) else [("why", status_text(row["status"]))]
+    )
     if row.get("paired_by"):
         facts.append(("paired by", visible(row["paired_by"])))
     if row.get("message"):
@@ -108,6 +84,12 @@ def why(row: dict[str, Any], factor: object) -> list[tuple[str, str | Markup]]:
     facts += _numbers(row)
     facts.append(("shape, dtype", f"{visible(shape(row))}, {visible(dtype(row))}"))
     return facts
+
+
+def reason_facts(reason: dict[str, Any]) -> list[tuple[str, str | Markup]]:
+    """A record's ``reason`` (:class:`~tracedump.compare.judge.reason.Reason`) as the page's terms."""
+    terms = (("why", "text"), ("threshold from", "threshold_from"), ("decided by", "decided_by"))
+    return [(term, visible(reason[key])) for term, key in terms if reason.get(key)]
 
 
 def _numbers(row: dict[str, Any]) -> list[tuple[str, str | Markup]]:
@@ -139,33 +121,6 @@ def _numbers(row: dict[str, Any]) -> list[tuple[str, str | Markup]]:
             )
         )
     return facts
-
-
-def reason_text(reason: object) -> str:
-    """A record's reason for its status as one line: a mapping as ``key value`` parts, the
-    ``text`` or ``summary`` field first where it has one."""
-    if not isinstance(reason, dict):
-        return visible(reason)
-    ordered = sorted(reason.items(), key=lambda item: item[0] not in ("text", "summary"))
-    return visible(
-        "; ".join(
-            str(value) if key in ("text", "summary") else f"{key} {value}"
-            for key, value in ordered
-            if value not in (None, [], {}, "")
-        )
-    )
-
-
-def _basis(row: dict[str, Any], factor: object) -> str:
-    basis = row.get("basis")
-    if basis == "baseline":
-        return (
-            f"the noise measured in --baseline, err(C, B) = {fmt(row.get('noise'))}, "
-            f"× {fmt(factor)} plus one rounding"
-        )
-    if basis == "upstream":
-        return f"what the error upstream explains at the run precision ({row.get('tolerance_source')})"
-    return f"{basis or 'fixed'}: {row.get('tolerance_source')}"
 
 
 def _tiles(page: Page) -> list[tuple[str, object, bool]]:

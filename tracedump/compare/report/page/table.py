@@ -11,7 +11,7 @@ from markupsafe import Markup, escape
 from ...judge.status import Status, status_text
 from .limits import clip_end, current, fmt, num, sort_key, visible
 from .rows import NOT_COMPARED, OPTIONAL_KEYS, SHOWN_KEYS, SUMMARY_SHOWN, Page, Row, code, html, link
-from .summary import dtype, reason_text, shape
+from .summary import dtype, shape
 
 
 def table_indices(page: Page) -> list[int] | None:
@@ -153,12 +153,12 @@ def _e(text: object) -> str:
 
 
 def _details(data: dict[str, Any]) -> list[str]:
-    """The message, the reason, a stats pair's statistics, and any field no column shows."""
+    """The message, a stats pair's statistics, and any field no column shows (the judge's reason
+    is the status, the error, the threshold and their ratio in the columns, the basis in the
+    threshold's title; the summary's why and the curve's points say it in words)."""
     parts = []
     if data.get("message"):
         parts.append(visible(data["message"]))
-    if data.get("reason"):
-        parts.append(f"reason: {reason_text(data['reason'])}")
     if data.get("kind") == "stats" and data.get("error") is not None and data.get("status") != Status.OK:
         parts.append(f"stats: largest relative error {fmt(data['error'])}")
     if data.get("stats"):
