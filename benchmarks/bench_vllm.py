@@ -74,6 +74,8 @@ def run(quick: bool = False, model: str = "narrow") -> dict[str, Any]:
 SHAPES = {
     "narrow": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3},
     "wide": {"hidden_size": 1024, "intermediate_size": 2304, "num_hidden_layers": 8},
+    # the narrow width, 8 layers: the compiled-against-eager dump comparison (run_compiled)
+    "deep": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8},
 }
 QUICK_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
 
@@ -210,7 +212,13 @@ def _measure(quick: bool, work: Path, model_name: str = "narrow") -> dict[str, A
         gc.collect()  # as the full round does after its timing: each round starts alike
         return seconds | clock.result()
 
-    layers = ("full",) if quick else LAYERS if model_name == "narrow" else ("held", "naive", "full", "steady")
+    layers = (
+        ("held", "naive", "full")
+        if quick
+        else LAYERS
+        if model_name == "narrow"
+        else ("held", "naive", "full", "steady")
+    )
     captured = _captured_modules(plugin, runner, model, dumps) if "held" in layers else []
 
     def held() -> dict[str, float]:
@@ -537,29 +545,35 @@ def _version() -> str:
 # ------------------------------------------------------------------ compiled: TRACEDUMP_DUMP_COMPILED=1
 
 
-def run_compiled(quick: bool = False) -> dict[str, Any]:
-    """The cost of ``COMPILED=1`` on vLLM's compiled engine (no ``enforce_eager``; on CPU Dynamo +
-    inductor): the engine compiled untouched against the engine compiled with the plugin dumping
-    every module through taps (docs/compiled.md). A compiled graph is fixed at its first call, so
-    the two are two engine processes, one after the other (not interleaved: noisier than
-    :func:`run`'s in-process rounds); each reports its start-up (the compile included) and the
-    medians of its generate rounds. ``python -m benchmarks.bench_vllm --compiled``."""
+def run_compiled(quick: bool = False, model: str = "deep") -> dict[str, Any]:
+    """``COMPILED=1`` on vLLM's compiled engine (no ``enforce_eager``; on CPU Dynamo + inductor)
+    against the eager engine's dump, on the engine model ``model`` (default: 8 layers): four engine
+    processes one after the other, the eager engine and the compiled one, each untouched and dumped
+    (``MODULES=all``; the eager dump with ``COMPILED`` unset, which the plugin runs eagerly). A
+    compiled graph is fixed at its first call, so they cannot be interleaved in one process: noisier
+    than :func:`run`'s rounds. Each reports its start-up (the compile included), the median generate
+    and the median decode step (execute_model to sample_tokens, :class:`StepClock`); the ratios are
+    each dumped engine's over its own untouched one, and the compiled dump's over the eager dump's.
+    ``python -m benchmarks.bench_vllm --compiled [--model deep]``."""
     python = vllm_python()
     if python is None:
         return {"skipped": SKIP_MESSAGE}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tracedump-bench-vllm-compiled-") as work:
-        for variant in ("untouched", "dumped"):
+        for variant in ("eager", "eager_dumped", "compiled", "compiled_dumped"):
             env = {k: v for k, v in os.environ.items() if not k.startswith("TRACEDUMP_")}
             env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=str(ROOT))
             env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_DISABLE_COMPILE_CACHE="1")
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-            if variant == "dumped":
-                env.update(TRACEDUMP_DUMP_DIR=str(Path(work) / "dumps"), TRACEDUMP_DUMP_COMPILED="1")
-                env.update(TRACEDUMP_DUMP_MODULES="all")
-            command = [python, "-m", "benchmarks.bench_vllm", "--compiled-variant", work]
+            if variant.endswith("dumped"):
+                env.update(TRACEDUMP_DUMP_DIR=str(Path(work) / variant), TRACEDUMP_DUMP_MODULES="all")
+            if variant == "compiled_dumped":
+                env.update(TRACEDUMP_DUMP_COMPILED="1")
+            command = [python, "-m", "benchmarks.bench_vllm", "--compiled-variant", work, "--model", model]
+            command += ["--quick"] if quick else []
+            command += ["--eager"] if variant.startswith("eager") else []
             done = subprocess.run(
-                [*command, *(["--quick"] if quick else [])],
+                command,
                 cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=1200,
             )  # fmt: skip
             if done.returncode != 0:
@@ -567,19 +581,30 @@ def run_compiled(quick: bool = False) -> dict[str, Any]:
             out[variant] = json.loads(done.stdout.strip().splitlines()[-1])
     from benchmarks import common
 
-    base, dumped = out["untouched"], out["dumped"]
+    def ratios(clock: str) -> dict[str, float]:
+        return {
+            "eager_dumped": common.ratio(out["eager_dumped"][clock], out["eager"][clock]),
+            "compiled_dumped": common.ratio(out["compiled_dumped"][clock], out["compiled"][clock]),
+            "compiled_dumped_vs_eager_dumped": common.ratio(
+                out["compiled_dumped"][clock], out["eager_dumped"][clock]
+            ),
+            "compiled_vs_eager": common.ratio(out["compiled"][clock], out["eager"][clock]),
+        }
+
     return {
         **out,
-        "generate_ratio": common.ratio(dumped["generate_ms"], base["generate_ms"]),
-        "generate_ratio_min": common.ratio(dumped["generate_ms_min"], base["generate_ms_min"]),
-        "startup_ratio": common.ratio(dumped["startup_s"], base["startup_s"]),
+        "model": model,
+        "generate_ratio": ratios("generate_ms"),
+        "decode_ratio": ratios("decode_ms"),
+        "startup_ratio": common.ratio(out["compiled_dumped"]["startup_s"], out["compiled"]["startup_s"]),
         "quick": quick,
     }
 
 
-def _compiled_variant(work: Path, quick: bool) -> dict[str, Any]:
-    """One compiled engine in this process, dumped or not as the env says (the plugin registered
-    as vLLM would, before the engine is built): start-up seconds and generate rounds."""
+def _compiled_variant(work: Path, quick: bool, model: str = "deep", eager: bool = False) -> dict[str, Any]:
+    """One engine in this process, compiled unless ``eager``, dumped or not as the env says (the
+    plugin registered as vLLM would, before the engine is built): start-up seconds, generate
+    rounds and their decode steps."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
@@ -587,15 +612,15 @@ def _compiled_variant(work: Path, quick: bool) -> dict[str, Any]:
     import tracedump.integrations.vllm as plugin
     from benchmarks import common
 
-    model_dir = work / "model"
+    model_dir = work / f"model-{model}"
     if not model_dir.exists():
-        _save_model(model_dir, quick)
+        _save_model(model_dir, quick, model)
     plugin.register()
     start = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
         skip_tokenizer_init=True,
-        enforce_eager=False,
+        enforce_eager=eager,
         gpu_memory_utilization=0.3,
         max_model_len=512,
         max_num_seqs=8,
@@ -607,19 +632,24 @@ def _compiled_variant(work: Path, quick: bool) -> dict[str, Any]:
         {"prompt_token_ids": [1 + (i * 31 + k * 7) % 7000 for k in range(prompt_len)]} for i in range(prompts)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    runner = _runner(llm)
+    decode: list[float] = []
     with torch.inference_mode():
         llm.generate(inputs, params, use_tqdm=False)  # warm-up (the compile ran in the profile run)
         startup = time.perf_counter() - start
-        rounds = [
-            common.timed(lambda: llm.generate(inputs, params, use_tqdm=False))
-            for _ in range(3 if quick else 7)
-        ]
+        rounds = []
+        for _ in range(3 if quick else 7):
+            with StepClock(runner, prompts) as clock:
+                rounds.append(common.timed(lambda: llm.generate(inputs, params, use_tqdm=False)))
+            decode.append(clock.result()["decode"])
     return {
         "startup_s": startup,
         "generate_ms": 1e3 * common.median(rounds),
         "generate_ms_min": 1e3 * min(rounds),
+        "decode_ms": 1e3 * common.median(decode),
         "rounds_ms": [round(1e3 * r, 1) for r in rounds],
         "dumping": bool(os.environ.get("TRACEDUMP_DUMP_DIR")),
+        "compiled": not eager,
         **_dump_counts(),
     }
 
@@ -641,14 +671,15 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default="narrow", help="which engine model")
     parser.add_argument("--compiled", action="store_true", help="COMPILED=1's cost (run_compiled)")
     parser.add_argument("--compiled-variant", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(json.dumps({"skipped": SKIP_MESSAGE}))
         return
     if args.compiled_variant is not None:
-        result = _compiled_variant(args.compiled_variant, args.quick)
+        result = _compiled_variant(args.compiled_variant, args.quick, args.model, args.eager)
     elif args.compiled:
-        result = run_compiled(args.quick)
+        result = run_compiled(args.quick, args.model if args.model != "narrow" else "deep")
     else:
         result = measure(args.quick, args.model)
     sys.stdout.flush()

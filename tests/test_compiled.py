@@ -348,6 +348,23 @@ def test_a_wanted_step_that_ran_the_tap_free_graph_is_counted_and_reported(tmp_p
     assert any("COMPILED idle graph" in str(e) for e in manifest["errors"])
 
 
+def test_the_compiled_pass_edges_ride_on_the_eager_pass_hooks(tmp_path: Path) -> None:
+    """An idle step runs the root's hooks only (its graph has no tap): a ``COMPILED`` dumper puts
+    its ``open`` and ``close`` taps inside the eager pass hooks rather than beside them, so its
+    root carries exactly the hooks an eager dumper's does, and its dump is unchanged."""
+
+    def root_hooks(config: dict[str, Any]) -> tuple[int, int]:
+        model = Shared()
+        dumper = tracedump.attach(model, {"dir": tmp_path / str(len(config)), **config})
+        assert dumper is not None
+        counts = (len(model._forward_pre_hooks), len(model._forward_hooks))
+        dumper.close()
+        return counts
+
+    assert root_hooks({"compiled": True}) == root_hooks({})
+    assert root_hooks({"compiled": True, "control": True}) == root_hooks({"control": True})
+
+
 def test_arming_and_disarming_a_compiled_server_compile_once_each_way(tmp_path: Path) -> None:
     """CONTROL=1: idle steps run the tap-free graph; an armed window the tapped one, compiled at
     the first arming; disarmed, the tap-free one again; armed again, no compile at all."""

@@ -82,7 +82,8 @@ def vllm_metadata_shim(where: Path) -> Path | None:
 
 def engine_env(**extra: str) -> dict[str, str]:
     """The environment of an engine program: no TRACEDUMP_* or VLLM_PLUGINS of the caller's, a 1 GiB
-    KV cache, the test plugin on PYTHONPATH (it acts only when TRACEDUMP_TEST_BUG is set)."""
+    KV cache, the test plugin on PYTHONPATH (it acts only when TRACEDUMP_TEST_BUG is set), the
+    engine eager while dumped (``TRACEDUMP_DUMP_COMPILED=0``; ``extra`` may say otherwise)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -94,6 +95,9 @@ def engine_env(**extra: str) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in path if p),
         TOKENIZERS_PARALLELISM="false",
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # The engine tests' premise is the eager engine (the plugin's default compiles it: its
+        # tests set COMPILED=1 or leave it unset themselves, test_compiled.py)
+        TRACEDUMP_DUMP_COMPILED="0",
     )
     env.update(extra)
     return env

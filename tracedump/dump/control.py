@@ -259,7 +259,7 @@ def _identity(path: Path) -> str:
         os.close(fd)
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: Path | str) -> tuple[int, int] | None:
     """What tells a rewritten order file from the one seen before (None: there is none)."""
     try:
         info = os.stat(path)
@@ -324,6 +324,7 @@ class Controller:
     _step: int = 0
     fixed_mode: str | None = None  # the mode of the passes already in the run dir (one mode per run)
     _ignored: set[str] = field(default_factory=set)  # order files ignored so far (see _ignore)
+    _order_file: tuple[Path, str] | None = None  # (dump_dir, its order file's path as text)
 
     def __post_init__(self) -> None:
         """An order file already in the dump dir belongs to an earlier run: seen, not obeyed."""
@@ -396,10 +397,13 @@ class Controller:
         }
 
     def _poll(self, step: int) -> bool:
-        path = self.dump_dir / ORDER_FILE
-        seen = _stamp(path)
+        order_file = self._order_file
+        if order_file is None or order_file[0] != self.dump_dir:
+            order_file = self._order_file = (self.dump_dir, os.fspath(self.dump_dir / ORDER_FILE))
+        seen = _stamp(order_file[1])  # the text, made once: this runs at every step, armed or idle
         if seen is None or seen == self._seen:
             return False
+        path = self.dump_dir / ORDER_FILE
         self._seen = seen
         try:
             order = read_order(path)

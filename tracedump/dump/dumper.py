@@ -82,6 +82,13 @@ def attach(
     return Dumper(_unwrap_compiled(model), settings, env_prefix=env_prefix, sync_escape=sync_escape)
 
 
+# This process's id, kept up to date by a fork handler: a pass opening asks whether it runs in a
+# forked child, at every root forward, and ``os.getpid()`` is a system call.
+_PID = [os.getpid()]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
 def active_dumper() -> Dumper | None:
     """The dumper module-level ``record()`` goes to: the one whose pass this thread runs, else the
     one attached last."""
@@ -543,7 +550,7 @@ class Dumper:
 
     def _ready_for_pass(self) -> bool:
         """Before a pass opens: a forked child takes its own run dir; a provisional rank settles."""
-        if os.getpid() != self.rundir.pid and not self._rebind_after_fork():
+        if _PID[0] != self.rundir.pid and not self._rebind_after_fork():
             return False
         if self.rundir.rank_provisional:
             self.rundir.settle_rank()

@@ -374,12 +374,18 @@ class PassMachine:
         The pass belongs to the calling thread. A root forward entering from another thread while
         it is open would mix two forwards into one pass: that forward is refused instead (see
         :meth:`_refuse_concurrent`), and its thread starts afresh at its next root forward."""
-        if self.suspended() or self.step_depth or self.in_refused_step():
+        # The tests of suspended(), in_refused_step() and settle_implicit() inline: this runs at
+        # every root forward, dumped or not, where each Python call costs many times its
+        # tight-loop time (docs/compiled.md, Idle)
+        if self._suspend_depth or self.step_depth or suspend.globally_suspended():
+            return False
+        if self._refused_steps and self.in_refused_step():
             return False
         if nested and self.control is not None and self.current is None:
             return False  # an inner root call is no step boundary, armed or idle
         me = threading.get_ident()
-        self.settle_implicit()
+        if self.current is not None and self.current.implicit:
+            self.settle_implicit()
         with self.lock:
             current = self.current
             if current is not None:
@@ -403,7 +409,7 @@ class PassMachine:
         if current is None:
             return
         self.sink.host_busy(False)
-        if current.is_warmup:
+        if current.gated and not current.kept:  # Pass.is_warmup, inline (every root forward)
             return
         self.next_index = current.index + 1
         if self.control is not None:

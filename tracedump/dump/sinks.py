@@ -7,6 +7,7 @@ and a :class:`FileSink` a run dir (and a core count) of their own.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,7 +127,8 @@ class FileSink:
         for every CPU this process may run on. Where torch leaves CPUs free (its default is one
         thread per physical core, so on SMT machines the siblings are free), the writer runs on
         one of them without taking a core from torch's threads, and writes beside the forward."""
-        if busy and (self.off_cpu or torch.cuda.is_initialized() or torch.get_num_threads() < self.cores):
+        # The cheapest test first: it runs at every root forward, dumped or not
+        if busy and (self.off_cpu or torch.get_num_threads() < self.cores or torch.cuda.is_initialized()):
             return
         self._rundir.writer.host_busy(busy)
 
@@ -182,6 +184,20 @@ class MemorySink:
 
 def _in_worker_process() -> bool:
     """A multiprocessing child (Pool worker, Process): it may be terminated without any exit hook.
-    Only looked at when multiprocessing is already imported; importing it here would cost the host."""
+    Only looked at when multiprocessing is already imported; importing it here would cost the host.
+
+    Asked at every pass's close, dumped or not: a "yes" is kept (a process stays a child for
+    life), a "no" is asked again while it is cheap to (until multiprocessing is imported), and a
+    fork starts the child afresh (:data:`_WORKER`)."""
+    if _WORKER:
+        return _WORKER[0]
     mp = sys.modules.get("multiprocessing")
-    return mp is not None and mp.parent_process() is not None
+    if mp is None:
+        return False
+    _WORKER.append(mp.parent_process() is not None)
+    return _WORKER[0]
+
+
+_WORKER: list[bool] = []  # the answer, once multiprocessing was imported; emptied in a forked child
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WORKER.clear)

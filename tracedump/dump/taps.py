@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .cuda import stream_is_capturing
-from .hooks import CallSites, flatten_inputs, flatten_tensors
+from .hooks import CallSites, RootPassHooks, flatten_inputs, flatten_tensors
 from .torch_compat import (
     dynamo_inlined_modules,
     dynamo_skipper,
@@ -125,6 +125,18 @@ class TapTarget:
         refresh()
         return self
 
+    def refresh(self) -> None:
+        """Set this dumper's :data:`LIVE` entry from :attr:`wanted`: what its own pass edges do.
+        Another dumper's entry is set at that dumper's edges, which run before its model's
+        compiled frame checks its guard; refreshing every dumper at each edge cost one
+        :attr:`wanted` per open dumper and step."""
+        try:
+            on = bool(self.wanted())
+        except Exception as e:  # never into the host: the taps stay traced, the safe side
+            on = True
+            self.report("COMPILED live state", e)
+        LIVE[self.owner] = on
+
     def unregister(self) -> None:
         _TARGETS.pop(self.serial, None)
         LIVE.pop(self.owner, None)
@@ -146,13 +158,13 @@ class TapTarget:
         elif kind == "open":
             args, kwargs = _rebuild_call(tensors, paths)
             self.open_pass(args, kwargs)
-            refresh()  # this step's state, for the guard of a model frame compiled apart
+            self.refresh()  # this step's state, for the guard of a model frame compiled apart
             self._taps_at_open = self.taps
         elif kind == "close":
             if self.taps == self._taps_at_open and self.capturing():
                 self._ran_idle_graph()
             self.close_pass()
-            refresh()
+            self.refresh()
         else:
             self.taps += 1
             self.capture(name, _rebuild(kind, paths, tensors), kind == "in")
@@ -277,12 +289,7 @@ LIVE: dict[str, bool] = {}
 def refresh() -> None:
     """Set :data:`LIVE` from every open ``COMPILED`` dumper's :meth:`TapTarget.wanted`."""
     for target in tuple(_TARGETS.values()):
-        try:
-            on = bool(target.wanted())
-        except Exception as e:  # never into the host: the taps stay traced, the safe side
-            on = True
-            target.report("COMPILED live state", e)
-        LIVE[target.owner] = on
+        target.refresh()
 
 
 class TapHooks:
@@ -308,12 +315,15 @@ class TapHooks:
         self.op = register_tap_op()
         self.handles: list[RemovableHandle] = []
         serial = target.serial
+        eager_ids = {handle.id for handle in eager}
+        opener = _RootOpen(self.op, serial, "open")
+        closer = _RootClose(self.op, serial, "close")
+        # The pass edges ride on the eager pass hooks when the dumper has them (one hook call per
+        # edge and step, where separate tap hooks made five: docs/compiled.md, Idle)
+        fused = _fuse_edges(model, eager_ids, opener, closer, target)
         try:
-            self.handles.append(
-                model.register_forward_pre_hook(
-                    _RootOpen(self.op, serial, "open"), prepend=True, with_kwargs=True
-                )
-            )
+            if not fused:
+                self.handles.append(model.register_forward_pre_hook(opener, prepend=True, with_kwargs=True))
             for name, module in inputs:
                 self.handles.append(
                     module.register_forward_pre_hook(
@@ -324,14 +334,13 @@ class TapHooks:
                 self.handles.append(
                     module.register_forward_hook(_OutputTap(self.op, serial, "out", name, sites))
                 )
-            self.handles.append(model.register_forward_pre_hook(_RootOpened()))
-            self.handles.append(
-                model.register_forward_hook(_RootClose(self.op, serial, "close"), always_call=True)
-            )
+            if not fused:
+                self.handles.append(model.register_forward_pre_hook(_RootOpened()))
+                self.handles.append(model.register_forward_hook(closer, always_call=True))
         except BaseException:
             self.remove()
             raise
-        run_root_hooks_eagerly(model, {handle.id for handle in [*self.handles, *eager]})
+        run_root_hooks_eagerly(model, {handle.id for handle in self.handles} | eager_ids)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -357,8 +366,94 @@ def run_root_hooks_eagerly(model: nn.Module, ids: Iterable[int]) -> None:
     wanted = set(ids)
     for hooks in (forward_pre_hooks(model), forward_hooks(model)):
         for key, hook in list(hooks.items()):
-            if key in wanted and not isinstance(hook, _EagerAtTop):
+            if key in wanted and not isinstance(hook, (_EagerAtTop, *_AT_TOP)):
                 hooks[key] = _EagerAtTop(hook)
+
+
+def _fuse_edges(
+    model: nn.Module, ids: set[int], opener: _RootOpen, closer: _RootClose, target: TapTarget
+) -> bool:
+    """Put the ``open`` and ``close`` taps inside the dumper's eager pass hooks on the root (its
+    first pre-hook and its closing forward hook, both among ``ids``): one hook call per edge.
+
+    Why: a step that dumps nothing still runs the root's hooks, and inside a forward each Python
+    call costs many times its tight-loop time (docs/performance.md); separate tap hooks (open,
+    the guard's refresh, close) made five calls per step where two do the same work. False (nothing
+    changed) when the root has no such pair of hooks: the taps then get hooks of their own."""
+    pre, post = forward_pre_hooks(model), forward_hooks(model)
+    opening = next((k for k, h in pre.items() if k in ids and _is_pass_hook(h)), None)
+    closing = next((k for k, h in post.items() if k in ids and _is_pass_hook(h)), None)
+    if opening is None or closing is None:
+        return False
+    pre[opening] = _OpenEdge(opener, pre[opening], target)
+    post[closing] = _CloseEdge(closer, post[closing])
+    return True
+
+
+def _is_pass_hook(hook: object) -> bool:
+    """A bound method of :class:`~.hooks.RootPassHooks` that opens (``before``,
+    ``before_with_kwargs``) or closes (``after``) the pass."""
+    name = getattr(hook, "__name__", "")
+    return isinstance(getattr(hook, "__self__", None), RootPassHooks) and name in _EDGE_METHODS
+
+
+_EDGE_METHODS = frozenset(("before", "before_with_kwargs", "after"))
+
+
+class _OpenEdge:
+    """The root's opening pre-hook for a ``COMPILED`` dumper: traced, the ``open`` tap (then the
+    eager hook, which only notes the trace); eager, the pass opened by the eager hook, then
+    :meth:`TapTarget.refresh`, so a compiled model frame's guard sees this step's state. ``emit``: what a
+    CUDA graph's capture keeps (:class:`_EagerAtTop`)."""
+
+    __slots__ = ("eager", "tap", "target")
+
+    def __init__(self, tap: _RootOpen, eager: Callable[..., None], target: TapTarget) -> None:
+        self.tap = tap
+        self.eager = eager
+        self.target = target
+
+    def __call__(self, module: nn.Module, *rest: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.emit(module, *rest)
+            self.eager(module, *rest)
+        elif stream_is_capturing():
+            self.emit(module, *rest)  # as :class:`_EagerAtTop` does: the graph keeps the edge
+        else:
+            self.eager(module, *rest)
+            self.target.refresh()
+
+    def emit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        self.tap.emit(module, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return f"_OpenEdge({self.eager!r})"
+
+
+class _CloseEdge:
+    """The root's closing forward hook for a ``COMPILED`` dumper: traced, the ``close`` tap, then
+    the eager hook (which returns at once there); eager, the eager hook closes the pass."""
+
+    __slots__ = ("eager", "tap")
+
+    def __init__(self, tap: _RootClose, eager: Callable[..., None]) -> None:
+        self.tap = tap
+        self.eager = eager
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.tap.emit(module, args, output)
+            self.eager(module, args, output)
+        elif stream_is_capturing():
+            self.tap.emit(module, args, output)
+        else:
+            self.eager(module, args, output)
+
+    def emit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.tap.emit(module, args, output)
+
+    def __repr__(self) -> str:
+        return f"_CloseEdge({self.eager!r})"
 
 
 class _EagerAtTop:
@@ -382,9 +477,14 @@ class _EagerAtTop:
 
 
 _SKIP_AT_TOP = dynamo_skipper()
+# The pass edges of a COMPILED dumper (:func:`_fuse_edges`) act as their own :class:`_EagerAtTop`:
+# one Python call fewer per edge and step. Only where Dynamo can skip them.
+_AT_TOP: tuple[type, ...] = ()
 if _SKIP_AT_TOP is not None:
     try:
-        _SKIP_AT_TOP(_EagerAtTop.__call__.__code__)
+        for _code in (_EagerAtTop.__call__, _OpenEdge.__call__, _CloseEdge.__call__):
+            _SKIP_AT_TOP(_code.__code__)
+        _AT_TOP = (_OpenEdge, _CloseEdge)
     except Exception:
         _SKIP_AT_TOP = None
 
