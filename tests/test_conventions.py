@@ -147,3 +147,33 @@ def test_a_grafted_run_is_never_read_for_conventions(tmp_path: Path) -> None:
     assert isinstance(convention_values(plain), SideValues)  # the premise: the run is read
     grafted = SideInfo(framework="torch", root="Sequential", classes={}, run_dir=run_dir, grafted=True)
     assert convention_values(grafted) is None
+
+
+def test_a_stats_dump_leaves_a_layers_tuple_untold_and_lists_it_with_the_reason() -> None:
+    """A stats dump holds no value to read which of a layer's ``(hidden, residual)`` its next
+    consumer took: its tuple outputs are listed with that reason, never compared as an assumed
+    sum. A run read from its records alone (grafted) keeps the records' sum; the premise that
+    the same container with values told is ``test_a_summed_hidden_is_told_...`` above."""
+    from tracedump.compare.pair.conventions import Observed
+    from tracedump.compare.pair.derive_rows import _container
+    from tracedump.compare.pair.side_info import SideInfo, conventions_untold
+
+    stats = SideInfo(framework="vllm", root="LlamaForCausalLM", classes={}, stats=True)
+    why = conventions_untold(stats)
+    assert why is not None and "statistics" in why
+    grafted = SideInfo(framework="vllm", root="LlamaForCausalLM", classes={}, stats=True, grafted=True)
+    assert conventions_untold(grafted) is None
+    assert conventions_untold(SideInfo(framework="vllm", root="X", classes={})) is None
+
+    layer, hf = "model.layers.0", "model.layers.0"
+    rows = _container(layer, hf, Observed(None, None, why), None)
+    assert not [r for r in rows if r.op == "sum"]  # no assumed sum
+    untold = [r for r in rows if r.op == "skip" and why in r.reason]
+    on_a = [r for r in untold if r.side == "a"]
+    on_b = [r for r in untold if r.side == "b"]
+    assert on_a and all(r.match.fullmatch(f"{layer}[0]") or r.match.fullmatch(f"{layer}[1]") for r in on_a)
+    assert any(r.match.fullmatch(f"{layer}[0]") for r in on_a)
+    assert {hf, hf + "[0]"} <= {name for r in on_b for name in (hf, hf + "[0]") if r.match.fullmatch(name)}
+
+    records_alone = _container(layer, hf, Observed(None, None), None)
+    assert [r for r in records_alone if r.op == "sum"]  # the grafted run's records-only rule

@@ -20,7 +20,7 @@ from .correspondence import derive_bridge
 from .expr import BridgedPair, Expr, size_splits
 from .matcher import PAIRED_BY, PLAIN_REASONS, Leftover, Matched, Matcher, known_different
 from .rank_joins import tensor_parallel_joins
-from .side_info import SideInfo, convention_values, side_info
+from .side_info import SideInfo, convention_values, conventions_untold, side_info
 from .table import Bridge
 from .weight_evidence import map_contradiction, weight_findings, weight_pairs
 
@@ -101,6 +101,7 @@ def _derived(a: SideInfo, b: SideInfo, *, mapped: bool = False) -> Bridge | None
         ran=(a.ran, b.ran),
         values_a=convention_values(a),
         values_b=convention_values(b),
+        untold=(conventions_untold(a), conventions_untold(b)),
     )
 
 

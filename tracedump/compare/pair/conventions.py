@@ -287,9 +287,12 @@ class Observed:
 
     a: SideValues | None
     b: SideValues | None
+    untold: str | None = None  # why A's dump cannot tell its conventions (a stats dump), if so
 
     def output_of(self, module: str) -> Told:
-        """Which of the engine container's ``(hidden, residual)`` is its output, from the run."""
+        """Which of the engine container's ``(hidden, residual)`` is its output, from the run; a
+        stats dump's is untold (listed with the reason), a run read from its records alone (a
+        grafted one) keeps the records' sum."""
         if self.a is None:
-            return Told(SUM, "no values to read")
+            return Told(None, self.untold) if self.untold else Told(SUM, "no values to read")
         return tuple_output(self.a, module)

@@ -59,6 +59,7 @@ def derive_bridge(
     ran: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {}),
     values_a: SideValues | None = None,
     values_b: SideValues | None = None,
+    untold: tuple[str | None, str | None] = (None, None),
 ) -> Bridge | None:
     """The bridge of two runs' records, or None when nothing pairs, or when both name their
     parameters alike (two runs of one engine, two HF runs: paired by name, as always).
@@ -93,7 +94,8 @@ def derive_bridge(
     if not engine.loads:  # two plain runs: the rest by its place (an engine's weightless: its rules)
         shapes = (_shapes(engine), _shapes(other))
         pair_by_place(pairing, held_engine, held_other, classes_e, classes_o, shapes)
-    observed = Observed(values_b, values_a) if swap else Observed(values_a, values_b)
+    untold_e = untold[1] if swap else untold[0]
+    observed = Observed(values_b, values_a, untold_e) if swap else Observed(values_a, values_b, untold_e)
     rows = synthesise_rules(
         pairing,
         held_engine,

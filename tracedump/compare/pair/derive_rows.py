@@ -119,7 +119,9 @@ def _container(module: str, counterpart: str, observed: Observed | None, differs
         rules.append(
             row("skip", Tensors(m, Part.SECOND), reason=RESIDUAL_PASSED.format(why=told.why), id="residual")
         )
-    elif observed is not None and observed.a is not None and module + "[0]" in observed.a.index:
+    elif observed is not None and (
+        observed.untold if observed.a is None else module + "[0]" in observed.a.index
+    ):
         reason = UNTOLD_REASON.format(why=told.why)
         rules.append(
             row("skip", Tensors(m, Part.FIRST_TWO), a=["{0}", module + "[1]"], reason=reason, id="not told")

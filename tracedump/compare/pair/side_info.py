@@ -28,6 +28,7 @@ class SideInfo:
     ran: Mapping[str, int] = field(default_factory=dict)  # module -> place of its first output
     run_dir: Path | None = None  # the run dir the record is from: its values measure conventions
     grafted: bool = False  # its modules ran on the reference's inputs: no run of its own to read
+    stats: bool = False  # a stats dump: statistics of each tensor, no values to read conventions from
 
 
 def _framework(manifest: Mapping[str, Any]) -> str:
@@ -79,6 +80,7 @@ def side_info(side: Side) -> SideInfo:
         ran=ran,
         run_dir=run_dir,
         grafted=isinstance(manifest.get("graft"), dict),
+        stats=manifest.get("mode") == "stats",
     )
 
 
@@ -88,6 +90,19 @@ def convention_values(side: SideInfo) -> SideValues | None:
     and what a layer's next consumer holds tells nothing of its output (the records alone decide,
     as for a stats dump)."""
     return None if side.grafted else side_values(side.run_dir)
+
+
+def conventions_untold(side: SideInfo) -> str | None:
+    """Why nothing in a side tells its conventions, where that is so: a stats dump holds no value
+    to read which of a layer's ``(hidden, residual)`` its next consumer took, so its tuple outputs
+    are listed with this reason, never compared by an assumed sum. None for a grafted run (its
+    records alone decide, :func:`convention_values`) and for a run with values."""
+    if side.stats and not side.grafted:
+        return (
+            "the dump holds statistics, not values: nothing in it tells whether the next consumer "
+            "took hidden + residual or hidden alone"
+        )
+    return None
 
 
 def _run_order(run: RunSource) -> dict[str, int]:
