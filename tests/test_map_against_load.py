@@ -160,3 +160,42 @@ def test_a_map_that_pairs_as_the_load_record_does_says_nothing(tmp_path: Path) -
     assert rows["layers.0.fc"].name_b == "model.layers.0.mlp.down_proj"
     assert report.exit_code == 0
     assert not any("--map" in (r.pairing or "") for r in report.results)
+
+
+def _rule_file(tmp_path: Path, pairs: dict[int, int]) -> Path:
+    """A ``--bridge`` file renaming the engine's projection of each layer to a reference layer's."""
+    rules = "\n".join(
+        f'[[rule]]\nop = "rename"\nid = "layer {i}"\nmatch = \'{re.escape(OWN.format(i))}\'\n'
+        f'b = "{CHECKPOINTS.format(j)}"\n'
+        for i, j in pairs.items()
+    )
+    path = tmp_path / "rules.toml"
+    path.write_text(f'[bridge]\nname = "hand"\na = "vllm"\nb = "transformers"\n\n{rules}')
+    return path
+
+
+def test_a_bridge_file_rule_the_load_record_contradicts_is_reported_on_the_row(
+    tmp_path: Path, capsys
+) -> None:
+    """A ``--bridge`` file is the user's word as ``--map`` is: applied, and where it pairs a
+    module with another than the one the load record says it holds, the row says so."""
+    engine, hf = _runs(tmp_path, OWN)
+    swapped = _rule_file(tmp_path, {0: 1, 1: 0})
+    report = compare(engine, hf, bridge=swapped)
+    rows = {r.name: r for r in report.results}
+    assert rows[OWN.format(0)].name_b == CHECKPOINTS.format(1)  # the rule, applied
+    assert report.exit_code == 1
+    for layer in range(LAYERS):
+        row = rows[OWN.format(layer)]
+        assert row.paired_by == "rule"
+        note = _note(OWN, layer, 1 - layer).replace("--map", f"--bridge rule {1 + layer}: layer {layer}")
+        assert row.pairing is not None and note in row.pairing
+
+    assert main(["diff", str(engine), str(hf), "--bridge", str(swapped)]) == 1
+    printed = re.sub(r"\s+", " ", capsys.readouterr().out)
+    assert "the rule contradicts the recorded load" in printed
+
+    agreeing = _rule_file(tmp_path, {0: 0, 1: 1})
+    report = compare(engine, hf, bridge=agreeing)
+    assert report.exit_code == 0
+    assert not any("contradicts" in (r.pairing or "") for r in report.results)

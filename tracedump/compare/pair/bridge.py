@@ -124,8 +124,10 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
     if info_a.record is not None and info_b.record is not None:
         findings = weight_findings(info_a.record, info_b.record)
         loaded = bool(info_a.record.loads or info_b.record.loads)
-        if options.maps:  # the user's renames, checked against what the weights or the load say
-            held = weight_pairs(info_a.record, info_b.record, bridge)
+        from_file = isinstance(options.bridge, Bridge)
+        if options.maps or from_file:  # the user's rules, checked against what the weights or the load say
+            evidence = _derived(info_a, info_b) if from_file and loaded else bridge
+            held = weight_pairs(info_a.record, info_b.record, evidence)
     return Matcher(
         bridge=bridge,
         classes_a=info_a.classes,
@@ -137,6 +139,7 @@ def matcher_for(options: DiffOptions, side_a: Side, side_b: Side) -> Matcher:
         findings=findings,
         weight_pairs=held,
         pairs_from_load=loaded,
+        rules_from_file=isinstance(options.bridge, Bridge) and bool(held),
     )
 
 

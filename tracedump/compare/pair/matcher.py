@@ -121,6 +121,7 @@ class Matcher:
     # A's module -> B's, by parameters of unique values: what --map renames are checked against
     weight_pairs: Mapping[str, str] = field(default_factory=dict)
     pairs_from_load: bool = False  # weight_pairs is what a side's load record proves
+    rules_from_file: bool = False  # the bridge is the user's --bridge file: its pairs are checked too
     # two module trees (a bridge applies): inputs pair by what they hold (:mod:`.input_roles`)
     inputs_by_role: bool = False
     # passes of one run usually hold the same names: matched once (names in order, and the roles
@@ -248,6 +249,26 @@ class Matcher:
         if held is None or held == module_b:
             return None
         return map_contradiction(module_a, module_b, held, loaded=self.pairs_from_load)
+
+    def _rule_contradiction(self, pair: BridgedPair, rule: Rule) -> str | None:
+        """What the weights or the load record say against a ``--bridge`` file's rule pairing A's
+        module with B's: None unless the evidence pairs A's module with a module none of the
+        pair's B tensors belong to (a fused tensor split into pieces of several B modules is
+        checked against each)."""
+        if not pair.a.names or not pair.b.names:
+            return None
+        try:
+            module_a = Key.parse(pair.a.names[0]).module
+            modules_b = {Key.parse(name).module for name in pair.b.names}
+        except ValueError:
+            return None
+        held = self.weight_pairs.get(module_a)
+        if held is None or held in modules_b:
+            return None
+        shown = min(modules_b)
+        return map_contradiction(
+            module_a, shown, held, loaded=self.pairs_from_load, rule=f"--bridge {rule.title}"
+        )
 
     def _pair_inputs(
         self,
@@ -415,6 +436,8 @@ class Matcher:
         if renamed and pair.b.names:
             paired_by = paired_by if paired_by == "rule" else "map"
             notes += [self._map_contradiction(name, mapped, pair.b.names[0]) for name, mapped in renamed]
+        elif self.rules_from_file and rule.paired_by == "rule":
+            notes.append(self._rule_contradiction(pair, rule))
         note = "; ".join(dict.fromkeys(n for n in notes if n)) or None
         return replace(pair, a=a, paired_by=paired_by, note=note)
 

@@ -83,15 +83,18 @@ def weight_pairs(a: Correspondence, b: Correspondence, derived: Bridge | None = 
     return {**pairing.leaves, **pairing.containers}
 
 
-def map_contradiction(module_a: str, module_b: str, held: str, *, loaded: bool = False) -> str:
-    """The note on a pair ``--map`` made against the recorded weights (``loaded``: against the
-    checkpoint tensors a side's load record says the two modules hold)."""
+def map_contradiction(
+    module_a: str, module_b: str, held: str, *, loaded: bool = False, rule: str = "--map"
+) -> str:
+    """The note on a pair a hand rule made against the recorded weights (``loaded``: against the
+    checkpoint tensors a side's load record says the two modules hold); ``rule`` names it
+    (``--map``, or a ``--bridge`` file's rule)."""
     if loaded:
         return (
-            f"--map pairs {module_a} with {module_b}, but the load record says A's {module_a} holds "
+            f"{rule} pairs {module_a} with {module_b}, but the load record says A's {module_a} holds "
             f"the checkpoint tensors of B's {held}: the rule contradicts the recorded load"
         )
     return (
-        f"--map pairs {module_a} with {module_b}, but its weights are {held}'s: "
+        f"{rule} pairs {module_a} with {module_b}, but its weights are {held}'s: "
         "the rule contradicts the recorded weights"
     )
