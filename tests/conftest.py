@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,3 +151,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def checkpoint_source(tensor: torch.Tensor) -> dict[str, Any]:
+    """A checkpoint tensor as ``correspondence.json`` records it (shape, dtype, fingerprint)."""
+    from tracedump.dump.weights import fingerprint
+
+    return {"shape": list(tensor.shape), "dtype": "torch.float32", "fingerprint": fingerprint(tensor)}
+
+
+def write_recorded_run(
+    run_dir: Path, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], record: Any
+) -> None:
+    """One run dir as a dumper leaves it: pass 0 of full tensors, the manifest, ``correspondence.json``."""
+    from tracedump.dump.writer import save_tensors_atomic
+    from tracedump.store.correspondence import write_correspondence
+    from tracedump.store.format import pass_file_name
+
+    run_dir.mkdir(parents=True)
+    save_tensors_atomic(run_dir / pass_file_name(0), tensors, {"tracedump.mode": "full"})
+    (run_dir / "manifest.json").write_text(json.dumps({**manifest, "settings": {"mode": "full"}}))
+    write_correspondence(run_dir, record)

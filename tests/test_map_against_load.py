@@ -12,19 +12,16 @@ nothing. Real files on disk, the writer's own pass format, no engine needed.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import checkpoint_source, write_recorded_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
-from tracedump.dump.weights import fingerprint
-from tracedump.dump.writer import save_tensors_atomic
-from tracedump.store.correspondence import Correspondence, Load, write_correspondence
-from tracedump.store.format import pass_file_name
+from tracedump.store.correspondence import Correspondence, Load
 
 H, TOKENS, LAYERS = 8, 5, 2
 OWN, CHECKPOINTS = "layers.{}.fc", "model.layers.{}.mlp.down_proj"  # the engine's module names
@@ -44,17 +41,6 @@ def _weights() -> dict[str, torch.Tensor]:
     return {_checkpoint(i): torch.randn(H, H, generator=generator) for i in range(LAYERS)}
 
 
-def _source(tensor: torch.Tensor) -> dict:
-    return {"shape": list(tensor.shape), "dtype": "torch.float32", "fingerprint": fingerprint(tensor)}
-
-
-def _write(run_dir: Path, manifest: dict, tensors: dict[str, torch.Tensor], record: Correspondence) -> None:
-    run_dir.mkdir(parents=True)
-    save_tensors_atomic(run_dir / pass_file_name(0), tensors, {"tracedump.mode": "full"})
-    (run_dir / "manifest.json").write_text(json.dumps({**manifest, "settings": {"mode": "full"}}))
-    write_correspondence(run_dir, record)
-
-
 def _engine(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor, naming: str) -> Path:
     """One rank; layer i's projection (``naming``) was filled whole from its ``down_proj``."""
     loads = [
@@ -69,7 +55,7 @@ def _engine(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor, namin
     params = {
         f"{naming.format(i)}.weight": {"module": naming.format(i), "shape": [H, H]} for i in range(LAYERS)
     }
-    sources = {name: _source(w) for name, w in weights.items()}
+    sources = {name: checkpoint_source(w) for name, w in weights.items()}
     record = Correspondence(parameters=params, sources=sources, loads=loads)
     classes = {"": "Toy"}
     for i in range(LAYERS):  # every module above the projection
@@ -85,12 +71,14 @@ def _engine(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor, namin
         "module_classes": classes,
     }
     outputs = {naming.format(i): x @ weights[_checkpoint(i)].T for i in range(LAYERS)}
-    _write(base / "rank0_pid100", manifest, outputs, record)
+    write_recorded_run(base / "rank0_pid100", manifest, outputs, record)
     return base
 
 
 def _reference(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor) -> Path:
-    params = {name: {"module": name.rpartition(".")[0], **_source(w)} for name, w in weights.items()}
+    params = {
+        name: {"module": name.rpartition(".")[0], **checkpoint_source(w)} for name, w in weights.items()
+    }
     classes = {"": "Toy", "model": "Model", "model.layers": "ModuleList"}
     for i in range(LAYERS):
         classes |= {f"model.layers.{i}": "Layer", f"model.layers.{i}.mlp": "MLP"}
@@ -100,7 +88,7 @@ def _reference(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor) ->
         "module_classes": classes,
     }  # fmt: skip
     outputs = {_checkpoint(i).removesuffix(".weight"): x @ weights[_checkpoint(i)].T for i in range(LAYERS)}
-    _write(base / "rank0_pid200", manifest, outputs, Correspondence(parameters=params))
+    write_recorded_run(base / "rank0_pid200", manifest, outputs, Correspondence(parameters=params))
     return base
 
 

@@ -11,20 +11,17 @@ Real files on disk, the writer's own pass format, no engine needed.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
+from conftest import checkpoint_source, write_recorded_run
 
 from tracedump.cli import main
 from tracedump.compare import compare
 from tracedump.compare.options import UnshardRule
 from tracedump.compare.pair.rank_joins import join_contradiction
-from tracedump.dump.weights import fingerprint
-from tracedump.dump.writer import save_tensors_atomic
-from tracedump.store.correspondence import Correspondence, Load, write_correspondence
-from tracedump.store.format import pass_file_name
+from tracedump.store.correspondence import Correspondence, Load
 
 H, ROWS, WORLD, TOKENS = 8, 8, 2, 5  # hidden; rows of each of q, k, v; ranks; tokens
 OLD_RULE = "qkv_proj|gate_up_proj=cat:-1"
@@ -35,21 +32,10 @@ def _weights() -> dict[str, torch.Tensor]:
     return {f"l.{x}_proj.weight": torch.randn(ROWS, H, generator=generator) for x in "qkv"}
 
 
-def _source(tensor: torch.Tensor) -> dict:
-    return {"shape": list(tensor.shape), "dtype": "torch.float32", "fingerprint": fingerprint(tensor)}
-
-
-def _write(run_dir: Path, manifest: dict, tensors: dict[str, torch.Tensor], record: Correspondence) -> None:
-    run_dir.mkdir(parents=True)
-    save_tensors_atomic(run_dir / pass_file_name(0), tensors, {"tracedump.mode": "full"})
-    (run_dir / "manifest.json").write_text(json.dumps({**manifest, "settings": {"mode": "full"}}))
-    write_correspondence(run_dir, record)
-
-
 def _engine(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor) -> Path:
     """Two ranks; each holds rows [rank*4, rank*4 + 4) of q, k and v, fused as [q_r | k_r | v_r]."""
     half = ROWS // WORLD
-    sources = {name: _source(w) for name, w in weights.items()}
+    sources = {name: checkpoint_source(w) for name, w in weights.items()}
     for rank in range(WORLD):
         rows = [w[rank * half : (rank + 1) * half] for w in weights.values()]
         loads = [
@@ -64,18 +50,20 @@ def _engine(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor) -> Pa
             "module_classes": {"": "Toy", "l": "Layer", "l.qkv_proj": "QKVParallelLinear"},
         }  # fmt: skip
         output = x @ torch.cat(rows).T  # [tokens, 12]: [q_r | k_r | v_r]
-        _write(base / f"rank{rank}_pid{100 + rank}", manifest, {"l.qkv_proj[0]": output}, record)
+        write_recorded_run(base / f"rank{rank}_pid{100 + rank}", manifest, {"l.qkv_proj[0]": output}, record)
     return base
 
 
 def _reference(base: Path, weights: dict[str, torch.Tensor], x: torch.Tensor) -> Path:
-    params = {name: {"module": name.rpartition(".")[0], **_source(w)} for name, w in weights.items()}
+    params = {
+        name: {"module": name.rpartition(".")[0], **checkpoint_source(w)} for name, w in weights.items()
+    }
     manifest = {
         "rank": 0, "pid": 200, "root": "Toy", "world_size": 1, "framework": "transformers",
         "module_classes": {"": "Toy", "l": "Layer", **{f"l.{x}_proj": "Linear" for x in "qkv"}},
     }  # fmt: skip
     outputs = {f"l.{name}_proj": x @ weights[f"l.{name}_proj.weight"].T for name in "qkv"}
-    _write(base / "rank0_pid200", manifest, outputs, Correspondence(parameters=params))
+    write_recorded_run(base / "rank0_pid200", manifest, outputs, Correspondence(parameters=params))
     return base
 
 
