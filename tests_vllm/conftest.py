@@ -95,8 +95,8 @@ def engine_env(**extra: str) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in path if p),
         TOKENIZERS_PARALLELISM="false",
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        # The engine tests' premise is the eager engine (the plugin's default compiles it: its
-        # tests set COMPILED=1 or leave it unset themselves, test_compiled.py)
+        # The engine tests' premise is the eager engine (the plugin's default, said explicitly;
+        # test_compiled.py sets COMPILED=1)
         TRACEDUMP_DUMP_COMPILED="0",
     )
     env.update(extra)

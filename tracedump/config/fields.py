@@ -160,9 +160,8 @@ class DumpFields(BaseModel):
         description="`1` keeps `torch.compile` on and dumps the compiled program: each capture "
         "becomes an operation in the graph (`tracedump::tap`), so the values dumped are the ones "
         "the compiled code computed, CUDA-graph replays of it included (docs/compiled.md says "
-        "what compiling cannot keep). Unset, the vLLM plugin turns it on for an engine that "
-        "compiles (unless `OPS` or `GRAFT_FROM` is set); `0` runs the engine eagerly "
-        "(docs/engines.md).",
+        "what compiling cannot keep). Unset, the vLLM plugin runs a dumped engine eagerly "
+        "(docs/engines.md says why).",
     )
 
     @model_validator(mode="before")

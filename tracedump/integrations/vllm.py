@@ -171,36 +171,10 @@ def _make_dumpable(engine_args: Any) -> None:
 
 def _compiled_requested() -> bool:
     """``TRACEDUMP_DUMP_COMPILED``, read by the settings' own rules (a bad value raises
-    :class:`~tracedump.ConfigError` naming it, before the engine starts); unset (or blank), the
-    plugin's default: :func:`_compiled_by_default`."""
+    :class:`~tracedump.ConfigError` naming it, before the engine starts)."""
     from ..config.settings import load_settings
 
-    settings = load_settings(None)
-    if "compiled" in settings.model_fields_set:
-        return bool(settings.compiled)
-    return _compiled_by_default(settings)
-
-
-def _compiled_by_default(settings: Any) -> bool:
-    """On vLLM ``COMPILED`` defaults to on: the dump then sees the program that served (vLLM
-    compiles by default), and on the CPU engine measured the compiled dumped step took less time
-    than the eager dumped one, its diff against HF as exact (docs/engines.md, "Compiled by
-    default"). ``TRACEDUMP_DUMP_COMPILED=0`` runs the engine eagerly, as does a setting the
-    compiled program cannot serve: ``OPS`` (no op of a compiled region is seen) and ``GRAFT_FROM``
-    (grafting refuses a compiled model)."""
-    return settings.ops is None and settings.graft_from is None
-
-
-def _engine_config() -> dict[str, Any] | None:
-    """What the plugin's :func:`tracedump.attach` adds below the env vars: ``compiled`` on when
-    :func:`_compiled_by_default` says so (env > config: ``COMPILED=0`` still wins). Only for a
-    runner that compiles: an eager engine (``enforce_eager``, or made eager) is dumped eagerly."""
-    from ..config.settings import load_settings
-
-    settings = load_settings(None)
-    if "compiled" in settings.model_fields_set or not _compiled_by_default(settings):
-        return None
-    return {"compiled": True}
+    return bool(load_settings(None).compiled)
 
 
 def _record_weight_loads() -> None:
@@ -333,7 +307,7 @@ class RunnerHooks:
         get_model = getattr(runner, "get_model", None)
         model = get_model() if callable(get_model) else getattr(runner, "model", None)
         try:
-            self.dumper = tracedump.attach(model, self._defaults())
+            self.dumper = tracedump.attach(model)
         except ConfigError:
             raise  # a bad setting fails the engine's start-up, naming the env var and its value
         except Exception as e:
@@ -356,20 +330,6 @@ class RunnerHooks:
         self._record_routing(model)
         self._set_graft_feeds(model)
         self._guard_cuda_graphs()
-
-    def _defaults(self) -> dict[str, Any] | None:
-        """The plugin's defaults for this runner's dumper (:func:`_engine_config`): ``compiled``
-        on when the runner compiles its model and no setting says otherwise."""
-        from ..config.switch import is_enabled
-        from .vllm_compat import compile_modes
-
-        if not is_enabled(None):
-            return None  # dumping off: attach() returns None without reading a setting
-        try:
-            _graphs, compiled = compile_modes(self.runner)
-        except Exception:
-            return None
-        return _engine_config() if compiled != "NONE" else None
 
     def _record_routing(self, model: Any) -> None:
         """Each fused-MoE router's top-k and the head's logits before the soft cap, recorded per

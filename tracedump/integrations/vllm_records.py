@@ -106,6 +106,11 @@ def _wrap(owner: Any, method: str, record: Callable[..., None], where: str, dump
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # traced into a compiled model (COMPILED=1): the record is Python the graph cannot
+            # hold (vLLM compiles with fullgraph, where it would fail the engine's start), so
+            # the compiled program carries no routing record (docs/engines.md)
+            return result
         try:
             record(args, kwargs, result)
         except Exception as e:  # a diagnostic: never break the engine's forward
