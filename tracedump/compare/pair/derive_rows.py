@@ -28,7 +28,7 @@ from .reasons import (
     UNHELD_ID,
     UNTOLD_REASON,
 )
-from .table import Part, Rule, Tensors, row
+from .table import Part, Rule, Tensors, row, skip_pair
 
 
 def synthesise_rules(
@@ -104,11 +104,7 @@ def _container(module: str, counterpart: str, observed: Observed | None, differs
     rules: list[Rule] = []
     told = observed.output_of(module) if observed is not None else Told(SUM, "no values to read")
     if differs is not None:
-        rules.append(row("skip", Tensors(m, Part.ITSELF_OR_ELEMENT), reason=differs, id="not comparable"))
-        rules.append(
-            row("skip", Tensors(c, Part.ITSELF_OR_FIELD), side="b", reason=differs, id="not comparable")
-        )
-        return rules
+        return skip_pair(m, c, reason=differs, id="not comparable")
     if told.what == SUM:
         tuple_a = ["{0}", module + "[1]"]
         rules.append(row("sum", Tensors(m, Part.FIRST), a=tuple_a, b=c, id="(hidden, residual)"))

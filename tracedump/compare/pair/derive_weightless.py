@@ -24,7 +24,7 @@ from .reasons import (
     ROUTER_LOGITS_REASON,
     SCALE_REASON,
 )
-from .table import Part, Rule, Tensors, row
+from .table import Part, Rule, Tensors, row, skip_pair
 
 
 def weightless_rows(
@@ -41,18 +41,7 @@ def weightless_rows(
     for top, counterpart in fused.items():  # the routed experts' weighted sum, on both sides
         differs = _experts_differ(top, counterpart, observed)
         if differs is not None:
-            rules.append(
-                row("skip", Tensors(top, Part.ITSELF_OR_ELEMENT), reason=differs, id="fused experts")
-            )
-            rules.append(
-                row(
-                    "skip",
-                    Tensors(counterpart, Part.ITSELF_OR_FIELD),
-                    side="b",
-                    reason=differs,
-                    id="fused experts",
-                )
-            )
+            rules.extend(skip_pair(top, counterpart, reason=differs, id="fused experts"))
             continue
         rules.append(row("rename", Tensors(top), b=counterpart, id="fused experts"))
         rules.append(row("unwrap", Tensors(top), b=counterpart, index=0, id="fused experts"))

@@ -166,6 +166,15 @@ def row(
     )
 
 
+def skip_pair(module: str, counterpart: str, *, reason: str, id: str) -> list[Rule]:
+    """Both sides of a module pair listed, never compared, for one reason: A's module (itself or
+    its tuple's elements) and B's counterpart (itself or its output's fields)."""
+    return [
+        row("skip", Tensors(module, Part.ITSELF_OR_ELEMENT), reason=reason, id=id),
+        row("skip", Tensors(counterpart, Part.ITSELF_OR_FIELD), side="b", reason=reason, id=id),
+    ]
+
+
 def numbered(rules: list[Rule] | tuple[Rule, ...]) -> tuple[Rule, ...]:
     """The rows numbered 1.. in table order (what the table's bridge column calls them)."""
     return tuple(replace(rule, number=i) for i, rule in enumerate(rules, 1))
